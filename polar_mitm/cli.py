@@ -1,0 +1,87 @@
+"""`polar-mitm`: capture → reconstruct → train, one command per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
+console = Console()
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")]
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
+    seed: Annotated[int, typer.Option(help="Weight seed; same seed, same bytes.")] = 0,
+) -> None:
+    """Write a tiny random-weight Qwen3-style model with Qwen's real tokenizer (offline, deterministic)."""
+    from polar_mitm.engine.tiny_model import build_tiny_model
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = build_tiny_model(out_dir, seed=seed)
+    console.print(f"[green]tiny model written to[/] {path}")
+
+
+@app.command()
+def serve(
+    model: ModelOpt = "tiny",
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (SGLang's default is 30000).")] = 30000,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name reported to clients.")] = None,
+    context_length: Annotated[int | None, typer.Option(help="Override the model's context length.")] = None,
+    tool_call_parser: Annotated[str | None, typer.Option(help="qwen25 | none (default: the model's).")] = None,
+    reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
+    threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
+) -> None:
+    """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
+    import os
+
+    import torch
+    import uvicorn
+
+    from polar_mitm.engine.generation import Engine
+    from polar_mitm.engine.model_zoo import resolve_model
+    from polar_mitm.engine.server import build_app
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    path = resolve_model(model, seed=seed)
+    engine = Engine(path, served_model_name=served_model_name, context_length=context_length,
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    console.print(f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
+                  f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}")
+    uvicorn.run(build_app(engine), host=host, port=port, log_level="warning", access_log=False)
+
+
+@app.command("chat")
+def chat_once(
+    prompt: Annotated[str, typer.Argument(help="The user message.")] = "What is the capital of France?",
+    engine_url: Annotated[str, typer.Option("--engine", help="Engine base URL.")] = "http://127.0.0.1:30000",
+    max_tokens: Annotated[int, typer.Option(help="Completion budget.")] = 48,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 0.0,
+) -> None:
+    """Send one chat request to an engine and print the completion with its token ids and logprobs."""
+    from polar_mitm.demo import print_chat
+
+    print_chat(engine_url, prompt, max_tokens=max_tokens, temperature=temperature, console=console)
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "smollm2",
+    prompt: Annotated[str, typer.Option(help="The user message.")] = "What is the capital of France?",
+    port: Annotated[int, typer.Option(help="Engine port (0 = pick a free one).")] = 0,
+) -> None:
+    """The main job on the embedded CPU engine: serve a model, ask it, show token ids and logprobs."""
+    from polar_mitm.demo import run_demo
+
+    run_demo(model=model, prompt=prompt, port=port, console=console)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,273 @@
+"""Token generation with true logprobs on CPU: the part of SGLang's scheduler the gateway relies on.
+
+Logprobs are `log_softmax(logits / temperature)` at the sampled token, before top-p/top-k/min-p truncation, as in
+SGLang, so a trainer that recomputes them at the same temperature gets the same numbers. The sampled ids include
+the EOS/stop token that ended generation; only the text is trimmed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from polar_mitm.engine.sampling import SamplingParams
+
+PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
+
+
+class ContextOverflow(ValueError):
+    """The prompt does not fit in the model's context (→ HTTP 400, as on SGLang)."""
+
+
+@dataclass
+class TokenStep:
+    """One sampled token, as handed to streaming callbacks."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[float, int]]
+
+
+@dataclass
+class Generation:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict | None = None
+    weight_version: str = "0"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    queue_s: float = 0.0
+
+    def meta_info(self) -> dict:
+        """SGLang's `meta_info` for this generation."""
+        return {
+            "id": self.request_id,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": self.queue_s + self.prefill_s + self.decode_s,
+            "prefill_latency": self.prefill_s,
+            "decode_latency": self.decode_s,
+            "queue_time": self.queue_s,
+            "output_token_logprobs": [
+                [lp, tid, None] for lp, tid in zip(self.output_logprobs, self.output_ids, strict=True)
+            ],
+        }
+
+
+class Engine:
+    """A transformers causal LM behind a lock: one generation at a time, so requests never corrupt each other."""
+
+    def __init__(self, model_path: str | Path, *, served_model_name: str | None = None,
+                 context_length: int | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = self._load_model(self.model_path)
+        # transformers renamed `past_key_values` to `cache` in 5.x; use whichever this version takes.
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        meta_file = self.model_path / "polar_model.json"
+        self.model_meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        self.served_model_name = served_model_name or self.model_meta.get("kind") or self.model_path.name
+        self.context_length = context_length or int(self.model.config.max_position_embeddings)
+        # Parsers are server flags, as on SGLang; the built-in models say which ones fit them.
+        self.tool_call_parser = tool_call_parser or self.model_meta.get("tool_call_parser", "qwen25")
+        self.reasoning_parser = reasoning_parser or self.model_meta.get("reasoning_parser", "none")
+        self.weight_version = "0"
+        self.eos_ids = self._eos_ids()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _load_model(path: Path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
+        return model
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = self.model.generation_config.eos_token_id
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- weights -------------------------------------------------------------------------------------------------
+
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> str:
+        """Reload weights from a checkpoint directory (same architecture) and bump the weight version."""
+        model = self._load_model(Path(model_path))
+        with self._lock:
+            self.model = model
+            self.weight_version = str(weight_version) if weight_version else str(int(self.weight_version) + 1
+                                                                                 if self.weight_version.isdigit()
+                                                                                 else 1)
+        return self.weight_version
+
+    # -- forward passes ------------------------------------------------------------------------------------------
+
+    def _prefill(self, ids: list[int], cache) -> torch.Tensor:
+        """Run `ids` through the model in chunks, filling `cache`; return the last position's logits."""
+        logits = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = torch.tensor([ids[start:start + PREFILL_CHUNK]], dtype=torch.long)
+            out = self.model(input_ids=chunk, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
+        assert logits is not None
+        return logits.float()
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ContextOverflow("The prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextOverflow(
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Logprobs of `completion_ids` after `prompt_ids` under the current weights (a plain forward pass)."""
+        self.check_prompt(prompt_ids)
+        if not completion_ids:
+            return []
+        with self._lock:
+            cache = self._new_cache()
+            if len(prompt_ids) > 1:
+                self._prefill(prompt_ids[:-1], cache)
+            tail = torch.tensor([[prompt_ids[-1], *completion_ids[:-1]]], dtype=torch.long)
+            logits = self.model(input_ids=tail, **{self._cache_kw: cache}, use_cache=True).logits[0].float()
+        t = temperature if temperature > 1e-5 else 1.0
+        logp = torch.log_softmax(logits / t, dim=-1)
+        return logp.gather(1, torch.tensor(completion_ids).unsqueeze(1)).squeeze(1).tolist()
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        top_logprobs_num: int = 0,
+        on_token: Callable[[TokenStep], None] | None = None,
+        cancelled: threading.Event | None = None,
+        request_id: str | None = None,
+    ) -> Generation:
+        """Sample a completion for `prompt_ids`; `cancelled` (e.g. a client disconnect) aborts between tokens."""
+        self.check_prompt(prompt_ids)
+        gen = Generation(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids))
+        max_new = min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        rng = torch.Generator()
+        rng.manual_seed(params.sampling_seed if params.sampling_seed is not None
+                        else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+        queued = time.perf_counter()
+        with self._lock:
+            gen.weight_version = self.weight_version
+            t0 = time.perf_counter()
+            gen.queue_s = t0 - queued
+            if max_new <= 0:
+                gen.finish_reason = {"type": "length", "length": 0}
+                return gen
+            cache = self._new_cache()
+            logits = self._prefill(prompt_ids, cache)
+            t1 = time.perf_counter()
+            gen.prefill_s = t1 - t0
+            while True:
+                if cancelled is not None and cancelled.is_set():
+                    gen.finish_reason = {"type": "abort", "message": "client disconnected"}
+                    break
+                step = self._sample(logits, params, rng, top_logprobs_num)
+                gen.output_ids.append(step.token_id)
+                gen.output_logprobs.append(step.logprob)
+                gen.output_top_logprobs.append(step.top_logprobs)
+                if on_token is not None:
+                    on_token(step)
+                n = len(gen.output_ids)
+                if step.token_id in stop_ids and n > params.min_new_tokens:
+                    gen.finish_reason = {"type": "stop", "matched": step.token_id}
+                    break
+                if params.stop and n > params.min_new_tokens:
+                    matched = self._matched_stop_string(gen.output_ids, params)
+                    if matched is not None:
+                        gen.finish_reason = {"type": "stop", "matched": matched}
+                        break
+                if n >= max_new:
+                    gen.finish_reason = {"type": "length", "length": n}
+                    break
+                out = self.model(input_ids=torch.tensor([[step.token_id]]), use_cache=True,
+                                 **{self._cache_kw: cache})
+                logits = out.logits[0, -1].float()
+            gen.decode_s = time.perf_counter() - t1
+        gen.text = self.output_text(gen.output_ids, params, gen.finish_reason)
+        return gen
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
+                top_logprobs_num: int) -> TokenStep:
+        temperature = 1.0 if params.greedy else params.temperature
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        if params.greedy:
+            token = int(torch.argmax(logp))
+        else:
+            probs = logp.exp()
+            if params.top_k > 0:
+                kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
+                probs = torch.where(probs < kth, 0.0, probs)
+            if params.top_p < 1.0:
+                sorted_p, order = torch.sort(probs, descending=True)
+                cumulative = torch.cumsum(sorted_p, dim=0)
+                drop = (cumulative - sorted_p) > params.top_p
+                sorted_p[drop] = 0.0
+                probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            if params.min_p > 0:
+                probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
+            token = int(torch.multinomial(probs, 1, generator=rng))
+        top: list[tuple[float, int]] = []
+        if top_logprobs_num > 0:
+            values, ids = torch.topk(logp, top_logprobs_num)
+            top = list(zip(values.tolist(), ids.tolist(), strict=True))
+        return TokenStep(token_id=token, logprob=float(logp[token]), top_logprobs=top)
+
+    def _matched_stop_string(self, output_ids: list[int], params: SamplingParams) -> str | None:
+        # Only the tail can contain a newly completed stop string: decode a window, not the whole output.
+        window = max(len(s) for s in params.stop) + 8
+        tail = self.tokenizer.decode(output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+        for stop in params.stop:
+            if stop in tail:
+                return stop
+        return None
+
+    def output_text(self, output_ids: list[int], params: SamplingParams, finish_reason: dict | None) -> str:
+        """Decoded text with a matched stop string trimmed (unless `no_stop_trim`), as SGLang returns it."""
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)
+        matched = (finish_reason or {}).get("matched")
+        if isinstance(matched, str) and not params.no_stop_trim:
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text

@@ -1,0 +1,310 @@
+"""The embedded engine's HTTP server: the subset of SGLang's API the gateway and the RL loop use.
+
+Endpoints: POST /v1/chat/completions, POST /generate, POST /tokenize, POST /update_weights_from_disk,
+GET /model_info, GET /health, GET /v1/models. Errors are SGLang-like JSON (`{"object": "error", ...}`) with HTTP 400
+for bad input; generation runs in worker threads so the event loop keeps answering while a long prompt prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from polar_mitm.engine import chat
+from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, TokenStep
+from polar_mitm.engine.parsers import StreamingSplitter
+from polar_mitm.engine.sampling import SamplingError, SamplingParams
+from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText
+
+BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
+
+
+def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                        status_code=status)
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise chat.ChatRequestError(f"malformed JSON body: {exc}") from exc
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class EngineServer:
+    """Routes bound to one Engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    async def _run_generation(self, request: Request, run: Callable[[threading.Event], Generation]) -> Generation:
+        """Generate in a worker thread; a client disconnect sets the cancel flag, which stops decoding."""
+        cancelled = threading.Event()
+        task = asyncio.get_running_loop().run_in_executor(None, run, cancelled)
+
+        async def watch() -> None:
+            while not task.done():
+                if await request.is_disconnected():
+                    cancelled.set()
+                    return
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await task
+        finally:
+            watcher.cancel()
+
+    def _stream_steps(self, run: Callable[[threading.Event, Callable[[TokenStep], None]], Generation]):
+        """Start a generation in a thread; return (queue of steps then the final Generation or exception, cancel)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def worker() -> None:
+            try:
+                gen = run(cancelled, lambda step: loop.call_soon_threadsafe(queue.put_nowait, step))
+                loop.call_soon_threadsafe(queue.put_nowait, gen)
+            except BaseException as exc:  # handed to the streaming coroutine, which reports it
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        threading.Thread(target=worker, daemon=True).start()
+        return queue, cancelled
+
+    # -- endpoints -----------------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        e = self.engine
+        return JSONResponse({
+            "model_path": str(e.model_path), "tokenizer_path": str(e.model_path), "is_generation": True,
+            "served_model_name": e.served_model_name, "weight_version": e.weight_version,
+            "context_length": e.context_length, "tool_call_parser": e.tool_call_parser,
+            "reasoning_parser": e.reasoning_parser, "eos_token_ids": sorted(e.eos_ids),
+            "engine": "polar-mitm-embedded", "model_meta": e.model_meta,
+        })
+
+    async def models(self, request: Request) -> Response:
+        e = self.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": e.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": str(e.model_path), "max_model_len": e.context_length}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise chat.ChatRequestError("request body must be a JSON object")
+            tok = self.engine.tokenizer
+            if body.get("messages") is not None:
+                ids = tok.apply_chat_template(chat.normalise_messages(body["messages"]), tools=body.get("tools"),
+                                              add_generation_prompt=body.get("add_generation_prompt", True),
+                                              tokenize=True, return_dict=False,
+                                              **(body.get("chat_template_kwargs") or {}))
+            elif isinstance(body.get("prompt"), str):
+                ids = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", False))
+            else:
+                raise chat.ChatRequestError("give `prompt` (a string) or `messages`")
+        except BAD_INPUT as exc:
+            return error_response(str(exc))
+        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": self.engine.context_length})
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            path = body.get("model_path") if isinstance(body, dict) else None
+            if not path:
+                raise chat.ChatRequestError("model_path is required")
+        except BAD_INPUT as exc:
+            return error_response(str(exc))
+        try:
+            version = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.update_weights_from_disk, path, body.get("weight_version"))
+        except Exception as exc:  # a bad checkpoint must not take the server down
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400)
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                             "weight_version": version, "num_paused_requests": 0})
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            job = chat.build_job(self.engine, body)
+            self.engine.check_prompt(job.prompt_ids)
+            if job.stream and (body.get("return_token_ids") or body.get("return_meta_info")):
+                raise chat.ChatRequestError(
+                    "return_token_ids/return_meta_info are non-streaming only; use return_*_ids_in_sglext")
+        except BAD_INPUT as exc:
+            return error_response(str(exc))
+        request_id = chat.new_request_id()
+        if job.stream:
+            return StreamingResponse(self._chat_stream(job, request_id), media_type="text/event-stream")
+        top = job.top_logprobs if job.logprobs else 0
+        try:
+            gen = await self._run_generation(request, lambda cancelled: self.engine.generate(
+                job.prompt_ids, job.params, top_logprobs_num=top, cancelled=cancelled, request_id=request_id))
+        except BAD_INPUT as exc:
+            return error_response(str(exc))
+        return JSONResponse(chat.chat_response(self.engine, job, gen))
+
+    async def _chat_stream(self, job: chat.ChatJob, request_id: str) -> AsyncIterator[bytes]:
+        engine, model, created = self.engine, self.engine.served_model_name, int(time.time())
+        top = job.top_logprobs if job.logprobs else 0
+        queue, cancelled = self._stream_steps(lambda c, on_token: engine.generate(
+            job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token, cancelled=c,
+            request_id=request_id))
+        decoder = IncrementalText(engine.tokenizer, job.params)
+        splitter = StreamingSplitter(tool_call_parser=engine.tool_call_parser,
+                                     reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given)
+        calls = []
+        try:
+            yield sse(chat.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    yield sse({"object": "error", "message": str(item), "type": "InternalServerError",
+                               "code": 500})
+                    break
+                if isinstance(item, Generation):
+                    gen = item
+                    pieces = splitter.feed(decoder.finish(gen), final=True)
+                    for payload in self._deltas(pieces, calls):
+                        yield sse(chat.chunk(request_id, model, created, payload))
+                    yield sse(chat.chunk(request_id, model, created, {},
+                                         finish_reason=chat.openai_finish_reason(gen, calls),
+                                         matched=chat.matched_stop(gen)))
+                    if job.include_usage:
+                        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "choices": [], "usage": chat.usage(gen)})
+                    want_in, want_out = job.want_sglext_ids
+                    if want_in or want_out:
+                        ext: dict[str, Any] = {}
+                        if want_in:
+                            ext["input_ids"] = [gen.prompt_ids]
+                        if want_out:
+                            ext["output_ids"] = [gen.output_ids]
+                        ext["weight_version"] = gen.weight_version
+                        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "choices": [], "sglext": ext})
+                    break
+                step: TokenStep = item
+                logprobs = None
+                if job.logprobs:
+                    logprobs = {"content": [chat.token_logprob_entry(engine, step.token_id, step.logprob,
+                                                                     step.top_logprobs)]}
+                pieces = splitter.feed(decoder.push(step.token_id))
+                deltas = list(self._deltas(pieces, calls))
+                if not deltas:
+                    deltas = [{"content": ""}] if logprobs else []
+                for i, payload in enumerate(deltas):
+                    yield sse(chat.chunk(request_id, model, created, payload, logprobs=logprobs if i == 0 else None))
+            yield b"data: [DONE]\n\n"
+        finally:
+            cancelled.set()  # client gone or stream over: stop decoding
+
+    @staticmethod
+    def _deltas(pieces, calls):
+        for kind, value in pieces:
+            if kind == "content" and value:
+                yield {"content": value}
+            elif kind == "reasoning" and value:
+                yield {"reasoning_content": value}
+            elif kind == "tool_call":
+                calls.append(value)
+                yield {"tool_calls": [value.to_openai(len(calls) - 1)]}
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise chat.ChatRequestError("request body must be a JSON object")
+            params = SamplingParams.from_sglang(body.get("sampling_params"))
+            if body.get("input_ids") is not None:
+                prompt_ids = body["input_ids"]
+                if not isinstance(prompt_ids, list) or not all(isinstance(t, int) for t in prompt_ids):
+                    raise chat.ChatRequestError("input_ids must be a flat list of integers (no batches)")
+            elif isinstance(body.get("text"), str):
+                prompt_ids = self.engine.tokenizer.encode(body["text"], add_special_tokens=False)
+            else:
+                raise chat.ChatRequestError("give `input_ids` or `text`")
+            self.engine.check_prompt(prompt_ids)
+            top = int(body.get("top_logprobs_num") or 0)
+        except (*BAD_INPUT, TypeError, ValueError) as exc:
+            return error_response(str(exc))
+        want_logprob = bool(body.get("return_logprob"))
+
+        def result(gen: Generation, text: str, ids: list[int], final: bool) -> dict:
+            meta = gen.meta_info()
+            if not want_logprob:
+                meta.pop("output_token_logprobs")
+            elif top:
+                meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in gen.output_top_logprobs]
+            if not final:
+                meta["finish_reason"] = None
+            return {"text": text, "output_ids": ids, "meta_info": meta}
+
+        if body.get("stream"):
+            return StreamingResponse(self._generate_stream(prompt_ids, params, top, result),
+                                     media_type="text/event-stream")
+        gen = await self._run_generation(request, lambda cancelled: self.engine.generate(
+            prompt_ids, params, top_logprobs_num=top, cancelled=cancelled))
+        return JSONResponse(result(gen, gen.text, gen.output_ids, True))
+
+    async def _generate_stream(self, prompt_ids, params, top, result) -> AsyncIterator[bytes]:
+        # SGLang's default: each chunk is cumulative (full text and ids so far).
+        queue, cancelled = self._stream_steps(lambda c, on_token: self.engine.generate(
+            prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=c))
+        partial = Generation(request_id="", prompt_ids=prompt_ids, weight_version=self.engine.weight_version)
+        decoder = IncrementalDecoder(self.engine.tokenizer, params.skip_special_tokens)
+        text = ""
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    yield sse({"error": {"message": str(item)}})
+                    break
+                if isinstance(item, Generation):
+                    yield sse(result(item, item.text, item.output_ids, True))
+                    break
+                partial.output_ids.append(item.token_id)
+                partial.output_logprobs.append(item.logprob)
+                partial.output_top_logprobs.append(item.top_logprobs)
+                text += decoder.push(item.token_id)
+                yield sse(result(partial, text, list(partial.output_ids), False))
+            yield b"data: [DONE]\n\n"
+        finally:
+            cancelled.set()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/generate", self.generate, methods=["POST"]),
+        ]
+
+
+def build_app(engine: Engine) -> Starlette:
+    return Starlette(routes=EngineServer(engine).routes())

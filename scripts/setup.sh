@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or refresh) the one project environment at .venv/ — idempotent, fast on a second run.
+#
+# Why two installers: pip is the only client that sees the CPU build of torch this machine keeps on disk
+# (torch==2.13.0 for Python 3.11); uv then installs everything else and applies requirements/overrides.txt,
+# which lifts mitmproxy 11.0.2's declared h11<=0.14 pin so it can share one environment with the current
+# openai/anthropic/google-genai SDKs (they need h11 0.16; the test suite proves the pair works).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${POLAR_PYTHON:-python3.11}
+EXTRAS=${POLAR_EXTRAS:-all}
+STAMP=.venv/.polar-setup-stamp
+want="$(cat pyproject.toml requirements/overrides.txt scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS"
+
+if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" && -x .venv/bin/polar-mitm ]]; then
+    exit 0
+fi
+
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade "pip>=24" "uv>=0.5"
+if [[ $EXTRAS == *all* || $EXTRAS == *serve* || $EXTRAS == *train* ]]; then
+    .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/uv pip install -q --python .venv/bin/python \
+    --override requirements/overrides.txt -e ".[$EXTRAS]"
+echo "$want" > "$STAMP"
