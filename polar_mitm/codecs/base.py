@@ -1,0 +1,103 @@
+"""The one interface every provider codec implements, and the typed errors that carry a provider-facing shape.
+
+A codec is pure: bytes/JSON in, JSON/SSE bytes out. It never imports mitmproxy and never does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from polar_mitm.conversation import Completion, Conversation
+
+ErrorKind = Literal[
+    "invalid_request",  # malformed body, wrong types, unsupported content (images) → 400
+    "context_length",  # prompt longer than the engine's context → 400
+    "not_found",  # an endpoint we do not serve → 404
+    "overloaded",  # engine unreachable / timed out → Anthropic 529, OpenAI 503, Google 503
+    "engine_error",  # engine answered 5xx or nonsense → 502/500
+]
+
+
+class GatewayError(Exception):
+    """An error to show the harness in its provider's own shape (see `Codec.encode_error`)."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass
+class HttpAnswer:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] | None = None
+
+    @classmethod
+    def json(cls, status: int, payload: Any, headers: dict[str, str] | None = None) -> HttpAnswer:
+        return cls(status, json.dumps(payload, ensure_ascii=False).encode(), "application/json", headers)
+
+
+def sse_event(data: Any, event: str | None = None) -> bytes:
+    """One Server-Sent Event frame."""
+    head = f"event: {event}\n" if event else ""
+    return (head + "data: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()
+
+
+class Codec:
+    """Base class of the provider codecs.
+
+    Subclasses set `name` and implement `matches`, `decode_request`, `encode_response`, `encode_stream` and
+    `encode_error`. `stream_requested` tells whether the harness asked for SSE.
+    """
+
+    name: ClassVar[str]
+
+    def matches(self, path: str) -> bool:
+        """Does this request path (without host and query) belong to this API's model call?"""
+        raise NotImplementedError
+
+    def stream_requested(self, body: dict[str, Any], path: str, query: dict[str, str]) -> bool:
+        return bool(body.get("stream"))
+
+    def decode_request(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
+        """Provider request JSON → Conversation. Raises GatewayError("invalid_request", …) on bad input."""
+        raise NotImplementedError
+
+    def encode_response(self, conv: Conversation, completion: Completion) -> dict[str, Any]:
+        """The provider's non-streaming response JSON."""
+        raise NotImplementedError
+
+    def encode_stream(self, conv: Conversation, completion: Completion) -> Iterator[bytes]:
+        """The provider's complete SSE event sequence for a finished completion."""
+        raise NotImplementedError
+
+    def encode_error(self, error: GatewayError) -> HttpAnswer:
+        """The provider's error shape and status for `error`."""
+        raise NotImplementedError
+
+
+class AuxCodec:
+    """Optional hooks for a provider's auxiliary endpoints, answered locally so harnesses work offline."""
+
+    def count_tokens_path(self, path: str) -> bool:
+        """Is this the provider's token-counting endpoint (Anthropic count_tokens, Google :countTokens)?"""
+        return False
+
+    def decode_count_tokens(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
+        """The conversation whose tokens to count."""
+        return self.decode_request(body, path, query)  # type: ignore[attr-defined]
+
+    def encode_count_tokens(self, n_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def models_path(self, path: str, method: str) -> bool:
+        """Is this a model listing / model lookup request?"""
+        return False
+
+    def encode_models(self, model_ids: list[str], path: str) -> dict[str, Any]:
+        raise NotImplementedError

@@ -1,0 +1,185 @@
+"""The internal conversation every provider codec decodes into, and the engine answer every codec encodes from.
+
+One shape for all four provider APIs: codecs translate at the edges, the gateway and the records only see this.
+Never import mitmproxy here (codecs, reconstruct and train must not depend on it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object as text, exactly as the model (or the harness) wrote it
+
+    def arguments_obj(self) -> Any:
+        """Arguments parsed; `{}` for empty text; the raw text under "_raw" if it is not JSON."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return {"_raw": self.arguments}
+
+
+@dataclass
+class Message:
+    role: Role
+    content: str = ""
+    reasoning: str | None = None  # thinking text of an assistant turn, when the harness sent it back
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # for role == "tool"
+    name: str | None = None  # tool name of a tool result (Google matches results by name)
+
+    def to_engine(self) -> dict[str, Any]:
+        """OpenAI chat message, as SGLang's chat template expects it."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name:
+            msg["name"] = self.name
+        return msg
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def to_engine(self) -> dict[str, Any]:
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass
+class Conversation:
+    """A provider request, decoded: what to ask the engine, plus what the encoder needs to answer in kind."""
+
+    messages: list[Message]
+    model: str = ""
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"name": ...}
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    thinking: bool | None = None  # harness asked for reasoning (None = provider default)
+    include_usage: bool = False  # OpenAI chat stream_options.include_usage
+    extra: dict[str, Any] = field(default_factory=dict)  # provider-specific echoes (metadata, store, ...)
+
+    def messages_json(self) -> list[dict[str, Any]]:
+        return [asdict(m) for m in self.messages]
+
+    def tools_json(self) -> list[dict[str, Any]]:
+        return [asdict(t) for t in self.tools]
+
+    def to_engine_request(self, *, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The SGLang `/v1/chat/completions` body: non-streaming, with ids, logprobs and meta info."""
+        body: dict[str, Any] = {
+            "model": "default",
+            "messages": [m.to_engine() for m in self.messages],
+            "stream": False,
+            "logprobs": True,
+            "return_token_ids": True,
+            "return_meta_info": True,
+        }
+        if self.tools and self.tool_choice != "none":
+            body["tools"] = [t.to_engine() for t in self.tools]
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        for key in ("temperature", "top_p", "top_k"):
+            value = getattr(self, key)
+            if value is not None:
+                body[key] = value
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.thinking is False:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                body[key] = value
+        return body
+
+
+@dataclass
+class Completion:
+    """The engine's answer, with everything training needs."""
+
+    id: str
+    model: str
+    content: str
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    weight_version: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    @classmethod
+    def from_engine_response(cls, resp: dict[str, Any]) -> Completion:
+        """Parse SGLang's chat answer (with `return_token_ids`, `return_meta_info`, `logprobs`)."""
+        choice = resp["choices"][0]
+        message = choice.get("message") or {}
+        prompt_ids = choice.get("prompt_token_ids")
+        completion_ids = choice.get("response_token_ids")
+        if prompt_ids is None or completion_ids is None:
+            # Never treat a missing id list as empty: that silently corrupts training data.
+            raise ValueError("engine answer lacks prompt_token_ids/response_token_ids (return_token_ids ignored?)")
+        meta = dict(choice.get("meta_info") or {})
+        triples = meta.pop("output_token_logprobs", None)
+        if triples is not None:
+            logprobs = [float(t[0]) for t in triples]
+        else:
+            logprobs = [float(e["logprob"]) for e in ((choice.get("logprobs") or {}).get("content") or [])]
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(f"engine gave {len(logprobs)} logprobs for {len(completion_ids)} sampled tokens")
+        calls = [
+            ToolCall(id=c.get("id") or f"call_{i}", name=c["function"]["name"],
+                     arguments=c["function"].get("arguments") or "{}")
+            for i, c in enumerate(message.get("tool_calls") or [])
+        ]
+        finish = choice.get("finish_reason") or "stop"
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        version = meta.get("weight_version") or (resp.get("metadata") or {}).get("weight_version")
+        return cls(
+            id=resp.get("id") or "",
+            model=resp.get("model") or "",
+            content=message.get("content") or "",
+            reasoning=message.get("reasoning_content"),
+            tool_calls=calls,
+            finish_reason=finish if finish in ("stop", "length", "tool_calls", "abort") else "stop",
+            prompt_ids=[int(t) for t in prompt_ids],
+            completion_ids=[int(t) for t in completion_ids],
+            completion_logprobs=logprobs,
+            weight_version=None if version is None else str(version),
+            meta_info=meta,
+        )
