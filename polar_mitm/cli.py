@@ -38,6 +38,7 @@ def serve(
     reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
+    script: Annotated[Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")] = None,
 ) -> None:
     """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
     import os
@@ -52,7 +53,7 @@ def serve(
     torch.set_num_threads(threads or os.cpu_count() or 1)
     path = resolve_model(model, seed=seed)
     engine = Engine(path, served_model_name=served_model_name, context_length=context_length,
-                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, script_path=script)
     console.print(f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
                   f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}")
     uvicorn.run(build_app(engine), host=host, port=port, log_level="warning", access_log=False)

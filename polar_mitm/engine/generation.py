@@ -74,7 +74,7 @@ class Engine:
 
     def __init__(self, model_path: str | Path, *, served_model_name: str | None = None,
                  context_length: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, script_path: str | Path | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.model_path = Path(model_path)
@@ -93,6 +93,12 @@ class Engine:
         self.weight_version = "0"
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
+        self.script = None
+        if script_path is not None:
+            from polar_mitm.engine.script import Script
+
+            eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(self.eos_ids)
+            self.script = Script.load(script_path, self.tokenizer, eos)
 
     @staticmethod
     def _load_model(path: Path):
@@ -194,6 +200,7 @@ class Engine:
             if max_new <= 0:
                 gen.finish_reason = {"type": "length", "length": 0}
                 return gen
+            forced = self.script.ids_for(prompt_ids) if self.script is not None else None
             cache = self._new_cache()
             logits = self._prefill(prompt_ids, cache)
             t1 = time.perf_counter()
@@ -202,7 +209,8 @@ class Engine:
                 if cancelled is not None and cancelled.is_set():
                     gen.finish_reason = {"type": "abort", "message": "client disconnected"}
                     break
-                step = self._sample(logits, params, rng, top_logprobs_num)
+                forced_id = forced[len(gen.output_ids)] if forced and len(gen.output_ids) < len(forced) else None
+                step = self._sample(logits, params, rng, top_logprobs_num, forced_id)
                 gen.output_ids.append(step.token_id)
                 gen.output_logprobs.append(step.logprob)
                 gen.output_top_logprobs.append(step.top_logprobs)
@@ -228,10 +236,12 @@ class Engine:
         return gen
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
-                top_logprobs_num: int) -> TokenStep:
+                top_logprobs_num: int, forced_id: int | None = None) -> TokenStep:
         temperature = 1.0 if params.greedy else params.temperature
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        if params.greedy:
+        if forced_id is not None:  # scripted policy: the token is given, its logprob is still the model's
+            token = forced_id
+        elif params.greedy:
             token = int(torch.argmax(logp))
         else:
             probs = logp.exp()

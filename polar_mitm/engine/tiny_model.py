@@ -33,7 +33,7 @@ QWEN2_PRETOKENIZE_PATTERN = (
 FIRST_SPECIAL_ID = 151643
 PADDED_VOCAB_SIZE = 151936  # as in the released Qwen3 checkpoints
 TINY_CONTEXT = 131072
-BUILD_VERSION = 1  # bump when the recipe changes so cached models are rebuilt
+BUILD_VERSION = 2  # bump when the recipe changes so cached models are rebuilt
 
 
 def chat_template(name: str = "qwen3") -> str:
@@ -55,9 +55,11 @@ def build_qwen_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     assert backend.get_vocab_size() == FIRST_SPECIAL_ID, backend.get_vocab_size()
-    backend.add_special_tokens([
-        AddedToken(tok, special=tok not in QWEN3_NON_SPECIAL, normalized=False) for tok in QWEN3_SPECIAL_TOKENS
-    ])
+    for tok in QWEN3_SPECIAL_TOKENS:  # one at a time: ids follow the production order
+        if tok in QWEN3_NON_SPECIAL:
+            backend.add_tokens([AddedToken(tok, special=False, normalized=False)])
+        else:
+            backend.add_special_tokens([AddedToken(tok, special=True, normalized=False)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
@@ -68,6 +70,7 @@ def build_qwen_tokenizer():
     tokenizer.chat_template = chat_template("qwen3")
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 151645
     assert tokenizer.convert_tokens_to_ids("<think>") == 151667
+    assert tokenizer.decode([151657, 151645], skip_special_tokens=True) == "<tool_call>"
     return tokenizer
 
 

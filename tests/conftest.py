@@ -1,0 +1,62 @@
+"""Shared fixtures: real server processes (the embedded engine, later the gateway) on loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.engine.model_zoo import resolve_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOOL_SCRIPT = [
+    {"text": "Let me write the file.",
+     "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}}},
+    "Done: out.txt now says hello.",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    """An in-process Engine with the same weights as the served tiny model (for scoring and tokenising)."""
+    import torch
+
+    from polar_mitm.engine.generation import Engine
+
+    torch.set_num_threads(1)
+    return Engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir, tmp_path_factory):
+    """`polar-mitm serve --model tiny` in a child process."""
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    proc, url = procs.start_engine("tiny", log=log)
+    yield url
+    procs.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def script_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("script") / "tool_script.json"
+    path.write_text(json.dumps(TOOL_SCRIPT))
+    return path
+
+
+@pytest.fixture(scope="session")
+def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
+    """The tiny engine playing TOOL_SCRIPT: turn 1 a shell tool call, turn 2 a final answer."""
+    log = tmp_path_factory.mktemp("engine-scripted") / "engine.log"
+    proc, url = procs.start_engine("tiny", log=log, extra_args=["--script", str(script_file)])
+    yield url
+    procs.stop(proc)
