@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -58,3 +59,83 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def wait_port(port: int, *, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open in {timeout:.0f}s")
+
+
+@dataclass
+class GatewayProcess:
+    """A running `mitmdump -s addon/polar.py` with a regular (HTTPS_PROXY) and a reverse (base URL) listener."""
+
+    proc: subprocess.Popen
+    proxy_port: int
+    reverse_port: int
+    confdir: Path
+    out_dir: Path
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def reverse_url(self) -> str:
+        return f"http://127.0.0.1:{self.reverse_port}"
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    def ca_bundle(self) -> Path:
+        """System CAs + mitmproxy's CA, for clients that replace rather than extend their trust store."""
+        bundle = self.confdir / "ca-bundle.pem"
+        if not bundle.exists():
+            import certifi
+
+            system = Path("/etc/ssl/certs/ca-certificates.crt")
+            base = system.read_bytes() if system.exists() else Path(certifi.where()).read_bytes()
+            bundle.write_bytes(base + b"\n" + self.ca_cert.read_bytes())
+        return bundle
+
+    def stop(self) -> None:
+        stop(self.proc, timeout=20)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def addon_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "addon" / "polar.py"
+
+
+def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
+                  options: dict[str, str] | None = None, proxy_port: int | None = None,
+                  reverse_port: int | None = None) -> GatewayProcess:
+    """mitmdump with the polar addon in regular and reverse mode at once."""
+    proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
+    mitmdump = Path(sys.executable).with_name("mitmdump")
+    cmd = [str(mitmdump), "-q", "-s", str(addon_path()),
+           "--mode", f"regular@{proxy_port}", "--mode", f"reverse:http://127.0.0.1:9@{reverse_port}",
+           "--set", f"confdir={confdir}", "--set", f"polar_backend={backend}", "--set", f"polar_out={out_dir}",
+           "--set", "connection_strategy=lazy"]
+    for key, value in (options or {}).items():
+        cmd += ["--set", f"{key}={value}"]
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_port(proxy_port, proc=proc)
+        wait_port(reverse_port, proc=proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir))

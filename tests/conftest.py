@@ -60,3 +60,28 @@ def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
     proc, url = procs.start_engine("tiny", log=log, extra_args=["--script", str(script_file)])
     yield url
     procs.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def gateway(scripted_engine_url, tmp_path_factory):
+    """mitmdump + addon/polar.py (regular and reverse listeners) in front of the scripted tiny engine."""
+    root = tmp_path_factory.mktemp("gateway")
+    gw = procs.start_gateway(scripted_engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log")
+    gw.log = root / "gateway.log"
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def proxy_env(gateway, monkeypatch):
+    """Point HTTPS_PROXY-honouring clients at the gateway with a session (and task) in the proxy user name."""
+
+    def apply(session: str, task: str | None = None) -> None:
+        user = f"{task}%2F{session}" if task else session
+        monkeypatch.setenv("HTTPS_PROXY", f"http://{user}:x@127.0.0.1:{gateway.proxy_port}")
+        monkeypatch.setenv("SSL_CERT_FILE", str(gateway.ca_bundle()))
+        for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy",
+                     "https_proxy"):
+            monkeypatch.delenv(name, raising=False)
+
+    return apply

@@ -136,14 +136,11 @@ def _invalid(message: str) -> GatewayError:
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
-    """`value` if it is a `kind` (bools never count as numbers), else an invalid_request error naming `where`."""
-    if isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind)):
+    """`value` if it is a `kind`, else an invalid_request error naming `where`. JSON booleans are not numbers."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
         return value
     raise _invalid(f"{where}: expected {what}, got {type(value).__name__}")
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 def _optional(body: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:

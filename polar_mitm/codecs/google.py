@@ -200,7 +200,8 @@ def _model_name(resource: str | None) -> str:
 def _decode_generate_request(body: dict[str, Any], model: str, *, require_contents: bool) -> Conversation:
     if _get(body, "cachedContent") is not None:
         raise _invalid("cachedContent is not supported: send the full contents")
-    contents = _list(_get(body, "contents") if _get(body, "contents") is not None else [], "contents")
+    contents = _get(body, "contents")
+    contents = [] if contents is None else _list(contents, "contents")
     if require_contents and not contents:
         raise _invalid("contents must not be empty")
     messages = _system_messages(_get(body, "systemInstruction")) + _content_messages(contents)

@@ -45,11 +45,11 @@ def invalid(message: str) -> GatewayError:
     return GatewayError("invalid_request", message)
 
 
-def derived_id(prefix: str, source: str) -> str:
-    """`prefix` + the engine's completion id (alphanumerics only), so provider ids can be traced to records;
-    random when the engine gave none."""
-    core = re.sub(r"[^A-Za-z0-9]", "", source.split("-", 1)[-1] if source.startswith("chatcmpl-") else source)
-    return prefix + (core or secrets.token_hex(12))
+def id_core(engine_id: str) -> str:
+    """The engine's completion id, alphanumerics only, to build provider ids from (so they can be traced to
+    records); random when the engine gave none."""
+    core = re.sub(r"[^A-Za-z0-9]", "", engine_id.removeprefix("chatcmpl-"))
+    return core or secrets.token_hex(12)
 
 
 def path_only(path: str) -> str:
@@ -57,7 +57,7 @@ def path_only(path: str) -> str:
     return path.split("?", 1)[0].rstrip("/")
 
 
-# ---- request-field validation -------------------------------------------------------------------------------
+# ---- request-field validation ------------------------------------------------------------------------------
 
 def require_dict(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
@@ -153,14 +153,32 @@ def arguments_text(value: Any, where: str) -> str:
     raise invalid(f"{where} must be a string")
 
 
-# ---- streaming ------------------------------------------------------------------------------------------------
+def custom_tool_parameters(input_format: Any) -> dict[str, Any]:
+    """The JSON schema a local model sees for an OpenAI custom (free-form text) tool: one string, `input`.
+
+    A grammar format is put into the field's description: the model has no other way to learn it.
+    """
+    field: dict[str, Any] = {"type": "string"}
+    if isinstance(input_format, dict) and input_format.get("type") == "grammar":
+        syntax, definition = input_format.get("syntax"), input_format.get("definition")
+        if isinstance(definition, str) and definition:
+            field["description"] = f"Text following this {syntax or ''} grammar:\n{definition}"
+    return {"type": "object", "properties": {"input": field}, "required": ["input"]}
+
+
+def custom_tool_arguments(input_text: str) -> str:
+    """A custom tool call's free-form input as the JSON arguments a local model writes."""
+    return json.dumps({"input": input_text}, ensure_ascii=False)
+
+
+# ---- streaming ---------------------------------------------------------------------------------------------
 
 def split_text(text: str, size: int = DELTA_CHARS) -> list[str]:
     """`text` in stream-sized pieces (none for empty text)."""
     return [text[i:i + size] for i in range(0, len(text), size)]
 
 
-# ---- /v1/models -------------------------------------------------------------------------------------------------
+# ---- /v1/models --------------------------------------------------------------------------------------------
 
 class OpenAIModels(AuxCodec):
     """OpenAI's `GET /v1/models` and `GET /v1/models/{id}`, answered locally (no count-tokens endpoint)."""

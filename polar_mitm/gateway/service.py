@@ -1,0 +1,230 @@
+"""The gateway's request handling, independent of mitmproxy: request in → provider answer out + one record.
+
+Life of a model call: resolve identity → detect the provider → decode (worker thread) → ask the engine
+(async HTTP) → encode the provider answer, JSON or SSE replay (worker thread) → append the record durably →
+answer the harness. Nothing here blocks the event loop: JSON work of prompt-sized payloads runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from polar_mitm.codecs import CODECS, by_headers, detect
+from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
+from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.gateway import identity as ident
+from polar_mitm.gateway.engine_client import EngineClient
+from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.records import Record
+
+log = logging.getLogger("polar_mitm.gateway")
+
+PROVIDER_HOSTS = {
+    "api.anthropic.com": "anthropic",
+    "api.openai.com": "openai_chat",
+    "chatgpt.com": "openai_responses",
+    "generativelanguage.googleapis.com": "google",
+    "cloudcode-pa.googleapis.com": "google",
+    "dashscope.aliyuncs.com": "openai_chat",
+    "openrouter.ai": "openai_chat",
+}
+
+
+@dataclass
+class GatewayConfig:
+    passthrough: str = "block"  # block | upstream: what happens to traffic that is not a model call
+    temperature: float | None = None  # overrides what the harness asked for (RL wants a fixed temperature)
+    top_p: float | None = None
+    max_tokens: int | None = None  # caps the harness's max_tokens
+    extra_models: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GatewayRequest:
+    method: str
+    host: str
+    path: str  # without the query string
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    mode: str  # regular | reverse
+    proxy_user: str | None
+    connection_id: str
+
+
+class Gateway:
+    """Answers model calls from the engine and records them; answers or blocks everything else."""
+
+    def __init__(self, config: GatewayConfig, engine: EngineClient, writer: RecordWriter) -> None:
+        self.config, self.engine, self.writer = config, engine, writer
+        self._seq: dict[str, itertools.count] = defaultdict(lambda: itertools.count(0))
+
+    def seed_sequences(self, last_seq: dict[str, int]) -> None:
+        """Continue per-session numbering after a restart."""
+        for session, seq in last_seq.items():
+            self._seq[session] = itertools.count(seq + 1)
+
+    # -- entry point ---------------------------------------------------------------------------------------------
+
+    async def handle(self, req: GatewayRequest) -> HttpAnswer | None:
+        """The answer for `req`, or None to let it go upstream (passthrough of non-model traffic)."""
+        who, path = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
+                                  connection_id=req.connection_id)
+        if req.method == "POST":
+            codec = next((c for c in CODECS.values() if c.matches(path)), None)
+            if codec is not None:  # the common case: decided by the path alone, body parsed off the loop
+                return await self._model_call(req, who, path, codec)
+        body = parse_json(req.body) if len(req.body) < 1 << 16 else None
+        provider = self._provider_for(req, path)
+        if provider is not None:
+            aux = await self._auxiliary(req, path, provider, body)
+            if aux is not None:
+                return aux
+        codec = detect(path, req.headers, body) if req.method == "POST" else None
+        if codec is not None:  # a body that looks like a model call on an unknown path
+            return await self._model_call(req, who, path, codec)
+        if req.method == "HEAD" and path in ("", "/"):
+            return HttpAnswer(200, b"", "text/plain")
+        if provider is None and req.mode == "regular" and self.config.passthrough == "upstream":
+            return None
+        shape = provider or CODECS["openai_chat"]
+        return shape.encode_error(GatewayError(
+            "not_found", f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
+                         f"serves model APIs (set polar_passthrough=upstream to forward other traffic)"))
+
+    def _provider_for(self, req: GatewayRequest, path: str) -> Codec | None:
+        host = req.host.split(":")[0].lower()
+        if host in PROVIDER_HOSTS:
+            return CODECS[PROVIDER_HOSTS[host]]
+        hinted = by_headers(req.headers)
+        if hinted is not None:
+            return hinted
+        for codec in CODECS.values():
+            aux = getattr(codec, "count_tokens_path", None)
+            if aux and aux(path):
+                return codec
+        if req.mode == "reverse":  # everything sent to a reverse gateway is for the provider
+            if "/models" in path and (":" in path.rsplit("/", 1)[-1] or "v1beta" in path):
+                return CODECS["google"]
+            return CODECS["openai_chat"]
+        return None
+
+    # -- auxiliary endpoints -------------------------------------------------------------------------------------
+
+    async def _auxiliary(self, req: GatewayRequest, path: str, codec: Codec, body: Any) -> HttpAnswer | None:
+        try:
+            if req.method == "POST" and codec.count_tokens_path(path):
+                conv: Conversation = await asyncio.to_thread(codec.decode_count_tokens, body, path, req.query)
+                n = await self.engine.count_tokens([m.to_engine() for m in conv.messages],
+                                                   [t.to_engine() for t in conv.tools])
+                return HttpAnswer.json(200, codec.encode_count_tokens(n))
+            if req.method == "GET" and codec.models_path(path, req.method):
+                served = await self.engine.served_model()
+                tail = path.rstrip("/").rsplit("/", 1)[-1]
+                ids = [tail] if tail not in ("models",) else [served, *self.config.extra_models]
+                return HttpAnswer.json(200, codec.encode_models(ids, path))
+        except GatewayError as err:
+            return codec.encode_error(err)
+        except NotImplementedError:
+            return None
+        return None
+
+    # -- model calls ---------------------------------------------------------------------------------------------
+
+    async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
+        started = datetime.now(UTC)
+        seq = next(self._seq[who.session_id])
+        request_id = f"req_{uuid.uuid4().hex}"
+        record = Record(
+            request_id=request_id, session_id=who.session_id, task_id=who.task_id, seq=seq, started_at=started,
+            finished_at=started, provider=codec.name, path=path, host=req.host, mode=req.mode, stream=False,
+            finish_reason="error", session_source=who.source,
+            harness_ids_json=json.dumps(who.harness_ids) if who.harness_ids else None,
+            request_json=req.body.decode("utf-8", "replace") or None,
+        )
+        try:
+            conv, engine_body = await asyncio.to_thread(self._prepare, codec, req.body, path, req.query)
+            record.stream, record.model_requested = conv.stream, conv.model
+            record.messages_json = json.dumps(conv.messages_json(), ensure_ascii=False)
+            record.tools_json = json.dumps(conv.tools_json(), ensure_ascii=False)
+            raw = await self.engine.chat(engine_body)
+            answer, completion, response = await asyncio.to_thread(self._finish, codec, conv, raw)
+        except GatewayError as err:
+            answer = codec.encode_error(err)
+            record.error = f"{err.kind}: {err.message}"
+            record.status_code = answer.status
+            await self._persist(record)
+            return with_request_id(answer, request_id)
+        except Exception as exc:  # never crash on a bad flow: report it in the provider's shape
+            log.exception("unexpected error on %s %s", req.method, path)
+            err = GatewayError("engine_error", f"polar-mitm internal error: {exc!r}")
+            answer = codec.encode_error(err)
+            record.error, record.status_code = f"internal: {exc!r}", answer.status
+            await self._persist(record)
+            return with_request_id(answer, request_id)
+        record.model_used = completion.model
+        record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids
+        record.completion_logprobs = completion.completion_logprobs
+        record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
+        record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
+        record.response_json = response
+        record.engine_meta_json = json.dumps(completion.meta_info)
+        record.status_code = answer.status
+        await self._persist(record)
+        return with_request_id(answer, request_id)
+
+    def _prepare(self, codec: Codec, raw: bytes, path: str, query: dict[str, str]) -> tuple[Conversation, bytes]:
+        body = parse_json(raw)
+        if body is None:
+            raise GatewayError("invalid_request", "the request body is not valid JSON")
+        conv = codec.decode_request(body, path, query)
+        if conv.stream is False:
+            conv.stream = codec.stream_requested(body, path, query)
+        overrides: dict[str, Any] = {"temperature": self.config.temperature, "top_p": self.config.top_p}
+        if self.config.max_tokens is not None:
+            overrides["max_tokens"] = min(conv.max_tokens or self.config.max_tokens, self.config.max_tokens)
+        return conv, orjson.dumps(conv.to_engine_request(overrides=overrides))
+
+    @staticmethod
+    def _finish(codec: Codec, conv: Conversation, raw: bytes) -> tuple[HttpAnswer, Completion, str]:
+        try:
+            completion = Completion.from_engine_response(orjson.loads(raw))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}") from exc
+        response = codec.encode_response(conv, completion)
+        response_text = json.dumps(response, ensure_ascii=False)
+        if conv.stream:
+            answer = HttpAnswer(200, b"".join(codec.encode_stream(conv, completion)), "text/event-stream",
+                                {"cache-control": "no-cache"})
+        else:
+            answer = HttpAnswer(200, response_text.encode(), "application/json")
+        return answer, completion, response_text
+
+    async def _persist(self, record: Record) -> None:
+        record.finished_at = datetime.now(UTC)
+        # Durable before the harness gets its answer: the writer resolves the future after fsync.
+        await asyncio.wrap_future(self.writer.write(record.to_journal()))
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def with_request_id(answer: HttpAnswer, request_id: str) -> HttpAnswer:
+    answer.headers = {**(answer.headers or {}), "x-polar-request-id": request_id}
+    return answer

@@ -1,0 +1,156 @@
+"""The per-request record: one row per model call, defined once (Arrow schema + dataclass) and versioned.
+
+Other tools rely on the column names. Bump RECORD_SCHEMA_VERSION on any change and keep readers tolerant of
+older versions (new nullable columns only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+RECORD_SCHEMA_VERSION = 1
+
+RECORD_SCHEMA = pa.schema([
+    pa.field("schema_version", pa.int16(), nullable=False),
+    pa.field("request_id", pa.string(), nullable=False),
+    pa.field("session_id", pa.string(), nullable=False),
+    pa.field("task_id", pa.string()),
+    pa.field("seq", pa.int64(), nullable=False),
+    pa.field("started_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("provider", pa.string(), nullable=False),
+    pa.field("path", pa.string(), nullable=False),
+    pa.field("host", pa.string()),
+    pa.field("mode", pa.string()),  # regular (HTTPS_PROXY) | reverse (base URL)
+    pa.field("stream", pa.bool_(), nullable=False),
+    pa.field("model_requested", pa.string()),
+    pa.field("model_used", pa.string()),
+    pa.field("request_json", pa.string()),  # provider-native body, secrets removed
+    pa.field("messages_json", pa.string()),  # the internal conversation the engine was asked
+    pa.field("tools_json", pa.string()),
+    pa.field("prompt_ids", pa.list_(pa.int32())),
+    pa.field("completion_ids", pa.list_(pa.int32())),
+    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    pa.field("finish_reason", pa.string(), nullable=False),  # stop|length|tool_calls|abort|error
+    pa.field("response_json", pa.string()),  # provider-native answer (the non-streamed form for streams)
+    pa.field("weight_version", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("status_code", pa.int32()),
+    pa.field("session_source", pa.string()),  # header|proxy_auth|path|api_key|connection
+    pa.field("harness_ids_json", pa.string()),  # harness-native session ids (Claude Code, Codex, opencode)
+    pa.field("engine_meta_json", pa.string()),  # engine timings, cached tokens, matched stop, ...
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("completion_tokens", pa.int32()),
+], metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)})
+
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+
+
+@dataclass
+class Record:
+    request_id: str
+    session_id: str
+    seq: int
+    started_at: datetime
+    finished_at: datetime
+    provider: str
+    path: str
+    stream: bool
+    finish_reason: str
+    task_id: str | None = None
+    host: str | None = None
+    mode: str | None = None
+    model_requested: str | None = None
+    model_used: str | None = None
+    request_json: str | None = None
+    messages_json: str | None = None
+    tools_json: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    completion_logprobs: list[float] = field(default_factory=list)
+    response_json: str | None = None
+    weight_version: str | None = None
+    error: str | None = None
+    status_code: int | None = None
+    session_source: str | None = None
+    harness_ids_json: str | None = None
+    engine_meta_json: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    schema_version: int = RECORD_SCHEMA_VERSION
+
+    def to_journal(self) -> dict[str, Any]:
+        """A JSON-safe dict (timestamps as epoch microseconds) for the durable journal."""
+        row = asdict(self)
+        row["started_at"] = to_micros(self.started_at)
+        row["finished_at"] = to_micros(self.finished_at)
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Record:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in names})
+
+
+def to_micros(ts: datetime) -> int:
+    return int(ts.timestamp() * 1_000_000)
+
+
+def from_micros(us: int) -> datetime:
+    return datetime.fromtimestamp(us / 1_000_000, tz=UTC)
+
+
+def journal_rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Journal dicts → an Arrow table with RECORD_SCHEMA (timestamps converted back)."""
+    fixed = []
+    for row in rows:
+        row = dict(row)
+        row["started_at"] = from_micros(row["started_at"])
+        row["finished_at"] = from_micros(row["finished_at"])
+        fixed.append(row)
+    return pa.Table.from_pylist(fixed, schema=RECORD_SCHEMA)
+
+
+def read_records(path: str) -> pa.Table:
+    """All records under `path` (a directory of Parquet shards or one file; any pyarrow filesystem URI)."""
+    import pyarrow.dataset as ds
+
+    return ds.dataset(path, format="parquet", schema=RECORD_SCHEMA, exclude_invalid_files=False).to_table()
+
+
+def last_seq_by_session(out_dir) -> dict[str, int]:
+    """Highest `seq` per session among existing shards (so numbering continues after a restart)."""
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    shards = sorted(Path(out_dir).glob("records-*.parquet"))
+    if not shards:
+        return {}
+    tables = [pq.read_table(s, columns=["session_id", "seq"]) for s in shards]
+    table = pa.concat_tables(tables)
+    grouped = table.group_by("session_id").aggregate([("seq", "max")])
+    return dict(zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True))
+
+
+def read_all(out_dir, *, include_journal: bool = True) -> pa.Table:
+    """Compacted shards plus, optionally, records still in the live journal (for tests and live inspection)."""
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from polar_mitm.gateway.journal import JOURNAL_DIR, JOURNAL_SUFFIX, read_journal
+
+    out = Path(out_dir)
+    tables = [pq.read_table(s, schema=RECORD_SCHEMA) for s in sorted(out.glob("records-*.parquet"))]
+    if include_journal:
+        rows = [row for j in sorted((out / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}")) for row in read_journal(j)]
+        if rows:
+            tables.append(journal_rows_to_table(rows))
+    if not tables:
+        return RECORD_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
