@@ -1,7 +1,8 @@
-"""OpenAI Chat Completions (`POST …/chat/completions`): Qwen Code, opencode, Pi and most OpenAI-compatible clients.
+"""OpenAI Chat Completions (`POST …/chat/completions`): Qwen Code, opencode, Pi and most OpenAI-compatible
+clients.
 
-The request is close to the engine's own format, so decoding is mostly validation; answers are a `ChatCompletion`
-or its `chat.completion.chunk` stream ending in `data: [DONE]`.
+The request is close to the engine's own format, so decoding is mostly validation; answers are a
+`ChatCompletion` or its `chat.completion.chunk` stream ending in `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from polar_mitm.codecs.openai_common import (
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
 
 # Request fields with no engine meaning, kept for the record (and for echoes).
-_EXTRA_KEYS = ("metadata", "user", "n", "parallel_tool_calls", "seed", "response_format", "service_tier", "store",
-               "logprobs", "top_logprobs", "prompt_cache_key")
+_EXTRA_KEYS = ("metadata", "user", "n", "parallel_tool_calls", "seed", "response_format", "service_tier",
+               "store", "logprobs", "top_logprobs", "prompt_cache_key")
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio")
 
 
@@ -162,15 +163,17 @@ def _decode_assistant(msg: dict[str, Any], index: int, legacy_call_ids: dict[str
     legacy = msg.get("function_call")
     if legacy is not None:
         function = require_dict(legacy, f"{where}.function_call")
-        call = ToolCall(id=f"call_{index}", name=require_str(function.get("name"), f"{where}.function_call.name"),
-                        arguments=arguments_text(function.get("arguments"), f"{where}.function_call.arguments"))
+        call = ToolCall(id=f"call_{index}",
+                        name=require_str(function.get("name"), f"{where}.function_call.name"),
+                        arguments=arguments_text(function.get("arguments"),
+                                                 f"{where}.function_call.arguments"))
         legacy_call_ids[call.name] = call.id
         calls.append(call)
-    # Reasoning sent back by the harness: `reasoning_content` (SGLang, DeepSeek) or `reasoning` (OpenRouter style).
-    reasoning = next((r for r in (msg.get("reasoning_content"), msg.get("reasoning")) if isinstance(r, str) and r),
-                     None)
-    return Message(role="assistant", content=_text(msg.get("content"), f"{where}.content"), reasoning=reasoning,
-                   tool_calls=calls)
+    # Reasoning sent back by the harness: `reasoning_content` (SGLang, DeepSeek) or `reasoning` (OpenRouter).
+    candidates = (msg.get("reasoning_content"), msg.get("reasoning"))
+    reasoning = next((r for r in candidates if isinstance(r, str) and r), None)
+    return Message(role="assistant", content=_text(msg.get("content"), f"{where}.content"),
+                   reasoning=reasoning, tool_calls=calls)
 
 
 def _decode_tool_call(raw: Any, where: str, fallback_id: str) -> ToolCall:
@@ -178,8 +181,9 @@ def _decode_tool_call(raw: Any, where: str, fallback_id: str) -> ToolCall:
     call_id = optional_str(call, "id", f"{where}.") or fallback_id
     if call.get("type") == "custom":  # a custom (free-form) tool call: its text becomes the `input` argument
         custom = require_dict(call.get("custom"), f"{where}.custom")
+        input_text = require_str(custom.get("input", ""), f"{where}.custom.input")
         return ToolCall(id=call_id, name=require_str(custom.get("name"), f"{where}.custom.name"),
-                        arguments=custom_tool_arguments(require_str(custom.get("input", ""), f"{where}.custom.input")))
+                        arguments=custom_tool_arguments(input_text))
     function = require_dict(call.get("function"), f"{where}.function")
     return ToolCall(id=call_id, name=require_str(function.get("name"), f"{where}.function.name"),
                     arguments=arguments_text(function.get("arguments"), f"{where}.function.arguments"))

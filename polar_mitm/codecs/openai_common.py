@@ -1,8 +1,8 @@
 """What the two OpenAI codecs (Chat Completions and Responses) share: the error shape, ids, request-field
 validation, stream slicing and the local `/v1/models` answers.
 
-Validation helpers raise `GatewayError("invalid_request", …)` with the JSON path of the bad field, so a harness sees
-a clear 400 instead of a gateway crash.
+Validation helpers raise `GatewayError("invalid_request", …)` with the JSON path of the bad field, so a
+harness sees a clear 400 instead of a gateway crash.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """OpenAI Responses (`POST …/responses`): Codex CLI's wire API (`store: false`, always streamed).
 
-Requests carry the whole history as typed items (messages, reasoning, function calls and their outputs), which are
-folded back into chat turns. Answers are a `Response` object, or the typed event stream that builds one.
+Requests carry the whole history as typed items (messages, reasoning, function calls and their outputs), which
+are folded back into chat turns. Answers are a `Response` object, or the typed event stream that builds one.
 
 Reasoning round trip: with `include: ["reasoning.encrypted_content"]` (what Codex sends) the reasoning item
-carries the exact reasoning text in `encrypted_content` (base64, not encrypted: nothing here is secret), so the next
-request restores the very text the model wrote even if the harness trims summaries.
+carries the exact reasoning text in `encrypted_content` (base64, not encrypted: nothing here is secret), so
+the next request restores the very text the model wrote even if the harness trims summaries.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def _reject_server_state(body: dict[str, Any]) -> None:
 class _History:
     """Folds Responses input items, in order, into chat messages.
 
-    Reasoning waits for the assistant turn that follows it; function calls join the assistant message just before
-    them, because one engine answer is one message (reasoning, text, then tool calls).
+    Reasoning waits for the assistant turn that follows it; function calls join the assistant message just
+    before them, because one engine answer is one message (reasoning, text, then tool calls).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -175,7 +175,8 @@ class _History:
                           "send the full input")
         elif not isinstance(kind, str):
             raise invalid(f"{where}.type must be a string")
-        # Other items (hosted-tool calls such as web_search_call, compaction markers…) mean nothing to a local model.
+        # Other items (hosted-tool calls such as web_search_call, compaction markers…) mean nothing to a
+        # local model.
 
     def _message(self, item: dict[str, Any], where: str) -> None:
         role = item.get("role")
@@ -195,7 +196,8 @@ class _History:
         if last is not None and last.role == "assistant" and self.pending_reasoning is None:
             last.tool_calls.append(call)
         else:
-            self.messages.append(Message(role="assistant", reasoning=self._take_reasoning(), tool_calls=[call]))
+            reasoning = self._take_reasoning()
+            self.messages.append(Message(role="assistant", reasoning=reasoning, tool_calls=[call]))
 
     def _result(self, call_id: str, output: str) -> None:
         self.pending_reasoning = None
@@ -266,11 +268,11 @@ def _decode_tools(value: Any) -> tuple[list[Tool], list[str]]:
         description = optional_str(tool, "description", f"{where}.") or ""
         if kind == "custom":
             custom_names.append(name)
-            tools.append(Tool(name=name, description=description, parameters=custom_tool_parameters(tool.get("format"))))
-            continue
-        parameters = optional_dict(tool, "parameters", f"{where}.")
-        tools.append(Tool(name=name, description=description,
-                          parameters=parameters if parameters is not None else {"type": "object", "properties": {}}))
+            parameters = custom_tool_parameters(tool.get("format"))
+        else:
+            given = optional_dict(tool, "parameters", f"{where}.")
+            parameters = given if given is not None else {"type": "object", "properties": {}}
+        tools.append(Tool(name=name, description=description, parameters=parameters))
     return tools, custom_names
 
 
@@ -404,7 +406,8 @@ def _usage(completion: Completion) -> dict[str, Any]:
     cached = completion.meta_info.get("cached_tokens")
     return {
         "input_tokens": completion.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else 0,
+                                 "cache_write_tokens": 0},
         "output_tokens": completion.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": completion.prompt_tokens + completion.completion_tokens,
@@ -436,7 +439,8 @@ def _stream_reasoning(events: _EventCounter, index: int, item: dict[str, Any]) -
                               delta=piece)
         yield events.emit("response.reasoning_summary_text.done", **ids, summary_index=summary_index,
                           text=part["text"])
-        yield events.emit("response.reasoning_summary_part.done", **ids, summary_index=summary_index, part=part)
+        yield events.emit("response.reasoning_summary_part.done", **ids, summary_index=summary_index,
+                          part=part)
     yield events.emit("response.output_item.done", output_index=index, item=item)
 
 

@@ -1,5 +1,5 @@
-"""The Chat Completions codec: harness requests decode into the right Conversation, and every answer it writes is
-accepted by the official openai SDK types (ChatCompletion, ChatCompletionChunk) and by the SDK client itself."""
+"""The Chat Completions codec: harness requests decode into the right Conversation, and every answer it writes
+is accepted by the official openai SDK types (ChatCompletion, ChatCompletionChunk) and by the SDK client."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ from polar_mitm.conversation import Completion, Conversation, Message, Tool, Too
 CODEC = OpenAIChatCodec()
 
 SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+READ_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}}
 
 # Shaped like Qwen Code's second request: system prompt with cache_control parts, a tool call answered.
 QWEN_CODE_REQUEST: dict[str, Any] = {
     "model": "qwen3-coder-plus",
     "messages": [
-        {"role": "system", "content": [{"type": "text", "text": "You are Qwen Code, an interactive CLI agent.",
-                                         "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": [{"type": "text", "cache_control": {"type": "ephemeral"},
+                                         "text": "You are Qwen Code, an interactive CLI agent."}]},
         {"role": "user", "content": [{"type": "text", "text": "<env>cwd: /repo</env>"},
                                      {"type": "text", "text": "List the files."}]},
         {"role": "assistant", "content": "", "reasoning_content": "The user wants a listing.",
@@ -39,8 +40,7 @@ QWEN_CODE_REQUEST: dict[str, Any] = {
     "tools": [
         {"type": "function", "function": {"name": "run_shell_command", "description": "Run a shell command",
                                           "parameters": SHELL_SCHEMA}},
-        {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
-            "path": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "read_file", "parameters": READ_SCHEMA}},
     ],
     "tool_choice": "auto",
     "stream": True,
@@ -63,9 +63,11 @@ def make_completion(content: str = "", reasoning: str | None = None, tool_calls:
 
 LONG_ANSWER = "README.md says: polar-mitm records token ids between agent harnesses and the engine. " * 3
 TOOL_ANSWER = make_completion(
-    content="Let me read it.", reasoning="I need the file contents before answering; the read_file tool does that.",
+    content="Let me read it.",
+    reasoning="I need the file contents before answering; the read_file tool does that.",
     tool_calls=[ToolCall("call_1", "read_file", '{"path": "README.md"}'),
-                ToolCall("call_2", "run_shell_command", '{"command": "wc -l README.md && head -n 40 README.md"}')],
+                ToolCall("call_2", "run_shell_command",
+                         '{"command": "wc -l README.md && head -n 40 README.md"}')],
     finish_reason="tool_calls")
 
 
@@ -111,7 +113,8 @@ def test_matches_chat_completions_under_any_prefix(path):
     assert CODEC.matches(path)
 
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/completions", "/v1/chat/completions/x"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/completions",
+                                  "/v1/chat/completions/x"])
 def test_does_not_match_other_endpoints(path):
     assert not CODEC.matches(path)
 
@@ -129,7 +132,7 @@ def test_qwen_code_request_decodes_to_the_full_conversation():
         Message(role="user", content="Now read README.md"),
     ]
     assert conv.tools == [Tool("run_shell_command", "Run a shell command", SHELL_SCHEMA),
-                          Tool("read_file", "", {"type": "object", "properties": {"path": {"type": "string"}}})]
+                          Tool("read_file", "", READ_SCHEMA)]
     assert (conv.model, conv.tool_choice, conv.max_tokens, conv.temperature, conv.top_p, conv.top_k) == (
         "qwen3-coder-plus", "auto", 2048, 0.7, 0.8, 20)
     assert conv.stream and conv.include_usage and conv.thinking is None
@@ -168,8 +171,9 @@ def test_tool_choice_is_normalised(choice, expected):
 
 
 @pytest.mark.parametrize(("fields", "thinking"), [
-    ({"reasoning_effort": "high"}, True), ({"reasoning_effort": "low"}, True), ({"reasoning_effort": "none"}, False),
-    ({"reasoning_effort": "minimal"}, False), ({}, None), ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+    ({"reasoning_effort": "high"}, True), ({"reasoning_effort": "low"}, True),
+    ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "minimal"}, False), ({}, None),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, False),
 ])
 def test_reasoning_effort_sets_thinking(fields, thinking):
     assert conversation(**fields).thinking is thinking
@@ -244,7 +248,8 @@ def test_response_validates_and_carries_text_reasoning_tools_and_usage():
     assert [(c.id, c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("call_1", "function", "read_file", '{"path": "README.md"}'),
         ("call_2", "function", "run_shell_command", '{"command": "wc -l README.md && head -n 40 README.md"}')]
-    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (11, 5, 16)
+    usage = answer.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (11, 5, 16)
 
 
 def test_content_is_null_when_the_answer_is_only_tool_calls():
@@ -258,7 +263,8 @@ def test_content_is_null_when_the_answer_is_only_tool_calls():
     ("stop", [ToolCall("c", "f", "{}")], "tool_calls"),
 ])
 def test_finish_reasons_map_to_openai_names(finish, calls, expected):
-    answer = CODEC.encode_response(conversation(), make_completion("x", tool_calls=calls, finish_reason=finish))
+    completion = make_completion("x", tool_calls=calls, finish_reason=finish)
+    answer = CODEC.encode_response(conversation(), completion)
     assert ChatCompletion.model_validate(answer).choices[0].finish_reason == expected
 
 
@@ -270,7 +276,8 @@ def test_stream_chunks_validate_and_assemble_to_the_non_streamed_answer():
     message = CODEC.encode_response(conv, TOOL_ANSWER)["choices"][0]["message"]
     assembled = assemble(chunks)
     assert assembled == {
-        "content": message["content"], "reasoning": message["reasoning_content"], "finish_reason": "tool_calls",
+        "content": message["content"], "reasoning": message["reasoning_content"],
+        "finish_reason": "tool_calls",
         "tool_calls": [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                        for c in message["tool_calls"]]}
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
@@ -328,8 +335,8 @@ def test_errors_have_openai_shape_and_status(kind, status, error_type, code):
 
 @pytest.mark.parametrize(("path", "method", "expected"), [
     ("/v1/models", "GET", True), ("/models", "GET", True), ("/s/abc/v1/models", "GET", True),
-    ("/v1/models/qwen3", "GET", True), ("/v1/models/Qwen/Qwen3-8B", "GET", True), ("/v1/models", "POST", False),
-    ("/v1/chat/completions", "GET", False),
+    ("/v1/models/qwen3", "GET", True), ("/v1/models/Qwen/Qwen3-8B", "GET", True),
+    ("/v1/models", "POST", False), ("/v1/chat/completions", "GET", False),
 ])
 def test_models_paths(path, method, expected):
     assert CODEC.models_path(path, method) is expected
@@ -356,7 +363,8 @@ def sdk_client(completion: Completion, seen: list[Conversation]) -> OpenAI:
             conv = CODEC.decode_request(json.loads(request.content), request.url.path, {})
         except GatewayError as error:
             answer = CODEC.encode_error(error)
-            return httpx2.Response(answer.status, content=answer.body, headers={"content-type": answer.content_type})
+            return httpx2.Response(answer.status, content=answer.body,
+                                   headers={"content-type": answer.content_type})
         seen.append(conv)
         if conv.stream:
             return httpx2.Response(200, content=b"".join(CODEC.encode_stream(conv, completion)),
@@ -398,11 +406,12 @@ def test_sdk_client_sees_a_bad_request_error_for_images():
 
 # ---- robustness --------------------------------------------------------------------------------------------
 
-_KEYS = st.sampled_from(["model", "messages", "role", "content", "type", "text", "tool_calls", "id", "function",
-                         "name", "arguments", "tools", "parameters", "tool_choice", "stop", "stream",
-                         "stream_options", "include_usage", "max_tokens", "temperature", "n", "tool_call_id",
-                         "reasoning_content", "image_url", "user", "system", "assistant", "tool", "developer",
-                         "function_call", "functions", "reasoning_effort", "chat_template_kwargs", "refusal"])
+_KEYS = st.sampled_from([
+    "model", "messages", "role", "content", "type", "text", "tool_calls", "id", "function", "name",
+    "arguments", "tools", "parameters", "tool_choice", "stop", "stream", "stream_options", "include_usage",
+    "max_tokens", "temperature", "n", "tool_call_id", "reasoning_content", "image_url", "user", "system",
+    "assistant", "tool", "developer", "function_call", "functions", "reasoning_effort",
+    "chat_template_kwargs", "refusal"])
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=5) | _KEYS,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(_KEYS | st.text(max_size=3), children,
@@ -412,14 +421,18 @@ _ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "f
 _TEXT = st.text(max_size=8)
 _PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "refusal", "image_url", "other"]),
                                "text": _TEXT | _JSON, "refusal": _TEXT})
-_CALL = st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": _TEXT, "arguments": _TEXT | _JSON})},
-                              optional={"id": _TEXT | _JSON, "type": st.sampled_from(["function", "custom"])})
+_CALL = st.fixed_dictionaries(
+    {"function": st.fixed_dictionaries({"name": _TEXT, "arguments": _TEXT | _JSON})},
+    optional={"id": _TEXT | _JSON, "type": st.sampled_from(["function", "custom"])})
 # Mostly plausible values, sometimes anything: deep code paths get reached, not only the first type check.
 _MESSAGE = st.fixed_dictionaries({"role": _ROLES}, optional={
-    "content": st.none() | _TEXT | st.lists(_PART, max_size=3) | _JSON, "tool_calls": st.lists(_CALL, max_size=2) | _JSON,
+    "content": st.none() | _TEXT | st.lists(_PART, max_size=3) | _JSON,
+    "tool_calls": st.lists(_CALL, max_size=2) | _JSON,
     "name": _TEXT, "tool_call_id": _TEXT | _JSON, "reasoning_content": _TEXT | _JSON})
-_TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "custom", "web_search"]), "function": st.fixed_dictionaries(
-    {"name": _TEXT}, optional={"description": _TEXT | _JSON, "parameters": _JSON})})
+_TOOL = st.fixed_dictionaries({
+    "type": st.sampled_from(["function", "custom", "web_search"]),
+    "function": st.fixed_dictionaries({"name": _TEXT},
+                                      optional={"description": _TEXT | _JSON, "parameters": _JSON})})
 _BODY = _JSON | st.fixed_dictionaries({"messages": st.lists(_MESSAGE, min_size=1, max_size=4)}, optional={
     "model": _TEXT | _JSON, "tools": st.lists(_TOOL, max_size=2) | _JSON, "tool_choice": _JSON, "stop": _JSON,
     "stream": st.booleans() | _JSON, "stream_options": _JSON, "max_tokens": st.integers(-2, 99) | _JSON,
