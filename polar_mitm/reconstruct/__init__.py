@@ -1,0 +1,1 @@
+"""Reconstruction: per-request records → training sequences (per_request, prefix_merging)."""

@@ -1,0 +1,1 @@
+"""Training on merged sequences: GRPO built on TRL, SFT export."""
