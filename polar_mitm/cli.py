@@ -84,5 +84,39 @@ def demo(
     run_demo(model=model, prompt=prompt, port=port, console=console)
 
 
+@app.command("import-flows")
+def import_flows_command(
+    flows: Annotated[list[Path], typer.Argument(help="mitmproxy flow files (`mitmdump -w`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Record directory.")] = Path("flows"),
+) -> None:
+    """Turn recorded flows whose responses carry token ids into records."""
+    from polar_mitm.gateway.import_flows import import_flows
+
+    shard, counts = import_flows(flows, out)
+    console.print(f"records: {counts['gateway']} from gateway flows, {counts['engine']} from engine flows, "
+                  f"{counts['skipped']} flows skipped → {shard}")
+
+
+@app.command("records")
+def records_command(
+    out: Annotated[Path, typer.Argument(help="Record directory (`polar_out`).")] = Path("flows"),
+    limit: Annotated[int, typer.Option(help="Rows to show.")] = 20,
+) -> None:
+    """List recorded model calls (compacted shards and the live journal)."""
+    from rich.table import Table
+
+    from polar_mitm.records import read_all
+
+    rows = read_all(out).to_pylist()
+    table = Table(title=f"{len(rows)} records in {out}")
+    for col in ("session_id", "task_id", "seq", "provider", "stream", "prompt", "sampled", "finish", "error"):
+        table.add_column(col)
+    for r in sorted(rows, key=lambda r: (r["session_id"], r["seq"]))[:limit]:
+        table.add_row(r["session_id"], r["task_id"] or "", str(r["seq"]), r["provider"], str(r["stream"]),
+                      str(len(r["prompt_ids"] or [])), str(len(r["completion_ids"] or [])), r["finish_reason"],
+                      (r["error"] or "")[:40])
+    console.print(table)
+
+
 if __name__ == "__main__":
     app()

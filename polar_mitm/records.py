@@ -6,7 +6,7 @@ older versions (new nullable columns only).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -85,7 +85,7 @@ class Record:
 
     def to_journal(self) -> dict[str, Any]:
         """A JSON-safe dict (timestamps as epoch microseconds) for the durable journal."""
-        row = asdict(self)
+        row = {f.name: getattr(self, f.name) for f in fields(self)}  # shallow: no copy of long id lists
         row["started_at"] = to_micros(self.started_at)
         row["finished_at"] = to_micros(self.finished_at)
         return row

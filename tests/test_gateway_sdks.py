@@ -9,132 +9,21 @@ from __future__ import annotations
 import json
 import uuid
 
-import anthropic
-import openai
 import pytest
-from google import genai
-from google.genai import types as gtypes
 
 from polar_mitm.records import read_all
+from polar_mitm.testing.sdk_sessions import DRIVERS, base_url_for
 
 API_KEY = "sk-polar-test-SECRET-7f3a9c"
 USER_TEXT = "Write hello into out.txt"
 FINAL_TEXT = "Done: out.txt now says hello."
-SHELL_ARGS = {"command": "echo hello > out.txt"}
-SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 
 
-def base(gateway, mode: str, session: str, task: str, suffix: str = "") -> str | None:
-    return f"{gateway.reverse_url}/t/{task}/s/{session}{suffix}" if mode == "reverse" else None
-
-
-def run_anthropic(gateway, mode, session, task, stream):
-    client = anthropic.Anthropic(api_key=API_KEY, base_url=base(gateway, mode, session, task), max_retries=0)
-    tools = [{"name": "shell", "description": "Run a shell command", "input_schema": SHELL_SCHEMA}]
-    messages = [{"role": "user", "content": USER_TEXT}]
-
-    def ask(msgs):
-        kwargs = dict(model="claude-sonnet-4-5", max_tokens=256, messages=msgs, tools=tools,
-                      system="You are a coding agent.")
-        if stream:
-            with client.messages.stream(**kwargs) as s:
-                return s.get_final_message()
-        return client.messages.create(**kwargs)
-
-    first = ask(messages)
-    call = next(b for b in first.content if b.type == "tool_use")
-    assert first.stop_reason == "tool_use" and call.name == "shell" and call.input == SHELL_ARGS
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "ok"}]}]
-    second = ask(messages)
-    assert second.stop_reason == "end_turn"
-    return "".join(b.text for b in second.content if b.type == "text")
-
-
-def run_openai_chat(gateway, mode, session, task, stream):
-    client = openai.OpenAI(api_key=API_KEY, base_url=base(gateway, mode, session, task, "/v1"), max_retries=0)
-    tools = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command",
-                                               "parameters": SHELL_SCHEMA}}]
-    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": USER_TEXT}]
-
-    def ask(msgs):
-        if not stream:
-            return client.chat.completions.create(model="gpt-4.1", messages=msgs, tools=tools).choices[0].message
-        content, calls = "", {}
-        for chunk in client.chat.completions.create(model="gpt-4.1", messages=msgs, tools=tools, stream=True,
-                                                    stream_options={"include_usage": True}):
-            for choice in chunk.choices:
-                content += choice.delta.content or ""
-                for tc in choice.delta.tool_calls or []:
-                    entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
-                    entry["name"] += tc.function.name or ""
-                    entry["arguments"] += tc.function.arguments or ""
-        return openai.types.chat.ChatCompletionMessage(role="assistant", content=content or None, tool_calls=[
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls.values()] or None)
-
-    first = ask(messages)
-    call = first.tool_calls[0]
-    assert call.function.name == "shell" and json.loads(call.function.arguments) == SHELL_ARGS
-    messages += [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
-    return ask(messages).content
-
-
-def run_openai_responses(gateway, mode, session, task, stream):
-    client = openai.OpenAI(api_key=API_KEY, base_url=base(gateway, mode, session, task, "/v1"), max_retries=0)
-    tools = [{"type": "function", "name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA,
-              "strict": False}]
-    items: list = [{"role": "user", "content": USER_TEXT}]
-
-    def ask(inp):
-        kwargs = dict(model="gpt-5-codex", input=inp, tools=tools, instructions="You are a coding agent.",
-                      store=False)
-        if stream:
-            with client.responses.stream(**kwargs) as s:
-                return s.get_final_response()
-        return client.responses.create(**kwargs)
-
-    first = ask(items)
-    call = next(o for o in first.output if o.type == "function_call")
-    assert call.name == "shell" and json.loads(call.arguments) == SHELL_ARGS
-    items += [o.model_dump(exclude_none=True) for o in first.output]
-    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "ok"})
-    return ask(items).output_text
-
-
-def run_google(gateway, mode, session, task, stream):
-    options = gtypes.HttpOptions(base_url=base(gateway, mode, session, task)) if mode == "reverse" else None
-    client = genai.Client(api_key=API_KEY, http_options=options)
-    tool = gtypes.Tool(function_declarations=[gtypes.FunctionDeclaration(
-        name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA)])
-    config = gtypes.GenerateContentConfig(
-        tools=[tool], system_instruction="You are a coding agent.",
-        automatic_function_calling=gtypes.AutomaticFunctionCallingConfig(disable=True))
-    contents = [gtypes.Content(role="user", parts=[gtypes.Part(text=USER_TEXT)])]
-
-    def ask(cont):
-        if not stream:
-            resp = client.models.generate_content(model="gemini-2.5-flash", contents=cont, config=config)
-            return resp.candidates[0].content.parts, resp.candidates[0].finish_reason
-        parts, finish = [], None
-        for chunk in client.models.generate_content_stream(model="gemini-2.5-flash", contents=cont, config=config):
-            if chunk.candidates and chunk.candidates[0].content and chunk.candidates[0].content.parts:
-                parts += chunk.candidates[0].content.parts
-            if chunk.candidates and chunk.candidates[0].finish_reason:
-                finish = chunk.candidates[0].finish_reason
-        return parts, finish
-
-    parts, finish = ask(contents)
-    call = next(p.function_call for p in parts if p.function_call)
-    assert call.name == "shell" and call.args == SHELL_ARGS and finish == gtypes.FinishReason.STOP
-    contents += [gtypes.Content(role="model", parts=parts), gtypes.Content(role="user", parts=[
-        gtypes.Part.from_function_response(name="shell", response={"output": "ok"})])]
-    parts, _ = ask(contents)
-    return "".join(p.text or "" for p in parts if not p.thought)
-
-
-RUNNERS = {"anthropic": run_anthropic, "openai_chat": run_openai_chat, "openai_responses": run_openai_responses,
-           "google": run_google}
+def run(provider, gateway, mode, session, task, stream):
+    base = base_url_for(provider, gateway.reverse_url, f"/t/{task}/s/{session}") if mode == "reverse" else None
+    result = DRIVERS[provider](USER_TEXT, api_key=API_KEY, base_url=base, stream=stream)
+    assert result.calls == 2 and result.tool_commands == ["echo hello > out.txt"]
+    return result.final_text
 
 
 def session_records(gateway, session):
@@ -145,13 +34,13 @@ def session_records(gateway, session):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("mode", ["proxy", "reverse"])
-@pytest.mark.parametrize("provider", list(RUNNERS))
+@pytest.mark.parametrize("provider", list(DRIVERS))
 def test_sdk_two_turn_tool_session_is_answered_and_recorded(gateway, proxy_env, tiny_engine, provider, mode,
                                                             stream):
     session, task = f"{provider}-{mode}-{uuid.uuid4().hex[:8]}", f"task-{provider}"
     if mode == "proxy":
         proxy_env(session, task)
-    final_text = RUNNERS[provider](gateway, mode, session, task, stream)
+    final_text = run(provider, gateway, mode, session, task, stream)
     assert final_text.strip() == FINAL_TEXT
 
     rows = session_records(gateway, session)
@@ -178,8 +67,8 @@ def test_sdk_two_turn_tool_session_is_answered_and_recorded(gateway, proxy_env, 
 
 def test_no_secret_reaches_records_or_logs(gateway, proxy_env):
     proxy_env("secret-check")
-    run_openai_chat(gateway, "proxy", "secret-check", None, False)
-    run_anthropic(gateway, "reverse", "secret-check-2", "t", True)
+    run("openai_chat", gateway, "proxy", "secret-check", None, False)
+    run("anthropic", gateway, "reverse", "secret-check-2", "t", True)
     table = read_all(gateway.out_dir)
     for column in table.column_names:
         if str(table.schema.field(column).type) == "string":

@@ -36,6 +36,7 @@ class HttpAnswer:
     body: bytes
     content_type: str = "application/json"
     headers: dict[str, str] | None = None
+    meta: dict[str, Any] | None = None  # for the transport layer (e.g. the record, kept in flow metadata)
 
     @classmethod
     def json(cls, status: int, payload: Any, headers: dict[str, str] | None = None) -> HttpAnswer:

@@ -43,12 +43,16 @@ from polar_mitm.conversation import Completion, Conversation, Message, Tool, Too
 _SEALED_PREFIX = "polar-mitm.v1."
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
-# Request fields echoed in the Response object (validated as they are decoded).
-_ECHO_CHECKS: dict[str, tuple[type, ...]] = {
+# Request settings kept in `Conversation.extra` (for the record and the Response echo), with their JSON types.
+_EXTRA_TYPES: dict[str, tuple[type, ...]] = {
     "store": (bool,), "include": (list,), "parallel_tool_calls": (bool,), "metadata": (dict,),
     "prompt_cache_key": (str,), "instructions": (str,), "text": (dict,), "reasoning": (dict,), "user": (str,),
-    "tools": (list,), "tool_choice": (str, dict), "previous_response_id": (str,),
+    "previous_response_id": (str,),
 }
+# Echoed only when the SDK's Response type knows the value: an unknown one is still honoured, just not echoed.
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARIES = ("auto", "concise", "detailed")
+_VERBOSITIES = ("low", "medium", "high")
 
 
 class OpenAIResponsesCodec(OpenAIModels, Codec):
@@ -78,10 +82,10 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
                 history.add(item, f"input[{i}]")
         if not history.messages:
             raise invalid("input must contain at least one message")
-        tools, custom_names = _decode_tools(body.get("tools"))
-        reasoning = optional_dict(body, "reasoning") or {}
-        extra = _echo_fields(body)
-        extra["custom_tools"] = custom_names
+        tools, echoed_tools = _decode_tools(body.get("tools"))
+        extra = _extra_fields(body)
+        extra["tools"] = echoed_tools
+        extra["custom_tools"] = [tool["name"] for tool in echoed_tools if tool["type"] == "custom"]
         return Conversation(
             messages=history.messages,
             model=optional_str(body, "model") or "",
@@ -92,7 +96,7 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
             top_p=optional_number(body, "top_p"),
             top_k=optional_int(body, "top_k", minimum=-1),
             stream=bool(optional_bool(body, "stream")),
-            thinking=thinking_from_effort(reasoning.get("effort"), "reasoning.effort"),
+            thinking=thinking_from_effort(extra.get("reasoning", {}).get("effort"), "reasoning.effort"),
             extra=extra,
         )
 
@@ -252,28 +256,46 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     return ""
 
 
-def _decode_tools(value: Any) -> tuple[list[Tool], list[str]]:
-    """Function and custom tools (custom ones take one string, `input`); hosted tools are skipped."""
+def _decode_tools(value: Any) -> tuple[list[Tool], list[dict[str, Any]]]:
+    """Function and custom tools (custom ones take one string, `input`), and their Response echo.
+
+    Hosted tools (web_search, local_shell, file_search…) are skipped: OpenAI runs them, a local model cannot.
+    """
     tools: list[Tool] = []
-    custom_names: list[str] = []
+    echoed: list[dict[str, Any]] = []
     for j, raw in enumerate(require_list(value if value is not None else [], "tools")):
         where = f"tools[{j}]"
         tool = require_dict(raw, where)
         kind = tool.get("type")
         if kind not in ("function", "custom"):
-            continue  # web_search, local_shell, file_search…: OpenAI-hosted, nothing a local model can call
+            continue
         name = require_str(tool.get("name"), f"{where}.name")
         if not name:
             raise invalid(f"{where}.name must not be empty")
         description = optional_str(tool, "description", f"{where}.") or ""
+        echo: dict[str, Any] = {"type": kind, "name": name, "description": description}
         if kind == "custom":
-            custom_names.append(name)
             parameters = custom_tool_parameters(tool.get("format"))
+            if _is_input_format(tool.get("format")):
+                echo["format"] = tool["format"]
         else:
             given = optional_dict(tool, "parameters", f"{where}.")
             parameters = given if given is not None else {"type": "object", "properties": {}}
+            strict = tool.get("strict")
+            echo.update(parameters=parameters, strict=strict if isinstance(strict, bool) else None)
         tools.append(Tool(name=name, description=description, parameters=parameters))
-    return tools, custom_names
+        echoed.append(echo)
+    return tools, echoed
+
+
+def _is_input_format(value: Any) -> bool:
+    """A custom tool's `format` as OpenAI defines it: plain text, or a lark/regex grammar."""
+    if not isinstance(value, dict):
+        return False
+    if value.get("type") == "text":
+        return True
+    return (value.get("type") == "grammar" and value.get("syntax") in ("lark", "regex")
+            and isinstance(value.get("definition"), str))
 
 
 def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
@@ -297,10 +319,10 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
     return "auto"  # forcing a hosted tool: there is none here, let the model choose
 
 
-def _echo_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """Request settings to keep for the record and to echo in the Response, type-checked."""
+def _extra_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """Request settings with no engine meaning, type-checked as OpenAI does."""
     extra: dict[str, Any] = {}
-    for key, types in _ECHO_CHECKS.items():
+    for key, types in _EXTRA_TYPES.items():
         value = body.get(key)
         if value is None:
             continue
@@ -309,6 +331,11 @@ def _echo_fields(body: dict[str, Any]) -> dict[str, Any]:
         extra[key] = value
     if not all(isinstance(entry, str) for entry in extra.get("include", [])):
         raise invalid("include must be an array of strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.get("metadata", {}).items()):
+        raise invalid("metadata must map strings to strings")
+    for key in ("effort", "summary"):
+        if not isinstance(extra.get("reasoning", {}).get(key), str | None):
+            raise invalid(f"reasoning.{key} must be a string")
     return extra
 
 
@@ -333,7 +360,8 @@ def _response(conv: Conversation, completion: Completion, core: str) -> dict[str
     extra = conv.extra
     incomplete = completion.finish_reason == "length"
     now = int(time.time())
-    reasoning = extra.get("reasoning") or {}
+    reasoning = extra.get("reasoning", {})
+    verbosity = extra.get("text", {}).get("verbosity")
     return {
         "id": "resp_" + core,
         "object": "response",
@@ -351,11 +379,13 @@ def _response(conv: Conversation, completion: Completion, core: str) -> dict[str
         "parallel_tool_calls": extra.get("parallel_tool_calls", True),
         "previous_response_id": None,
         "prompt_cache_key": extra.get("prompt_cache_key"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "reasoning": {"effort": _known(reasoning.get("effort"), _EFFORTS),
+                      "summary": _known(reasoning.get("summary"), _SUMMARIES)},
         "store": extra.get("store", False),  # nothing is ever stored here
         "temperature": conv.temperature if conv.temperature is not None else 1.0,
-        "text": extra.get("text", {"format": {"type": "text"}}),
-        "tool_choice": extra.get("tool_choice", "auto"),
+        # Plain text whatever format was asked: the engine's output is not schema-constrained.
+        "text": {"format": {"type": "text"}, "verbosity": _known(verbosity, _VERBOSITIES)},
+        "tool_choice": _tool_choice_echo(conv),
         "tools": extra.get("tools", []),
         "top_p": conv.top_p if conv.top_p is not None else 1.0,
         "truncation": "disabled",
@@ -363,6 +393,18 @@ def _response(conv: Conversation, completion: Completion, core: str) -> dict[str
         "user": extra.get("user"),
         "metadata": extra.get("metadata", {}),
     }
+
+
+def _known(value: Any, known: tuple[str, ...]) -> str | None:
+    return value if value in known else None
+
+
+def _tool_choice_echo(conv: Conversation) -> str | dict[str, Any]:
+    choice = conv.tool_choice
+    if isinstance(choice, dict):
+        kind = "custom" if choice["name"] in conv.extra.get("custom_tools", []) else "function"
+        return {"type": kind, "name": choice["name"]}
+    return choice or "auto"
 
 
 def _output_items(conv: Conversation, completion: Completion, core: str) -> list[dict[str, Any]]:

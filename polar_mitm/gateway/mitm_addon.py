@@ -143,6 +143,8 @@ class PolarGateway:
             del flow.request.query["key"]
         headers_out: dict[str, Any] = {"content-type": answer.content_type, **(answer.headers or {})}
         flow.response = http.Response.make(answer.status, answer.body, headers_out)
+        if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
+            flow.metadata.update(answer.meta)
 
     def done(self) -> None:
         if self.writer is not None:

@@ -163,15 +163,13 @@ class Gateway:
             answer = codec.encode_error(err)
             record.error = f"{err.kind}: {err.message}"
             record.status_code = answer.status
-            await self._persist(record)
-            return with_request_id(answer, request_id)
+            return with_record(answer, await self._persist(record))
         except Exception as exc:  # never crash on a bad flow: report it in the provider's shape
             log.exception("unexpected error on %s %s", req.method, path)
             err = GatewayError("engine_error", f"polar-mitm internal error: {exc!r}")
             answer = codec.encode_error(err)
             record.error, record.status_code = f"internal: {exc!r}", answer.status
-            await self._persist(record)
-            return with_request_id(answer, request_id)
+            return with_record(answer, await self._persist(record))
         record.model_used = completion.model
         record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids
         record.completion_logprobs = completion.completion_logprobs
@@ -180,8 +178,7 @@ class Gateway:
         record.response_json = response
         record.engine_meta_json = json.dumps(completion.meta_info)
         record.status_code = answer.status
-        await self._persist(record)
-        return with_request_id(answer, request_id)
+        return with_record(answer, await self._persist(record))
 
     def _prepare(self, codec: Codec, raw: bytes, path: str, query: dict[str, str]) -> tuple[Conversation, bytes]:
         body = parse_json(raw)
@@ -210,10 +207,13 @@ class Gateway:
             answer = HttpAnswer(200, response_text.encode(), "application/json")
         return answer, completion, response_text
 
-    async def _persist(self, record: Record) -> None:
+    async def _persist(self, record: Record) -> dict[str, Any]:
+        """Append the record durably; return its journal row."""
         record.finished_at = datetime.now(UTC)
+        row = record.to_journal()
         # Durable before the harness gets its answer: the writer resolves the future after fsync.
-        await asyncio.wrap_future(self.writer.write(record.to_journal()))
+        await asyncio.wrap_future(self.writer.write(row))
+        return row
 
 
 def parse_json(raw: bytes) -> Any:
@@ -225,6 +225,8 @@ def parse_json(raw: bytes) -> Any:
         return None
 
 
-def with_request_id(answer: HttpAnswer, request_id: str) -> HttpAnswer:
-    answer.headers = {**(answer.headers or {}), "x-polar-request-id": request_id}
+def with_record(answer: HttpAnswer, row: dict[str, Any]) -> HttpAnswer:
+    """Tag the answer with its record: a response header, and the row itself for the flow's metadata."""
+    answer.headers = {**(answer.headers or {}), "x-polar-request-id": row["request_id"]}
+    answer.meta = {"polar_record": row}
     return answer

@@ -1,5 +1,5 @@
-"""The Responses codec: Codex-shaped requests fold into the right chat turns, and every answer it writes is accepted
-by the official openai SDK types (Response, the ResponseStreamEvent union) and by the SDK client itself."""
+"""The Responses codec: Codex-shaped requests fold into the right chat turns, and every answer it writes is
+accepted by the official openai SDK types (Response, the ResponseStreamEvent union) and by the SDK client."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ SHELL_TOOL = {
 PATCH_GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\n'
 PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Use `apply_patch` to edit files.",
               "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}}
+PERMISSIONS = "<permissions instructions>sandbox: workspace-write</permissions instructions>"
 PATCH = "*** Begin Patch\n*** Update File: calc.py\n@@\n-    return a - b\n+    return a + b\n*** End Patch"
 SHELL_ARGS = '{"command":["bash","-lc","pytest -q"],"workdir":"/repo"}'
 SHELL_OUTPUT = '{"output":"F.\\n1 failed","metadata":{"exit_code":1,"duration_seconds":0.4}}'
@@ -46,12 +47,14 @@ CODEX_REQUEST: dict[str, Any] = {
     "model": "gpt-5-codex",
     "instructions": "You are Codex, a coding agent running in the Codex CLI.",
     "input": [
-        text_message("developer", "<permissions instructions>sandbox: workspace-write</permissions instructions>"),
+        text_message("developer", PERMISSIONS),
         text_message("user", "<environment_context>\n  <cwd>/repo</cwd>\n</environment_context>"),
         text_message("user", "Fix the failing test in calc.py"),
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "**Running tests**"}],
+        {"type": "reasoning", "id": "rs_1",
+         "summary": [{"type": "summary_text", "text": "**Running tests**"}],
          "content": None, "encrypted_content": "gAAAAABopaque-from-another-server=="},
-        {"type": "function_call", "id": "fc_1", "name": "shell", "arguments": SHELL_ARGS, "call_id": "call_sh"},
+        {"type": "function_call", "id": "fc_1", "name": "shell", "arguments": SHELL_ARGS,
+         "call_id": "call_sh"},
         {"type": "function_call_output", "call_id": "call_sh", "output": SHELL_OUTPUT},
         {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "call_patch",
          "name": "apply_patch", "input": PATCH},
@@ -104,10 +107,10 @@ def without_times(response: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in response.items() if k not in ("created_at", "completed_at")}
 
 
-# ---- paths ----------------------------------------------------------------------------------------------------
+# ---- paths -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/s/SESSION/v1/responses", "/api/v1/responses", "/responses",
-                                  "/v1/responses/"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/s/SESSION/v1/responses", "/api/v1/responses",
+                                  "/responses", "/v1/responses/"])
 def test_matches_responses_under_any_prefix(path):
     assert CODEC.matches(path)
 
@@ -118,19 +121,20 @@ def test_does_not_match_subpaths_or_other_endpoints(path):
     assert not CODEC.matches(path)
 
 
-# ---- decoding -------------------------------------------------------------------------------------------------
+# ---- decoding ----------------------------------------------------------------------------------------------
 
 def test_codex_request_decodes_into_chat_turns():
     conv = decode(CODEX_REQUEST)
     assert conv.messages == [
         Message(role="system", content="You are Codex, a coding agent running in the Codex CLI."),
-        Message(role="system", content="<permissions instructions>sandbox: workspace-write</permissions instructions>"),
+        Message(role="system", content=PERMISSIONS),
         Message(role="user", content="<environment_context>\n  <cwd>/repo</cwd>\n</environment_context>"),
         Message(role="user", content="Fix the failing test in calc.py"),
         Message(role="assistant", reasoning="**Running tests**",
                 tool_calls=[ToolCall("call_sh", "shell", SHELL_ARGS)]),
         Message(role="tool", content=SHELL_OUTPUT, tool_call_id="call_sh", name="shell"),
-        Message(role="assistant", tool_calls=[ToolCall("call_patch", "apply_patch", json.dumps({"input": PATCH}))]),
+        Message(role="assistant",
+                tool_calls=[ToolCall("call_patch", "apply_patch", json.dumps({"input": PATCH}))]),
         Message(role="tool", content="Success. Updated the following files:\nM calc.py\n",
                 tool_call_id="call_patch", name="apply_patch"),
     ]
@@ -149,7 +153,8 @@ def test_codex_request_decodes_into_chat_turns():
 def test_string_input_is_one_user_message_after_instructions():
     conv = decode({"model": "m", "instructions": "Be brief.", "input": "hello", "max_output_tokens": 128,
                    "temperature": 0.2, "top_p": 0.9})
-    assert conv.messages == [Message(role="system", content="Be brief."), Message(role="user", content="hello")]
+    assert conv.messages == [Message(role="system", content="Be brief."),
+                             Message(role="user", content="hello")]
     assert (conv.max_tokens, conv.temperature, conv.top_p, conv.stream) == (128, 0.2, 0.9, False)
 
 
@@ -264,12 +269,13 @@ def test_malformed_requests_raise_invalid_request(body):
     assert caught.value.kind == "invalid_request"
 
 
-# ---- non-streaming answers ------------------------------------------------------------------------------------
+# ---- non-streaming answers ---------------------------------------------------------------------------------
 
 def test_response_validates_and_lists_reasoning_message_and_calls():
     conv = decode(CODEX_REQUEST)
     response = Response.model_validate(CODEC.encode_response(conv, FULL_ANSWER))
-    assert response.id.startswith("resp_") and response.object == "response" and response.status == "completed"
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "completed"
     assert response.model == "gpt-5-codex" and response.error is None and response.incomplete_details is None
     reasoning, message, patch, shell = response.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
@@ -278,8 +284,8 @@ def test_response_validates_and_lists_reasoning_message_and_calls():
     assert message.type == "message" and message.id.startswith("msg_") and message.status == "completed"
     assert response.output_text == FULL_ANSWER.content
     assert message.content[0].annotations == [] and message.content[0].logprobs == []
-    assert (patch.type, patch.call_id, patch.name, patch.input) == ("custom_tool_call", "call_a1", "apply_patch",
-                                                                    PATCH)
+    assert (patch.type, patch.call_id, patch.name, patch.input) == (
+        "custom_tool_call", "call_a1", "apply_patch", PATCH)
     assert (shell.type, shell.call_id, shell.name, shell.arguments, shell.status) == (
         "function_call", "call_a2", "shell", FULL_ANSWER.tool_calls[1].arguments, "completed")
     usage = response.usage
@@ -291,11 +297,24 @@ def test_response_echoes_the_request_settings():
     conv = decode(CODEX_REQUEST)
     response = Response.model_validate(CODEC.encode_response(conv, FULL_ANSWER))
     assert response.instructions == CODEX_REQUEST["instructions"]
-    assert [tool.type for tool in response.tools] == ["function", "custom", "web_search"]
-    assert response.tool_choice == "auto" and response.parallel_tool_calls is False and response.store is False
+    # Only the tools this gateway serves: hosted ones (web_search) are not offered to the model.
+    served = [(tool.type, tool.name) for tool in response.tools]
+    assert served == [("function", "shell"), ("custom", "apply_patch")]
+    assert response.tools[1].format.definition == PATCH_GRAMMAR
+    assert response.tool_choice == "auto" and response.parallel_tool_calls is False
+    assert response.store is False
     assert response.prompt_cache_key == CODEX_REQUEST["prompt_cache_key"]
     assert (response.reasoning.effort, response.reasoning.summary) == ("medium", "auto")
     assert response.text.verbosity == "medium"
+
+
+def test_named_tool_choice_and_json_format_are_echoed_as_served():
+    conv = decode({**CODEX_REQUEST, "tool_choice": {"type": "custom", "name": "apply_patch"},
+                   "text": {"format": {"type": "json_object"}, "verbosity": "low"}})
+    response = Response.model_validate(CODEC.encode_response(conv, FULL_ANSWER))
+    assert (response.tool_choice.type, response.tool_choice.name) == ("custom", "apply_patch")
+    # The engine's output is not schema-constrained, so the echo says plain text.
+    assert (response.text.format.type, response.text.verbosity) == ("text", "low")
 
 
 def test_encrypted_content_only_when_included():
@@ -328,8 +347,8 @@ def test_answer_items_sent_back_as_input_decode_to_the_same_assistant_turn(inclu
                {"type": "function_call_output", "call_id": "call_a2", "output": "1 passed"}]
     replayed = decode({**request, "input": [*request["input"], *output, *outputs]})
     assistant, patch_result, shell_result = replayed.messages[-3:]
-    assert assistant == Message(role="assistant", content=FULL_ANSWER.content, reasoning=FULL_ANSWER.reasoning,
-                                tool_calls=FULL_ANSWER.tool_calls)
+    assert assistant == Message(role="assistant", content=FULL_ANSWER.content,
+                                reasoning=FULL_ANSWER.reasoning, tool_calls=FULL_ANSWER.tool_calls)
     assert (patch_result.name, shell_result.name) == ("apply_patch", "shell")
 
 
@@ -340,7 +359,7 @@ def test_sealed_reasoning_wins_over_an_edited_summary():
     assert replayed.messages[-1].reasoning == FULL_ANSWER.reasoning
 
 
-# ---- streaming ------------------------------------------------------------------------------------------------
+# ---- streaming ---------------------------------------------------------------------------------------------
 
 def test_every_stream_event_validates_and_is_numbered_in_order():
     events = stream_events(decode(CODEX_REQUEST), FULL_ANSWER)
@@ -383,7 +402,8 @@ def test_stream_assembles_to_the_non_streamed_response():
     assert joined("response.reasoning_summary_text.delta", reasoning["id"]) == FULL_ANSWER.reasoning
     assert joined("response.output_text.delta", message["id"]) == FULL_ANSWER.content
     assert joined("response.custom_tool_call_input.delta", patch["id"]) == PATCH
-    assert joined("response.function_call_arguments.delta", shell["id"]) == FULL_ANSWER.tool_calls[1].arguments
+    shell_arguments = joined("response.function_call_arguments.delta", shell["id"])
+    assert shell_arguments == FULL_ANSWER.tool_calls[1].arguments
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert len(deltas) > 1 and all(e["logprobs"] == [] and e["content_index"] == 0 for e in deltas)
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
@@ -397,16 +417,18 @@ def test_stream_of_a_cut_answer_ends_incomplete():
     EVENT.validate_python(payload)
 
 
-# ---- errors and models ----------------------------------------------------------------------------------------
+# ---- errors and models -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kind", "status", "code"), [
     ("invalid_request", 400, None), ("context_length", 400, "context_length_exceeded"),
-    ("not_found", 404, "unknown_url"), ("overloaded", 503, "engine_unavailable"), ("engine_error", 502, "engine_error"),
+    ("not_found", 404, "unknown_url"), ("overloaded", 503, "engine_unavailable"),
+    ("engine_error", 502, "engine_error"),
 ])
 def test_errors_have_openai_shape_and_status(kind, status, code):
     answer = CODEC.encode_error(GatewayError(kind, "nope"))
     error = json.loads(answer.body)["error"]
-    assert answer.status == status and (error["message"], error["param"], error["code"]) == ("nope", None, code)
+    assert answer.status == status
+    assert (error["message"], error["param"], error["code"]) == ("nope", None, code)
 
 
 def test_models_listing_is_served_locally():
@@ -416,7 +438,7 @@ def test_models_listing_is_served_locally():
     assert CODEC.encode_models(["gpt-5-codex"], "/v1/models/gpt-5-codex")["object"] == "model"
 
 
-# ---- the official client, end to end --------------------------------------------------------------------------
+# ---- the official client, end to end -----------------------------------------------------------------------
 
 def sdk_client(completion: Completion, seen: list[Conversation]) -> OpenAI:
     """An openai client whose HTTP transport is this codec answering with `completion` (strict validation)."""
@@ -465,7 +487,7 @@ def test_sdk_client_sees_a_bad_request_error_for_previous_response_id():
     assert caught.value.status_code == 400 and "send the full input" in caught.value.message
 
 
-# ---- robustness -----------------------------------------------------------------------------------------------
+# ---- robustness --------------------------------------------------------------------------------------------
 
 _KEYS = st.sampled_from([
     "model", "input", "instructions", "type", "role", "content", "text", "call_id", "name", "arguments",
@@ -479,8 +501,8 @@ _JSON = st.recursive(
                                                                       max_size=5),
     max_leaves=30)
 _TEXT = st.text(max_size=8)
-_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]),
-                               "text": _TEXT | _JSON})
+_PART = st.fixed_dictionaries({
+    "type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]), "text": _TEXT | _JSON})
 # Mostly plausible items, sometimes anything: deep code paths get reached, not only the first type check.
 _ITEM = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "x"])},
@@ -491,8 +513,9 @@ _ITEM = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
                            "call_id": _TEXT, "output": _TEXT | st.lists(_PART, max_size=2) | _JSON}),
     st.fixed_dictionaries({"type": st.just("reasoning")}, optional={
-        "summary": st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": _TEXT}), max_size=2)
-        | _JSON, "encrypted_content": _TEXT | _JSON, "content": _JSON}),
+        "summary": st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": _TEXT}),
+                            max_size=2) | _JSON,
+        "encrypted_content": _TEXT | _JSON, "content": _JSON}),
     _JSON,
 )
 _TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "custom", "web_search"]), "name": _TEXT},

@@ -1,0 +1,159 @@
+"""Tool-using sessions driven by the official SDKs (anthropic, openai chat + responses, google-genai).
+
+Each driver loops like a tiny agent: ask the model with a `shell` tool; while it calls the tool, send back a tool
+result; return the final text and the number of model calls. `base_url=None` means "the provider's real host",
+i.e. HTTPS_PROXY mode when the environment points at the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+SYSTEM = "You are a coding agent."
+
+
+@dataclass
+class SessionResult:
+    final_text: str
+    calls: int
+    tool_commands: list[str]
+
+
+def tool_output(args: dict) -> str:
+    return f"ran: {args.get('command', '')}"
+
+
+def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
+                      max_turns: int = 4) -> SessionResult:
+    import anthropic
+
+    client = anthropic.Anthropic(api_key=api_key, base_url=base_url, max_retries=0)
+    tools = [{"name": "shell", "description": "Run a shell command", "input_schema": SHELL_SCHEMA}]
+    messages: list = [{"role": "user", "content": prompt}]
+    commands: list[str] = []
+    for turn in range(1, max_turns + 1):
+        kwargs = dict(model="claude-sonnet-4-6", max_tokens=256, messages=messages, tools=tools, system=SYSTEM)
+        if stream:
+            with client.messages.stream(**kwargs) as s:
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(**kwargs)
+        calls = [b for b in msg.content if b.type == "tool_use"]
+        if not calls:
+            return SessionResult("".join(b.text for b in msg.content if b.type == "text"), turn, commands)
+        commands += [c.input.get("command", "") for c in calls]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id,
+                                                   "content": tool_output(c.input)} for c in calls]}]
+    return SessionResult("", max_turns, commands)
+
+
+def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
+                        max_turns: int = 4) -> SessionResult:
+    import openai
+
+    client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command",
+                                               "parameters": SHELL_SCHEMA}}]
+    messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    commands: list[str] = []
+    for turn in range(1, max_turns + 1):
+        if stream:
+            content, acc = "", {}
+            for chunk in client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools,
+                                                        stream=True, stream_options={"include_usage": True}):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    for tc in choice.delta.tool_calls or []:
+                        entry = acc.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                        entry["name"] += tc.function.name or ""
+                        entry["arguments"] += tc.function.arguments or ""
+            message = openai.types.chat.ChatCompletionMessage(role="assistant", content=content or None, tool_calls=[
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in acc.values()] or None)
+        else:
+            message = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
+        if not message.tool_calls:
+            return SessionResult(message.content or "", turn, commands)
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments or "{}")
+            commands.append(args.get("command", ""))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": tool_output(args)})
+    return SessionResult("", max_turns, commands)
+
+
+def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
+                             max_turns: int = 4) -> SessionResult:
+    import openai
+
+    client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
+    tools = [{"type": "function", "name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA,
+              "strict": False}]
+    items: list = [{"role": "user", "content": prompt}]
+    commands: list[str] = []
+    for turn in range(1, max_turns + 1):
+        kwargs = dict(model="gpt-5-codex", input=items, tools=tools, instructions=SYSTEM, store=False)
+        if stream:
+            with client.responses.stream(**kwargs) as s:
+                resp = s.get_final_response()
+        else:
+            resp = client.responses.create(**kwargs)
+        calls = [o for o in resp.output if o.type == "function_call"]
+        if not calls:
+            return SessionResult(resp.output_text, turn, commands)
+        items += [o.model_dump(exclude_none=True) for o in resp.output]
+        for call in calls:
+            args = json.loads(call.arguments or "{}")
+            commands.append(args.get("command", ""))
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": tool_output(args)})
+    return SessionResult("", max_turns, commands)
+
+
+def google_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
+                   max_turns: int = 4) -> SessionResult:
+    from google import genai
+    from google.genai import types
+
+    client = genai.Client(api_key=api_key, http_options=types.HttpOptions(base_url=base_url) if base_url else None)
+    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
+        name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA)])
+    config = types.GenerateContentConfig(
+        tools=[tool], system_instruction=SYSTEM,
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+    contents: list = [types.Content(role="user", parts=[types.Part(text=prompt)])]
+    commands: list[str] = []
+    for turn in range(1, max_turns + 1):
+        if stream:
+            parts: list = []
+            for chunk in client.models.generate_content_stream(model="gemini-2.5-flash", contents=contents,
+                                                               config=config):
+                if chunk.candidates and chunk.candidates[0].content and chunk.candidates[0].content.parts:
+                    parts += chunk.candidates[0].content.parts
+        else:
+            resp = client.models.generate_content(model="gemini-2.5-flash", contents=contents, config=config)
+            parts = list(resp.candidates[0].content.parts or [])
+        calls = [p.function_call for p in parts if p.function_call]
+        if not calls:
+            return SessionResult("".join(p.text or "" for p in parts if not p.thought), turn, commands)
+        commands += [dict(c.args or {}).get("command", "") for c in calls]
+        contents += [types.Content(role="model", parts=parts), types.Content(role="user", parts=[
+            types.Part.from_function_response(name=c.name, response={"output": tool_output(dict(c.args or {}))})
+            for c in calls])]
+    return SessionResult("", max_turns, commands)
+
+
+DRIVERS: dict[str, Callable[..., SessionResult]] = {
+    "anthropic": anthropic_session,
+    "openai_chat": openai_chat_session,
+    "openai_responses": openai_responses_session,
+    "google": google_session,
+}
+
+
+def base_url_for(provider: str, gateway_url: str, prefix: str) -> str:
+    """The SDK base URL that routes `provider` through a reverse gateway with a `/t/TASK/s/SESSION` prefix."""
+    return f"{gateway_url}{prefix}/v1" if provider.startswith("openai") else f"{gateway_url}{prefix}"
