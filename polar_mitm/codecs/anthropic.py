@@ -252,15 +252,29 @@ def _block_type(block: Any, where: str) -> str:
 def _decode_message(raw: Any, where: str, tool_names: dict[str, str]) -> list[Message]:
     raw = _expect(raw, dict, where, "a message object")
     role = raw.get("role")
-    if role not in ("user", "assistant"):
-        raise _invalid(f"{where}.role: expected 'user' or 'assistant', got {role!r}")
+    if role not in ("user", "assistant", "system"):
+        raise _invalid(f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
     content = raw.get("content")
+    if role == "system":
+        # Claude Code ≥ 2.1 sends mid-conversation system messages (environment, per-turn settings) in
+        # `messages`; they are system turns to the model, so they stay system turns for the engine.
+        return _decode_mid_system(content, where)
     if isinstance(content, str):
         return [Message(role=role, content=content)]
     blocks = _expect(content, list, f"{where}.content", "a string or a list of content blocks")
     if role == "assistant":
         return [_decode_assistant(blocks, where, tool_names)]
     return _decode_user(blocks, where, tool_names)
+
+
+def _decode_mid_system(content: Any, where: str) -> list[Message]:
+    """A `role: "system"` message inside `messages`: text only, billing lines removed like the top-level system."""
+    if isinstance(content, str):
+        texts = [content]
+    else:
+        blocks = _expect(content, list, f"{where}.content", "a string or a list of text blocks")
+        texts = [_text_block(block, f"{where}.content.{i}") for i, block in enumerate(blocks)]
+    return [Message(role="system", content=_BILLING_LINE.sub("", "\n".join(texts)))]
 
 
 def _decode_assistant(blocks: list[Any], where: str, tool_names: dict[str, str]) -> Message:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import uuid
 from collections import defaultdict
@@ -149,16 +148,16 @@ class Gateway:
             request_id=request_id, session_id=who.session_id, task_id=who.task_id, seq=seq, started_at=started,
             finished_at=started, provider=codec.name, path=path, host=req.host, mode=req.mode, stream=False,
             finish_reason="error", session_source=who.source,
-            harness_ids_json=json.dumps(who.harness_ids) if who.harness_ids else None,
+            harness_ids_json=orjson.dumps(who.harness_ids).decode() if who.harness_ids else None,
             request_json=req.body.decode("utf-8", "replace") or None,
         )
         try:
-            conv, engine_body = await asyncio.to_thread(self._prepare, codec, req.body, path, req.query)
+            conv, engine_body = await offload(self._prepare, len(req.body), codec, req.body, path, req.query)
             record.stream, record.model_requested = conv.stream, conv.model
-            record.messages_json = json.dumps(conv.messages_json(), ensure_ascii=False)
-            record.tools_json = json.dumps(conv.tools_json(), ensure_ascii=False)
+            record.messages_json = orjson.dumps(conv.messages_json()).decode()
+            record.tools_json = orjson.dumps(conv.tools_json()).decode()
             raw = await self.engine.chat(engine_body)
-            answer, completion, response = await asyncio.to_thread(self._finish, codec, conv, raw)
+            answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
         except GatewayError as err:
             answer = codec.encode_error(err)
             record.error = f"{err.kind}: {err.message}"
@@ -176,7 +175,7 @@ class Gateway:
         record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
         record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
         record.response_json = response
-        record.engine_meta_json = json.dumps(completion.meta_info)
+        record.engine_meta_json = orjson.dumps(completion.meta_info).decode()
         record.status_code = answer.status
         return with_record(answer, await self._persist(record))
 
@@ -199,7 +198,7 @@ class Gateway:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}") from exc
         response = codec.encode_response(conv, completion)
-        response_text = json.dumps(response, ensure_ascii=False)
+        response_text = orjson.dumps(response).decode()
         if conv.stream:
             answer = HttpAnswer(200, b"".join(codec.encode_stream(conv, completion)), "text/event-stream",
                                 {"cache-control": "no-cache"})
@@ -214,6 +213,16 @@ class Gateway:
         # Durable before the harness gets its answer: the writer resolves the future after fsync.
         await asyncio.wrap_future(self.writer.write(row))
         return row
+
+
+OFFLOAD_BYTES = 32 << 10  # below this, JSON work takes well under a thread hop: do it inline
+
+
+async def offload(fn, size: int, *args):
+    """Run `fn` in a worker thread when its payload is large, so big prompts never stall the event loop."""
+    if size < OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def parse_json(raw: bytes) -> Any:

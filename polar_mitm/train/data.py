@@ -1,0 +1,416 @@
+"""Merged shards → GRPO training rows: groups by `task_id`, group-relative advantages, exact truncation, batching.
+
+Pure functions on `MergedSequence`s; the only I/O is `read_merged`. Rewards are fixed once recorded, so the group
+baseline is computed here over whole groups, before training — not inside a batch, where a group may be split.
+
+A GRPO group is a `task_id`; its members are sessions (one rollout each). A session may span several sequences
+(per_request sequences, or prefix_merging chains broken by a prefix change): they all share the session's advantage.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow.parquet as pq
+
+from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
+
+AdvantageEstimator = Literal["mean_std", "leave_one_out"]
+RewardScaling = Literal["group", "batch", "none"]
+STD_EPS = 1e-4  # as TRL: keeps a near-zero-variance group from blowing up
+ZERO_VARIANCE_TOL = 1e-9
+
+
+class MergedDataError(ValueError):
+    """Merged shards that break MERGED_SCHEMA's invariants (and so cannot be trained on safely)."""
+
+
+# -- reading ---------------------------------------------------------------------------------------------------------
+
+
+def merged_files(path: str | Path) -> list[Path]:
+    """The Parquet shards under `path` (a directory, searched recursively) or `path` itself."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if not p.name.startswith("."))
+    elif path.exists():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"no merged shards at {path}")
+    if not files:
+        raise FileNotFoundError(f"no *.parquet files under {path}")
+    return files
+
+
+def read_merged(paths: str | Path | Sequence[str | Path]) -> list[MergedSequence]:
+    """Read merged shards into `MergedSequence`s, checking each row's invariants."""
+    if isinstance(paths, str | Path):
+        paths = [paths]
+    names = {f.name for f in MERGED_SCHEMA}
+    sequences: list[MergedSequence] = []
+    for root in paths:
+        for file in merged_files(root):
+            table = pq.read_table(file)
+            missing = {"input_ids", "loss_mask", "logprobs", "session_id"} - set(table.column_names)
+            if missing:
+                raise MergedDataError(f"{file}: not a merged shard (missing columns {sorted(missing)})")
+            for row in table.to_pylist():
+                version = row.get("schema_version") or MERGED_SCHEMA_VERSION
+                if version > MERGED_SCHEMA_VERSION:
+                    raise MergedDataError(f"{file}: merged schema v{version} is newer than this reader "
+                                          f"(v{MERGED_SCHEMA_VERSION})")
+                seq = MergedSequence(**{k: v for k, v in row.items() if k in names})
+                validate_sequence(seq, where=str(file))
+                sequences.append(seq)
+    return sequences
+
+
+def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
+    """Raise `MergedDataError` unless ids, mask and logprobs align and the logprobs are usable as ratios."""
+    at = f"{where}: sequence {seq.sequence_id}" if where else f"sequence {seq.sequence_id}"
+    n = len(seq.input_ids)
+    if not (len(seq.loss_mask) == len(seq.logprobs) == n):
+        raise MergedDataError(f"{at}: input_ids/loss_mask/logprobs lengths differ "
+                              f"({n}/{len(seq.loss_mask)}/{len(seq.logprobs)})")
+    if not 1 <= seq.prompt_len <= n:
+        raise MergedDataError(f"{at}: prompt_len={seq.prompt_len} outside [1, {n}]")
+    if any(seq.loss_mask[: seq.prompt_len]):
+        raise MergedDataError(f"{at}: a sampled token (loss_mask 1) inside the prompt (prompt_len={seq.prompt_len})")
+    for i, (mask, logprob) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
+        if mask not in (0, 1):
+            raise MergedDataError(f"{at}: loss_mask[{i}]={mask} is not 0/1")
+        if mask and not (math.isfinite(logprob) and logprob <= 1e-6):
+            raise MergedDataError(f"{at}: logprob[{i}]={logprob} is not a finite log-probability")
+
+
+# -- advantages ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupAdvantages:
+    """Per-session rewards and advantages, plus what was left out and why."""
+
+    reward: dict[str, float]
+    advantage: dict[str, float]
+    group_of: dict[str, str | None]
+    zero_variance_groups: int = 0
+    singleton_groups: int = 0
+    unrewarded_sessions: int = 0
+    mixed_reward_sessions: int = 0
+    group_sizes: dict[int, int] = field(default_factory=dict)  # sessions per group → number of groups
+
+
+def session_rewards(sequences: Sequence[MergedSequence]) -> tuple[dict[str, float], dict[str, str | None], int]:
+    """One reward and group per session: (reward by session, task_id by session, sessions whose rows disagree).
+
+    Rewards are joined per session, so its rows should agree; if they do not, the mean is used and counted.
+    """
+    rewards: dict[str, list[float]] = defaultdict(list)
+    group_of: dict[str, str | None] = {}
+    for seq in sequences:
+        group_of.setdefault(seq.session_id, seq.task_id)
+        if seq.reward is not None and math.isfinite(seq.reward):
+            rewards[seq.session_id].append(float(seq.reward))
+    mixed = sum(1 for values in rewards.values() if max(values) - min(values) > ZERO_VARIANCE_TOL)
+    return {s: sum(v) / len(v) for s, v in rewards.items()}, group_of, mixed
+
+
+def group_advantages(
+    sequences: Sequence[MergedSequence],
+    *,
+    estimator: AdvantageEstimator = "mean_std",
+    scale_rewards: RewardScaling = "group",
+) -> GroupAdvantages:
+    """Group-relative advantages per session, over the sessions of each `task_id`.
+
+    `mean_std`: (r - group mean), divided by the group std (`scale_rewards="group"`, TRL's default), by the std of
+    all rewards (`"batch"`) or not at all (`"none"`, Dr. GRPO). `leave_one_out` (RLOO): r - mean of the *other*
+    sessions' rewards, unscaled. Groups whose rewards are all equal, and single-session groups, get exactly 0.
+    Sessions without a task_id are their own (singleton) group; sessions without a reward are left out.
+    """
+    reward, group_of, mixed = session_rewards(sequences)
+    members: dict[str, list[str]] = defaultdict(list)
+    singleton = 0
+    for session in reward:
+        task = group_of[session]
+        if task is None:
+            singleton += 1
+            continue
+        members[task].append(session)
+    all_rewards = list(reward.values())
+    batch_std = _std(all_rewards)
+    advantage = {s: 0.0 for s in reward}
+    zero_variance = 0
+    for sessions in members.values():
+        values = [reward[s] for s in sessions]
+        if len(values) < 2:
+            singleton += 1
+            continue
+        if max(values) - min(values) <= ZERO_VARIANCE_TOL:
+            zero_variance += 1  # an exact 0: float noise in (r - mean) / eps would otherwise leak a gradient
+            continue
+        mean = sum(values) / len(values)
+        for s, r in zip(sessions, values, strict=True):
+            if estimator == "leave_one_out":
+                advantage[s] = r - (sum(values) - r) / (len(values) - 1)
+            elif estimator == "mean_std":
+                scale = {"group": _std(values), "batch": batch_std, "none": None}[scale_rewards]
+                advantage[s] = (r - mean) / (scale + STD_EPS) if scale is not None else r - mean
+            else:
+                raise ValueError(f"unknown advantage estimator {estimator!r}")
+    sizes = Counter(len(v) for v in members.values())
+    return GroupAdvantages(
+        reward=reward, advantage=advantage, group_of=group_of, zero_variance_groups=zero_variance,
+        singleton_groups=singleton, unrewarded_sessions=len(group_of) - len(reward), mixed_reward_sessions=mixed,
+        group_sizes=dict(sorted(sizes.items())),
+    )
+
+
+def _std(values: Sequence[float]) -> float:
+    """Sample standard deviation (Bessel-corrected, like TRL's `nanstd`); 0 for fewer than two values."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+# -- truncation ------------------------------------------------------------------------------------------------------
+
+
+def truncate(seq: MergedSequence, max_length: int | None) -> MergedSequence | None:
+    """Keep the exact causal prefix of `max_length` tokens; None if no sampled token survives.
+
+    Ids, mask and logprobs are cut at the same index, so every kept token keeps its own behaviour logprob, and the
+    kept tokens see exactly the context they were sampled with.
+    """
+    if max_length is None or len(seq.input_ids) <= max_length:
+        return seq
+    if not any(seq.loss_mask[:max_length]):
+        return None
+    return replace(
+        seq,
+        input_ids=seq.input_ids[:max_length],
+        loss_mask=seq.loss_mask[:max_length],
+        logprobs=seq.logprobs[:max_length],
+        finish_reason="truncated",
+        extra={**seq.extra, "truncated_from": len(seq.input_ids)},
+    )
+
+
+# -- training rows ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataStats:
+    """What went into training and what was left out (written next to the run as data_stats.json)."""
+
+    sequences_read: int = 0
+    sequences_used: int = 0
+    sessions: int = 0
+    groups: int = 0
+    unrewarded_sessions: int = 0
+    singleton_groups: int = 0
+    zero_variance_groups: int = 0
+    mixed_reward_sessions: int = 0
+    truncated: int = 0
+    dropped_no_sampled_tokens: int = 0
+    group_sizes: dict[int, int] = field(default_factory=dict)
+    group_size_mismatches: int = 0
+    tokens: int = 0
+    sampled_tokens: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    weight_versions: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrainingData:
+    """Training rows (one per sequence, plain Python values) and their stats."""
+
+    rows: list[dict[str, Any]]
+    stats: DataStats
+
+    def to_dataset(self):
+        """A `datasets.Dataset` of the rows, for TRL's trainer."""
+        from datasets import Dataset
+
+        if not self.rows:
+            raise MergedDataError("no trainable sequences (all unrewarded, or nothing sampled within --max-length)")
+        return Dataset.from_list(self.rows)
+
+    def lengths(self) -> list[int]:
+        return [len(r["input_ids"]) for r in self.rows]
+
+
+def build_training_data(
+    sequences: Sequence[MergedSequence],
+    *,
+    estimator: AdvantageEstimator = "mean_std",
+    scale_rewards: RewardScaling = "group",
+    max_length: int | None = None,
+    group_size: int | None = None,
+) -> TrainingData:
+    """Advantages per session, truncation, and one training row per sequence of a rewarded session."""
+    adv = group_advantages(sequences, estimator=estimator, scale_rewards=scale_rewards)
+    stats = DataStats(
+        sequences_read=len(sequences), sessions=len(adv.group_of),
+        groups=len({t for t in adv.group_of.values() if t is not None}),
+        unrewarded_sessions=adv.unrewarded_sessions, singleton_groups=adv.singleton_groups,
+        zero_variance_groups=adv.zero_variance_groups, mixed_reward_sessions=adv.mixed_reward_sessions,
+        group_sizes=adv.group_sizes,
+    )
+    if group_size is not None:
+        stats.group_size_mismatches = sum(n for size, n in adv.group_sizes.items() if size != group_size)
+    rows: list[dict[str, Any]] = []
+    versions: Counter[str] = Counter()
+    for seq in sequences:
+        if seq.session_id not in adv.reward:
+            continue
+        kept = truncate(seq, max_length)
+        if kept is None or not any(kept.loss_mask):
+            stats.dropped_no_sampled_tokens += 1
+            continue
+        stats.truncated += kept is not seq
+        versions[seq.weight_version_min or "unknown"] += 1
+        rows.append({
+            "sequence_id": seq.sequence_id,
+            "session_id": seq.session_id,
+            "task_id": seq.task_id,
+            "input_ids": list(kept.input_ids),
+            "loss_mask": list(kept.loss_mask),
+            "logprobs": [float(x) if m else 0.0 for x, m in zip(kept.logprobs, kept.loss_mask, strict=True)],
+            "prompt_len": kept.prompt_len,
+            "reward": adv.reward[seq.session_id],
+            "advantage": adv.advantage[seq.session_id],
+            # The oldest weights any of its turns was sampled with: how stale the sequence is, at worst.
+            "weight_version": seq.weight_version_min,
+            "weight_version_max": seq.weight_version_max,
+        })
+    stats.sequences_used = len(rows)
+    stats.tokens = sum(len(r["input_ids"]) for r in rows)
+    stats.sampled_tokens = sum(sum(r["loss_mask"]) for r in rows)
+    rewards = list(adv.reward.values())
+    stats.reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
+    stats.reward_std = _std(rewards)
+    stats.weight_versions = dict(sorted(versions.items()))
+    return TrainingData(rows=rows, stats=stats)
+
+
+def newest_weight_version(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The newest `weight_version_max` among the rows (numeric versions compare as numbers)."""
+    versions = {r.get("weight_version_max") or r.get("weight_version") for r in rows} - {None}
+    if not versions:
+        return None
+    numeric = [v for v in versions if str(v).isdigit()]
+    return max(numeric, key=int) if numeric else sorted(versions)[-1]
+
+
+def version_distance(current: str | None, recorded: str | None) -> int:
+    """How many weight updates separate `recorded` from `current`: the difference of numeric versions, else 0 if
+    they are equal (or unknown) and 1 if they differ."""
+    if current is None or recorded is None or current == recorded:
+        return 0
+    if str(current).isdigit() and str(recorded).isdigit():
+        return max(0, int(current) - int(recorded))
+    return 1
+
+
+# -- batching --------------------------------------------------------------------------------------------------------
+
+
+def collate(rows: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Pad a batch of training rows into TRL's prompt/completion tensors.
+
+    All rows are split at the same index, the shortest `prompt_len` of the batch: the "prompt" part is then the
+    same width for every row (no left padding, positions exactly as sampled) and only the right end is padded, so a
+    length-bucketed batch wastes almost nothing. Tokens of a longer prompt past the split land in the "completion"
+    part with loss mask 0 — they are context, never trained on.
+    """
+    import torch
+
+    split = min(int(r["prompt_len"]) for r in rows)
+    width = max(len(r["input_ids"]) for r in rows) - split
+    n = len(rows)
+    prompt_ids = torch.tensor([list(r["input_ids"][:split]) for r in rows], dtype=torch.long)
+    completion_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.long)
+    behaviour_logps = torch.zeros((n, width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        tail = len(r["input_ids"]) - split
+        completion_ids[i, :tail] = torch.tensor(r["input_ids"][split:], dtype=torch.long)
+        completion_mask[i, :tail] = 1
+        loss_mask[i, :tail] = torch.tensor(r["loss_mask"][split:], dtype=torch.long)
+        behaviour_logps[i, :tail] = torch.tensor(r["logprobs"][split:], dtype=torch.float32)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "loss_mask": loss_mask,
+        "behaviour_logps": behaviour_logps * loss_mask,  # exactly 0.0 off the sampled tokens
+        "advantages": torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
+        "rewards": torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),
+    }
+
+
+def padding_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """Share of the padded token grid that is padding, for `batches` of indices into `lengths`."""
+    grid = sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
+    return 1.0 - sum(lengths[i] for b in batches for i in b) / grid if grid else 0.0
+
+
+def length_buckets(lengths: Sequence[int], batch_size: int, *, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
+    """Indices grouped into batches of similar length (sorted, chunked; the chunk order shuffled).
+
+    The last chunk is filled up with the shortest sequences so every batch has `batch_size` rows (TRL splits a
+    generation batch evenly across accumulation steps).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if not order:
+        return []
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    short = batch_size - len(chunks[-1])
+    if short:
+        chunks[-1] = chunks[-1] + [order[i % len(order)] for i in range(short)]
+    if shuffle:
+        random.Random(seed).shuffle(chunks)
+    return chunks
+
+
+class LengthBucketSampler:
+    """TRL's RepeatSampler contract with length bucketing instead of prompt repetition.
+
+    Yields global generation batches of `batch_size` indices of similar length, each repeated `repeat_count` times
+    in a row (TRL reads a generation batch once and reuses it for `steps_per_generation × num_iterations` steps).
+    A new shuffle of the bucket order per epoch.
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, *, repeat_count: int = 1, shuffle: bool = True,
+                 seed: int = 0) -> None:
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        chunks = length_buckets(self.lengths, self.batch_size, seed=self.seed + self.epoch, shuffle=self.shuffle)
+        self.epoch += 1
+        for chunk in chunks:
+            for _ in range(self.repeat_count):
+                yield from chunk
+
+    def __len__(self) -> int:
+        n_chunks = math.ceil(len(self.lengths) / self.batch_size)
+        return n_chunks * self.batch_size * self.repeat_count

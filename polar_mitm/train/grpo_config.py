@@ -1,0 +1,145 @@
+"""`PolarGRPOConfig`: TRL's `GRPOConfig` plus what training on recorded merged sequences needs.
+
+TRL's fields keep their meaning wherever they still apply (`loss_type`, `epsilon`, `epsilon_high`, `beta`,
+`scale_rewards`, `importance_sampling_level`, `num_iterations`, …). Fields about generation do not apply: the
+completions were sampled by the engine behind the gateway, and are read from merged shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+STALE_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+ADVANTAGE_ESTIMATORS = ("mean_std", "leave_one_out")
+
+
+@dataclass
+class PolarGRPOConfig(GRPOConfig):
+    r"""Configuration for [`PolarGRPOTrainer`]: GRPO on pre-recorded (merged) rollouts.
+
+    Defaults that differ from TRL's `GRPOConfig`: `bf16=False` and `gradient_checkpointing=False` (exact fp32
+    logprobs on CPU; turn them on for large models on GPU), `logging_steps=1`, `save_strategy="no"` (the command
+    saves the final model), `report_to=["tensorboard"]`, and `num_generations` is set for TRL from the batch shape
+    (recorded groups are formed by `task_id`, not by the sampler — see `group_size`).
+    """
+
+    # -- TRL defaults we change ------------------------------------------------------------------------------------
+    bf16: bool | None = field(
+        default=False,
+        metadata={"help": "bf16 autocast. Off by default: importance ratios need logprobs that match the engine's, "
+                          "and bf16 shifts them by ~1e-2."},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute activations in the backward pass (saves memory on long sequences)."},
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
+    save_strategy: str = field(
+        default="no",
+        metadata={"help": "Intermediate checkpoints (`no` | `steps` | `epoch`); the final model is always saved."},
+    )
+    report_to: str | list[str] | None = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={"help": "Integrations to log to (TensorBoard by default; metrics.jsonl is always written)."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "The engine's sampling temperature for the recorded rollouts. Logprobs are recomputed as "
+                          "log_softmax(logits / temperature), so it must equal the sampling temperature for the "
+                          "importance ratios to mean anything."},
+    )
+    num_generations: int | None = field(
+        default=None,
+        metadata={"help": "Set from the batch shape for TRL's checks; not a group size here (see `group_size`)."},
+    )
+    shuffle_dataset: bool | None = field(
+        default=True, metadata={"help": "Shuffle the order of the length buckets (each epoch)."},
+    )
+
+    # -- recorded data ---------------------------------------------------------------------------------------------
+    group_size: int | None = field(
+        default=None,
+        metadata={"help": "Sessions expected per task_id group (the rollouts per task). Groups of another size are "
+                          "counted and reported (strict_group_size makes that an error)."},
+    )
+    strict_group_size: bool = field(
+        default=False, metadata={"help": "Fail when a group does not have exactly `group_size` sessions."},
+    )
+    advantage_estimator: str = field(
+        default="mean_std",
+        metadata={"help": "`mean_std`: (r - group mean) / group std (see `scale_rewards`); `leave_one_out`: r - mean "
+                          "of the other sessions of the group (RLOO). Every sequence of a session gets its session's "
+                          "advantage; groups with equal rewards get 0."},
+    )
+    max_length: int | None = field(
+        default=None,
+        metadata={"help": "Cut sequences to their first `max_length` tokens (an exact causal prefix: each kept token "
+                          "keeps its own logprob). Sequences with no sampled token left are dropped."},
+    )
+
+    # -- staleness / off-policy correction -------------------------------------------------------------------------
+    policy_weight_version: str | None = field(
+        default=None,
+        metadata={"help": "The engine weight_version of the starting weights. Default: the newest weight_version in "
+                          "the data. Each optimizer step counts as one more version, so a rollout's staleness is "
+                          "(this + steps taken) - its weight_version."},
+    )
+    stale_correction: str = field(
+        default="token_truncate",
+        metadata={"help": "Off-policy correction for stale rollouts (staleness > 0): anchor the PPO ratio on the "
+                          "current weights' logprobs and weight each token by pi_current / pi_behaviour, truncated "
+                          "at `stale_is_clip_max` (`*_truncate`) or zeroed above it (`*_mask`), per token or per "
+                          "sequence. Fresh rollouts always use the recorded behaviour logprobs as the ratio anchor. "
+                          "`none`: the behaviour logprobs anchor every rollout (plain clipped ratio)."},
+    )
+    stale_is_clip_max: float = field(
+        default=2.0, metadata={"help": "Upper bound C of the stale-rollout importance weight."},
+    )
+    stale_is_clip_min: float | None = field(
+        default=None, metadata={"help": "Optional lower bound of the stale-rollout importance weight."},
+    )
+
+    # -- outputs ---------------------------------------------------------------------------------------------------
+    save_merged: bool = field(
+        default=True, metadata={"help": "With LoRA, also write the merged full model to `<output_dir>/merged`."},
+    )
+    push_to_engine: str | None = field(
+        default=None,
+        metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`): after training (and every "
+                          "`push_every_steps`), save the weights and call its /update_weights_from_disk."},
+    )
+    push_every_steps: int = field(
+        default=0, metadata={"help": "Push to the engine every N optimizer steps (0 = only at the end)."},
+    )
+    metrics_file: str = field(
+        default="metrics.jsonl", metadata={"help": "Per-step metrics, one JSON object a line, in output_dir."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}")
+        if self.stale_correction not in STALE_CORRECTION_MODES:
+            raise ValueError(f"stale_correction must be one of {STALE_CORRECTION_MODES}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError("max_length must be at least 2")
+        if self.group_size is not None and self.group_size < 2:
+            raise ValueError("group_size must be at least 2 (a group of one has no baseline)")
+        # Every row carries its own columns to the trainer: TRL must not drop them.
+        self.remove_unused_columns = False
+        if self.max_length is not None:
+            self.max_completion_length = self.max_length  # dr_grpo's constant normaliser
+        if self.num_generations is None:
+            # TRL checks that the generation batch divides into prompt groups of num_generations ≥ 2. Our groups are
+            # formed by task_id before training, so any divisor works: the per-device generation batch divides the
+            # global one whatever the number of processes.
+            steps = self.steps_per_generation or self.gradient_accumulation_steps
+            local = self.per_device_train_batch_size * steps
+            if self.generation_batch_size is not None:
+                local = self.generation_batch_size
+            if local < 2:
+                raise ValueError("a generation batch needs at least 2 sequences per device: raise "
+                                 "per_device_train_batch_size or gradient_accumulation_steps")
+            self.num_generations = local
+        super().__post_init__()
