@@ -192,6 +192,19 @@ def test_billing_line_removed_from_system_string_keeping_the_rest() -> None:
     assert conv.messages[0] == Message(role="system", content="You are helpful.\nBe concise.")
 
 
+def test_mid_conversation_system_message_is_kept_as_a_system_turn() -> None:
+    """Claude Code 2.1 puts its environment block in a `role: "system"` message after the first user turn."""
+    body = {"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": BILLING}, {"type": "text",
+                                                                                         "text": "Be useful."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /w",
+                                                         "cache_control": {"type": "ephemeral"}}],
+                          "output_config": {"effort": "medium"}}]}
+    conv = CODEC.decode_request(body, "/v1/messages", {})
+    assert conv.messages == [Message(role="system", content="Be useful."), Message(role="user", content="hi"),
+                             Message(role="system", content="# Environment\ncwd: /w")]
+
+
 def test_system_absent_or_only_billing_gives_no_system_message() -> None:
     base = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
     for system in (None, BILLING, [{"type": "text", "text": BILLING}]):
