@@ -84,6 +84,25 @@ def demo(
     run_demo(model=model, prompt=prompt, port=port, console=console)
 
 
+@app.command()
+def agent(
+    prompt: Annotated[str, typer.Argument(help="The task for the agent.")],
+    provider: Annotated[str, typer.Option(help="openai_chat | openai_responses | anthropic | google")] = "openai_chat",
+    base_url: Annotated[str | None, typer.Option(help="Provider base URL (default: the SDK's own).")] = None,
+    api_key: Annotated[str, typer.Option(envvar="POLAR_AGENT_API_KEY", help="API key to send.")] = "polar-agent",
+    workdir: Annotated[Path, typer.Option(help="Where shell commands run.")] = Path("."),
+    max_turns: Annotated[int, typer.Option(help="Model calls at most.")] = 8,
+    stream: Annotated[bool, typer.Option(help="Ask for SSE streams.")] = True,
+) -> None:
+    """A minimal reference coding agent on the official SDKs: one `shell` tool, run for real in WORKDIR."""
+    from polar_mitm.sdk_agent import DRIVERS, shell_runner
+
+    result = DRIVERS[provider](prompt, api_key=api_key, base_url=base_url, stream=stream, max_turns=max_turns,
+                               run_tool=shell_runner(str(workdir)))
+    console.print(f"[bold]{result.calls} model calls[/], ran {len(result.tool_commands)} commands")
+    console.print(result.final_text)
+
+
 @app.command("import-flows")
 def import_flows_command(
     flows: Annotated[list[Path], typer.Argument(help="mitmproxy flow files (`mitmdump -w`).")],
@@ -116,6 +135,15 @@ def records_command(
                       str(len(r["prompt_ids"] or [])), str(len(r["completion_ids"] or [])), r["finish_reason"],
                       (r["error"] or "")[:40])
     console.print(table)
+
+
+def _register_subcommands() -> None:
+    from polar_mitm.rollout.cli import rollout_command
+
+    app.command("rollout")(rollout_command)
+
+
+_register_subcommands()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from polar_mitm import procs
-from polar_mitm.testing.sdk_sessions import DRIVERS, base_url_for
+from polar_mitm.sdk_agent import DRIVERS, base_url_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = [

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from polar_mitm.records import read_all
-from polar_mitm.testing.sdk_sessions import DRIVERS, base_url_for
+from polar_mitm.sdk_agent import DRIVERS, base_url_for
 
 API_KEY = "sk-polar-test-SECRET-7f3a9c"
 USER_TEXT = "Write hello into out.txt"

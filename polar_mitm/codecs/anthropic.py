@@ -165,9 +165,12 @@ def _decode(body: Any, *, require_max_tokens: bool) -> Conversation:
 
     messages = _decode_system(body.get("system"))
     tool_names: dict[str, str] = {}  # tool_use id → tool name, to name the results that answer them
+    loaded: set[str] = set()  # deferred tools the conversation has loaded (tool_reference blocks)
     for i, raw in enumerate(raw_messages):
-        messages.extend(_decode_message(raw, f"messages.{i}", tool_names))
-    tools, tool_choice = _decode_tools(body.get("tools")), _decode_tool_choice(body.get("tool_choice"))
+        messages.extend(_decode_message(raw, f"messages.{i}", tool_names, loaded))
+    loaded.update(tool_names.values())  # a tool the model already called was loaded before that call
+    tools = _decode_tools(body.get("tools"), loaded)
+    tool_choice = _decode_tool_choice(body.get("tool_choice"))
     return Conversation(
         messages=messages,
         model=_optional(body, "model", str, "a string") or "",
@@ -249,7 +252,7 @@ def _block_type(block: Any, where: str) -> str:
     return kind
 
 
-def _decode_message(raw: Any, where: str, tool_names: dict[str, str]) -> list[Message]:
+def _decode_message(raw: Any, where: str, tool_names: dict[str, str], loaded: set[str]) -> list[Message]:
     raw = _expect(raw, dict, where, "a message object")
     role = raw.get("role")
     if role not in ("user", "assistant", "system"):
@@ -264,7 +267,7 @@ def _decode_message(raw: Any, where: str, tool_names: dict[str, str]) -> list[Me
     blocks = _expect(content, list, f"{where}.content", "a string or a list of content blocks")
     if role == "assistant":
         return [_decode_assistant(blocks, where, tool_names)]
-    return _decode_user(blocks, where, tool_names)
+    return _decode_user(blocks, where, tool_names, loaded)
 
 
 def _decode_mid_system(content: Any, where: str) -> list[Message]:
@@ -306,7 +309,7 @@ def _decode_tool_use(block: dict[str, Any], where: str) -> ToolCall:
     return ToolCall(id=call_id, name=name, arguments=json.dumps(tool_input, ensure_ascii=False))
 
 
-def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str]) -> list[Message]:
+def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str], loaded: set[str]) -> list[Message]:
     """Tool results first (each its own tool message, in order), then the user's text as one user message.
 
     Chat templates expect tool results right after the assistant turn that called the tools.
@@ -319,7 +322,7 @@ def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str]) -> l
         if kind == "text":
             texts.append(_expect(block.get("text"), str, f"{at}.text", "a string"))
         elif kind == "tool_result":
-            results.append(_decode_tool_result(block, at, tool_names))
+            results.append(_decode_tool_result(block, at, tool_names, loaded))
         elif kind not in _IGNORED_BLOCKS:
             raise _invalid(f"{at}.type: unsupported user content block {kind!r}")
     if texts or not results:
@@ -327,7 +330,8 @@ def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str]) -> l
     return results
 
 
-def _decode_tool_result(block: dict[str, Any], where: str, tool_names: dict[str, str]) -> Message:
+def _decode_tool_result(block: dict[str, Any], where: str, tool_names: dict[str, str],
+                        loaded: set[str]) -> Message:
     call_id = _expect(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
     content = block.get("content")
     if content is None:
@@ -339,25 +343,36 @@ def _decode_tool_result(block: dict[str, Any], where: str, tool_names: dict[str,
         texts = []
         for i, part in enumerate(parts):
             at = f"{where}.content.{i}"
-            _block_type(part, at)  # rejects images and documents with a clear message
+            if _block_type(part, at) == "tool_reference":  # also rejects images and documents
+                # A tool search result: the API expands it into the referenced (deferred) tool's definition.
+                loaded.add(_expect(part.get("tool_name"), str, f"{at}.tool_name", "a string"))
+                continue
             texts.append(_text_block(part, at))
         text = "\n".join(texts)
     # is_error needs no marking: the harness already wrote the failure into the text the model should read.
     return Message(role="tool", content=text, tool_call_id=call_id, name=tool_names.get(call_id))
 
 
-def _decode_tools(value: Any) -> list[Tool]:
-    """Client tools (those with an `input_schema`); Anthropic-executed server tools are left out."""
+def _decode_tools(value: Any, loaded: set[str]) -> list[Tool]:
+    """Client tools (those with an `input_schema`) the model can see.
+
+    Anthropic-executed server tools are left out, and so are deferred tools (`defer_loading: true`, Claude Code's
+    ToolSearch shape on the first-party host) until the conversation has loaded them: the API keeps their schemas
+    out of the prompt until a tool search references them, and so must we.
+    """
     if value is None:
         return []
-    decoded = (_decode_tool(raw, f"tools.{i}") for i, raw in enumerate(_expect(value, list, "tools", "a list")))
+    decoded = (_decode_tool(raw, f"tools.{i}", loaded)
+               for i, raw in enumerate(_expect(value, list, "tools", "a list")))
     return [tool for tool in decoded if tool is not None]
 
 
-def _decode_tool(raw: Any, where: str) -> Tool | None:
+def _decode_tool(raw: Any, where: str, loaded: set[str]) -> Tool | None:
     raw = _expect(raw, dict, where, "a tool object")
     schema = raw.get("input_schema")
     if schema is None:  # a server tool (web_search_…, bash_…): Anthropic runs it, our engine cannot
+        return None
+    if raw.get("defer_loading") is True and raw.get("name") not in loaded:
         return None
     description = raw.get("description")
     return Tool(

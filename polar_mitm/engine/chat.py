@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.engine.generation import Engine, Generation
@@ -33,6 +33,7 @@ class ChatJob:
     top_logprobs: int
     tools_given: bool
     stream: bool
+    tool_names: list[str] = field(default_factory=list)  # for a scripted policy (see engine/script.py)
 
     @property
     def include_usage(self) -> bool:
@@ -130,7 +131,18 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
     if not isinstance(top, int) or not 0 <= top <= 20:
         raise ChatRequestError("top_logprobs must be an integer in [0, 20]")
     return ChatJob(body=body, prompt_ids=list(prompt_ids), params=params, logprobs=bool(body.get("logprobs")),
-                   top_logprobs=top, tools_given=bool(tools), stream=bool(body.get("stream")))
+                   top_logprobs=top, tools_given=bool(tools), stream=bool(body.get("stream")),
+                   tool_names=tool_names_of(tools))
+
+
+def tool_names_of(tools: list[Any] | None) -> list[str]:
+    """Function names of OpenAI-style tool definitions (malformed entries are the template's problem)."""
+    names = []
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
 
 
 def token_logprob_entry(engine: Engine, token_id: int, logprob: float, top: list[tuple[float, int]]) -> dict:

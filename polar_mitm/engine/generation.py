@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,8 +183,13 @@ class Engine:
         on_token: Callable[[TokenStep], None] | None = None,
         cancelled: threading.Event | None = None,
         request_id: str | None = None,
+        tool_names: Sequence[str] | None = None,
     ) -> Generation:
-        """Sample a completion for `prompt_ids`; `cancelled` (e.g. a client disconnect) aborts between tokens."""
+        """Sample a completion for `prompt_ids`; `cancelled` (e.g. a client disconnect) aborts between tokens.
+
+        `tool_names` (the request's tools; None when unknown) only matters to a scripted policy, whose turns may
+        depend on which tools the harness offers.
+        """
         self.check_prompt(prompt_ids)
         gen = Generation(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids))
         max_new = min(params.max_new_tokens, self.context_length - len(prompt_ids))
@@ -200,7 +205,7 @@ class Engine:
             if max_new <= 0:
                 gen.finish_reason = {"type": "length", "length": 0}
                 return gen
-            forced = self.script.ids_for(prompt_ids) if self.script is not None else None
+            forced = self.script.ids_for(prompt_ids, tool_names) if self.script is not None else None
             cache = self._new_cache()
             logits = self._prefill(prompt_ids, cache)
             t1 = time.perf_counter()

@@ -1,53 +1,123 @@
 """Scripted policy for tests: the engine "writes" scripted assistant turns instead of sampling.
 
 A random tiny model never calls tools, yet harness tests need a tool call and then a final answer. With a script,
-turn k of a conversation (k = assistant turns already in the prompt) is the k-th scripted text, tokenised by the
+turn k of a conversation (k = assistant turns already in the prompt) is the k-th scripted turn, tokenised by the
 real tokenizer and followed by the end-of-turn token. Its logprobs are still the true log-probabilities of those
 tokens under the model (the engine scores them during decoding), so records stay honest and the gateway cannot
 tell a scripted turn from a sampled one.
 
-Script file: JSON (or YAML-free JSONL) — a list whose items are either a string (raw assistant text, e.g.
-`<tool_call>\n{"name": "shell", "arguments": {...}}\n</tool_call>`) or {"tool_call": {"name": ..., "arguments": {...}}}
-or {"text": ...}. After the last item the script repeats its last turn.
+Script file (JSON): either a list of turns, or an object
+
+    {"turns": [...],                       # the main conversation, one item per assistant turn
+     "side": "OK.",                        # answer to requests that offer no tools (titles, summaries, ...)
+     "replies": [{"when": "next_speaker", "text": "{...}"}]}   # answers chosen by the last user turn's text
+
+A turn is a string (raw assistant text, e.g. `<tool_call>\\n{"name": ...}\\n</tool_call>`), `{"text": ...}`, or
+`{"text": ..., "tool_call": CALL | [CALL, ...]}` with CALL = `{"name": NAME, "arguments": {...}}`. NAME may be a
+list of candidates: the first one the request offers as a tool is called, with `arguments_by_name[NAME]` when
+given (harnesses shape the same shell tool differently) and `arguments` otherwise. Requests that offer no tools
+(side requests) never get a tool call: they get the first matching `replies` entry, else `side`, else the turn's
+own text. After the last turn the script repeats its last turn.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-IM_START, ASSISTANT_TOKEN_TEXT = "<|im_start|>", "assistant"
+IM_START, ASSISTANT_TOKEN_TEXT, USER_HEADER = "<|im_start|>", "assistant", "<|im_start|>user"
 
 
-def turn_text(item: Any) -> str:
-    """The raw assistant text of one script item."""
-    if isinstance(item, str):
-        return item
-    if isinstance(item, dict) and "tool_call" in item:
-        calls = item["tool_call"] if isinstance(item["tool_call"], list) else [item["tool_call"]]
-        prefix = item.get("text", "")
-        blocks = [
-            "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c.get("arguments", {})}, ensure_ascii=False)
-            + "\n</tool_call>"
-            for c in calls
-        ]
-        return (prefix + "\n" if prefix else "") + "\n".join(blocks)
-    if isinstance(item, dict) and "text" in item:
-        return str(item["text"])
-    raise ValueError(f"script item must be a string, {{'text': ...}} or {{'tool_call': ...}}: {item!r}")
+class ScriptError(ValueError):
+    """A script file that does not follow the format above."""
+
+
+@dataclass
+class ScriptedCall:
+    """One tool call of a scripted turn; `names` are candidates, in order of preference."""
+
+    names: list[str]
+    arguments: dict[str, Any]
+    arguments_by_name: dict[str, dict[str, Any]] = field(default_factory=dict)
+    adaptive: bool = False  # written as a list of names: pick among the request's tools
+
+    @classmethod
+    def parse(cls, raw: Any) -> ScriptedCall:
+        if not isinstance(raw, dict) or "name" not in raw:
+            raise ScriptError(f"a tool_call needs a name: {raw!r}")
+        names = raw["name"] if isinstance(raw["name"], list) else [raw["name"]]
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ScriptError(f"tool_call name must be a string or a non-empty list of strings: {raw!r}")
+        return cls(names=names, arguments=dict(raw.get("arguments") or {}),
+                   arguments_by_name=dict(raw.get("arguments_by_name") or {}),
+                   adaptive=isinstance(raw["name"], list))
+
+    def choose(self, offered: Sequence[str] | None) -> str | None:
+        """The name to call given the request's tool names (None: unknown, take the first candidate)."""
+        if offered is None or not self.adaptive:
+            return self.names[0]
+        return next((n for n in self.names if n in offered), None)
+
+    def render(self, name: str) -> str:
+        arguments = self.arguments_by_name.get(name, self.arguments)
+        payload = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"<tool_call>\n{payload}\n</tool_call>"
+
+
+@dataclass
+class ScriptedTurn:
+    text: str = ""
+    calls: list[ScriptedCall] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, item: Any) -> ScriptedTurn:
+        if isinstance(item, str):
+            return cls(text=item)
+        if isinstance(item, dict) and ("tool_call" in item or "text" in item):
+            raw_calls = item.get("tool_call") or []
+            raw_calls = raw_calls if isinstance(raw_calls, list) else [raw_calls]
+            return cls(text=str(item.get("text", "")), calls=[ScriptedCall.parse(c) for c in raw_calls])
+        raise ScriptError(f"script item must be a string, {{'text': ...}} or {{'tool_call': ...}}: {item!r}")
+
+    def render(self, offered: Sequence[str] | None) -> str | None:
+        """The assistant text for a request offering `offered` tools; None when no candidate name is offered."""
+        if not self.calls:
+            return self.text
+        names = [call.choose(offered) for call in self.calls]
+        if any(n is None for n in names):
+            return None
+        blocks = [call.render(n) for call, n in zip(self.calls, names, strict=True) if n is not None]
+        return (self.text + "\n" if self.text else "") + "\n".join(blocks)
+
+
+def turn_text(item: Any, offered: Sequence[str] | None = None) -> str:
+    """The raw assistant text of one script item (tool names chosen among `offered` when given)."""
+    turn = ScriptedTurn.parse(item)
+    text = turn.render(offered)
+    return turn.text if text is None else text
 
 
 class Script:
-    """Maps a prompt to the scripted token ids of its next assistant turn."""
+    """Maps a prompt (and the request's tool names) to the scripted token ids of its next assistant turn."""
 
-    def __init__(self, turns: list[Any], tokenizer, eos_id: int) -> None:
-        if not turns:
-            raise ValueError("a script needs at least one turn")
-        self.turn_ids = [tokenizer.encode(turn_text(t), add_special_tokens=False) + [eos_id] for t in turns]
+    def __init__(self, spec: list[Any] | dict[str, Any], tokenizer, eos_id: int) -> None:
+        if isinstance(spec, list):
+            spec = {"turns": spec}
+        turns = spec.get("turns") if isinstance(spec, dict) else None
+        if not turns or not isinstance(turns, list):
+            raise ScriptError("a script needs at least one turn")
+        self.turns = [ScriptedTurn.parse(t) for t in turns]
+        self.side: str | None = spec.get("side")
+        self.replies: list[tuple[str, str]] = [(str(r["when"]), str(r["text"])) for r in spec.get("replies", [])]
+        self.tokenizer, self.eos_id = tokenizer, eos_id
         start = tokenizer.convert_tokens_to_ids(IM_START)
         role = tokenizer.encode(ASSISTANT_TOKEN_TEXT, add_special_tokens=False)
         self.marker = [start, *role]
+        self.user_marker = tokenizer.encode(USER_HEADER, add_special_tokens=False)
+        self._ids: dict[str, list[int]] = {}
 
     @classmethod
     def load(cls, path: str | Path, tokenizer, eos_id: int) -> Script:
@@ -59,5 +129,29 @@ class Script:
         count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m)
         return max(count - 1, 0)
 
-    def ids_for(self, prompt_ids: list[int]) -> list[int]:
-        return self.turn_ids[min(self.turn_index(prompt_ids), len(self.turn_ids) - 1)]
+    def last_user_text(self, prompt_ids: list[int]) -> str:
+        """The text of the prompt's last user turn (tool results included), for `replies` matching."""
+        m, n = self.user_marker, len(self.user_marker)
+        starts = [i for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m]
+        tail = prompt_ids[starts[-1] + n:] if starts else prompt_ids
+        return self.tokenizer.decode(tail)
+
+    def text_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> str:
+        """The assistant text of the next turn; `tool_names` = the request's tools ([] none, None unknown)."""
+        turn = self.turns[min(self.turn_index(prompt_ids), len(self.turns) - 1)]
+        if tool_names is not None and not tool_names:  # a side request: never a tool call
+            last_user = self.last_user_text(prompt_ids) if self.replies else ""
+            matched = next((text for when, text in self.replies if when in last_user), None)
+            if matched is not None:
+                return matched
+            return self.side if self.side is not None else turn.text
+        text = turn.render(tool_names)
+        if text is None:  # none of the candidate tools is offered (e.g. a harness's sub-agent)
+            return self.side if self.side is not None else turn.text
+        return text
+
+    def ids_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[int]:
+        text = self.text_for(prompt_ids, tool_names)
+        if text not in self._ids:
+            self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id]
+        return self._ids[text]

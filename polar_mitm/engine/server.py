@@ -159,7 +159,8 @@ class EngineServer:
         top = job.top_logprobs if job.logprobs else 0
         try:
             gen = await self._run_generation(request, lambda cancelled: self.engine.generate(
-                job.prompt_ids, job.params, top_logprobs_num=top, cancelled=cancelled, request_id=request_id))
+                job.prompt_ids, job.params, top_logprobs_num=top, cancelled=cancelled, request_id=request_id,
+                tool_names=job.tool_names))
         except BAD_INPUT as exc:
             return error_response(str(exc))
         return JSONResponse(chat.chat_response(self.engine, job, gen))
@@ -169,7 +170,7 @@ class EngineServer:
         top = job.top_logprobs if job.logprobs else 0
         queue, cancelled = self._stream_steps(lambda c, on_token: engine.generate(
             job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token, cancelled=c,
-            request_id=request_id))
+            request_id=request_id, tool_names=job.tool_names))
         decoder = IncrementalText(engine.tokenizer, job.params)
         splitter = StreamingSplitter(tool_call_parser=engine.tool_call_parser,
                                      reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given)

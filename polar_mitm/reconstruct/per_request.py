@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polar_mitm.reconstruct.prefix_merging import BuildResult
 from polar_mitm.reconstruct.schema import MergedSequence
-from polar_mitm.reconstruct.turns import TurnRecord
+from polar_mitm.reconstruct.turns import BuildResult, TurnRecord
 
 BUILDER_NAME = "per_request"
 

@@ -154,9 +154,8 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     completions = ListColumn.from_arrow(table.column("completion_ids"), np.int32)
     logprobs = ListColumn.from_arrow(table.column("completion_logprobs"), np.float32)
     started = _micros(table.column("started_at")) if "started_at" in names else [0] * n
-    request_ids, session_ids = strings("request_id"), strings("session_id")
-    task_ids, finish, versions, errors = strings("task_id"), strings("finish_reason"), strings(
-        "weight_version"), strings("error")
+    request_ids, session_ids, task_ids = strings("request_id"), strings("session_id"), strings("task_id")
+    finish, versions, errors = strings("finish_reason"), strings("weight_version"), strings("error")
     seqs = table.column("seq").to_pylist()
     return [
         TurnRecord(
@@ -218,6 +217,14 @@ def sequences_from_table(table: pa.Table) -> list[MergedSequence]:
 
 def _or_empty(values: np.ndarray | None, empty: np.ndarray) -> np.ndarray:
     return empty if values is None else values
+
+
+@dataclass
+class BuildResult:
+    """What a builder returns for one session: its sequences (in first-turn order) and new-sequence causes."""
+
+    sequences: list[MergedSequence]
+    breaks: Counter[str]
 
 
 def weight_version_range(versions: Iterable[str | None]) -> tuple[str | None, str | None]:

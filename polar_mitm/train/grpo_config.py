@@ -100,6 +100,12 @@ class PolarGRPOConfig(GRPOConfig):
     stale_is_clip_min: float | None = field(
         default=None, metadata={"help": "Optional lower bound of the stale-rollout importance weight."},
     )
+    check_behaviour_logps: bool = field(
+        default=True,
+        metadata={"help": "Also recompute the logprobs of fresh rollouts and log |recomputed - recorded| "
+                          "(logp_diff/*): near 0 when tokens, weights and temperature line up. Costs one no-grad "
+                          "forward pass per generation batch."},
+    )
 
     # -- outputs ---------------------------------------------------------------------------------------------------
     save_merged: bool = field(

@@ -1,8 +1,11 @@
-"""Tool-using sessions driven by the official SDKs (anthropic, openai chat + responses, google-genai).
+"""A minimal reference agent on the official SDKs (anthropic, openai chat + responses, google-genai).
 
-Each driver loops like a tiny agent: ask the model with a `shell` tool; while it calls the tool, send back a tool
-result; return the final text and the number of model calls. `base_url=None` means "the provider's real host",
-i.e. HTTPS_PROXY mode when the environment points at the gateway.
+Each driver loops like a tiny coding agent: ask the model with a `shell` tool; while it calls the tool, run it
+(`run_tool`) and send back the result; return the final text and the number of model calls. `base_url=None` means
+"the provider's real host", i.e. HTTPS_PROXY mode when the environment points at the gateway.
+
+Used by the tests, by `scripts/record_sample_flows.py`, and as the built-in `sdk:<provider>` harness of
+`polar-mitm rollout` / `polar-mitm agent` (which runs commands for real in the workspace).
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ class SessionResult:
 
 
 def tool_output(args: dict) -> str:
+    """The default tool: pretend to run the command (recording and tests need no side effects)."""
     return f"ran: {args.get('command', '')}"
 
 
+ToolRunner = Callable[[dict], str]
+
+
 def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                      max_turns: int = 4) -> SessionResult:
+                      max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     import anthropic
 
     client = anthropic.Anthropic(api_key=api_key, base_url=base_url, max_retries=0)
@@ -47,12 +54,12 @@ def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream
         commands += [c.input.get("command", "") for c in calls]
         messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id,
-                                                   "content": tool_output(c.input)} for c in calls]}]
+                                                   "content": run_tool(c.input)} for c in calls]}]
     return SessionResult("", max_turns, commands)
 
 
 def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                        max_turns: int = 4) -> SessionResult:
+                        max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     import openai
 
     client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
@@ -82,12 +89,12 @@ def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stre
         for call in message.tool_calls:
             args = json.loads(call.function.arguments or "{}")
             commands.append(args.get("command", ""))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": tool_output(args)})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(args)})
     return SessionResult("", max_turns, commands)
 
 
 def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                             max_turns: int = 4) -> SessionResult:
+                             max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     import openai
 
     client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
@@ -109,12 +116,12 @@ def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None,
         for call in calls:
             args = json.loads(call.arguments or "{}")
             commands.append(args.get("command", ""))
-            items.append({"type": "function_call_output", "call_id": call.call_id, "output": tool_output(args)})
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": run_tool(args)})
     return SessionResult("", max_turns, commands)
 
 
 def google_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                   max_turns: int = 4) -> SessionResult:
+                   max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     from google import genai
     from google.genai import types
 
@@ -141,7 +148,7 @@ def google_session(prompt: str, *, api_key: str, base_url: str | None, stream: b
             return SessionResult("".join(p.text or "" for p in parts if not p.thought), turn, commands)
         commands += [dict(c.args or {}).get("command", "") for c in calls]
         contents += [types.Content(role="model", parts=parts), types.Content(role="user", parts=[
-            types.Part.from_function_response(name=c.name, response={"output": tool_output(dict(c.args or {}))})
+            types.Part.from_function_response(name=c.name, response={"output": run_tool(dict(c.args or {}))})
             for c in calls])]
     return SessionResult("", max_turns, commands)
 
@@ -157,3 +164,20 @@ DRIVERS: dict[str, Callable[..., SessionResult]] = {
 def base_url_for(provider: str, gateway_url: str, prefix: str) -> str:
     """The SDK base URL that routes `provider` through a reverse gateway with a `/t/TASK/s/SESSION` prefix."""
     return f"{gateway_url}{prefix}/v1" if provider.startswith("openai") else f"{gateway_url}{prefix}"
+
+
+def shell_runner(workdir: str, *, timeout: float = 60.0, max_output: int = 4000) -> ToolRunner:
+    """A tool runner that really runs `command` with bash in `workdir` (output and errors truncated)."""
+    import subprocess
+
+    def run(args: dict) -> str:
+        command = str(args.get("command", ""))
+        try:
+            done = subprocess.run(["bash", "-c", command], cwd=workdir, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"error: timed out after {timeout:.0f}s"
+        out = (done.stdout + done.stderr)[-max_output:]
+        return f"exit code {done.returncode}\n{out}"
+
+    return run

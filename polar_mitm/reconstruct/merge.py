@@ -1,0 +1,489 @@
+"""`polar-mitm merge`: per-request records (Parquet, local or any pyarrow filesystem URI) → merged shards.
+
+The I/O edge around the pure builders. Two passes over the input keep memory bounded by the sessions that are
+interleaved in it, not by the whole data set:
+
+1. read the `session_id` column only, to learn where each session's last record is;
+2. stream record batches; buffer each session's records until its last one has been read, then build its
+   sequences (`prefix_merging` or `per_request`), check the invariants, join the reward and hand them to the
+   writer, which writes a shard whenever enough tokens are buffered.
+
+Output is deterministic: inputs are read in sorted path order, and each shard holds its sequences sorted by
+session id then first turn (one shard for moderate inputs, hence fully sorted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from polar_mitm.reconstruct.invariants import check_invariants
+from polar_mitm.reconstruct.per_request import build_per_request
+from polar_mitm.reconstruct.prefix_merging import (
+    build_prefix_merging,
+    eot_from_last_tokens,
+    eot_from_tokenizer,
+)
+from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.reconstruct.turns import (
+    BuildResult,
+    ListColumn,
+    TurnRecord,
+    prepare_session,
+    sequences_to_table,
+    turns_from_table,
+)
+
+Builder = Callable[..., BuildResult]
+BUILDERS: dict[str, Builder] = {"prefix_merging": build_prefix_merging, "per_request": build_per_request}
+
+SHARD_PREFIX = "merged-"
+SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers skip it
+REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
+                    "completion_logprobs")
+OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error")
+
+
+class MergeError(ValueError):
+    """Input that merge cannot use (no records, a bad rewards file, an unknown builder, …)."""
+
+
+# -- filesystems -------------------------------------------------------------------------------------------------
+
+
+def resolve_path(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and path for a local path (relative is fine) or a URI (s3://, gs://, file://, …)."""
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+# -- inputs ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    """One input: a Parquet file on some filesystem, or records held in memory (e.g. a live journal)."""
+
+    name: str
+    num_rows: int
+    columns: tuple[str, ...]
+    parquet: pq.ParquetFile | None = None
+    table: pa.Table | None = None
+
+    def read(self, columns: Sequence[str]) -> pa.Table:
+        if self.table is not None:
+            return self.table.select(list(columns))
+        assert self.parquet is not None
+        return self.parquet.read(columns=list(columns))
+
+    def batches(self, batch_rows: int) -> Iterator[pa.RecordBatch | pa.Table]:
+        if self.table is not None:
+            for start in range(0, self.table.num_rows, batch_rows):
+                yield self.table.slice(start, batch_rows).select(list(self.columns))
+            return
+        assert self.parquet is not None
+        yield from self.parquet.iter_batches(batch_size=batch_rows, columns=list(self.columns))
+
+
+def _record_columns(schema: pa.Schema) -> tuple[str, ...] | None:
+    names = set(schema.names)
+    if not set(REQUIRED_COLUMNS) <= names:
+        return None
+    return tuple(n for n in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if n in names)
+
+
+def table_source(table: pa.Table, name: str = "<memory>") -> Source:
+    """An in-memory records table as a merge input."""
+    columns = _record_columns(table.schema)
+    if columns is None:
+        raise MergeError(f"{name}: not a records table (needs {', '.join(REQUIRED_COLUMNS)})")
+    return Source(name=name, num_rows=table.num_rows, columns=columns, table=table)
+
+
+def list_sources(inputs: Sequence[str]) -> tuple[list[Source], list[str]]:
+    """Every records Parquet file under `inputs` (files or folders, sorted), plus a local live journal.
+
+    Files whose columns are not records (e.g. merged shards) are skipped; their names come back as the second
+    value. Names starting with `_` or `.` are skipped, as pyarrow datasets do.
+    """
+    sources: list[Source] = []
+    skipped: list[str] = []
+    for uri in inputs:
+        fs, path = resolve_path(uri)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise MergeError(f"{uri}: no such file or folder")
+        if info.type == pafs.FileType.Directory:
+            found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet")
+                           and not any(part[:1] in "_." for part in Path(f.path[len(path):]).parts))
+        else:
+            files = [path]
+        for file in files:
+            parquet = pq.ParquetFile(file, filesystem=fs)
+            columns = _record_columns(parquet.schema_arrow)
+            if columns is None:
+                skipped.append(file)
+                continue
+            sources.append(Source(name=file, num_rows=parquet.metadata.num_rows, columns=columns,
+                                  parquet=parquet))
+        if info.type == pafs.FileType.Directory and isinstance(fs, pafs.LocalFileSystem):
+            journal = _journal_table(Path(path))
+            if journal is not None:
+                sources.append(table_source(journal, f"{path}/_journal"))
+    return sources, skipped
+
+
+def _journal_table(folder: Path) -> pa.Table | None:
+    """Records still in the gateway's live journal (acknowledged, not yet compacted into a shard)."""
+    from polar_mitm.gateway.journal import JOURNAL_DIR, JOURNAL_SUFFIX, read_journal
+    from polar_mitm.records import journal_rows_to_table
+
+    rows = [row for j in sorted((folder / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}")) for row in read_journal(j)]
+    return journal_rows_to_table(rows) if rows else None
+
+
+# -- end-of-turn token -------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: str):
+    """A Hugging Face tokenizer from a directory, or from a built-in model name (`tiny`, `smollm2`)."""
+    from transformers import AutoTokenizer
+
+    from polar_mitm.engine.model_zoo import BUILTIN_MODELS, resolve_model
+
+    path = resolve_model(spec) if spec in BUILTIN_MODELS else Path(spec).expanduser()
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[Source]) -> tuple[int, str]:
+    """The end-of-turn id and where it came from: --eot-token, the tokenizer, or the records themselves."""
+    if eot_token is not None and eot_token.strip().lstrip("-").isdigit():
+        return int(eot_token), "--eot-token"
+    if eot_token is not None:
+        if tokenizer is None:
+            raise MergeError(f"--eot-token {eot_token!r} is a token text: pass --tokenizer to look up its id")
+        vocab = load_tokenizer(tokenizer).get_vocab()
+        if eot_token not in vocab:
+            raise MergeError(f"--eot-token {eot_token!r} is not a token of {tokenizer}")
+        return int(vocab[eot_token]), f"--eot-token via {tokenizer}"
+    if tokenizer is not None:
+        return eot_from_tokenizer(load_tokenizer(tokenizer)), f"tokenizer {tokenizer}"
+    last_ids: list[tuple[str, int]] = []
+    for source in sources:
+        table = source.read(["finish_reason", "completion_ids"])
+        completions = ListColumn.from_arrow(table.column("completion_ids"), np.int32)
+        ends = completions.offsets[1:]
+        has_last = completions.valid & (ends > completions.offsets[:-1])
+        reasons = table.column("finish_reason").to_pylist()
+        last_ids += [(reasons[i] or "", int(completions.values[ends[i] - 1])) for i in np.flatnonzero(has_last)]
+    token_id = eot_from_last_tokens(last_ids)
+    if token_id is None:
+        raise MergeError("cannot detect the end-of-turn token (no record stopped on its own): "
+                         "pass --eot-token ID or --tokenizer PATH|tiny")
+    return token_id, "most common last sampled id"
+
+
+# -- rewards -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reward:
+    reward: float
+    task_id: str | None = None
+
+
+def load_rewards(uri: str) -> dict[str, Reward]:
+    """Rewards by session id from JSONL (one object per line) or Parquet: `session_id`, `reward`, opt. `task_id`."""
+    fs, path = resolve_path(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise MergeError(f"rewards {uri}: no such file")
+    if info.type == pafs.FileType.Directory or path.endswith((".parquet", ".pq")):
+        import pyarrow.dataset as ds
+
+        rows = ds.dataset(path, format="parquet", filesystem=fs).to_table().to_pylist()
+        where = [f"row {i + 1}" for i in range(len(rows))]
+    else:
+        with fs.open_input_stream(path) as stream:
+            lines = stream.read().decode("utf-8").splitlines()
+        rows, where = [], []
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    rows.append(orjson.loads(line))
+                except orjson.JSONDecodeError as exc:
+                    raise MergeError(f"rewards {uri} line {number}: not JSON ({exc})") from exc
+                where.append(f"line {number}")
+    rewards: dict[str, Reward] = {}
+    for row, at in zip(rows, where, strict=True):
+        session_id, value, task_id = (row.get(k) if isinstance(row, dict) else None
+                                      for k in ("session_id", "reward", "task_id"))
+        if not isinstance(session_id, str) or not session_id:
+            raise MergeError(f"rewards {uri} {at}: needs a string session_id")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise MergeError(f"rewards {uri} {at}: reward must be a finite number, got {value!r}")
+        entry = Reward(float(value), None if task_id is None else str(task_id))
+        if rewards.get(session_id, entry) != entry:
+            raise MergeError(f"rewards {uri} {at}: session {session_id!r} has two different rewards")
+        rewards[session_id] = entry
+    return rewards
+
+
+def join_reward(sequences: list[MergedSequence], reward: Reward | None) -> None:
+    """Set the session's reward on its sequences (and its task id where the records had none)."""
+    for seq in sequences:
+        if reward is None:
+            seq.reward = None
+            continue
+        if reward.task_id is not None and seq.task_id is not None and reward.task_id != seq.task_id:
+            raise MergeError(f"session {seq.session_id!r}: rewards say task {reward.task_id!r}, "
+                             f"records say {seq.task_id!r}")
+        seq.reward = reward.reward
+        seq.task_id = seq.task_id if seq.task_id is not None else reward.task_id
+
+
+# -- the merge ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MergeSummary:
+    """What a merge did; `polar-mitm merge` prints it and writes it to `_summary.json`."""
+
+    builder: str
+    eot_token_id: int | None = None
+    eot_source: str | None = None
+    inputs: int = 0
+    records: int = 0
+    sessions: int = 0
+    trainable_records: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
+    sequences: int = 0
+    breaks: dict[str, int] = field(default_factory=dict)
+    total_tokens: int = 0
+    trainable_tokens: int = 0
+    rewarded_sessions: int = 0
+    unrewarded_sessions: int = 0
+    dropped_unrewarded_sequences: int = 0
+    invariants_checked: bool = True
+    seconds: float = 0.0
+    shards: list[str] = field(default_factory=list)
+    skipped_files: list[str] = field(default_factory=list)
+
+    @property
+    def records_per_sequence(self) -> float:
+        return self.trainable_records / self.sequences if self.sequences else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "records_per_sequence": round(self.records_per_sequence, 4)}
+
+
+class _SessionBuffers:
+    """Records of sessions not yet complete; rows read from a batch are copied only if their session outlives it."""
+
+    def __init__(self) -> None:
+        self.turns: dict[int, list[TurnRecord]] = defaultdict(list)
+        self._borrowed: list[tuple[int, int]] = []
+
+    def add(self, code: int, turn: TurnRecord) -> None:
+        self._borrowed.append((code, len(self.turns[code])))
+        self.turns[code].append(turn)
+
+    def pop(self, code: int) -> list[TurnRecord]:
+        return self.turns.pop(code)
+
+    def end_batch(self) -> None:
+        for code, index in self._borrowed:
+            if code in self.turns:
+                self.turns[code][index] = self.turns[code][index].owned()
+        self._borrowed.clear()
+
+
+def merge_sources(
+    sources: Sequence[Source],
+    sink: Callable[[list[MergedSequence]], None],
+    *,
+    builder: str = "prefix_merging",
+    eot_token_id: int | None = None,
+    rewards: dict[str, Reward] | None = None,
+    drop_unrewarded: bool = False,
+    check: bool = True,
+    batch_rows: int = 256,
+    flush_tokens: int = 32 << 20,
+    on_progress: Callable[[int], None] | None = None,
+) -> MergeSummary:
+    """Stream `sources` through a builder; `sink` receives sorted groups of finished sequences."""
+    if builder not in BUILDERS:
+        raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
+    if builder == "prefix_merging" and eot_token_id is None:
+        raise MergeError("prefix_merging needs the end-of-turn token id")
+    build = BUILDERS[builder]
+    started = time.perf_counter()
+    summary = MergeSummary(builder=builder, eot_token_id=eot_token_id, inputs=len(sources),
+                           invariants_checked=check)
+    excluded: Counter[str] = Counter()
+    breaks: Counter[str] = Counter()
+
+    # Pass 1: session of every row, and the row that completes each session.
+    session_names: dict[str, int] = {}
+    code_parts = []
+    for source in sources:
+        column = source.read(["session_id"]).column(0).fill_null("")
+        encoded = pc.dictionary_encode(column).combine_chunks()
+        lookup = np.array([session_names.setdefault(s, len(session_names))
+                           for s in encoded.dictionary.to_pylist()], dtype=np.int64)
+        code_parts.append(lookup[encoded.indices.to_numpy()] if len(lookup) else np.zeros(0, np.int64))
+    codes = np.concatenate(code_parts) if code_parts else np.zeros(0, np.int64)
+    last_row = np.full(len(session_names), -1, dtype=np.int64)
+    np.maximum.at(last_row, codes, np.arange(len(codes)))
+    summary.records, summary.sessions = len(codes), len(session_names)
+
+    pending: list[MergedSequence] = []
+    pending_tokens = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_tokens
+        if pending:
+            # Stable sort: a session's sequences stay in first-turn order.
+            sink(sorted(pending, key=lambda s: s.session_id))
+        pending, pending_tokens = [], 0
+
+    def finish(session_turns: list[TurnRecord]) -> None:
+        nonlocal pending_tokens
+        kept, left_out = prepare_session(session_turns)
+        excluded.update(left_out)
+        if not kept:
+            return
+        result = build(kept, eot_token_id=eot_token_id)
+        if check:
+            check_invariants(session_turns, result.sequences)
+        breaks.update(result.breaks)
+        reward = (rewards or {}).get(kept[0].session_id)
+        if rewards is not None:
+            if reward is None:
+                summary.unrewarded_sessions += 1
+            else:
+                summary.rewarded_sessions += 1
+        if reward is None and drop_unrewarded:
+            summary.dropped_unrewarded_sequences += len(result.sequences)
+            return
+        join_reward(result.sequences, reward)
+        summary.trainable_records += len(kept)
+        summary.sequences += len(result.sequences)
+        for seq in result.sequences:
+            summary.total_tokens += len(seq.input_ids)
+            summary.trainable_tokens += int(np.count_nonzero(seq.loss_mask))
+            pending_tokens += len(seq.input_ids)
+        pending.extend(result.sequences)
+        if pending_tokens >= flush_tokens:
+            flush()
+
+    # Pass 2: stream the rows; build each session as soon as its last record has been read.
+    buffers = _SessionBuffers()
+    row = 0
+    for source in sources:
+        for batch in source.batches(batch_rows):
+            for turn in turns_from_table(batch, first_position=row):
+                code = int(codes[turn.position])
+                buffers.add(code, turn)
+                if last_row[code] == turn.position:
+                    finish(buffers.pop(code))
+            buffers.end_batch()
+            row += batch.num_rows
+            if on_progress is not None:
+                on_progress(batch.num_rows)
+    flush()
+    if buffers.turns:
+        raise MergeError(f"{len(buffers.turns)} session(s) were never completed: the input changed while read")
+    summary.excluded = dict(sorted(excluded.items()))
+    summary.breaks = dict(sorted(breaks.items()))
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+class ShardWriter:
+    """Writes groups of sequences as `merged-NNNNN.parquet` shards (temp file + rename, never half-written)."""
+
+    def __init__(self, output: str) -> None:
+        self.fs, self.root = resolve_path(output)
+        self.fs.create_dir(self.root, recursive=True)
+        # A re-run replaces the previous output instead of mixing with it.
+        for info in self.fs.get_file_info(pafs.FileSelector(self.root)):
+            name = info.base_name
+            if name == SUMMARY_FILE or (name.startswith(SHARD_PREFIX) and name.endswith(".parquet")):
+                self.fs.delete_file(info.path)
+        self.shards: list[str] = []
+
+    def __call__(self, sequences: list[MergedSequence]) -> None:
+        name = f"{SHARD_PREFIX}{len(self.shards):05d}.parquet"
+        temp, final = f"{self.root}/.{name}.tmp", f"{self.root}/{name}"
+        pq.write_table(sequences_to_table(sequences), temp, filesystem=self.fs)
+        self.fs.move(temp, final)
+        self.shards.append(final)
+
+    def write_summary(self, summary: MergeSummary) -> None:
+        with self.fs.open_output_stream(f"{self.root}/{SUMMARY_FILE}") as out:
+            out.write(json.dumps(summary.to_json(), indent=2).encode())
+
+
+def merge(
+    inputs: Sequence[str],
+    output: str,
+    *,
+    builder: str = "prefix_merging",
+    rewards: str | None = None,
+    eot_token: str | None = None,
+    tokenizer: str | None = None,
+    drop_unrewarded: bool = False,
+    check: bool = True,
+    batch_rows: int = 256,
+    flush_tokens: int = 32 << 20,
+    on_start: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> MergeSummary:
+    """Merge the records under `inputs` into Parquet shards under `output` (see the module docstring)."""
+    if builder not in BUILDERS:
+        raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
+    sources, skipped = list_sources(inputs)
+    if not sources:
+        raise MergeError(f"no records found under {', '.join(inputs)}")
+    eot_token_id, eot_source = (resolve_eot(eot_token, tokenizer, sources) if builder == "prefix_merging"
+                                else (None, None))
+    reward_table = load_rewards(rewards) if rewards else None
+    if drop_unrewarded and reward_table is None:
+        raise MergeError("--drop-unrewarded needs --rewards")
+    writer = ShardWriter(output)
+    if on_start is not None:
+        on_start(sum(s.num_rows for s in sources))
+    summary = merge_sources(sources, writer, builder=builder, eot_token_id=eot_token_id, rewards=reward_table,
+                            drop_unrewarded=drop_unrewarded, check=check, batch_rows=batch_rows,
+                            flush_tokens=flush_tokens, on_progress=on_progress)
+    summary.eot_source, summary.shards, summary.skipped_files = eot_source, writer.shards, skipped
+    writer.write_summary(summary)
+    return summary
+
+
+def merge_table(records: pa.Table, *, builder: str = "prefix_merging", eot_token_id: int | None = None,
+                rewards: dict[str, Reward] | None = None, drop_unrewarded: bool = False,
+                check: bool = True) -> tuple[pa.Table, MergeSummary]:
+    """In-memory merge of a records table (same path as `merge`, one output table)."""
+    groups: list[list[MergedSequence]] = []
+    summary = merge_sources([table_source(records)], groups.append, builder=builder, eot_token_id=eot_token_id,
+                            rewards=rewards, drop_unrewarded=drop_unrewarded, check=check,
+                            flush_tokens=1 << 62)
+    return sequences_to_table([s for group in groups for s in group]), summary
+

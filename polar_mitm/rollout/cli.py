@@ -1,0 +1,89 @@
+"""`polar-mitm rollout`: run G harness sessions per task through the gateway and write rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from polar_mitm import procs
+from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
+from polar_mitm.rollout.tasks import load_tasks
+from polar_mitm.rollout.view import render, summary_table
+
+console = Console()
+
+
+@contextmanager
+def capture_stack(out: Path, *, engine: str | None, model: str, script: Path | None, gateway_url: str | None,
+                  gateway_proxy: str | None, ca_bundle: Path | None, work: Path, gateway_options=None):
+    """Attach to a running gateway, or start engine (unless given) + gateway for the duration."""
+    if gateway_url:
+        yield GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle), engine
+        return
+    with ExitStack() as stack:
+        engine_url = engine
+        if engine_url is None:
+            args = ["--script", str(script)] if script else []
+            proc, engine_url = procs.start_engine(model, log=work / "engine.log", extra_args=args)
+            stack.callback(procs.stop, proc)
+        gw = procs.start_gateway(engine_url, out, confdir=work / "mitmproxy", log=work / "gateway.log",
+                                 options=gateway_options)
+        stack.callback(gw.stop)
+        yield GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), engine_url
+
+
+def run_rollout(tasks_file: Path, harness: str, config: RolloutConfig, endpoints: GatewayEndpoints,
+                *, live: bool = True) -> RolloutSummary:
+    tasks = load_tasks(tasks_file)
+    started = time.monotonic()
+    if live and console.is_terminal:
+        with Live(render([], started), console=console, refresh_per_second=4) as view:
+            rollout = Rollout(tasks, HarnessSpec(harness), endpoints, config,
+                              on_update=lambda sessions: view.update(render(sessions, started)))
+            summary = asyncio.run(rollout.run())
+    else:
+        summary = asyncio.run(Rollout(tasks, HarnessSpec(harness), endpoints, config).run())
+    return summary
+
+
+def rollout_command(
+    tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
+    harness: Annotated[str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")] = "sdk:openai_chat",
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = 4,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = 4,
+    out: Annotated[Path, typer.Option(help="Record directory (the gateway's polar_out).")] = Path("flows"),
+    rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path("rewards.parquet"),
+    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
+    ready_buffer: Annotated[int, typer.Option(help="Prewarmed workspaces (0 = none).")] = 4,
+    init_workers: Annotated[int, typer.Option(help="INIT workers.")] = 2,
+    post_workers: Annotated[int, typer.Option(help="POST-RUN (evaluation) workers.")] = 2,
+    failure_reward: Annotated[float, typer.Option(help="Reward of timed-out/crashed sessions.")] = 0.0,
+    engine: Annotated[str | None, typer.Option(help="Engine URL to use (default: start one).")] = None,
+    model: Annotated[str, typer.Option(help="Model for a started engine.")] = "tiny",
+    script: Annotated[Path | None, typer.Option(help="Scripted policy for a started engine (tests/demo).")] = None,
+    gateway_url: Annotated[str | None, typer.Option(help="Attach to a running gateway (reverse URL).")] = None,
+    gateway_proxy: Annotated[str | None, typer.Option(help="… and its HTTPS_PROXY listener.")] = None,
+    work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path("runs/rollout"),
+    keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = False,
+) -> None:
+    """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    config = RolloutConfig(group_size=group_size, concurrency=concurrency, init_workers=init_workers,
+                           post_workers=post_workers, ready_buffer=ready_buffer, keep=keep,
+                           failure_reward=failure_reward, workspace_root=work_dir / "workspaces",
+                           keep_workspaces=keep_workspaces, log_dir=work_dir / "logs")
+    with capture_stack(out, engine=engine, model=model, script=script, gateway_url=gateway_url,
+                       gateway_proxy=gateway_proxy, ca_bundle=None, work=work_dir) as (endpoints, _):
+        summary = run_rollout(tasks, harness, config, endpoints)
+    write_rewards(summary, rewards)
+    console.print(summary_table(summary.sessions))
+    console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
+                  f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}")

@@ -1,0 +1,312 @@
+"""The staged rollout pipeline: INIT → READY buffer → RUN → POST-RUN → teardown, each stage its own worker pool.
+
+Why stages (Polar's design): preparing a workspace (copy, clone, setup) is slow and needs no model, so INIT workers
+prewarm workspaces into a bounded READY buffer while RUN workers keep the engine busy with harness sessions. The
+agent timeout counts from RUN start. A timed-out or crashed harness keeps its partial records (the gateway wrote
+them as they happened) and gets the configured failure reward. Straggler cut: once K sessions of a group are done,
+the rest are cancelled cleanly (process group killed, workspace removed) and marked `cut`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.tasks import Task
+
+REWARDS_SCHEMA = pa.schema([
+    ("session_id", pa.string()), ("task_id", pa.string()), ("sample_index", pa.int32()),
+    ("reward", pa.float64()), ("status", pa.string()), ("exit_code", pa.int32()),
+    ("init_seconds", pa.float64()), ("run_seconds", pa.float64()), ("eval_seconds", pa.float64()),
+    ("eval_output", pa.string()),
+])
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 4
+    concurrency: int = 4  # RUN workers (harness sessions at once)
+    init_workers: int = 2
+    post_workers: int = 2
+    ready_buffer: int = 4  # prewarmed workspaces waiting for a RUN worker; 0 = no buffer (RUN workers init inline)
+    keep: int | None = None  # straggler cut: once K of a group's sessions are done, cancel the rest
+    failure_reward: float = 0.0  # reward of timed-out / crashed / failed-setup sessions
+    workspace_root: Path = Path("/tmp/polar-workspaces")
+    keep_workspaces: bool = False
+    log_dir: Path | None = None  # harness stdout/stderr per session
+
+
+@dataclass
+class SessionRun:
+    task: Task
+    index: int
+    session_id: str
+    workspace: Path | None = None
+    stage: str = "pending"  # pending | init | ready | run | post | done
+    status: str = ""  # ok | failed | timeout | crashed | init_failed | cut
+    reward: float | None = None
+    exit_code: int | None = None
+    eval_output: str = ""
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    proc: asyncio.subprocess.Process | None = None
+    cut: bool = False
+
+    def seconds(self, stage: str) -> float | None:
+        span = self.spans.get(stage)
+        return None if span is None else span[1] - span[0]
+
+
+@dataclass
+class RolloutSummary:
+    sessions: list[SessionRun]
+    wall_seconds: float
+    run_utilisation: float  # busy RUN-worker time / (workers × span of the RUN phase)
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pylist([{
+            "session_id": s.session_id, "task_id": s.task.task_id, "sample_index": s.index, "reward": s.reward,
+            "status": s.status, "exit_code": s.exit_code, "init_seconds": s.seconds("init"),
+            "run_seconds": s.seconds("run"), "eval_seconds": s.seconds("post"), "eval_output": s.eval_output[-2000:],
+        } for s in self.sessions], schema=REWARDS_SCHEMA)
+
+
+async def run_shell(command: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a shell command in its own process group; (exit code, output). Raises TimeoutError."""
+    proc = await asyncio.create_subprocess_exec("bash", "-c", command, cwd=cwd, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                start_new_session=True)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except (TimeoutError, asyncio.CancelledError):
+        await kill_group(proc)
+        raise
+    return proc.returncode or 0, out.decode("utf-8", "replace")
+
+
+async def kill_group(proc: asyncio.subprocess.Process, grace: float = 2.0) -> None:
+    """SIGTERM the whole process group (harnesses spawn children), then SIGKILL after a grace period."""
+    if proc.returncode is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+            return
+        except TimeoutError:
+            continue
+
+
+class Rollout:
+    """Runs G sessions per task through the stages; `on_update` gets the live sessions after every change."""
+
+    def __init__(self, tasks: list[Task], harness: HarnessSpec, gateway: GatewayEndpoints, config: RolloutConfig,
+                 on_update: Callable[[list[SessionRun]], None] | None = None) -> None:
+        self.tasks, self.harness, self.gateway, self.config = tasks, harness, gateway, config
+        self.on_update = on_update or (lambda sessions: None)
+        self.sessions = [
+            SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
+            for t in tasks for i in range(config.group_size)
+        ]
+        self.done_per_group: Counter = Counter()
+        self.groups: dict[str, list[SessionRun]] = defaultdict(list)
+        for s in self.sessions:
+            self.groups[s.task.task_id].append(s)
+
+    # -- stages --------------------------------------------------------------------------------------------------
+
+    async def _init(self, s: SessionRun) -> bool:
+        s.stage = "init"
+        self.on_update(self.sessions)
+        start = time.monotonic()
+        s.workspace = self.config.workspace_root / s.session_id
+        try:
+            if s.task.workspace_dir is not None:
+                await asyncio.to_thread(shutil.copytree, s.task.workspace_dir, s.workspace, symlinks=True)
+            else:
+                s.workspace.mkdir(parents=True)
+            if s.task.workspace_git:
+                code, out = await run_shell(f"git clone -q {s.task.workspace_git} .", s.workspace,
+                                            s.task.timeouts.init)
+                if code:
+                    raise RuntimeError(f"git clone failed: {out[-500:]}")
+            for command in s.task.setup:
+                code, out = await run_shell(command, s.workspace, s.task.timeouts.init)
+                if code:
+                    raise RuntimeError(f"setup `{command}` failed ({code}): {out[-500:]}")
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            s.status, s.reward, s.eval_output = "init_failed", self.config.failure_reward, str(exc)
+            s.spans["init"] = (start, time.monotonic())
+            return False
+        s.spans["init"] = (start, time.monotonic())
+        return True
+
+    async def _run(self, s: SessionRun) -> None:
+        s.stage = "run"
+        self.on_update(self.sessions)
+        launch = self.harness.launch(s.task, s.session_id, s.workspace, self.gateway)  # type: ignore[arg-type]
+        log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
+        start = time.monotonic()
+        try:
+            s.proc = await asyncio.create_subprocess_exec(
+                *launch.argv, cwd=launch.cwd, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=log or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            try:
+                s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
+                s.status = "crashed" if s.exit_code else "ok"
+            except TimeoutError:
+                await kill_group(s.proc)
+                s.status = "timeout"
+        except OSError as exc:
+            s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
+        finally:
+            s.spans["run"] = (start, time.monotonic())
+            if log:
+                log.close()
+        if s.cut:
+            s.status = "cut"
+
+    async def _post(self, s: SessionRun) -> None:
+        s.stage = "post"
+        self.on_update(self.sessions)
+        start = time.monotonic()
+        if s.status == "ok":
+            try:
+                code, out = await run_shell(s.task.eval_command, s.workspace, s.task.timeouts.eval)  # type: ignore
+                s.eval_output = out
+                s.reward = self._reward(s.task, code, out)
+                s.status = "ok" if code == 0 or s.task.eval_reward == "stdout" else "failed"
+            except TimeoutError:
+                s.status, s.reward, s.eval_output = "timeout", self.config.failure_reward, "evaluation timed out"
+        elif s.status != "cut":
+            s.reward = self.config.failure_reward  # partial records stay; the session still gets a reward
+        s.spans["post"] = (start, time.monotonic())
+
+    def _reward(self, task: Task, code: int, out: str) -> float:
+        if task.eval_reward == "exit":
+            return 1.0 if code == 0 else 0.0
+        numbers = NUMBER.findall(out)
+        return float(numbers[-1]) if numbers else self.config.failure_reward
+
+    async def _teardown(self, s: SessionRun) -> None:
+        s.stage = "done"
+        if s.status != "cut":
+            self.done_per_group[s.task.task_id] += 1
+            await self._maybe_cut(s.task.task_id)
+        if s.workspace is not None and not self.config.keep_workspaces:
+            await asyncio.to_thread(shutil.rmtree, s.workspace, True)
+        self.on_update(self.sessions)
+
+    async def _maybe_cut(self, task_id: str) -> None:
+        keep = self.config.keep
+        if keep is None or self.done_per_group[task_id] < keep:
+            return
+        for other in self.groups[task_id]:
+            if other.stage != "done" and not other.cut:
+                other.cut = True
+                if other.proc is not None and other.stage == "run":
+                    await kill_group(other.proc)
+
+    # -- workers -------------------------------------------------------------------------------------------------
+
+    async def run(self) -> RolloutSummary:
+        cfg = self.config
+        cfg.workspace_root.mkdir(parents=True, exist_ok=True)
+        if cfg.log_dir:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+        for s in self.sessions:
+            pending.put_nowait(s)
+        buffered = cfg.ready_buffer > 0
+        ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=cfg.ready_buffer if buffered else 0)
+        post: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+        started = time.monotonic()
+
+        async def finish_cut(s: SessionRun) -> None:
+            s.status = "cut"
+            await self._teardown(s)
+
+        async def init_worker() -> None:
+            while (s := await pending.get()) is not None:
+                if s.cut:
+                    await finish_cut(s)
+                    continue
+                if await self._init(s):
+                    s.stage = "ready"
+                    await ready.put(s)  # blocks while the READY buffer is full
+                else:
+                    await self._teardown(s)
+
+        async def run_worker() -> None:
+            source = ready if buffered else pending
+            while (s := await source.get()) is not None:
+                if s.cut:
+                    await finish_cut(s)
+                    continue
+                if not buffered and not await self._init(s):
+                    await self._teardown(s)
+                    continue
+                if s.cut:
+                    await finish_cut(s)
+                    continue
+                await self._run(s)
+                await post.put(s)
+
+        async def post_worker() -> None:
+            while (s := await post.get()) is not None:
+                if s.status != "cut":
+                    await self._post(s)
+                await self._teardown(s)
+
+        posts = [asyncio.create_task(post_worker()) for _ in range(cfg.post_workers)]
+        runs = [asyncio.create_task(run_worker()) for _ in range(cfg.concurrency)]
+        inits = [asyncio.create_task(init_worker()) for _ in range(cfg.init_workers)] if buffered else []
+        if buffered:
+            for _ in inits:
+                pending.put_nowait(None)
+            await asyncio.gather(*inits)
+            for _ in runs:
+                await ready.put(None)
+        else:
+            for _ in runs:
+                pending.put_nowait(None)
+        await asyncio.gather(*runs)
+        for _ in posts:
+            post.put_nowait(None)
+        await asyncio.gather(*posts)
+        return RolloutSummary(self.sessions, time.monotonic() - started, self._utilisation())
+
+    def _utilisation(self) -> float:
+        spans = [s.spans["run"] for s in self.sessions if "run" in s.spans]
+        if not spans:
+            return 0.0
+        busy = sum(end - start for start, end in spans)
+        window = max(end for _, end in spans) - min(start for start, _ in spans)
+        return busy / (self.config.concurrency * window) if window > 0 else 1.0
+
+
+def write_rewards(summary: RolloutSummary, path: Path) -> None:
+    """Rewards (and per-session status) as Parquet, or JSONL when the path ends in .jsonl."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = summary.table()
+    if path.suffix == ".jsonl":
+        import json
+
+        path.write_text("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
+    else:
+        pq.write_table(table, path)
