@@ -146,5 +146,16 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+def _register_reconstruct() -> None:
+    from polar_mitm.reconstruct.cli import merge_command, show_command, stats_command
+
+    app.command("merge")(merge_command)
+    app.command("show")(show_command)
+    app.command("stats")(stats_command)
+
+
+_register_reconstruct()
+
+
 if __name__ == "__main__":
     app()

@@ -79,6 +79,8 @@ class Gateway:
         """The answer for `req`, or None to let it go upstream (passthrough of non-model traffic)."""
         who, path = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
                                   connection_id=req.connection_id)
+        if req.headers.get("upgrade", "").lower() == "websocket":
+            return self._no_websocket(req, path)
         if req.method == "POST":
             codec = next((c for c in CODECS.values() if c.matches(path)), None)
             if codec is not None:  # the common case: decided by the path alone, body parsed off the loop
@@ -100,6 +102,18 @@ class Gateway:
         return shape.encode_error(GatewayError(
             "not_found", f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
                          f"serves model APIs (set polar_passthrough=upstream to forward other traffic)"))
+
+    def _no_websocket(self, req: GatewayRequest, path: str) -> HttpAnswer:
+        """Model APIs are served over plain HTTP here; a WebSocket upgrade gets an answer that ends retries.
+
+        Codex opens the Responses API as a WebSocket first (`wss://…/v1/responses`); a 404 makes it retry five
+        times with backoff (~6 s) before it falls back to HTTPS, HTTP 426 makes it fall back at once.
+        """
+        shape = self._provider_for(req, path) or CODECS["openai_responses"]
+        answer = shape.encode_error(GatewayError(
+            "not_found", "polar-mitm: WebSocket transport is not supported; use HTTPS (streaming SSE)"))
+        answer.status = 426
+        return answer
 
     def _provider_for(self, req: GatewayRequest, path: str) -> Codec | None:
         host = req.host.split(":")[0].lower()

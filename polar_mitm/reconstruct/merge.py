@@ -208,7 +208,11 @@ class Reward:
 
 
 def load_rewards(uri: str) -> dict[str, Reward]:
-    """Rewards by session id from JSONL (one object per line) or Parquet: `session_id`, `reward`, opt. `task_id`."""
+    """Rewards by session id from JSONL (one object per line) or Parquet: `session_id`, `reward`, opt. `task_id`.
+
+    Other columns (e.g. `polar-mitm rollout`'s status and timings) are ignored; a null reward leaves the session
+    unrewarded.
+    """
     fs, path = resolve_path(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
@@ -235,6 +239,8 @@ def load_rewards(uri: str) -> dict[str, Reward]:
                                       for k in ("session_id", "reward", "task_id"))
         if not isinstance(session_id, str) or not session_id:
             raise MergeError(f"rewards {uri} {at}: needs a string session_id")
+        if value is None:  # e.g. a rollout cut before it was scored: the session stays unrewarded
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise MergeError(f"rewards {uri} {at}: reward must be a finite number, got {value!r}")
         entry = Reward(float(value), None if task_id is None else str(task_id))

@@ -1,7 +1,7 @@
 """How a rollout starts one harness session: the built-in SDK agent, a custom command template, or a preset.
 
     sdk:openai_chat | sdk:openai_responses | sdk:anthropic | sdk:google   the reference agent (polar_mitm.sdk_agent)
-    cmd:TEMPLATE    a shell command; placeholders {prompt} (shell-quoted), {workspace}, {session}, {task},
+    cmd:TEMPLATE    a shell command; placeholders {prompt} (shell-quoted), {workspace}, {session}, {task}, {index},
                     {base_url} (reverse gateway URL with the /t/TASK/s/SESSION prefix), {proxy_url}
                     (http://TASK%2FSESSION:x@host:port for HTTPS_PROXY), {ca_bundle}
     NAME            a real-harness preset from `polar-mitm harness` (claude-code, codex, gemini, qwen, pi, opencode)
@@ -49,7 +49,7 @@ class HarnessSpec:
         else:
             self.kind, self.value = "preset", spec
 
-    def launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints) -> Launch:
+    def launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0) -> Launch:
         prefix = f"/t/{quote(task.task_id, safe='')}/s/{quote(session, safe='')}"
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
@@ -63,7 +63,8 @@ class HarnessSpec:
                 host = gw.proxy_url.split("://", 1)[-1]
                 proxy = f"http://{quote(task.task_id, safe='')}%2F{quote(session, safe='')}:x@{host}"
             command = self.value.format(prompt=shlex.quote(task.prompt), workspace=shlex.quote(str(workspace)),
-                                        session=session, task=task.task_id, base_url=gw.reverse_url + prefix,
+                                        session=session, task=task.task_id, index=index,
+                                        base_url=gw.reverse_url + prefix,
                                         proxy_url=proxy or "", ca_bundle=str(gw.ca_bundle or ""))
             return Launch(["bash", "-c", command], env, workspace)
         return self._preset_launch(task, session, workspace, gw)

@@ -159,7 +159,7 @@ class Rollout:
     async def _run(self, s: SessionRun) -> None:
         s.stage = "run"
         self.on_update(self.sessions)
-        launch = self.harness.launch(s.task, s.session_id, s.workspace, self.gateway)  # type: ignore[arg-type]
+        launch = self.harness.launch(s.task, s.session_id, s.workspace, self.gateway, s.index)  # type: ignore
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
         start = time.monotonic()
         try:

@@ -1,0 +1,324 @@
+"""`polar-mitm merge`, `show` and `stats`: the commands around reconstruction (registered in polar_mitm/cli.py)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from polar_mitm.reconstruct.merge import MergeError, MergeSummary, merge, resolve_path
+from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
+
+console = Console()
+
+CONTEXT_STYLE = "grey62"
+SAMPLED_STYLE = "bold green"
+TURN_STYLE = "bold magenta"
+
+
+class BuilderName(StrEnum):
+    prefix_merging = "prefix_merging"
+    per_request = "per_request"
+
+
+# -- merge -------------------------------------------------------------------------------------------------------
+
+
+def merge_command(
+    inputs: Annotated[list[str] | None, typer.Argument(
+        help="Record shards: folders or files, local or any pyarrow filesystem URI (s3://, gs://, …).",
+        show_default="flows/")] = None,
+    output: Annotated[str, typer.Option("--output", "-o", help="Where to write merged shards.")] = "merged/",
+    builder: Annotated[BuilderName, typer.Option(help="How records become sequences.")] = BuilderName.prefix_merging,
+    rewards: Annotated[str | None, typer.Option(
+        help="JSONL or Parquet with session_id, reward (optional task_id).")] = None,
+    eot_token: Annotated[str | None, typer.Option(
+        help="End-of-turn token: an id, or a token text with --tokenizer. Default: auto-detected.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer directory or `tiny`/`smollm2`, to find the end-of-turn token.")] = None,
+    drop_unrewarded: Annotated[bool, typer.Option(
+        help="Drop sequences of sessions without a reward (default: keep them with a null reward).")] = False,
+    check: Annotated[bool, typer.Option(help="Check the token-faithfulness invariants on every session.")] = True,
+) -> None:
+    """Turn per-request records into training sequences (prefix_merging or per_request); nothing is dropped."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("[bold]merging"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("merge", total=None)
+        try:
+            summary = merge(inputs or ["flows/"], output, builder=builder.value, rewards=rewards,
+                            eot_token=eot_token, tokenizer=tokenizer, drop_unrewarded=drop_unrewarded, check=check,
+                            on_start=lambda total: progress.update(task, total=total),
+                            on_progress=lambda n: progress.advance(task, n))
+        except MergeError as exc:
+            console.print(f"[red]merge failed:[/] {exc}")
+            raise typer.Exit(1) from exc
+    console.print(summary_table(summary, output))
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "–"
+
+
+def summary_table(summary: MergeSummary, output: str) -> Table:
+    """The merge summary as a Rich table."""
+    table = Table(title=f"merge · {summary.builder}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    excluded = sum(summary.excluded.values())
+    rows: list[tuple[str, str]] = [
+        ("sessions", f"{summary.sessions:,}"),
+        ("records read", f"{summary.records:,} from {summary.inputs} input(s)"),
+        ("excluded", f"{excluded:,}" + "".join(f"\n  {cause}: {n:,}" for cause, n in summary.excluded.items())),
+        ("requests merged", f"{summary.trainable_records:,}"),
+        ("sequences", f"{summary.sequences:,}"),
+        ("requests / sequence", f"{summary.records_per_sequence:.2f}"),
+        ("new sequences by cause", (f"{sum(summary.breaks.values()):,}" + "".join(
+            f"\n  {cause}: {n:,}" for cause, n in summary.breaks.items())) if summary.builder == "prefix_merging"
+         else "– (one per request)"),
+        ("trainable / total tokens", f"{summary.trainable_tokens:,} / {summary.total_tokens:,} "
+                                     f"({_pct(summary.trainable_tokens, summary.total_tokens)})"),
+    ]
+    if summary.eot_token_id is not None:
+        rows.append(("end-of-turn token", f"{summary.eot_token_id} ({summary.eot_source})"))
+    if summary.rewarded_sessions or summary.unrewarded_sessions:
+        unrewarded = f"{summary.unrewarded_sessions:,} without"
+        if summary.dropped_unrewarded_sequences:
+            unrewarded += f" ({summary.dropped_unrewarded_sequences:,} sequences dropped)"
+        rows.append(("rewards", f"{summary.rewarded_sessions:,} sessions rewarded, {unrewarded}"))
+    if summary.skipped_files:
+        rows.append(("skipped (not records)", "\n".join(summary.skipped_files)))
+    rows += [
+        ("invariants", "checked" if summary.invariants_checked else "[yellow]not checked[/]"),
+        ("time", f"{summary.seconds:.2f} s"),
+        ("output", f"{output} ({len(summary.shards)} shard(s))"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+# -- reading merged shards ---------------------------------------------------------------------------------------
+
+
+def read_merged(data: str, columns: list[str] | None = None, filter_expr: Any = None) -> pa.Table:
+    """Merged shards under `data` (folder, file or URI) as one table."""
+    import pyarrow.dataset as ds
+
+    fs, path = resolve_path(data)
+    dataset = ds.dataset(path, format="parquet", filesystem=fs)
+    return dataset.to_table(columns=columns, filter=filter_expr)
+
+
+def find_sequences(data: str, ident: str) -> pa.Table:
+    """Sequences whose sequence id or session id is `ident`, or that contain the request `ident`."""
+    import pyarrow.dataset as ds
+
+    keys = read_merged(data, ["sequence_id", "session_id", "request_ids"])
+    hit = pc.or_(pc.equal(keys["sequence_id"], ident), pc.equal(keys["session_id"], ident))
+    wanted = pc.filter(keys["sequence_id"], hit)
+    if len(wanted) == 0:
+        requests = keys["request_ids"].combine_chunks()
+        rows = pc.list_parent_indices(requests).to_numpy()[
+            pc.equal(pc.list_flatten(requests), ident).to_numpy(zero_copy_only=False)]
+        wanted = pc.take(keys["sequence_id"], pa.array(np.unique(rows)))
+    if len(wanted) == 0:
+        return keys.schema.empty_table()
+    table = read_merged(data, filter_expr=ds.field("sequence_id").isin(wanted))
+    order = pc.sort_indices(table, sort_keys=[("session_id", "ascending"), ("sequence_id", "ascending")])
+    return table.take(order)
+
+
+# -- show --------------------------------------------------------------------------------------------------------
+
+
+def mask_runs(loss_mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, mask value) of each maximal run of equal loss-mask values."""
+    mask = np.asarray(loss_mask)
+    if len(mask) == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(mask)) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [len(mask)]])
+    return [(int(s), int(e), int(mask[s])) for s, e in zip(starts, ends, strict=True)]
+
+
+def _elide(text: str, limit: int) -> str:
+    if limit <= 0 or len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} … [{len(text) - 2 * half:,} characters elided; --full shows all] … {text[-half:]}"
+
+
+def render_sequence(seq: MergedSequence, tokenizer, *, logprobs: bool = False, context_chars: int = 1500) -> Text:
+    """A sequence as Rich text: context dim, sampled ids green, a marker before each turn's sampled ids."""
+
+    def decode(ids: np.ndarray) -> str:
+        if tokenizer is None:
+            return "[" + " ".join(str(int(i)) for i in ids) + "]"
+        return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    ids, mask, lps = (np.asarray(a) for a in (seq.input_ids, seq.loss_mask, seq.logprobs))
+    runs = mask_runs(mask)
+    n_sampled_runs = sum(1 for *_, value in runs if value == 1)
+    text = Text()
+    turn = 0
+    for start, end, value in runs:
+        if value == 0:
+            text.append(_elide(decode(ids[start:end]), context_chars), style=CONTEXT_STYLE)
+            continue
+        label = seq.request_ids[turn] if n_sampled_runs == len(seq.request_ids) else "?"
+        text.append(f"\n⟦turn {turn + 1} · {label} · {end - start} sampled⟧\n", style=TURN_STYLE)
+        turn += 1
+        if not logprobs:
+            text.append(decode(ids[start:end]), style=SAMPLED_STYLE)
+            continue
+        for token, lp in zip(ids[start:end], lps[start:end], strict=True):
+            text.append(decode(np.array([token])), style=SAMPLED_STYLE)
+            text.append(f"⁽{lp:.2f}⁾", style="dim cyan")
+    return text
+
+
+def _header(seq: MergedSequence) -> Table:
+    mask = np.asarray(seq.loss_mask)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in (
+        ("sequence", seq.sequence_id), ("session", seq.session_id), ("task", seq.task_id),
+        ("builder", seq.builder), ("turns", f"{seq.n_turns}  ({', '.join(seq.request_ids)})"),
+        ("tokens", f"{len(mask):,} ({int(mask.sum()):,} trainable, prompt {seq.prompt_len:,})"),
+        ("weights", f"{seq.weight_version_min} … {seq.weight_version_max}"),
+        ("finish", seq.finish_reason), ("reward", "null" if seq.reward is None else f"{seq.reward:g}"),
+    ):
+        table.add_row(name, str(value))
+    return table
+
+
+def show_command(
+    ident: Annotated[str, typer.Argument(metavar="ID", help="A sequence id, a session id, or a request id.")],
+    data: Annotated[str, typer.Option(help="Merged shards (folder, file or URI).")] = "merged/",
+    tokenizer: Annotated[str, typer.Option(
+        help="Tokenizer directory or `tiny`/`smollm2` to decode with; `none` prints ids.")] = "tiny",
+    logprobs: Annotated[bool, typer.Option("--logprobs", help="Show each sampled token's logprob.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Do not elide long context runs.")] = False,
+) -> None:
+    """Show merged sequences decoded: context grey, sampled tokens green, turn boundaries marked."""
+    table = find_sequences(data, ident)
+    if table.num_rows == 0:
+        console.print(f"[red]no sequence, session or request {ident!r} in {data}[/]")
+        raise typer.Exit(1)
+    tok = None
+    if tokenizer.lower() != "none":
+        from polar_mitm.reconstruct.merge import load_tokenizer
+
+        try:
+            tok = load_tokenizer(tokenizer)
+        except (OSError, ValueError) as exc:
+            console.print(f"[yellow]cannot load tokenizer {tokenizer!r} ({exc}); showing token ids[/]")
+    for seq in sequences_from_table(table):
+        console.rule(seq.sequence_id)
+        console.print(_header(seq))
+        console.print(render_sequence(seq, tok, logprobs=logprobs, context_chars=0 if full else 1500))
+    console.print(Text.assemble(("legend: ", "bold"), ("context (mask 0)", CONTEXT_STYLE), "  ",
+                                ("sampled (mask 1)", SAMPLED_STYLE)))
+
+
+# -- stats -------------------------------------------------------------------------------------------------------
+
+
+def sequence_stats(table: pa.Table) -> dict[str, Any]:
+    """Per-sequence lengths and trainable tokens, plus totals, of a merged table."""
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    mask = ListColumn.from_arrow(table["loss_mask"], np.int8)
+    summed = np.concatenate([[0], np.cumsum(mask.values, dtype=np.int64)])
+    trainable = summed[mask.offsets[1:]] - summed[mask.offsets[:-1]]
+    rewards = np.array([r for r in table["reward"].to_pylist() if r is not None], dtype=np.float64)
+    return {
+        "sequences": table.num_rows,
+        "sessions": len(pc.unique(table["session_id"])),
+        "requests": int(pc.sum(table["n_turns"]).as_py() or 0),
+        "builders": sorted(set(table["builder"].to_pylist())),
+        "lengths": lengths,
+        "trainable": trainable,
+        "rewards": rewards,
+    }
+
+
+def write_histograms(stats: dict[str, Any], png: Path) -> None:
+    """A PNG with histograms of sequence length and trainable tokens per sequence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, values, title in ((axes[0], stats["lengths"], "sequence length (tokens)"),
+                              (axes[1], stats["trainable"], "trainable tokens per sequence")):
+        ax.hist(values, bins=min(50, max(1, len(values))), color="#3b7dd8", edgecolor="white")
+        ax.set_title(title)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("sequences")
+    fig.suptitle(f"{stats['sequences']:,} sequences · {', '.join(stats['builders'])}")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def stats_command(
+    data: Annotated[str, typer.Argument(help="Merged shards (folder, file or URI).")] = "merged/",
+    png: Annotated[Path | None, typer.Option(
+        help="Histogram PNG (default: DATA/stats.png for a local folder, else ./merged-stats.png).")] = None,
+) -> None:
+    """Summarise merged sequences: a table, plus a PNG with length and trainable-token histograms."""
+    table = read_merged(data, ["session_id", "input_ids", "loss_mask", "n_turns", "reward", "builder"])
+    if table.num_rows == 0:
+        console.print(f"[red]no merged sequences in {data}[/]")
+        raise typer.Exit(1)
+    stats = sequence_stats(table)
+    lengths, trainable = stats["lengths"], stats["trainable"]
+    out = Table(title=f"stats · {data}", title_justify="left")
+    out.add_column("")
+    for name in ("total", "mean", "median", "p90", "max"):
+        out.add_column(name, justify="right")
+    for name, values in (("sequence length", lengths), ("trainable tokens", trainable),
+                         ("context tokens", lengths - trainable)):
+        out.add_row(name, f"{int(values.sum()):,}", f"{values.mean():,.0f}", f"{np.median(values):,.0f}",
+                    f"{np.percentile(values, 90):,.0f}", f"{int(values.max()):,}")
+    console.print(out)
+    facts = Table(show_header=False, box=None)
+    facts.add_column(style="bold")
+    facts.add_column()
+    rewards = stats["rewards"]
+    for name, value in (
+        ("builder", ", ".join(stats["builders"])), ("sessions", f"{stats['sessions']:,}"),
+        ("sequences", f"{stats['sequences']:,}"), ("requests", f"{stats['requests']:,}"),
+        ("requests / sequence", f"{stats['requests'] / stats['sequences']:.2f}"),
+        ("trainable share", _pct(int(trainable.sum()), int(lengths.sum()))),
+        ("rewarded sequences", f"{len(rewards):,}" + (f" (mean reward {rewards.mean():.3f})" if len(rewards) else "")),
+    ):
+        facts.add_row(name, value)
+    console.print(facts)
+    if png is None:
+        png = Path(data) / "stats.png" if "://" not in data and Path(data).is_dir() else Path("merged-stats.png")
+    write_histograms(stats, png)
+    console.print(f"histograms: {png}")
