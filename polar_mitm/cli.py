@@ -157,5 +157,26 @@ def _register_reconstruct() -> None:
 _register_reconstruct()
 
 
+def _register_harness() -> None:
+    from polar_mitm.harness.cli import harness_app
+
+    app.add_typer(harness_app, name="harness")
+
+
+_register_harness()
+
+
+def _register_train() -> None:
+    from polar_mitm.train.cli import grpo_command, plot_command, sft_command, sync_command
+
+    app.command("grpo")(grpo_command)
+    app.command("sync")(sync_command)
+    app.command("plot")(plot_command)
+    app.command("sft")(sft_command)
+
+
+_register_train()
+
+
 if __name__ == "__main__":
     app()

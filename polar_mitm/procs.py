@@ -9,8 +9,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from polar_mitm.harness.netns import LoopbackNamespace
 
 
 def free_port() -> int:
@@ -35,16 +39,24 @@ def wait_http(url: str, *, timeout: float = 300.0, proc: subprocess.Popen | None
 
 
 def start_engine(model: str = "tiny", *, port: int | None = None, log: Path | None = None,
-                 extra_args: list[str] | None = None, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers."""
+                 extra_args: list[str] | None = None, timeout: float = 300.0,
+                 netns: LoopbackNamespace | None = None) -> tuple[subprocess.Popen, str]:
+    """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers.
+
+    With `netns` it runs inside that network namespace (its URL is only reachable from there).
+    """
     port = port or free_port()
     cmd = [sys.executable, "-m", "polar_mitm.cli", "serve", "--model", model, "--port", str(port),
            *(extra_args or [])]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/health", timeout=timeout, proc=proc)
+        if netns is not None:  # uvicorn listens only once the model is loaded
+            netns.wait_port(port, timeout=timeout, proc=proc)
+        else:
+            wait_http(f"{url}/health", timeout=timeout, proc=proc)
     except BaseException:
         stop(proc)
         raise
@@ -99,11 +111,7 @@ class GatewayProcess:
         """System CAs + mitmproxy's CA, for clients that replace rather than extend their trust store."""
         bundle = self.confdir / "ca-bundle.pem"
         if not bundle.exists():
-            import certifi
-
-            system = Path("/etc/ssl/certs/ca-certificates.crt")
-            base = system.read_bytes() if system.exists() else Path(certifi.where()).read_bytes()
-            bundle.write_bytes(base + b"\n" + self.ca_cert.read_bytes())
+            write_ca_bundle(self.ca_cert, bundle)
         return bundle
 
     def stop(self) -> None:
@@ -114,14 +122,24 @@ class GatewayProcess:
         self.proc.wait()
 
 
+def write_ca_bundle(ca_cert: Path, bundle: Path) -> Path:
+    """Write system CAs (certifi's when the system has none) + `ca_cert` to `bundle`."""
+    import certifi
+
+    system = Path("/etc/ssl/certs/ca-certificates.crt")
+    base = system.read_bytes() if system.exists() else Path(certifi.where()).read_bytes()
+    bundle.write_bytes(base + b"\n" + ca_cert.read_bytes())
+    return bundle
+
+
 def addon_path() -> Path:
     return Path(__file__).resolve().parent.parent / "addon" / "polar.py"
 
 
 def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
                   options: dict[str, str] | None = None, proxy_port: int | None = None,
-                  reverse_port: int | None = None) -> GatewayProcess:
-    """mitmdump with the polar addon in regular and reverse mode at once."""
+                  reverse_port: int | None = None, netns: LoopbackNamespace | None = None) -> GatewayProcess:
+    """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given)."""
     proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
     mitmdump = Path(sys.executable).with_name("mitmdump")
     cmd = [str(mitmdump), "-q", "-s", str(addon_path()),
@@ -131,10 +149,11 @@ def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | Non
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT)
+    wait = netns.wait_port if netns is not None else wait_port
     try:
-        wait_port(proxy_port, proc=proc)
-        wait_port(reverse_port, proc=proc)
+        wait(proxy_port, proc=proc)
+        wait(reverse_port, proc=proc)
     except BaseException:
         stop(proc)
         raise

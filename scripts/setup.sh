@@ -8,6 +8,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The six real harness CLIs (tests/test_harnesses.py), pinned in package.json + package-lock.json. Their own
+# stamp lives inside node_modules/, so deleting node_modules/ reinstalls them; no npm on PATH: a warning only.
+# Why the fallback: a registry mirror that lacks other platforms' optional binaries (opencode-darwin-*, …) yields
+# a lock without them, which `npm ci` then calls out of sync; `npm install --no-save` installs the same locked
+# versions without rewriting the lock.
+NPM_STAMP=node_modules/.polar-npm-stamp
+if command -v npm >/dev/null 2>&1; then
+    npm_want="$(cat package.json package-lock.json | sha256sum | cut -d' ' -f1)"
+    if [[ ! -f $NPM_STAMP || "$(cat "$NPM_STAMP")" != "$npm_want" ]]; then
+        npm ci --no-audit --no-fund --loglevel=error 2>/dev/null \
+            || npm install --no-audit --no-fund --no-save --loglevel=error
+        echo "$npm_want" > "$NPM_STAMP"
+    fi
+else
+    echo "setup.sh: npm not found; the harness CLIs (tests/test_harnesses.py) are not installed" >&2
+fi
+
 PY=${POLAR_PYTHON:-python3.11}
 EXTRAS=${POLAR_EXTRAS:-all}
 STAMP=.venv/.polar-setup-stamp

@@ -10,14 +10,15 @@ Script file (JSON): either a list of turns, or an object
 
     {"turns": [...],                       # the main conversation, one item per assistant turn
      "side": "OK.",                        # answer to requests that offer no tools (titles, summaries, ...)
-     "replies": [{"when": "next_speaker", "text": "{...}"}]}   # answers chosen by the last user turn's text
+     "replies": [{"when": "Complexity Score", "text": "{...}"}]}  # answers chosen by the prompt's text
 
 A turn is a string (raw assistant text, e.g. `<tool_call>\\n{"name": ...}\\n</tool_call>`), `{"text": ...}`, or
 `{"text": ..., "tool_call": CALL | [CALL, ...]}` with CALL = `{"name": NAME, "arguments": {...}}`. NAME may be a
 list of candidates: the first one the request offers as a tool is called, with `arguments_by_name[NAME]` when
 given (harnesses shape the same shell tool differently) and `arguments` otherwise. Requests that offer no tools
-(side requests) never get a tool call: they get the first matching `replies` entry, else `side`, else the turn's
-own text. After the last turn the script repeats its last turn.
+(side requests) never get a tool call: they get `side`, else the turn's own text. A `replies` entry whose `when`
+occurs in the prompt text wins over all of that (e.g. the JSON a harness's routing classifier asks for, or a
+compaction summary). After the last turn the script repeats its last turn.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-IM_START, ASSISTANT_TOKEN_TEXT, USER_HEADER = "<|im_start|>", "assistant", "<|im_start|>user"
+IM_START, ASSISTANT_TOKEN_TEXT = "<|im_start|>", "assistant"
 
 
 class ScriptError(ValueError):
@@ -111,12 +112,14 @@ class Script:
             raise ScriptError("a script needs at least one turn")
         self.turns = [ScriptedTurn.parse(t) for t in turns]
         self.side: str | None = spec.get("side")
-        self.replies: list[tuple[str, str]] = [(str(r["when"]), str(r["text"])) for r in spec.get("replies", [])]
+        replies = spec.get("replies") or []
+        if not all(isinstance(r, dict) and {"when", "text"} <= r.keys() for r in replies):
+            raise ScriptError(f"replies must be objects with `when` and `text`: {replies!r}")
+        self.replies: list[tuple[str, str]] = [(str(r["when"]), str(r["text"])) for r in replies]
         self.tokenizer, self.eos_id = tokenizer, eos_id
         start = tokenizer.convert_tokens_to_ids(IM_START)
         role = tokenizer.encode(ASSISTANT_TOKEN_TEXT, add_special_tokens=False)
         self.marker = [start, *role]
-        self.user_marker = tokenizer.encode(USER_HEADER, add_special_tokens=False)
         self._ids: dict[str, list[int]] = {}
 
     @classmethod
@@ -129,21 +132,15 @@ class Script:
         count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m)
         return max(count - 1, 0)
 
-    def last_user_text(self, prompt_ids: list[int]) -> str:
-        """The text of the prompt's last user turn (tool results included), for `replies` matching."""
-        m, n = self.user_marker, len(self.user_marker)
-        starts = [i for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m]
-        tail = prompt_ids[starts[-1] + n:] if starts else prompt_ids
-        return self.tokenizer.decode(tail)
-
     def text_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> str:
         """The assistant text of the next turn; `tool_names` = the request's tools ([] none, None unknown)."""
-        turn = self.turns[min(self.turn_index(prompt_ids), len(self.turns) - 1)]
-        if tool_names is not None and not tool_names:  # a side request: never a tool call
-            last_user = self.last_user_text(prompt_ids) if self.replies else ""
-            matched = next((text for when, text in self.replies if when in last_user), None)
+        if self.replies:
+            prompt = self.tokenizer.decode(prompt_ids)
+            matched = next((text for when, text in self.replies if when in prompt), None)
             if matched is not None:
                 return matched
+        turn = self.turns[min(self.turn_index(prompt_ids), len(self.turns) - 1)]
+        if tool_names is not None and not tool_names:  # a side request: never a tool call
             return self.side if self.side is not None else turn.text
         text = turn.render(tool_names)
         if text is None:  # none of the candidate tools is offered (e.g. a harness's sub-agent)

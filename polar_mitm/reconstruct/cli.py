@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -91,7 +92,7 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
         ("requests merged", f"{summary.trainable_records:,}"),
         ("sequences", f"{summary.sequences:,}"),
         ("requests / sequence", f"{summary.records_per_sequence:.2f}"),
-        ("new sequences by cause", (f"{sum(summary.breaks.values()):,}" + "".join(
+        ("breaks (new sequence) by cause", (f"{sum(summary.breaks.values()):,}" + "".join(
             f"\n  {cause}: {n:,}" for cause, n in summary.breaks.items())) if summary.builder == "prefix_merging"
          else "– (one per request)"),
         ("trainable / total tokens", f"{summary.trainable_tokens:,} / {summary.total_tokens:,} "
@@ -124,8 +125,16 @@ def read_merged(data: str, columns: list[str] | None = None, filter_expr: Any = 
     import pyarrow.dataset as ds
 
     fs, path = resolve_path(data)
-    dataset = ds.dataset(path, format="parquet", filesystem=fs)
-    return dataset.to_table(columns=columns, filter=filter_expr)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        # Only the shards: the folder also holds _summary.json and, after `stats`, a PNG.
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.base_name.endswith(".parquet")
+                       and f.base_name[:1] not in "_.")
+    else:
+        files = [path]
+    if not files:
+        raise MergeError(f"no merged shards under {data}")
+    return ds.dataset(files, format="parquet", filesystem=fs).to_table(columns=columns, filter=filter_expr)
 
 
 def find_sequences(data: str, ident: str) -> pa.Table:
@@ -222,7 +231,11 @@ def show_command(
     full: Annotated[bool, typer.Option("--full", help="Do not elide long context runs.")] = False,
 ) -> None:
     """Show merged sequences decoded: context grey, sampled tokens green, turn boundaries marked."""
-    table = find_sequences(data, ident)
+    try:
+        table = find_sequences(data, ident)
+    except (MergeError, FileNotFoundError) as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from exc
     if table.num_rows == 0:
         console.print(f"[red]no sequence, session or request {ident!r} in {data}[/]")
         raise typer.Exit(1)
@@ -290,7 +303,11 @@ def stats_command(
         help="Histogram PNG (default: DATA/stats.png for a local folder, else ./merged-stats.png).")] = None,
 ) -> None:
     """Summarise merged sequences: a table, plus a PNG with length and trainable-token histograms."""
-    table = read_merged(data, ["session_id", "input_ids", "loss_mask", "n_turns", "reward", "builder"])
+    try:
+        table = read_merged(data, ["session_id", "input_ids", "loss_mask", "n_turns", "reward", "builder"])
+    except (MergeError, FileNotFoundError) as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from exc
     if table.num_rows == 0:
         console.print(f"[red]no merged sequences in {data}[/]")
         raise typer.Exit(1)

@@ -84,7 +84,7 @@ def _check_sequence(seq: MergedSequence, turns: list[TurnRecord]) -> None:
         raise fail(f"lengths differ: input_ids {len(ids)}, loss_mask {len(mask)}, logprobs {len(logprobs)}")
     if not turns or seq.n_turns != len(turns):
         raise fail(f"n_turns is {seq.n_turns} but {len(turns)} request ids are listed")
-    if not np.isin(mask, (0, 1)).all():
+    if np.any((mask != 0) & (mask != 1)):
         raise fail("loss_mask holds values other than 0 and 1")
     context = mask == 0
     if np.any(logprobs[context] != 0.0):

@@ -2,7 +2,8 @@
 
 Within a session, in `seq` order, each call goes to the open chain whose *last prompt* ids are a prefix of its
 prompt ids (longest match; on a tie, the most recently extended chain — so a retried sample replaces the earlier
-one, and interleaved subagents stay in separate chains). A chain's sequence is
+one, and interleaved subagents stay in separate chains). Once a call extends one of several chains that share a
+tip, the others are closed: the harness kept one sample and discarded theirs. A chain's sequence is
 
     first prompt (mask 0) + its sampled ids (mask 1)
     + for each next call: its prompt after the end-of-turn token closing the previous assistant body (mask 0)
@@ -80,11 +81,14 @@ class _Chain:
     """A sequence being built: its turns, the pieces of its token stream, and its routing key (the tip)."""
 
     turns: list[TurnRecord]
-    interstitials: list[np.ndarray]  # context before turn k (k ≥ 1); interstitials[0] is the first prompt
+    contexts: list[np.ndarray]  # what precedes each turn's sampled ids: the first prompt, then prompt tails
     tip: np.ndarray  # the last turn's prompt ids: what the next turn's prompt must start with
     tip_hash: int
     tip_closed: bool  # the last turn's sampled ids end with the end-of-turn token
     last_extended: int = 0
+
+
+_RETIRED = np.iinfo(np.int64).max  # a tip length no prompt reaches: the chain is never routed to again
 
 
 class _ChainTable:
@@ -109,6 +113,15 @@ class _ChainTable:
         self._lengths[slot] = len(chain.tip)
         self._hashes[slot] = chain.tip_hash
         self._stamps[slot] = chain.last_extended
+
+    def retire_twins(self, slot: int) -> None:
+        """Stop routing to chains that share `slot`'s tip: the harness continued from `slot`'s sample, so theirs
+        were thrown away (retries) and must not catch a later call whose history was rewritten."""
+        chain, k = self.chains[slot], len(self.chains)
+        twins = np.flatnonzero((self._lengths[:k] == len(chain.tip)) & (self._hashes[:k] == chain.tip_hash))
+        for twin in twins:
+            if twin != slot and np.array_equal(self.chains[twin].tip, chain.tip):
+                self._lengths[twin] = _RETIRED
 
     def longest_prefix(self, prompt: np.ndarray, hashes: np.ndarray) -> int | None:
         """Slot of the chain whose tip is the longest prefix of `prompt` (ties: most recently extended)."""
@@ -166,16 +179,17 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
         elif table.chains:
             breaks[BREAK_NO_PREFIX] += 1
         if slot is not None and start is not None:
+            table.retire_twins(slot)
             chain = table.chains[slot]
             chain.turns.append(turn)
-            chain.interstitials.append(prompt[start:])
+            chain.contexts.append(prompt[start:])
             chain.tip, chain.tip_hash = prompt, int(hashes[-1])
             chain.tip_closed, chain.last_extended = _ends_turn(sampled, eot_token_id), step
             table.update(slot)
         else:
-            table.add(_Chain(turns=[turn], interstitials=[prompt], tip=prompt, tip_hash=int(hashes[-1]),
+            table.add(_Chain(turns=[turn], contexts=[prompt], tip=prompt, tip_hash=int(hashes[-1]),
                              tip_closed=_ends_turn(sampled, eot_token_id), last_extended=step))
-    return BuildResult(sequences=[assemble(chain.turns, chain.interstitials) for chain in table.chains],
+    return BuildResult(sequences=[assemble(chain.turns, chain.contexts) for chain in table.chains],
                        breaks=breaks)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
 
@@ -117,21 +118,27 @@ class ListColumn:
     def from_arrow(cls, array: pa.Array | pa.ChunkedArray, dtype: type[np.generic]) -> ListColumn:
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
-        offsets = array.offsets.to_numpy()
+        offsets = numpy_view(array.offsets, np.int32)
         child = array.values
-        valid = ~array.is_null().to_numpy(zero_copy_only=False)
+        valid = np.ones(len(array), dtype=bool)
+        if array.null_count:
+            valid = ~array.is_null().to_numpy(zero_copy_only=False)
         if child.null_count:
             # Rows holding a null element are unusable; fill so the values stay a plain numeric array.
             null_before = np.concatenate([[0], np.cumsum(child.is_null().to_numpy(zero_copy_only=False))])
             valid &= null_before[offsets[1:]] == null_before[offsets[:-1]]
-            child = child.fill_null(0)
-        values = child.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-        return cls(values=values, offsets=offsets, valid=valid)
+            child = pc.fill_null(child, pa.scalar(0, child.type))
+        return cls(values=numpy_view(child, dtype), offsets=offsets, valid=valid)
 
     def row(self, i: int) -> np.ndarray | None:
         if not self.valid[i]:
             return None
         return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+
+def numpy_view(array: pa.Array, dtype: type[np.generic]) -> np.ndarray:
+    """A primitive Arrow array as numpy (zero-copy when it has no nulls and the type already matches)."""
+    return array.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
 
 def _micros(column: pa.Array | pa.ChunkedArray) -> list[int]:

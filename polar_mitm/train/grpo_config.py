@@ -19,7 +19,7 @@ ADVANTAGE_ESTIMATORS = ("mean_std", "leave_one_out")
 class PolarGRPOConfig(GRPOConfig):
     r"""Configuration for [`PolarGRPOTrainer`]: GRPO on pre-recorded (merged) rollouts.
 
-    Defaults that differ from TRL's `GRPOConfig`: `bf16=False` and `gradient_checkpointing=False` (exact fp32
+    Defaults that differ from TRL's `GRPOConfig`: `bf16=False` and `activation_checkpointing=False` (exact fp32
     logprobs on CPU; turn them on for large models on GPU), `logging_steps=1`, `save_strategy="no"` (the command
     saves the final model), `report_to=["tensorboard"]`, and `num_generations` is set for TRL from the batch shape
     (recorded groups are formed by `task_id`, not by the sampler — see `group_size`).
@@ -31,9 +31,12 @@ class PolarGRPOConfig(GRPOConfig):
         metadata={"help": "bf16 autocast. Off by default: importance ratios need logprobs that match the engine's, "
                           "and bf16 shifts them by ~1e-2."},
     )
-    gradient_checkpointing: bool = field(
+    activation_checkpointing: bool | None = field(
         default=False,
         metadata={"help": "Recompute activations in the backward pass (saves memory on long sequences)."},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5)."},
     )
     logging_steps: float = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
     save_strategy: str = field(

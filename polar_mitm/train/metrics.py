@@ -18,7 +18,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("advantages", ("advantages/mean", "advantages/std", "advantages/min", "advantages/max")),
     ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")),
     ("KL to reference", ("kl",)),
-    ("importance ratio (stale rollouts)", ("importance_ratio/mean", "importance_ratio/min", "importance_ratio/max",
+    ("importance ratio (stale rollouts, log scale)", ("importance_ratio/mean", "importance_ratio/min", "importance_ratio/max",
                                            "importance_weight/mean")),
     ("staleness (weight versions)", ("staleness/mean", "staleness/max")),
     ("throughput (tokens/s)", ("tokens_per_second",)),
@@ -94,6 +94,8 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
             if points:
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        if "log scale" in title:  # ratios are multiplicative; a linear axis hides everything under the max
+            ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -93,10 +93,12 @@ class ToyRun:
 
 def run_toy_grpo(model_dir: str | Path, work_dir: str | Path, *, iterations: int = 8, steps_per_iteration: int = 2,
                  learning_rate: float = 1e-2, n_prompts: int = 4, group_size: int = 8, max_new_tokens: int = 8,
-                 loss_type: str = "dapo", seed: int = 0,
+                 temperature: float = 1.0, loss_type: str = "dapo", seed: int = 0,
                  on_iteration: Callable[[int, float, str], None] | None = None) -> ToyRun:
     """Alternate sampling and GRPO for `iterations` rounds, then sample once more; return the reward curve."""
     import time
+
+    from transformers import PrinterCallback
 
     from polar_mitm.train.data import build_training_data
     from polar_mitm.train.grpo_config import PolarGRPOConfig
@@ -106,7 +108,7 @@ def run_toy_grpo(model_dir: str | Path, work_dir: str | Path, *, iterations: int
     work_dir = Path(work_dir)
     engine = Engine(model_dir)
     task = make_toy_task(engine, n_prompts=n_prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                         seed=seed)
+                         temperature=temperature, seed=seed)
     run = ToyRun()
     policy = Path(model_dir)
     for it in range(iterations + 1):
@@ -126,6 +128,7 @@ def run_toy_grpo(model_dir: str | Path, work_dir: str | Path, *, iterations: int
             report_to=[], seed=seed + it, disable_tqdm=True, check_behaviour_logps=False,
         )
         trainer = PolarGRPOTrainer(str(policy), args=config, train_data=data)
+        trainer.remove_callback(PrinterCallback)  # the curve is the output; metrics.jsonl keeps the rest
         trainer.train()
         next_policy = trainer.save_for_engine(out / "policy")
         engine.update_weights_from_disk(next_policy, weight_version=trainer.policy_weight_version())

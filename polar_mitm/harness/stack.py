@@ -1,0 +1,122 @@
+"""A scripted engine and a gateway (inside a private network namespace when possible) that real harnesses run
+against: used by tests/test_harnesses.py and scripts/record_harness_flows.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polar_mitm import procs
+from polar_mitm.harness.base import REPO_ROOT, Harness, Hookup, Mode, base_environment
+from polar_mitm.harness.netns import LoopbackNamespace, try_namespace
+
+
+@dataclass
+class HarnessRun:
+    """One finished harness process."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    session: str
+    workspace: Path
+
+    def describe(self) -> str:
+        """For assertion messages: what ran and what it said."""
+        return (f"$ {' '.join(self.argv[-6:])}\nexit {self.returncode} after {self.wall_s:.1f}s\n"
+                f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+
+
+@dataclass
+class HarnessStack:
+    """The scripted tiny engine and mitmdump + polar addon, both listening only where the harnesses run."""
+
+    root: Path
+    netns: LoopbackNamespace | None
+    isolation: str  # how harnesses are kept offline, in words
+    engine: subprocess.Popen
+    gateway: procs.GatewayProcess
+    bin_dir: Path = field(default_factory=lambda: REPO_ROOT / "node_modules" / ".bin")
+
+    @classmethod
+    def start(cls, root: Path, script: dict[str, Any], *, isolate: bool = True,
+              gateway_options: dict[str, str] | None = None, engine_threads: int | None = None) -> HarnessStack:
+        root.mkdir(parents=True, exist_ok=True)
+        script_file = root / "script.json"
+        script_file.write_text(json.dumps(script, indent=1))
+        netns, isolation = try_namespace() if isolate else (None, "isolation by environment only")
+        try:
+            extra = ["--script", str(script_file)] + (["--threads", str(engine_threads)] if engine_threads else [])
+            engine, engine_url = procs.start_engine("tiny", log=root / "engine.log", netns=netns, extra_args=extra)
+        except BaseException:
+            if netns is not None:
+                netns.close()
+            raise
+        try:
+            gateway = procs.start_gateway(engine_url, root / "flows", confdir=root / "conf",
+                                          log=root / "gateway.log", options=gateway_options, netns=netns)
+        except BaseException:
+            procs.stop(engine)
+            if netns is not None:
+                netns.close()
+            raise
+        return cls(root=root, netns=netns, isolation=isolation, engine=engine, gateway=gateway)
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        procs.stop(self.engine)
+        if self.netns is not None:
+            self.netns.close()
+
+    def hookup(self, mode: Mode, session: str, task: str | None = None) -> Hookup:
+        return Hookup(mode, session=session, task=task, gateway_proxy=self.gateway.proxy_url,
+                      gateway_url=self.gateway.reverse_url,
+                      ca_bundle=self.gateway.ca_bundle() if mode == "proxy" else None)
+
+    def run(self, harness: Harness, prompt: str, *, mode: Mode, session: str, task: str | None,
+            workspace: Path, home: Path, timeout: float = 240.0, args: list[str] | None = None) -> HarnessRun:
+        """Prepare HOME, then run the harness's one-shot prompt in `workspace` (inside the namespace)."""
+        workspace.mkdir(parents=True, exist_ok=True)
+        prepared = harness.prepare(self.hookup(mode, session, task), home)
+        argv = [*harness.command(prompt, bin_dir=self.bin_dir), *(args or [])]
+        env = {**base_environment(extra_path=[self.bin_dir]), **prepared.env}
+        started = time.monotonic()
+        # Its own process group: on a timeout the harness's helpers (Codex's native binary under its Node
+        # launcher, Gemini's relaunched child) go down with it and cannot hold our pipes open.
+        proc = subprocess.Popen(self.netns.wrap(argv) if self.netns else argv, cwd=workspace, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            out, err = proc.communicate()
+            code, err = -9, err + f"\n[timed out after {timeout:.0f}s]"
+        kill_group(proc.pid)  # helpers it left behind (a one-shot run owns nothing that should outlive it)
+        return HarnessRun(argv=argv, returncode=code, stdout=out, stderr=err, wall_s=time.monotonic() - started,
+                          session=session, workspace=workspace)
+
+    def records(self, session: str) -> list[dict[str, Any]]:
+        """This session's records (compacted shards and the live journal), in call order."""
+        from polar_mitm.records import read_all
+
+        rows = [r for r in read_all(self.gateway.out_dir).to_pylist() if r["session_id"] == session]
+        return sorted(rows, key=lambda r: r["seq"])
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group we started, if anything of it is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,262 @@
+"""Harness quirks the gateway handles, each checked on what the real CLIs sent.
+
+Offline: the requests in sample_flows/harness/ (recorded from the real CLIs by scripts/record_harness_flows.py)
+decode, as recorded, into the conversation the engine saw. Live, through the gateway: shapes the recorded sessions
+do not contain (a compaction turn with empty `tools`, a Codex WebSocket upgrade).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm.codecs import CODECS, detect
+from polar_mitm.conversation import Conversation
+from polar_mitm.gateway.import_flows import import_flows, iter_flows
+from polar_mitm.harness import HARNESSES
+from polar_mitm.harness.policy import THINKING
+from polar_mitm.records import read_all
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows" / "harness"
+RECORDED = [name for name in HARNESSES if (SAMPLES / f"{name}.flow").exists()]
+needs_samples = pytest.mark.skipif(len(RECORDED) < len(HARNESSES), reason="run scripts/record_harness_flows.py")
+
+
+def model_flows(name: str) -> list[Any]:
+    """The recorded model calls of one harness session, in order."""
+    flows = [f for f in iter_flows([SAMPLES / f"{name}.flow"]) if "polar_record" in f.metadata]
+    return sorted(flows, key=lambda f: f.metadata["polar_record"]["seq"])
+
+
+def body(flow) -> dict[str, Any]:
+    return json.loads(flow.request.get_text())
+
+
+def decode(flow) -> Conversation:
+    record = flow.metadata["polar_record"]
+    return CODECS[record["provider"]].decode_request(body(flow), record["path"], dict(flow.request.query.items()))
+
+
+def main_turns(name: str) -> list[Any]:
+    """The agent loop's calls (those offering tools); the rest is side traffic."""
+    return [f for f in model_flows(name) if decode(f).tools]
+
+
+# -- every harness: the recorded requests replay exactly ------------------------------------------------------
+
+
+@needs_samples
+@pytest.mark.parametrize("name", RECORDED or list(HARNESSES))
+def test_recorded_requests_decode_to_what_the_engine_saw(name):
+    flows = model_flows(name)
+    assert len(flows) >= 3
+    for flow in flows:
+        record = flow.metadata["polar_record"]
+        headers = {k.lower(): v for k, v in flow.request.headers.items()}
+        codec = detect(record["path"], headers, body(flow))
+        assert codec is not None and codec.name == record["provider"]
+        conv = decode(flow)
+        assert conv.messages_json() == json.loads(record["messages_json"])
+        assert conv.tools_json() == json.loads(record["tools_json"])
+        assert not {"authorization", "x-api-key", "x-goog-api-key"} & set(headers)  # credentials scrubbed
+
+
+@needs_samples
+@pytest.mark.parametrize("name", RECORDED or list(HARNESSES))
+def test_import_flows_rebuilds_each_harness_session(name, tmp_path):
+    shard, counts = import_flows([SAMPLES / f"{name}.flow"], tmp_path)
+    recorded = {r["request_id"]: r for r in pq.read_table(SAMPLES / f"{name}.parquet").to_pylist()}
+    imported = pq.read_table(shard).to_pylist()
+    assert counts["gateway"] == len(recorded) == len(imported)
+    for row in imported:
+        original = recorded[row["request_id"]]
+        for col in ("session_id", "task_id", "seq", "prompt_ids", "completion_ids", "finish_reason"):
+            assert row[col] == original[col]
+
+
+@needs_samples
+@pytest.mark.parametrize("name", RECORDED or list(HARNESSES))
+def test_each_turn_prompt_extends_the_previous_one_token_for_token(name):
+    """What prefix merging relies on: the harness re-sends history that renders to the very same tokens."""
+    turns = [f.metadata["polar_record"] for f in main_turns(name)]
+    if name == "claude-code":
+        turns = turns[:3]  # the 4th is /compact: a new user turn, after which earlier thinking is not rendered
+    assert len(turns) == 3
+    for before, after in zip(turns, turns[1:], strict=False):
+        assert after["prompt_ids"][: len(before["prompt_ids"])] == before["prompt_ids"]
+
+
+# -- Claude Code ----------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_claude_code_billing_line_changes_per_request_but_never_reaches_the_engine():
+    flows = main_turns("claude-code")
+    billing = [body(f)["system"][0]["text"] for f in flows]
+    assert all(b.startswith("x-anthropic-billing-header:") for b in billing)
+    assert len(set(billing)) == len(billing)  # cch / prompt ids differ on every request
+    systems = {decode(f).messages[0].content for f in flows}
+    assert len(systems) == 1 and "billing" not in systems.pop()
+    for f in flows:
+        assert "x-anthropic-billing-header" in f.metadata["polar_record"]["request_json"]  # original kept
+
+
+@needs_samples
+def test_claude_code_deferred_tools_stay_out_of_the_prompt_until_tool_search_loads_them():
+    first = main_turns("claude-code")[0]
+    request = body(first)
+    deferred = [t["name"] for t in request["tools"] if t.get("defer_loading")]
+    assert deferred and "ToolSearch" in [t["name"] for t in request["tools"]]
+    offered = [t.name for t in decode(first).tools]
+    assert "ToolSearch" in offered and not set(deferred) & set(offered)
+    # A tool search result references a deferred tool: from then on the model sees its schema (as on the API).
+    loaded = copy.deepcopy(request)
+    loaded["tools"].append({"name": "WebFetch", "description": "Fetch a URL", "defer_loading": True,
+                            "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}}})
+    loaded["messages"] += [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_ts", "name": "ToolSearch",
+                                           "input": {"query": "select:WebFetch"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_ts",
+                                      "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}]},
+    ]
+    conv = CODECS["anthropic"].decode_request(loaded, "/v1/messages", {})
+    assert "WebFetch" in [t.name for t in conv.tools]
+    assert conv.messages[-1].role == "tool" and conv.messages[-1].name == "ToolSearch"
+
+
+@needs_samples
+def test_claude_code_environment_arrives_as_a_mid_conversation_system_message():
+    conv = decode(main_turns("claude-code")[0])
+    roles = [m.role for m in conv.messages]
+    assert roles[0] == "system" and "system" in roles[1:]
+    assert any("Primary working directory" in m.content for m in conv.messages[1:] if m.role == "system")
+
+
+@needs_samples
+def test_claude_code_thinking_blocks_come_back_with_their_text():
+    conv = decode(main_turns("claude-code")[1])
+    assistant = [m for m in conv.messages if m.role == "assistant"]
+    assert assistant[0].reasoning == THINKING
+
+
+def test_compaction_turn_with_empty_tools_is_answered_with_text(gateway):
+    """Claude Code's compaction shape: the whole conversation, `tools: []`, a request for a summary."""
+    request = {
+        "model": "claude-sonnet-4-5", "max_tokens": 20000, "stream": True, "tools": [],
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cch=1a2b3;"},
+                   {"type": "text", "text": "You are a helpful AI assistant tasked with summarizing conversations."}],
+        "messages": [
+            {"role": "user", "content": "Write hello into out.txt"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                               "input": {"command": "echo hello > out.txt"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": ""}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+            {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."},
+        ],
+    }
+    r = httpx.post(f"{gateway.reverse_url}/s/compaction/v1/messages", json=request, timeout=60,
+                   headers={"anthropic-version": "2023-06-01", "x-api-key": "k"})
+    assert r.status_code == 200 and "event: message_stop" in r.text
+    assert "tool_use" not in r.text  # no tools offered: the engine is never asked for a tool call
+    row = next(row for row in read_all(gateway.out_dir).to_pylist() if row["session_id"] == "compaction")
+    assert row["tools_json"] == "[]" and row["finish_reason"] == "stop" and row["completion_ids"]
+    assert "billing" not in row["messages_json"]
+
+
+# -- Codex and the Responses API ------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_codex_developer_messages_reasoning_items_and_store_false():
+    turns = main_turns("codex")
+    first, second = body(turns[0]), body(turns[1])
+    assert first["store"] is False and first["include"] == ["reasoning.encrypted_content"]
+    assert first["reasoning"] and [i["role"] for i in first["input"] if i.get("role")][:2] == ["developer"] * 2
+    conv = decode(turns[0])
+    assert [m.role for m in conv.messages[:2]] == ["system", "system"]
+    # Our answer carried the reasoning sealed in encrypted_content; Codex sends the item back untouched.
+    sent_back = next(i for i in second["input"] if i.get("type") == "reasoning")
+    assert sent_back["encrypted_content"]
+    assistant = next(m for m in decode(turns[1]).messages if m.role == "assistant")
+    assert assistant.reasoning == THINKING
+
+
+@needs_samples
+@pytest.mark.parametrize("name", ["codex", "pi"])
+def test_responses_function_call_output_becomes_the_tool_result(name):
+    second = main_turns(name)[1]
+    items = body(second)["input"]
+    call = next(i for i in items if i.get("type") == "function_call")
+    output = next(i for i in items if i.get("type") == "function_call_output")
+    tool = next(m for m in decode(second).messages if m.role == "tool")
+    assert tool.tool_call_id == output["call_id"] == call["call_id"]
+    assert tool.name == call["name"] and tool.content == output["output"]
+
+
+def test_websocket_upgrade_is_refused_at_once_so_codex_falls_back_to_https(gateway):
+    headers = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
+               "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==", "authorization": "Bearer polar-ws-check"}
+    before = len(read_all(gateway.out_dir))
+    r = httpx.get(f"{gateway.reverse_url}/s/ws-check/v1/responses", headers=headers, timeout=10)
+    assert r.status_code == 426
+    assert "WebSocket" in r.json()["error"]["message"]
+    assert len(read_all(gateway.out_dir)) == before  # not a model call: nothing recorded
+
+
+# -- Gemini CLI -----------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_gemini_thinking_config_asks_for_thoughts_and_gets_them():
+    turns = main_turns("gemini")
+    config = body(turns[0])["generationConfig"]["thinkingConfig"]
+    assert config["includeThoughts"] is True and "thinkingLevel" in config
+    assert decode(turns[0]).thinking is True
+    parts = json.loads(turns[0].metadata["polar_record"]["response_json"])["candidates"][0]["content"]["parts"]
+    assert parts[0] == {"text": THINKING, "thought": True}
+
+
+@pytest.mark.parametrize(("config", "thinking"), [
+    ({"includeThoughts": True, "thinkingLevel": "HIGH"}, True),
+    ({"thinkingLevel": "LOW"}, None),
+    ({"thinkingBudget": -1, "includeThoughts": False}, None),
+    ({"thinkingBudget": 0}, False),
+])
+def test_gemini_thinking_config_variants_decode(config, thinking):
+    request = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+               "generationConfig": {"thinkingConfig": config}}
+    assert CODECS["google"].decode_request(request, "/v1beta/models/g:generateContent", {}).thinking is thinking
+
+
+@needs_samples
+def test_gemini_routing_classifier_is_side_traffic_answered_in_json():
+    router = next(f for f in model_flows("gemini") if not decode(f).tools)
+    assert body(router)["generationConfig"]["responseMimeType"] == "application/json"
+    answer = json.loads(router.metadata["polar_record"]["response_json"])
+    verdict = json.loads(answer["candidates"][0]["content"]["parts"][0]["text"])
+    assert set(verdict) == {"complexity_reasoning", "complexity_score"}
+
+
+# -- Qwen Code and opencode -----------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_qwen_tool_results_as_content_parts_become_plain_text():
+    second = main_turns("qwen")[1]
+    raw = next(m for m in body(second)["messages"] if m["role"] == "tool")
+    assert isinstance(raw["content"], list)
+    tool = next(m for m in decode(second).messages if m.role == "tool")
+    assert tool.content == "".join(part["text"] for part in raw["content"])
+
+
+@needs_samples
+def test_opencode_title_generation_is_a_tool_free_side_call():
+    side = [f for f in model_flows("opencode") if not decode(f).tools]
+    assert len(side) == 1 and "title" in body(side[0])["system"][0]["text"].lower()
+    assert side[0].metadata["polar_record"]["finish_reason"] == "stop"
