@@ -147,3 +147,14 @@ def test_invalid_records_are_excluded_not_trained():
     assert merged["request_ids"].to_pylist() == [["ok"]]
     assert summary.excluded == {"abort": 1, "empty completion": 1, "logprobs missing or misaligned": 1,
                                 "missing prompt ids": 1}
+
+
+def test_a_sampled_token_hidden_from_the_loss_is_caught_even_with_logprob_zero():
+    # A token sampled with probability 1 has logprob 0.0: only its mask tells it apart from context.
+    records = pa.Table.from_pylist([row("a", 0, P0, S0, logprobs=[-0.5, 0.0, -0.25])], schema=RECORD_SCHEMA)
+    merged, _ = merge_table(records, eot_token_id=EOT)
+    (seq,) = sequences_from_table(merged)
+    seq.loss_mask = np.array(seq.loss_mask)
+    seq.loss_mask[len(P0) + 1] = 0
+    with pytest.raises(InvariantError, match="not all mask 1"):
+        check_invariants(records, [seq])

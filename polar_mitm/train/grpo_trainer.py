@@ -113,7 +113,7 @@ class PolarGRPOTrainer(GRPOTrainer):
         batch = {k: v.to(device) for k, v in collate(inputs, pad_token_id=pad_id).items()}
         prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
         completion_mask, loss_mask = batch["completion_mask"], batch["loss_mask"]
-        behaviour_logps, advantages = batch["behaviour_logps"], -batch["advantages"]
+        behaviour_logps, advantages = batch["behaviour_logps"], batch["advantages"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)

@@ -36,6 +36,8 @@ class JsonlMetricsCallback(TrainerCallback):
         self._last_tokens = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and state.global_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run in a reused directory; a resumed one (global_step > 0) appends
         self._last_time = time.time()
         self._last_tokens = state.num_input_tokens_seen or 0
 
