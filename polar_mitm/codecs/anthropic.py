@@ -372,11 +372,12 @@ def _decode_tool(raw: Any, where: str, loaded: set[str]) -> Tool | None:
     schema = raw.get("input_schema")
     if schema is None:  # a server tool (web_search_…, bash_…): Anthropic runs it, our engine cannot
         return None
-    if raw.get("defer_loading") is True and raw.get("name") not in loaded:
+    name = _expect(raw.get("name"), str, f"{where}.name", "a string")
+    if raw.get("defer_loading") is True and name not in loaded:
         return None
     description = raw.get("description")
     return Tool(
-        name=_expect(raw.get("name"), str, f"{where}.name", "a string"),
+        name=name,
         description="" if description is None else _expect(description, str, f"{where}.description", "a string"),
         parameters=_expect(schema, dict, f"{where}.input_schema", "an object"),
     )

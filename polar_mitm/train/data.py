@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
@@ -82,11 +83,17 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
         raise MergedDataError(f"{at}: prompt_len={seq.prompt_len} outside [1, {n}]")
     if any(seq.loss_mask[: seq.prompt_len]):
         raise MergedDataError(f"{at}: a sampled token (loss_mask 1) inside the prompt (prompt_len={seq.prompt_len})")
-    for i, (mask, logprob) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
-        if mask not in (0, 1):
-            raise MergedDataError(f"{at}: loss_mask[{i}]={mask} is not 0/1")
-        if mask and not (math.isfinite(logprob) and logprob <= 1e-6):
-            raise MergedDataError(f"{at}: logprob[{i}]={logprob} is not a finite log-probability")
+    mask = np.asarray(seq.loss_mask)
+    logprobs = np.asarray(seq.logprobs, dtype=np.float64)
+    bad_mask = np.flatnonzero((mask != 0) & (mask != 1))
+    if bad_mask.size:
+        i = int(bad_mask[0])
+        raise MergedDataError(f"{at}: loss_mask[{i}]={seq.loss_mask[i]} is not 0/1")
+    sampled = mask == 1
+    bad_logprob = np.flatnonzero(sampled & ~(np.isfinite(logprobs) & (logprobs <= 1e-6)))
+    if bad_logprob.size:
+        i = int(bad_logprob[0])
+        raise MergedDataError(f"{at}: logprob[{i}]={seq.logprobs[i]} is not a finite log-probability")
 
 
 # -- advantages ------------------------------------------------------------------------------------------------------
@@ -134,6 +141,8 @@ def group_advantages(
     sessions' rewards, unscaled. Groups whose rewards are all equal, and single-session groups, get exactly 0.
     Sessions without a task_id are their own (singleton) group; sessions without a reward are left out.
     """
+    if estimator not in ("mean_std", "leave_one_out") or scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"unknown advantage estimator {estimator!r} or reward scaling {scale_rewards!r}")
     reward, group_of, mixed = session_rewards(sequences)
     members: dict[str, list[str]] = defaultdict(list)
     singleton = 0
@@ -155,15 +164,13 @@ def group_advantages(
         if max(values) - min(values) <= ZERO_VARIANCE_TOL:
             zero_variance += 1  # an exact 0: float noise in (r - mean) / eps would otherwise leak a gradient
             continue
-        mean = sum(values) / len(values)
+        total, n = sum(values), len(values)
+        scale = {"group": _std(values), "batch": batch_std, "none": None}[scale_rewards]
         for s, r in zip(sessions, values, strict=True):
             if estimator == "leave_one_out":
-                advantage[s] = r - (sum(values) - r) / (len(values) - 1)
-            elif estimator == "mean_std":
-                scale = {"group": _std(values), "batch": batch_std, "none": None}[scale_rewards]
-                advantage[s] = (r - mean) / (scale + STD_EPS) if scale is not None else r - mean
+                advantage[s] = r - (total - r) / (n - 1)
             else:
-                raise ValueError(f"unknown advantage estimator {estimator!r}")
+                advantage[s] = (r - total / n) / (scale + STD_EPS) if scale is not None else r - total / n
     sizes = Counter(len(v) for v in members.values())
     return GroupAdvantages(
         reward=reward, advantage=advantage, group_of=group_of, zero_variance_groups=zero_variance,
