@@ -205,7 +205,10 @@ class Engine:
             if max_new <= 0:
                 gen.finish_reason = {"type": "length", "length": 0}
                 return gen
-            forced = self.script.ids_for(prompt_ids, tool_names) if self.script is not None else None
+            forced = None
+            if self.script is not None:
+                candidates = self.script.candidate_ids_for(prompt_ids, tool_names)
+                forced = candidates[0] if len(candidates) == 1 else self._choose(prompt_ids, candidates, params, rng)
             cache = self._new_cache()
             logits = self._prefill(prompt_ids, cache)
             t1 = time.perf_counter()
@@ -239,6 +242,23 @@ class Engine:
             gen.decode_s = time.perf_counter() - t1
         gen.text = self.output_text(gen.output_ids, params, gen.finish_reason)
         return gen
+
+    def _choose(self, prompt_ids: list[int], candidates: list[list[int]], params: SamplingParams,
+                rng: torch.Generator) -> list[int]:
+        """Sample one scripted candidate by the model's per-token probability of it (caller holds the lock)."""
+        temperature = 1.0 if params.greedy else params.temperature
+        scores = []
+        for ids in candidates:
+            full = torch.tensor([prompt_ids + ids[:-1]], dtype=torch.long)
+            logits = self.model(input_ids=full, logits_to_keep=len(ids)).logits[0].float()
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            # Length-normalised: whole-sequence probabilities of a random model differ by tens of nats between
+            # candidates, which would make the choice deterministic; per-token means keep it a real lottery.
+            scores.append(logp.gather(1, torch.tensor(ids).unsqueeze(1)).mean())
+        weights = torch.softmax(torch.stack(scores), dim=0)
+        if params.greedy:
+            return candidates[int(torch.argmax(weights))]
+        return candidates[int(torch.multinomial(weights, 1, generator=rng))]
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
                 top_logprobs_num: int, forced_id: int | None = None) -> TokenStep:

@@ -11,6 +11,7 @@ Script file (JSON): either a list of turns, or an object
     {"turns": [...],                       # the main conversation, one item per assistant turn
      "side": "OK.",                        # answer to requests that offer no tools (titles, summaries, ...)
      "replies": [{"when": "Complexity Score", "text": "{...}"}]}  # answers chosen by the prompt's text
+                                           # (a reply may hold any turn, and "turn": K to apply at turn K only)
 
 A turn is a string (raw assistant text, e.g. `<tool_call>\\n{"name": ...}\\n</tool_call>`), `{"text": ...}`, or
 `{"text": ..., "tool_call": CALL | [CALL, ...]}` with CALL = `{"name": NAME, "arguments": {...}}`. NAME may be a
@@ -19,6 +20,11 @@ given (harnesses shape the same shell tool differently) and `arguments` otherwis
 (side requests) never get a tool call: they get `side`, else the turn's own text. A `replies` entry whose `when`
 occurs in the prompt text wins over all of that (e.g. the JSON a harness's routing classifier asks for, or a
 compaction summary). After the last turn the script repeats its last turn.
+
+A turn may also be `{"choices": [TURN, TURN, ...]}`: the engine then samples ONE of the candidate turns with
+probability ∝ exp(mean logprob of its tokens under the model, at the request's temperature), so the policy is the
+model restricted to those answers. Outcomes then vary inside a GRPO group and training shifts the
+choice — this is what makes the CPU demo learn something real.
 """
 
 from __future__ import annotations
@@ -74,7 +80,16 @@ class ScriptedTurn:
     calls: list[ScriptedCall] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, item: Any) -> ScriptedTurn:
+    def parse(cls, item: Any) -> ScriptedTurn | ScriptedChoice:
+        if isinstance(item, dict) and "choices" in item:
+            choices = item["choices"]
+            if not isinstance(choices, list) or not choices:
+                raise ScriptError(f"choices must be a non-empty list of turns: {item!r}")
+            return ScriptedChoice([cls._parse_one(c) for c in choices])
+        return cls._parse_one(item)
+
+    @classmethod
+    def _parse_one(cls, item: Any) -> ScriptedTurn:
         if isinstance(item, str):
             return cls(text=item)
         if isinstance(item, dict) and ("tool_call" in item or "text" in item):
@@ -94,9 +109,18 @@ class ScriptedTurn:
         return (self.text + "\n" if self.text else "") + "\n".join(blocks)
 
 
+@dataclass
+class ScriptedChoice:
+    """Candidate turns; the engine samples one by the model's probability of each."""
+
+    alternatives: list[ScriptedTurn]
+
+
 def turn_text(item: Any, offered: Sequence[str] | None = None) -> str:
     """The raw assistant text of one script item (tool names chosen among `offered` when given)."""
     turn = ScriptedTurn.parse(item)
+    if isinstance(turn, ScriptedChoice):
+        turn = turn.alternatives[0]
     text = turn.render(offered)
     return turn.text if text is None else text
 
@@ -113,9 +137,13 @@ class Script:
         self.turns = [ScriptedTurn.parse(t) for t in turns]
         self.side: str | None = spec.get("side")
         replies = spec.get("replies") or []
-        if not all(isinstance(r, dict) and {"when", "text"} <= r.keys() for r in replies):
-            raise ScriptError(f"replies must be objects with `when` and `text`: {replies!r}")
-        self.replies: list[tuple[str, str]] = [(str(r["when"]), str(r["text"])) for r in replies]
+        if not all(isinstance(r, dict) and "when" in r and ({"text", "tool_call", "choices"} & r.keys())
+                   for r in replies):
+            raise ScriptError(f"replies must be objects with `when` and a turn (text/tool_call/choices): {replies!r}")
+        # (substring of the prompt, only at this turn index or any, the turn to play)
+        self.replies: list[tuple[str, int | None, ScriptedTurn | ScriptedChoice]] = [
+            (str(r["when"]), r.get("turn"),
+             ScriptedTurn.parse({k: v for k, v in r.items() if k not in ("when", "turn")})) for r in replies]
         self.tokenizer, self.eos_id = tokenizer, eos_id
         start = tokenizer.convert_tokens_to_ids(IM_START)
         role = tokenizer.encode(ASSISTANT_TOKEN_TEXT, add_special_tokens=False)
@@ -132,23 +160,40 @@ class Script:
         count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m)
         return max(count - 1, 0)
 
-    def text_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> str:
-        """The assistant text of the next turn; `tool_names` = the request's tools ([] none, None unknown)."""
+    def texts_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[str]:
+        """Candidate assistant texts of the next turn (one unless the turn is a `choices` turn).
+
+        `tool_names` = the request's tools ([] none, None unknown).
+        """
+        index = self.turn_index(prompt_ids)
+        turn: ScriptedTurn | ScriptedChoice | None = None
         if self.replies:
             prompt = self.tokenizer.decode(prompt_ids)
-            matched = next((text for when, text in self.replies if when in prompt), None)
-            if matched is not None:
-                return matched
-        turn = self.turns[min(self.turn_index(prompt_ids), len(self.turns) - 1)]
-        if tool_names is not None and not tool_names:  # a side request: never a tool call
-            return self.side if self.side is not None else turn.text
-        text = turn.render(tool_names)
-        if text is None:  # none of the candidate tools is offered (e.g. a harness's sub-agent)
-            return self.side if self.side is not None else turn.text
-        return text
+            turn = next((t for when, at, t in self.replies if when in prompt and at in (None, index)), None)
+        if turn is None:
+            turn = self.turns[min(index, len(self.turns) - 1)]
+        options = turn.alternatives if isinstance(turn, ScriptedChoice) else [turn]
+        texts = []
+        for option in options:
+            text = None if tool_names is not None and not tool_names else option.render(tool_names)
+            if text is None:  # a side request, or none of the candidate tools is offered (a sub-agent)
+                text = self.side if self.side is not None else option.text
+            if text not in texts:
+                texts.append(text)
+        return texts
+
+    def text_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> str:
+        """The first candidate text of the next turn."""
+        return self.texts_for(prompt_ids, tool_names)[0]
+
+    def candidate_ids_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[list[int]]:
+        """Token ids (ending with the end-of-turn token) of each candidate for the next turn."""
+        out = []
+        for text in self.texts_for(prompt_ids, tool_names):
+            if text not in self._ids:
+                self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id]
+            out.append(self._ids[text])
+        return out
 
     def ids_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[int]:
-        text = self.text_for(prompt_ids, tool_names)
-        if text not in self._ids:
-            self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id]
-        return self._ids[text]
+        return self.candidate_ids_for(prompt_ids, tool_names)[0]
