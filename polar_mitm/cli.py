@@ -138,9 +138,10 @@ def records_command(
 
 
 def _register_subcommands() -> None:
-    from polar_mitm.rollout.cli import rollout_command
+    from polar_mitm.rollout.cli import loop_command, rollout_command
 
     app.command("rollout")(rollout_command)
+    app.command("loop")(loop_command)
 
 
 _register_subcommands()

@@ -87,3 +87,60 @@ def rollout_command(
     console.print(summary_table(summary.sessions))
     console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
                   f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}")
+
+
+def iteration_table(results):
+    from rich.table import Table
+
+    table = Table(title="polar-mitm loop", caption="seconds per stage: rollout / merge / train")
+    for col in ("it", "weights", "sessions", "reward", "±", "pass", "calls", "seqs", "sampled/total tok", "seconds"):
+        table.add_column(col, justify="right")
+    for r in results:
+        s = r.seconds
+        table.add_row(str(r.iteration), str(r.weight_version), str(r.sessions), f"{r.reward_mean:.3f}",
+                      f"{r.reward_std:.2f}", f"{r.pass_rate:.0%}", str(r.requests), str(r.sequences),
+                      f"{r.trainable_tokens}/{r.total_tokens}",
+                      f"{s['rollout']:.0f}/{s['merge']:.0f}/{s['train']:.0f}")
+    return table
+
+
+def loop_command(
+    tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
+    run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help="Everything of the run goes here.")] = Path(
+        "runs/loop"),
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help="RL iterations.")] = 2,
+    harness: Annotated[str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")] = "sdk:openai_chat",
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = 4,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = 4,
+    model: Annotated[str, typer.Option(help="Starting model: tiny | smollm2 | PATH.")] = "tiny",
+    script: Annotated[Path | None, typer.Option(help="Scripted policy for the embedded engine.")] = None,
+    engine: Annotated[str | None, typer.Option(help="Attach to this engine (SGLang) instead of starting one.")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (forced) = training temperature.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="Completion budget per model call.")] = 256,
+    learning_rate: Annotated[float, typer.Option(help="Learning rate.")] = 5e-3,
+    batch_size: Annotated[int, typer.Option(help="Sequences per training micro-batch.")] = 4,
+    epochs: Annotated[float, typer.Option(help="Passes over each iteration's sequences.")] = 1.0,
+    lora: Annotated[bool, typer.Option(help="Train LoRA adapters (merged copy pushed to the engine).")] = False,
+    builder: Annotated[str, typer.Option(help="prefix_merging | per_request.")] = "prefix_merging",
+    overlap: Annotated[int, typer.Option(help="1: next rollouts run while the trainer trains.")] = 0,
+    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
+) -> None:
+    """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
+    from polar_mitm.rollout.loop import Loop, LoopConfig
+
+    cfg = LoopConfig(tasks=tasks, run_dir=run_dir, harness=harness, iterations=iterations, group_size=group_size,
+                     concurrency=concurrency, model=model, script=script, engine_url=engine,
+                     temperature=temperature, max_tokens=max_tokens, learning_rate=learning_rate,
+                     per_device_batch_size=batch_size, epochs=epochs, lora=lora, builder=builder, overlap=overlap,
+                     keep=keep)
+    done = []
+
+    def show(stats) -> None:
+        done.append(stats)
+        console.print(iteration_table(done))
+
+    results = Loop(cfg, on_iteration=show).run()
+    console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
+    if len(results) > 1:
+        first, last = results[0], results[-1]
+        console.print(f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations")

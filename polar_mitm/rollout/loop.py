@@ -1,0 +1,210 @@
+"""`polar-mitm loop`: rollout → merge → GRPO → push weights → repeat.
+
+Each iteration: a gateway writes the iteration's records to `RUN/iter-K/flows`, G harness sessions per task run
+through it (the staged rollout), `merge` joins the records into sequences with the rewards, GRPO trains on them,
+and the new weights are pushed to the engine (`/update_weights_from_disk`), whose `weight_version` then appears in
+the next iteration's records.
+
+`--overlap 1` runs iteration K+1's rollouts while the trainer trains on iteration K (Polar's asynchronous design):
+those rollouts are one weight version behind, which the trainer's importance ratios against the recorded behaviour
+logprobs correct for (staleness is reported in the metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from polar_mitm import procs
+from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
+from polar_mitm.rollout.tasks import Task, load_tasks
+
+
+@dataclass
+class LoopConfig:
+    tasks: Path
+    run_dir: Path
+    harness: str = "sdk:openai_chat"
+    iterations: int = 2
+    group_size: int = 4
+    concurrency: int = 4
+    model: str = "tiny"
+    script: Path | None = None  # scripted policy for the embedded engine (demo/tests)
+    engine_url: str | None = None  # attach to a running engine instead of starting one
+    temperature: float = 1.0  # sampling temperature, forced on every call and used by the trainer
+    max_tokens: int = 256
+    learning_rate: float = 5e-3
+    per_device_batch_size: int = 4
+    epochs: float = 1.0
+    lora: bool = False
+    loss_type: str = "dapo"
+    builder: str = "prefix_merging"
+    overlap: int = 0  # 1: next rollouts run while the trainer trains
+    keep: int | None = None  # straggler cut
+    seed: int = 0
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    weight_version: str | None
+    sessions: int
+    reward_mean: float
+    reward_std: float
+    pass_rate: float
+    sequences: int
+    requests: int
+    trainable_tokens: int
+    total_tokens: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__
+
+
+def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
+    rewards = [s.reward for s in summary.sessions if s.reward is not None]
+    if not rewards:
+        return 0.0, 0.0, 0.0
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    return mean, std, sum(r > 0 for r in rewards) / len(rewards)
+
+
+class Loop:
+    """Owns the engine for the whole run; a fresh gateway (and record directory) per iteration."""
+
+    def __init__(self, cfg: LoopConfig, on_iteration=None) -> None:
+        self.cfg = cfg
+        self.tasks: list[Task] = load_tasks(cfg.tasks)
+        self.on_iteration = on_iteration or (lambda stats: None)
+        self.model_dir: Path | None = None
+        self.engine_proc = None
+        self.engine_url = cfg.engine_url
+
+    # -- stages --------------------------------------------------------------------------------------------------
+
+    def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
+        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        started = time.monotonic()
+        it.mkdir(parents=True, exist_ok=True)
+        options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens)}
+        gw = procs.start_gateway(self.engine_url, it / "flows", confdir=cfg.run_dir / "mitmproxy",
+                                 log=it / "gateway.log", options=options)
+        try:
+            rollout = Rollout(self.tasks, HarnessSpec(cfg.harness),
+                              GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
+                              RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep,
+                                            workspace_root=it / "workspaces", log_dir=it / "logs"))
+            import asyncio
+
+            summary = asyncio.run(rollout.run())
+        finally:
+            gw.stop()  # compacts the journal: the iteration's records are complete shards now
+        write_rewards(summary, it / "rewards.parquet")
+        return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
+
+    def _merge(self, k: int, flows: Path, rewards: Path) -> tuple[Any, float]:
+        from polar_mitm.reconstruct.merge import merge
+
+        started = time.monotonic()
+        summary = merge([str(flows)], str(self.cfg.run_dir / f"iter-{k}" / "merged"), builder=self.cfg.builder,
+                        rewards=str(rewards), tokenizer=str(self.model_dir), drop_unrewarded=True)
+        return summary, time.monotonic() - started
+
+    def _train(self, k: int) -> tuple[Path, str | None, float]:
+        from polar_mitm.train.data import build_training_data, read_merged
+        from polar_mitm.train.grpo_config import PolarGRPOConfig
+        from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+
+        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        started = time.monotonic()
+        data = build_training_data(read_merged([it / "merged"]))
+        out = it / "train"
+        config = PolarGRPOConfig(
+            output_dir=str(out), num_train_epochs=cfg.epochs, learning_rate=cfg.learning_rate,
+            per_device_train_batch_size=cfg.per_device_batch_size, temperature=cfg.temperature,
+            loss_type=cfg.loss_type, push_to_engine=self.engine_url, report_to=[], seed=cfg.seed,
+            lr_scheduler_type="constant", save_merged=True, disable_tqdm=True,
+        )
+        peft_config = None
+        if cfg.lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+        trainer = PolarGRPOTrainer(str(self.model_dir), args=config, train_data=data, peft_config=peft_config)
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # the loop prints its own table; metrics.jsonl has every step
+        trainer.train()
+        saved = trainer.save_final()
+        version = trainer.policy_weight_version()
+        (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
+        return saved.get("merged", saved["model"]) if cfg.lora else saved["model"], version, time.monotonic() - started
+
+    # -- driver --------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[IterationStats]:
+        from polar_mitm.engine.model_zoo import resolve_model
+
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = resolve_model(cfg.model)
+        if self.engine_url is None:
+            args = ["--script", str(cfg.script)] if cfg.script else []
+            self.engine_proc, self.engine_url = procs.start_engine(str(self.model_dir), log=cfg.run_dir / "engine.log",
+                                                                   extra_args=args)
+        results: list[IterationStats] = []
+        try:
+            pending = self._rollout(0)
+            for k in range(cfg.iterations):
+                summary, flows, rewards, rollout_s = pending
+                merged, merge_s = self._merge(k, flows, rewards)
+                trained: dict[str, Any] = {}
+                next_rollout: dict[str, Any] = {}
+
+                def train(k=k, trained=trained) -> None:
+                    try:
+                        trained["result"] = self._train(k)
+                    except BaseException as exc:  # surfaced below, after the overlapping rollout
+                        trained["error"] = exc
+
+                if cfg.overlap and k + 1 < cfg.iterations:
+                    thread = threading.Thread(target=train, name="polar-trainer")
+                    thread.start()
+                    next_rollout["result"] = self._rollout(k + 1)  # one weight version behind
+                    thread.join()
+                else:
+                    train()
+                if "error" in trained:
+                    raise trained["error"]
+                self.model_dir, version, train_s = trained["result"]
+                mean, std, pass_rate = reward_stats(summary)
+                stats = IterationStats(
+                    iteration=k, weight_version=version, sessions=len(summary.sessions), reward_mean=mean,
+                    reward_std=std, pass_rate=pass_rate, sequences=merged.sequences, requests=merged.trainable_records,
+                    trainable_tokens=merged.trainable_tokens, total_tokens=merged.total_tokens,
+                    seconds={"rollout": rollout_s, "merge": merge_s, "train": train_s})
+                results.append(stats)
+                self.on_iteration(stats)
+                if k + 1 < cfg.iterations:
+                    pending = next_rollout.get("result") or self._rollout(k + 1)
+            (cfg.run_dir / "loop.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
+        finally:
+            if self.engine_proc is not None:
+                procs.stop(self.engine_proc)
+        return results
+
+
+def engine_weight_version(url: str) -> str | None:
+    try:
+        return httpx.get(f"{url}/model_info", timeout=5).json().get("weight_version")
+    except httpx.HTTPError:
+        return None
