@@ -35,7 +35,8 @@ import resource
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import warnings
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,10 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
 
     torch.set_num_threads(os.cpu_count() or 1)
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # Known and harmless here (CPU run, TRL's own calls); they would bury the figures.
+    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     data = build_training_data(read_merged(merged))
     lengths = data.lengths()
     # The trainer's own batches (LengthBucketSampler): their order is shuffled, their contents are these.
@@ -178,32 +183,43 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
 
 
 def in_child(function, *args):
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
+    """Run `function(*args)` in a fresh process: each run's memory and threads are its own."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
 
 
 # -- main -------------------------------------------------------------------------------------------------------------
 
 
+COLUMNS = (  # (header, width, format, whether the per_request / prefix_merging ratio means something)
+    ("sequences", 10, "{:,}", True), ("updates", 9, "{:,}", True), ("tokens", 10, "{:,}", True),
+    ("loss tok", 10, "{:,}", True), ("longest", 9, "{:,}", False), ("padding", 9, "{:.1%}", False),
+    ("train s", 9, "{:.1f}", True), ("tokens/s", 10, "{:,.0f}", False), ("s/update", 10, "{:.2f}", False),
+    ("peak RSS MB", 13, "{:,.0f}", False),
+)
+
+
+def table_values(run: dict) -> list[float]:
+    return [run["sequences"], run["updates"], run["tokens"], run["sampled_tokens"], run["longest"], run["padding"],
+            run["seconds"], run["tokens"] / run["seconds"], run["seconds"] / max(1, run["updates"]),
+            run["peak_rss_mb"]]
+
+
 def print_table(runs: dict[str, dict]) -> None:
-    print(f"{'builder':<16}{'sequences':>10}{'updates':>9}{'tokens':>10}{'loss tok':>10}{'longest':>9}"
-          f"{'padding':>9}{'train s':>9}{'tokens/s':>10}{'s/update':>10}{'peak RSS MB':>13}")
+    """One row per builder, then the per_request / prefix_merging ratios, then the paper's figures."""
+    print(f"{'':<18}" + "".join(f"{header:>{width}}" for header, width, _, _ in COLUMNS))
     for name, run in runs.items():
-        print(f"{name:<16}{run['sequences']:>10,}{run['updates']:>9,}{run['tokens']:>10,}"
-              f"{run['sampled_tokens']:>10,}{run['longest']:>9,}{run['padding']:>9.1%}{run['seconds']:>9.1f}"
-              f"{run['tokens'] / run['seconds']:>10,.0f}{run['seconds'] / max(1, run['updates']):>10.2f}"
-              f"{run['peak_rss_mb']:>13,.0f}")
-    per_request, merged = runs["per_request"], runs["prefix_merging"]
-    print(f"{'ratio':<16}{per_request['sequences'] / merged['sequences']:>9.2f}×"
-          f"{per_request['updates'] / max(1, merged['updates']):>8.2f}×{per_request['tokens'] / merged['tokens']:>9.2f}×"
-          f"{per_request['sampled_tokens'] / merged['sampled_tokens']:>9.2f}×{'':>18}"
-          f"{per_request['seconds'] / merged['seconds']:>8.2f}×"
-          f"{(merged['tokens'] / merged['seconds']) / (per_request['tokens'] / per_request['seconds']):>9.2f}×")
+        print(f"{name:<18}" + "".join(f"{fmt.format(value):>{width}}"
+                                      for (_, width, fmt, _), value in zip(COLUMNS, table_values(run), strict=True)))
+    per_request, merged = (table_values(runs[b]) for b in BUILDERS)
+    print(f"{'ratio (per_req/pm)':<18}" + "".join(
+        f"{f'{a / b:.2f}×' if wanted else '':>{width}}"
+        for (_, width, _, wanted), a, b in zip(COLUMNS, per_request, merged, strict=True)))
+    slow, fast = runs["per_request"], runs["prefix_merging"]
     print()
-    print(f"speed-up (per_request / prefix_merging training wall time): "
-          f"{per_request['seconds'] / merged['seconds']:.2f}× "
-          f"({per_request['updates']} → {merged['updates']} updates on the same "
-          f"{merged['sampled_tokens']:,} sampled tokens)")
+    print(f"speed-up of prefix_merging over per_request (training wall time): {slow['seconds'] / fast['seconds']:.2f}× "
+          f"({slow['updates']} → {fast['updates']} updates, {slow['tokens']:,} → {fast['tokens']:,} tokens, "
+          f"the same {fast['sampled_tokens']:,} sampled tokens trained on)")
     paper = POLAR_PAPER
     print(f"Polar paper: {paper['per_request updates']} → {paper['prefix_merging updates']} updates "
           f"({paper['per_request updates'] / paper['prefix_merging updates']:.2f}×), {paper['speed-up']}× faster")
@@ -211,11 +227,11 @@ def print_table(runs: dict[str, dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sessions", type=int, default=24, help="agent sessions to record")
-    parser.add_argument("--turns", type=int, default=8, help="model calls per session (≥ 2: tool calls + answer)")
+    parser.add_argument("--sessions", type=int, default=8, help="agent sessions to record")
+    parser.add_argument("--turns", type=int, default=6, help="model calls per session (≥ 2: tool calls + answer)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per trainer update (both builders)")
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task_id (GRPO group)")
-    parser.add_argument("--tool-lines", type=int, nargs=2, default=(6, 16), metavar=("MIN", "MAX"),
+    parser.add_argument("--tool-lines", type=int, nargs=2, default=(1, 4), metavar=("MIN", "MAX"),
                         help="lines per simulated test run (each ~20 tokens)")
     parser.add_argument("--concurrency", type=int, default=2, help="sessions run at once while recording")
     parser.add_argument("--seed", type=int, default=0)

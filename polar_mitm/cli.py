@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,7 @@ import typer
 from rich.console import Console
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")]
 
@@ -77,11 +78,18 @@ def demo(
     model: ModelOpt = "smollm2",
     prompt: Annotated[str, typer.Option(help="The user message.")] = "What is the capital of France?",
     port: Annotated[int, typer.Option(help="Engine port (0 = pick a free one).")] = 0,
+    loop_model: Annotated[str, typer.Option(help="Model of the RL loop (tiny uses the scripted choice policy).")] = (
+        "tiny"),
+    iterations: Annotated[int, typer.Option(help="RL loop iterations (0 = only the chat).")] = 3,
+    run_dir: Annotated[Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")] = Path(
+        "runs/demo"),
+    learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 2e-2,
 ) -> None:
-    """The main job on the embedded CPU engine: serve a model, ask it, show token ids and logprobs."""
+    """The main job on CPU: a real model answers with ids + logprobs, then rollout → merge → GRPO → push, looped."""
     from polar_mitm.demo import run_demo
 
-    run_demo(model=model, prompt=prompt, port=port, console=console)
+    run_demo(model=model, prompt=prompt, port=port, console=console, loop_model=loop_model, iterations=iterations,
+             run_dir=run_dir, learning_rate=learning_rate)
 
 
 @app.command()

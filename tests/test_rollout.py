@@ -108,3 +108,12 @@ def test_task_file_errors_name_the_line(tmp_path):
     demo = load_tasks(Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks" / "tasks.jsonl")
     assert [t.task_id for t in demo] == ["hello-file", "fix-typo", "append-done"]
     assert all(t.workspace_dir and t.workspace_dir.is_dir() for t in demo)
+
+
+def test_relative_workspace_root_still_gives_the_harness_its_workspace(gateway, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tasks = write_tasks(tmp_path / "t.jsonl", [task("rel")])
+    config = RolloutConfig(workspace_root=Path("relative-ws"), group_size=1, concurrency=1)
+    summary = asyncio.run(Rollout(load_tasks(tasks), HarnessSpec("cmd:echo hello > {workspace}/out.txt"),
+                                  GatewayEndpoints(gateway.reverse_url), config).run())
+    assert summary.sessions[0].status == "ok" and summary.sessions[0].reward == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,7 +20,7 @@ from polar_mitm.reconstruct.merge import MergeError, MergeSummary, merge, resolv
 from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 CONTEXT_STYLE = "grey62"
 SAMPLED_STYLE = "bold green"

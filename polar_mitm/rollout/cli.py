@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, wr
 from polar_mitm.rollout.tasks import load_tasks
 from polar_mitm.rollout.view import render, summary_table
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 
 @contextmanager

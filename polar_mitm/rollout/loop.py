@@ -86,6 +86,7 @@ class Loop:
         self.tasks: list[Task] = load_tasks(cfg.tasks)
         self.on_iteration = on_iteration or (lambda stats: None)
         self.model_dir: Path | None = None
+        self.weight_version = "0"  # of self.model_dir, as the engine numbers it
         self.engine_proc = None
         self.engine_url = cfg.engine_url
 
@@ -133,6 +134,9 @@ class Loop:
             per_device_train_batch_size=cfg.per_device_batch_size, temperature=cfg.temperature,
             loss_type=cfg.loss_type, push_to_engine=self.engine_url, report_to=[], seed=cfg.seed,
             lr_scheduler_type="constant", save_merged=True, disable_tqdm=True,
+            # The weights we start from, not "the newest in the data": with --overlap the data is one version behind,
+            # and staleness (hence the importance correction) is measured against this.
+            policy_weight_version=self.weight_version,
         )
         peft_config = None
         if cfg.lora:
@@ -155,9 +159,12 @@ class Loop:
         from polar_mitm.engine.model_zoo import resolve_model
 
         cfg = self.cfg
+        cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = resolve_model(cfg.model)
-        if self.engine_url is None:
+        if self.engine_url is not None:
+            self.weight_version = engine_weight_version(self.engine_url) or "0"
+        else:
             args = ["--script", str(cfg.script)] if cfg.script else []
             self.engine_proc, self.engine_url = procs.start_engine(str(self.model_dir), log=cfg.run_dir / "engine.log",
                                                                    extra_args=args)
@@ -186,6 +193,7 @@ class Loop:
                 if "error" in trained:
                     raise trained["error"]
                 self.model_dir, version, train_s = trained["result"]
+                self.weight_version = version or self.weight_version
                 mean, std, pass_rate = reward_stats(summary)
                 stats = IterationStats(
                     iteration=k, weight_version=version, sessions=len(summary.sessions), reward_mean=mean,

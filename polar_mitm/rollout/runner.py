@@ -226,6 +226,8 @@ class Rollout:
 
     async def run(self) -> RolloutSummary:
         cfg = self.config
+        # Absolute: harnesses run with the workspace as their cwd, where a relative path would point elsewhere.
+        cfg.workspace_root = cfg.workspace_root.resolve()
         cfg.workspace_root.mkdir(parents=True, exist_ok=True)
         if cfg.log_dir:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
