@@ -251,9 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rollouts = record(workdir, sessions=args.sessions, turns=args.turns, group_size=args.group_size,
                           tool_lines=tuple(args.tool_lines), concurrency=args.concurrency, seed=args.seed)
-        print(f"recorded {rollouts.sessions} sessions × {args.turns} turns ({rollouts.model_calls} model calls, "
-              f"{math.ceil(rollouts.sessions / args.group_size)} task groups) through the gateway in "
-              f"{rollouts.seconds:.1f} s", flush=True)
+        print(f"recorded {rollouts.sessions} sessions × {args.turns} turns ({rollouts.model_calls} model calls; "
+              f"task_id groups of {args.group_size}) through the gateway in {rollouts.seconds:.1f} s", flush=True)
         runs: dict[str, dict] = {}
         for builder in BUILDERS:
             merged = workdir / f"merged-{builder}"
