@@ -1,7 +1,7 @@
 """GRPO training time on the same rollouts merged two ways: per_request vs prefix_merging sequences.
 
-    .venv/bin/python benchmarks/bench_merge_training.py                              # defaults: a few minutes
-    .venv/bin/python benchmarks/bench_merge_training.py --sessions 8 --turns 4 --batch-size 2
+    .venv/bin/python benchmarks/bench_merge_training.py                # ~6 min on 2 CPU cores
+    .venv/bin/python benchmarks/bench_merge_training.py --sessions 16 --turns 8 --workdir runs/bench-mt
 
 The Polar paper trains on the turns of a session merged into one sequence instead of one sequence per request:
 1185 → 218 trainer updates and a 5.39× faster training run. This measures the same on our stack, on CPU:
@@ -19,15 +19,20 @@ The Polar paper trains on the turns of a session merged into one sequence instea
    its own process; the wall time is that of `trainer.train()`.
 
 Reported per builder: sequences, trainer updates (optimizer steps), tokens processed (padding excluded), sampled
-(loss) tokens, the padding fraction of the batches, training wall time, tokens/s, seconds per update and peak RSS;
-then the per_request / prefix_merging ratios.
+(loss) tokens, the padding fraction of the batches, training wall time and CPU time, tokens/s, seconds per update
+and peak RSS; then the per_request / prefix_merging ratios.
+
+Reading the figures: on CPU, TRL scores the LM head at every position (skipping the prompt needs its Triton kernel),
+and the tiny model's 152k-token vocabulary makes that head nearly all the work, so training time follows the tokens
+processed: expect a speed-up near the `tokens` ratio, plus the per-update overhead saved. Other load on the machine
+slows wall time (the load average is printed after each run) far more than CPU time; `--workdir` keeps each run's
+per-step tokens/s (`run-*/metrics.jsonl`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -147,7 +152,6 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
     from polar_mitm.train.data import build_training_data, length_buckets, padding_fraction, read_merged
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
-    from polar_mitm.train.metrics import read_metrics
 
     torch.set_num_threads(os.cpu_count() or 1)
     transformers.logging.set_verbosity_error()
@@ -163,23 +167,27 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
                              gradient_accumulation_steps=1, report_to=[], disable_tqdm=True, seed=seed)
     trainer = PolarGRPOTrainer(str(resolve_model("tiny")), args=config, train_data=data)
     trainer.remove_callback(PrinterCallback)  # the table is the output; metrics.jsonl keeps the per-step logs
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), cpu_seconds()
     trainer.train()
-    seconds = time.perf_counter() - started
-    logged = [r["padding_fraction"] for r in read_metrics(output_dir) if r.get("padding_fraction") is not None]
+    seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu_started
     return {
         "sequences": len(data.rows),
-        "sessions": data.stats.sessions,
         "updates": trainer.state.global_step,
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "tokens": sum(lengths[i] for batch in batches for i in batch),
         "tokens_seen": trainer.state.num_input_tokens_seen,
         "sampled_tokens": data.stats.sampled_tokens,
         "longest": max(lengths),
         "padding": padding_fraction(lengths, batches),
-        "padding_logged_mean": sum(logged) / len(logged) if logged else math.nan,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads, user + system: unlike wall time, barely moved by other load."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def in_child(function, *args):
@@ -194,14 +202,14 @@ def in_child(function, *args):
 COLUMNS = (  # (header, width, format, whether the per_request / prefix_merging ratio means something)
     ("sequences", 10, "{:,}", True), ("updates", 9, "{:,}", True), ("tokens", 10, "{:,}", True),
     ("loss tok", 10, "{:,}", True), ("longest", 9, "{:,}", False), ("padding", 9, "{:.1%}", False),
-    ("train s", 9, "{:.1f}", True), ("tokens/s", 10, "{:,.0f}", False), ("s/update", 10, "{:.2f}", False),
+    ("train s", 9, "{:.1f}", True), ("CPU s", 8, "{:.1f}", True), ("tokens/s", 10, "{:,.0f}", False), ("s/update", 10, "{:.2f}", False),
     ("peak RSS MB", 13, "{:,.0f}", False),
 )
 
 
 def table_values(run: dict) -> list[float]:
     return [run["sequences"], run["updates"], run["tokens"], run["sampled_tokens"], run["longest"], run["padding"],
-            run["seconds"], run["tokens"] / run["seconds"], run["seconds"] / max(1, run["updates"]),
+            run["seconds"], run["cpu_seconds"], run["tokens"] / run["seconds"], run["seconds"] / max(1, run["updates"]),
             run["peak_rss_mb"]]
 
 
@@ -219,7 +227,8 @@ def print_table(runs: dict[str, dict]) -> None:
     print()
     print(f"speed-up of prefix_merging over per_request (training wall time): {slow['seconds'] / fast['seconds']:.2f}× "
           f"({slow['updates']} → {fast['updates']} updates, {slow['tokens']:,} → {fast['tokens']:,} tokens, "
-          f"the same {fast['sampled_tokens']:,} sampled tokens trained on)")
+          f"the same {fast['sampled_tokens']:,} sampled tokens trained on); "
+          f"{slow['cpu_seconds'] / fast['cpu_seconds']:.2f}× in CPU time")
     paper = POLAR_PAPER
     print(f"Polar paper: {paper['per_request updates']} → {paper['prefix_merging updates']} updates "
           f"({paper['per_request updates'] / paper['prefix_merging updates']:.2f}×), {paper['speed-up']}× faster")
@@ -263,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
             runs[builder] = in_child(train_one_epoch, str(merged), str(workdir / f"run-{builder}"),
                                      args.batch_size, args.seed)
             run = runs[builder]
-            print(f"train {builder}: {run['updates']} updates in {run['seconds']:.1f} s", flush=True)
+            # Other work on the machine slows the runs unequally: the load average says how busy it was.
+            print(f"train {builder}: {run['updates']} updates in {run['seconds']:.1f} s "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
             if run["tokens_seen"] != run["tokens"]:
                 raise RuntimeError(f"{builder}: the trainer saw {run['tokens_seen']} tokens, the batches hold "
                                    f"{run['tokens']}")

@@ -138,9 +138,11 @@ def test_a_mismatched_temperature_breaks_the_equality(rollouts, tiny_model_dir, 
 def test_stale_rollouts_are_anchored_on_current_logprobs_and_weighted_by_truncated_ratios(rollouts, tmp_path):
     from polar_mitm.engine.model_zoo import resolve_model
 
-    other_weights = resolve_model("tiny", seed=1)  # the policy moved on since the engine sampled (version "0")
-    trainer = make_trainer(other_weights, rollouts, tmp_path / "run", policy_weight_version="3",
-                           stale_is_clip_max=1.2)
+    other_weights = resolve_model("tiny", seed=1)  # the policy moved on since the engine sampled
+    # The shared engine may have been updated by other tests: count three versions on from what it recorded.
+    (sampled_version,) = {r.weight_version_min for r in rollouts}
+    trainer = make_trainer(other_weights, rollouts, tmp_path / "run",
+                           policy_weight_version=str(int(sampled_version) + 3), stale_is_clip_max=1.2)
     rows = trainer.train_data.rows
     assert {trainer.staleness(r["weight_version"]) for r in rows} == {3}
     current, batch = recomputed_logps(trainer, rows)

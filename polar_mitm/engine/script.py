@@ -170,12 +170,17 @@ class Script:
         if self.replies:
             prompt = self.tokenizer.decode(prompt_ids)
             turn = next((t for when, at, t in self.replies if when in prompt and at in (None, index)), None)
+        replied = turn is not None
         if turn is None:
             turn = self.turns[min(index, len(self.turns) - 1)]
         options = turn.alternatives if isinstance(turn, ScriptedChoice) else [turn]
         texts = []
         for option in options:
-            text = None if tool_names is not None and not tool_names else option.render(tool_names)
+            side_request = tool_names is not None and not tool_names
+            if replied and not option.calls:  # a plain-text reply wins over everything, side requests included
+                text = option.text
+            else:
+                text = None if side_request else option.render(tool_names)
             if text is None:  # a side request, or none of the candidate tools is offered (a sub-agent)
                 text = self.side if self.side is not None else option.text
             if text not in texts:
