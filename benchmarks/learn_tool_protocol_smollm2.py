@@ -7,9 +7,8 @@ prompt and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, wh
 
 1. sample `--group-size` completions per training prompt through the gateway (task id = the prompt, one session
    per completion, both in the base-URL path `/t/TASK/s/SESSION/v1`), at the gateway-forced temperature;
-2. score each from what the SDK parsed (`score_message`): 1.0 the right tool with the right arguments, 0.5 the
-   right tool with other arguments, 0.25 a parsed call of another tool, 0.1 a `<tool_call>` block the engine could
-   not parse, else 0;
+2. score each from the `tool_calls` the SDK parsed (`score_message`): 1.0 the right tool with the right
+   arguments, 0.5 the right tool with other arguments, 0.25 a call of another tool, 0 no parsed call;
 3. write the rewards (session_id, task_id, reward) to JSONL and merge the records with them (`prefix_merging`);
 4. GRPO on CPU (`PolarGRPOTrainer`, LoRA by default, trained at the sampling temperature), which pushes the new
    weights to the engine (`/update_weights_from_disk`).
@@ -118,8 +117,8 @@ def normalise(arguments: Any) -> dict[str, str] | None:
 def score_message(task: ToolTask, message: Any) -> float:
     """The reward of one SDK `ChatCompletionMessage` for `task` (its first parsed tool call counts)."""
     calls = message.tool_calls or []
-    if not calls:
-        return 0.1 if "<tool_call>" in (message.content or "") else 0.0
+    if not calls:  # no credit for text that merely looks like a call: the model learns to game such a reward
+        return 0.0
     call = calls[0].function
     if call.name != task.tool:
         return 0.25
