@@ -17,8 +17,10 @@ Held-out prompts are answered greedily through a second gateway (temperature for
 training; a held-out prompt passes when it scores 1.0. Prints the per-iteration reward curve and the pass rates,
 writes `curve.png` and `summary.json` into `--workdir`.
 
-    .venv/bin/python benchmarks/learn_tool_protocol_smollm2.py --iterations 1 --prompts 2 --group-size 2  # smoke
-    .venv/bin/python benchmarks/learn_tool_protocol_smollm2.py    # the run in recipes/training.md
+    # pipeline check, ~1 min: sampling, rewards, merge (GRPO runs once a round's rewards differ)
+    .venv/bin/python benchmarks/learn_tool_protocol_smollm2.py --iterations 1 --prompts 2 --group-size 2
+    # the run in recipes/training.md: ~35 min on 2 shared CPU cores, ~8 GB peak memory
+    .venv/bin/python benchmarks/learn_tool_protocol_smollm2.py
 """
 
 from __future__ import annotations
