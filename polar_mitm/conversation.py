@@ -84,6 +84,7 @@ class Conversation:
     thinking: bool | None = None  # harness asked for reasoning (None = provider default)
     include_usage: bool = False  # OpenAI chat stream_options.include_usage
     extra: dict[str, Any] = field(default_factory=dict)  # provider-specific echoes (metadata, store, ...)
+    sampling: dict[str, Any] = field(default_factory=dict)  # what the engine was sent (set by the gateway)
 
     def messages_json(self) -> list[dict[str, Any]]:
         return [asdict(m) for m in self.messages]

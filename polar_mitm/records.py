@@ -12,7 +12,9 @@ from typing import Any
 
 import pyarrow as pa
 
-RECORD_SCHEMA_VERSION = 1
+# v2: sampling parameters used (temperature, top_p, top_k, min_p, greedy) and the prompt mode
+# (prompt_mode, spliced_turns, splice_reason). v1 files read with those columns null.
+RECORD_SCHEMA_VERSION = 2
 
 RECORD_SCHEMA = pa.schema([
     pa.field("schema_version", pa.int16(), nullable=False),
@@ -45,6 +47,17 @@ RECORD_SCHEMA = pa.schema([
     pa.field("engine_meta_json", pa.string()),  # engine timings, cached tokens, matched stop, ...
     pa.field("prompt_tokens", pa.int32()),
     pa.field("completion_tokens", pa.int32()),
+    # v2 — the sampling parameters the engine was sent (the gateway always sends them explicitly, so these are
+    # what it sampled with); behaviour logprobs are log_softmax(logits / temperature).
+    pa.field("temperature", pa.float32()),
+    pa.field("top_p", pa.float32()),
+    pa.field("top_k", pa.int32()),  # -1 = off
+    pa.field("min_p", pa.float32()),
+    pa.field("greedy", pa.bool_()),  # temperature ≈ 0: logprobs are not the sampling distribution's
+    # v2 — how the prompt reached the engine: tokens (spliced token stream) | messages (engine rendered them)
+    pa.field("prompt_mode", pa.string()),
+    pa.field("spliced_turns", pa.int32()),  # earlier sampled turns carried verbatim in prompt_ids
+    pa.field("splice_reason", pa.string()),  # why the call did not continue a chain (tokens mode), if it did not
 ], metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)})
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
@@ -81,6 +94,14 @@ class Record:
     engine_meta_json: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    greedy: bool | None = None
+    prompt_mode: str | None = None
+    spliced_turns: int | None = None
+    splice_reason: str | None = None
     schema_version: int = RECORD_SCHEMA_VERSION
 
     def to_journal(self) -> dict[str, Any]:

@@ -190,6 +190,9 @@ class Gateway:
         record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
         record.response_json = response
         record.engine_meta_json = orjson.dumps(completion.meta_info).decode()
+        record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
+        record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
+        record.greedy = is_greedy(conv.sampling)
         record.status_code = answer.status
         return with_record(answer, await self._persist(record))
 
@@ -203,7 +206,9 @@ class Gateway:
         overrides: dict[str, Any] = {"temperature": self.config.temperature, "top_p": self.config.top_p}
         if self.config.max_tokens is not None:
             overrides["max_tokens"] = min(conv.max_tokens or self.config.max_tokens, self.config.max_tokens)
-        return conv, orjson.dumps(conv.to_engine_request(overrides=overrides))
+        request = conv.to_engine_request(overrides=overrides)
+        conv.sampling = explicit_sampling(request)
+        return conv, orjson.dumps(request)
 
     @staticmethod
     def _finish(codec: Codec, conv: Conversation, raw: bytes) -> tuple[HttpAnswer, Completion, str]:
@@ -227,6 +232,28 @@ class Gateway:
         # Durable before the harness gets its answer: the writer resolves the future after fsync.
         await asyncio.wrap_future(self.writer.write(row))
         return row
+
+
+# What SGLang samples with when a field is absent *and* it runs with `--sampling-defaults openai`. With its
+# default `--sampling-defaults model` it would take the model's generation_config.json instead — so the gateway
+# always sends every field explicitly, and the record's values are the ones the engine used.
+NEUTRAL_SAMPLING: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is argmax
+
+
+def explicit_sampling(request: dict[str, Any]) -> dict[str, Any]:
+    """Fill every sampling field of an engine request with its explicit value; return those values."""
+    for key, neutral in NEUTRAL_SAMPLING.items():
+        if request.get(key) is None:
+            request[key] = neutral
+    return {key: request[key] for key in NEUTRAL_SAMPLING}
+
+
+def is_greedy(sampling: dict[str, Any]) -> bool:
+    try:
+        return float(sampling["temperature"]) < GREEDY_TEMPERATURE or int(sampling["top_k"]) == 1
+    except (TypeError, ValueError):
+        return False
 
 
 OFFLOAD_BYTES = 32 << 10  # below this, JSON work takes well under a thread hop: do it inline
