@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -26,10 +27,36 @@ PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PRO
 # point it elsewhere (proxies, API keys, config directories).
 INHERITED_VARS = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL", "TERM")
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+# Task and session ids name directories and log files (a file name holds 255 bytes; the rollout appends a suffix).
+MAX_ID_BYTES = 200
+# Control characters (NUL, ESC, newline, DEL, C1), lone surrogates and line/paragraph separators: they cannot be
+# passed in argv or environments, break paths and log lines, or drive the terminal that prints the id.
+UNSAFE_ID_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
 
 
 class HarnessError(RuntimeError):
     """A harness cannot be prepared or found (unknown name, CLI not installed, bad hook-up)."""
+
+
+def id_problem(value: object, *, allow_slash: bool = False) -> str | None:
+    """What makes `value` unusable as a task or session id, or None when it is fine.
+
+    Any other text is allowed (shell syntax included: every consumer quotes it). Not allowed: empty, '/' (a session
+    id: TASK/SESSION is split at the last slash; a rollout task id: it names a directory) unless `allow_slash`,
+    '.' and '..' (path segments), control and separator characters, more than MAX_ID_BYTES bytes of UTF-8.
+    """
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    if "/" in value and not allow_slash:
+        return "cannot contain '/'"
+    if value in (".", ".."):
+        return "cannot be '.' or '..'"
+    for char in value:
+        if unicodedata.category(char) in UNSAFE_ID_CATEGORIES:
+            return f"cannot contain control or separator characters (found {char!r})"
+    if len(value.encode("utf-8")) > MAX_ID_BYTES:
+        return f"is longer than {MAX_ID_BYTES} bytes"
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,9 +73,10 @@ class Hookup:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise HarnessError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.session or "/" in self.session:
-            # TASK/SESSION is split at the last slash (proxy user name, API key): a session id cannot hold one.
-            raise HarnessError(f"a session id is required and cannot contain '/': {self.session!r}")
+        if (problem := id_problem(self.session)) is not None:
+            raise HarnessError(f"the session id {problem}: {self.session!r}")
+        if self.task and (problem := id_problem(self.task, allow_slash=True)) is not None:
+            raise HarnessError(f"the task id {problem}: {self.task!r}")
         if self.mode == "proxy" and self.ca_bundle is None:
             raise HarnessError("proxy mode needs a CA bundle (system CAs + mitmproxy's CA) for the harness to trust")
 

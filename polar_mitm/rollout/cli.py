@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -14,9 +16,9 @@ from rich.console import Console
 from rich.live import Live
 
 from polar_mitm import procs
-from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
-from polar_mitm.rollout.tasks import load_tasks
+from polar_mitm.rollout.tasks import Task, TaskFileError, load_tasks
 from polar_mitm.rollout.view import render, summary_table
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -41,18 +43,64 @@ def capture_stack(out: Path, *, engine: str | None, model: str, script: Path | N
         yield GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), engine_url
 
 
-def run_rollout(tasks_file: Path, harness: str, config: RolloutConfig, endpoints: GatewayEndpoints,
+class Interrupted(Exception):
+    """The rollout was stopped by a signal; `summary` holds the sessions that finished before it."""
+
+    def __init__(self, signum: int, summary: RolloutSummary) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.summary = signum, summary
+
+
+def fail(message: str) -> typer.Exit:
+    """A one-line error on stderr (no traceback, no Rich markup: the text may quote a task file) and exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def load_inputs(tasks_file: Path, harness: str) -> tuple[list[Task], HarnessSpec]:
+    """The task file and the harness, checked before anything starts; bad ones end the command with one line."""
+    try:
+        return load_tasks(tasks_file), HarnessSpec(harness)
+    except TaskFileError as exc:
+        raise fail(str(exc)) from None
+    except HarnessSpecError as exc:
+        raise fail(f"--harness: {exc}") from None
+
+
+async def _until_signal(rollout: Rollout, received: list[int]) -> RolloutSummary:
+    """Run the rollout; SIGINT/SIGTERM cancel it (the runner then stops its harnesses) and are noted in `received`."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+    def stop(signum: int) -> None:
+        received.append(signum)
+        if task is not None:
+            task.cancel()
+
+    installed = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            loop.add_signal_handler(signum, stop, signum)
+            installed.append(signum)
+    try:
+        return await rollout.run()
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+
+
+def run_rollout(tasks: list[Task], harness: HarnessSpec, config: RolloutConfig, endpoints: GatewayEndpoints,
                 *, live: bool = True) -> RolloutSummary:
-    tasks = load_tasks(tasks_file)
-    started = time.monotonic()
-    if live and console.is_terminal:
-        with Live(render([], started), console=console, refresh_per_second=4) as view:
-            rollout = Rollout(tasks, HarnessSpec(harness), endpoints, config,
-                              on_update=lambda sessions: view.update(render(sessions, started)))
-            summary = asyncio.run(rollout.run())
-    else:
-        summary = asyncio.run(Rollout(tasks, HarnessSpec(harness), endpoints, config).run())
-    return summary
+    """Run the rollout; raises Interrupted (with the finished sessions) when a signal stops it."""
+    started, received = time.monotonic(), []
+    rollout = Rollout(tasks, harness, endpoints, config)
+    try:
+        if live and console.is_terminal:
+            with Live(render([], started), console=console, refresh_per_second=4) as view:
+                rollout.on_update = lambda sessions: view.update(render(sessions, started))
+                return asyncio.run(_until_signal(rollout, received))
+        return asyncio.run(_until_signal(rollout, received))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise Interrupted(received[0] if received else signal.SIGINT, rollout.finished()) from None
 
 
 def rollout_command(
@@ -76,14 +124,22 @@ def rollout_command(
     keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = False,
 ) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
+    task_list, harness_spec = load_inputs(tasks, harness)
     work_dir.mkdir(parents=True, exist_ok=True)
     config = RolloutConfig(group_size=group_size, concurrency=concurrency, init_workers=init_workers,
                            post_workers=post_workers, ready_buffer=ready_buffer, keep=keep,
                            failure_reward=failure_reward, workspace_root=work_dir / "workspaces",
                            keep_workspaces=keep_workspaces, log_dir=work_dir / "logs")
-    with capture_stack(out, engine=engine, model=model, script=script, gateway_url=gateway_url,
-                       gateway_proxy=gateway_proxy, ca_bundle=None, work=work_dir) as (endpoints, _):
-        summary = run_rollout(tasks, harness, config, endpoints)
+    try:
+        with capture_stack(out, engine=engine, model=model, script=script, gateway_url=gateway_url,
+                           gateway_proxy=gateway_proxy, ca_bundle=None, work=work_dir) as (endpoints, _):
+            summary = run_rollout(task_list, harness_spec, config, endpoints)
+    except Interrupted as stop:
+        # Finished sessions keep their rewards; the interrupted ones get none (merge drops their records).
+        write_rewards(stop.summary, rewards)
+        typer.echo(f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {rewards}",
+                   err=True)
+        raise typer.Exit(128 + stop.signum) from None
     write_rewards(summary, rewards)
     console.print(summary_table(summary.sessions))
     console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
@@ -140,6 +196,7 @@ def loop_command(
         done.append(stats)
         console.print(iteration_table(done))
 
+    load_inputs(tasks, harness)  # a bad task file or harness is one line, before the engine starts
     results = Loop(cfg, on_iteration=show).run()
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:

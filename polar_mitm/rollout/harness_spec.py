@@ -1,21 +1,30 @@
 """How a rollout starts one harness session: the built-in SDK agent, a custom command template, or a preset.
 
     sdk:openai_chat | sdk:openai_responses | sdk:anthropic | sdk:google   the reference agent (polar_mitm.sdk_agent)
-    cmd:TEMPLATE    a shell command; placeholders {prompt} (shell-quoted), {workspace}, {session}, {task}, {index},
-                    {base_url} (reverse gateway URL with the /t/TASK/s/SESSION prefix), {proxy_url}
+    cmd:TEMPLATE    a bash command; placeholders {prompt}, {workspace}, {session}, {task}, {index}, {base_url}
+                    (reverse gateway URL with the /t/TASK/s/SESSION prefix), {proxy_url}
                     (http://TASK%2FSESSION:x@host:port for HTTPS_PROXY), {ca_bundle}
     NAME            a real-harness preset from `polar-mitm harness` (claude-code, codex, gemini, qwen, pi, opencode)
+
+The quoting rule of `cmd:` templates (task ids and prompts come from task files, so they are untrusted): every
+placeholder is replaced by exactly one shell word holding its value literally. Bare (`echo {prompt}`) the value is
+shell-quoted; inside '…', "…" or $'…' the quote is closed, the quoted value spliced in and the quote reopened
+(`"task {task}"` → `"task "'a;b'""`). Where no quoting can keep a value literal (a comment, backticks, a here-document,
+"${…}" inside double quotes, right after a backslash) the template is rejected before any session starts. Each
+value is also in the environment (POLAR_PROMPT, POLAR_WORKSPACE, POLAR_SESSION, POLAR_TASK, POLAR_INDEX,
+POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_CA_BUNDLE): write "$POLAR_PROMPT" there instead. A value handed to a second
+shell (`bash -c {prompt}`, `ssh host {prompt}`, `eval`) is parsed again — pass it through the environment instead.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
 from polar_mitm.rollout.tasks import Task
 
 SDK_PROVIDERS = ("openai_chat", "openai_responses", "anthropic", "google")
@@ -35,45 +44,69 @@ class Launch:
     cwd: Path
 
 
+class HarnessSpecError(ValueError):
+    """A `--harness` value that cannot be used (unknown provider, unsafe or malformed `cmd:` template)."""
+
+
 class HarnessSpec:
-    """Parses a `--harness` value and builds the launch of one session."""
+    """Parses a `--harness` value (a `cmd:` template is checked here, before any session) and builds launches."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
+        self.template: ShellTemplate | None = None
         if spec.startswith("sdk:"):
             self.kind, self.value = "sdk", spec[4:]
             if self.value not in SDK_PROVIDERS:
-                raise ValueError(f"unknown SDK provider {self.value!r}; choose from {SDK_PROVIDERS}")
+                raise HarnessSpecError(f"unknown SDK provider {self.value!r}; choose from {SDK_PROVIDERS}")
         elif spec.startswith("cmd:"):
             self.kind, self.value = "cmd", spec[4:]
+            try:
+                self.template = ShellTemplate(self.value)
+            except TemplateError as exc:
+                raise HarnessSpecError(f"cmd template: {exc}") from exc
         else:
             self.kind, self.value = "preset", spec
+            self._check_preset()
+
+    def _check_preset(self) -> None:
+        """An unknown preset name fails here, once, rather than in every session."""
+        from polar_mitm.harness import HarnessError, get_harness  # the real-CLI presets
+
+        try:
+            get_harness(self.value)
+        except HarnessError as exc:
+            raise HarnessSpecError(f"{exc} (or use sdk:PROVIDER, cmd:TEMPLATE)") from exc
 
     def launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0) -> Launch:
         prefix = f"/t/{quote(task.task_id, safe='')}/s/{quote(session, safe='')}"
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
             base = gw.reverse_url + prefix + ("/v1" if self.value.startswith("openai") else "")
-            argv = [sys.executable, "-m", "polar_mitm.cli", "agent", task.prompt, "--provider", self.value,
-                    "--base-url", base, "--workdir", str(workspace)]
+            # `--` ends the options: a prompt that starts with `-` is still the prompt.
+            argv = [sys.executable, "-m", "polar_mitm.cli", "agent", "--provider", self.value,
+                    "--base-url", base, "--workdir", str(workspace), "--", task.prompt]
             return Launch(argv, env, workspace)
         if self.kind == "cmd":
-            proxy = None
-            if gw.proxy_url:
-                host = gw.proxy_url.split("://", 1)[-1]
-                proxy = f"http://{quote(task.task_id, safe='')}%2F{quote(session, safe='')}:x@{host}"
-            command = self.value.format(prompt=shlex.quote(task.prompt), workspace=shlex.quote(str(workspace)),
-                                        session=session, task=task.task_id, index=index,
-                                        base_url=gw.reverse_url + prefix,
-                                        proxy_url=proxy or "", ca_bundle=str(gw.ca_bundle or ""))
-            return Launch(["bash", "-c", command], env, workspace)
+            values = self._template_values(task, session, workspace, gw, index, prefix)
+            env.update({env_name(name): str(value) for name, value in values.items()})
+            return Launch(["bash", "-c", self.template.render(values)], env, workspace)  # type: ignore[union-attr]
         return self._preset_launch(task, session, workspace, gw)
 
+    @staticmethod
+    def _template_values(task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int,
+                         prefix: str) -> dict[str, object]:
+        """The placeholder values of a `cmd:` template, raw: the template quotes them as it substitutes."""
+        proxy = ""
+        if gw.proxy_url:
+            host = gw.proxy_url.split("://", 1)[-1]
+            proxy = f"http://{quote(task.task_id, safe='')}%2F{quote(session, safe='')}:x@{host}"
+        return {"prompt": task.prompt, "workspace": str(workspace), "session": session, "task": task.task_id,
+                "index": index, "base_url": gw.reverse_url + prefix, "proxy_url": proxy,
+                "ca_bundle": str(gw.ca_bundle or "")}
+
     def _preset_launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints) -> Launch:
-        try:
-            from polar_mitm.harness import rollout_launch  # the real-CLI presets
-        except ImportError as exc:
-            raise ValueError(f"unknown harness {self.spec!r} (use sdk:PROVIDER, cmd:TEMPLATE or a preset)") from exc
+        from polar_mitm.harness import rollout_launch  # the real-CLI presets
+
         argv, env = rollout_launch(self.value, prompt=task.prompt, session=session, task=task.task_id,
                                    workspace=workspace, reverse_url=gw.reverse_url, proxy_url=gw.proxy_url,
                                    ca_bundle=gw.ca_bundle)

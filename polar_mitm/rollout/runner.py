@@ -5,6 +5,10 @@ prewarm workspaces into a bounded READY buffer while RUN workers keep the engine
 agent timeout counts from RUN start. A timed-out or crashed harness keeps its partial records (the gateway wrote
 them as they happened) and gets the configured failure reward. Straggler cut: once K sessions of a group are done,
 the rest are cancelled cleanly (process group killed, workspace removed) and marked `cut`.
+
+One session's failure never ends the rollout: an unexpected error marks that session `error` (failure reward, the
+reason in `eval_output`) and the others go on. When the rollout itself is cancelled (Ctrl-C, SIGTERM), running
+harnesses are stopped and `Rollout.finished()` still gives the sessions that completed, for their rewards.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import signal
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +62,7 @@ class SessionRun:
     session_id: str
     workspace: Path | None = None
     stage: str = "pending"  # pending | init | ready | run | post | done
-    status: str = ""  # ok | failed | timeout | crashed | init_failed | cut
+    status: str = ""  # ok | failed | timeout | crashed | init_failed | error | cut
     reward: float | None = None
     exit_code: int | None = None
     eval_output: str = ""
@@ -86,8 +90,16 @@ class RolloutSummary:
 
 
 async def run_shell(command: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run a shell command in its own process group; (exit code, output). Raises TimeoutError."""
-    proc = await asyncio.create_subprocess_exec("bash", "-c", command, cwd=cwd, env=env,
+    """Run a shell command (task-file setup and evaluation) in its own process group; (exit code, output)."""
+    return await run_argv(["bash", "-c", command], cwd, timeout, env)
+
+
+async def run_argv(argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a program with an argument vector in its own process group; (exit code, output). Raises TimeoutError.
+
+    stdin is closed, so nothing can stop to ask for input (a git password prompt would wait for the timeout).
+    """
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                 start_new_session=True)
     try:
@@ -96,6 +108,15 @@ async def run_shell(command: str, cwd: Path, timeout: float, env: dict[str, str]
         await kill_group(proc)
         raise
     return proc.returncode or 0, out.decode("utf-8", "replace")
+
+
+def git_clone_argv(source: str) -> list[str]:
+    """`git clone` of a task's `workspace.git` into the current directory, with no shell in between.
+
+    `--` keeps a source that starts with `-` from being read as an option (`--upload-pack=…` runs a command);
+    the `ext::` transport (which runs a command) is refused explicitly whatever the user's git config says.
+    """
+    return ["git", "-c", "protocol.ext.allow=never", "clone", "-q", "--", source, "."]
 
 
 async def kill_group(proc: asyncio.subprocess.Process, grace: float = 2.0) -> None:
@@ -119,6 +140,7 @@ class Rollout:
                  on_update: Callable[[list[SessionRun]], None] | None = None) -> None:
         self.tasks, self.harness, self.gateway, self.config = tasks, harness, gateway, config
         self.on_update = on_update or (lambda sessions: None)
+        self.started = time.monotonic()
         self.sessions = [
             SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
             for t in tasks for i in range(config.group_size)
@@ -141,15 +163,20 @@ class Rollout:
             else:
                 s.workspace.mkdir(parents=True)
             if s.task.workspace_git:
-                code, out = await run_shell(f"git clone -q {s.task.workspace_git} .", s.workspace,
-                                            s.task.timeouts.init)
+                code, out = await run_argv(git_clone_argv(s.task.workspace_git), s.workspace, s.task.timeouts.init,
+                                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
                 if code:
-                    raise RuntimeError(f"git clone failed: {out[-500:]}")
+                    raise RuntimeError(f"git clone {s.task.workspace_git!r} failed ({code}): {out[-500:]}")
             for command in s.task.setup:
                 code, out = await run_shell(command, s.workspace, s.task.timeouts.init)
                 if code:
                     raise RuntimeError(f"setup `{command}` failed ({code}): {out[-500:]}")
-        except (OSError, RuntimeError, TimeoutError) as exc:
+        except TimeoutError:
+            s.status, s.reward = "init_failed", self.config.failure_reward
+            s.eval_output = f"INIT timed out after {s.task.timeouts.init:g}s"
+            s.spans["init"] = (start, time.monotonic())
+            return False
+        except (OSError, RuntimeError) as exc:
             s.status, s.reward, s.eval_output = "init_failed", self.config.failure_reward, str(exc)
             s.spans["init"] = (start, time.monotonic())
             return False
@@ -172,6 +199,9 @@ class Rollout:
             except TimeoutError:
                 await kill_group(s.proc)
                 s.status = "timeout"
+            except asyncio.CancelledError:
+                await kill_group(s.proc)  # the rollout is interrupted: the harness must not outlive it
+                raise
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
         finally:
@@ -203,6 +233,22 @@ class Rollout:
         numbers = NUMBER.findall(out)
         return float(numbers[-1]) if numbers else self.config.failure_reward
 
+    async def _fail(self, s: SessionRun, exc: Exception) -> None:
+        """An unexpected error in one session: that session fails (failure reward, reason kept), the rest go on."""
+        if s.proc is not None:
+            await kill_group(s.proc)
+        s.status, s.reward = "error", self.config.failure_reward
+        s.eval_output = f"{s.stage}: {type(exc).__name__}: {exc}"
+        await self._teardown(s)
+
+    async def _guarded(self, s: SessionRun, stage: Callable[[SessionRun], Awaitable[None]]) -> None:
+        """Run one session's stage; an unexpected exception fails that session instead of the whole rollout."""
+        try:
+            await stage(s)
+        except Exception as exc:  # noqa: BLE001 — reported in the session's status and eval_output
+            with contextlib.suppress(Exception):
+                await self._fail(s, exc)
+
     async def _teardown(self, s: SessionRun) -> None:
         s.stage = "done"
         if s.status != "cut":
@@ -211,6 +257,19 @@ class Rollout:
         if s.workspace is not None and not self.config.keep_workspaces:
             await asyncio.to_thread(shutil.rmtree, s.workspace, True)
         self.on_update(self.sessions)
+
+    def finished(self) -> RolloutSummary:
+        """The sessions that completed so far (all of them after `run`): what an interrupted rollout can report."""
+        done = [s for s in self.sessions if s.stage == "done" and s.status]
+        return RolloutSummary(done, time.monotonic() - self.started, self._utilisation())
+
+    def _remove_unfinished_workspaces(self) -> None:
+        """After an interruption: the workspaces of sessions that never reached teardown."""
+        if self.config.keep_workspaces:
+            return
+        for s in self.sessions:
+            if s.stage != "done" and s.workspace is not None:
+                shutil.rmtree(s.workspace, ignore_errors=True)
 
     async def _maybe_cut(self, task_id: str) -> None:
         keep = self.config.keep
@@ -225,73 +284,93 @@ class Rollout:
     # -- workers -------------------------------------------------------------------------------------------------
 
     async def run(self) -> RolloutSummary:
+        """All sessions through the stages; on cancellation, running harnesses are stopped before it re-raises."""
         cfg = self.config
         # Absolute: harnesses run with the workspace as their cwd, where a relative path would point elsewhere.
         cfg.workspace_root = cfg.workspace_root.resolve()
         cfg.workspace_root.mkdir(parents=True, exist_ok=True)
         if cfg.log_dir:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+        self._buffered = cfg.ready_buffer > 0
+        self._pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+        self._ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=max(cfg.ready_buffer, 0))
+        self._post_queue: asyncio.Queue[SessionRun | None] = asyncio.Queue()
         for s in self.sessions:
-            pending.put_nowait(s)
-        buffered = cfg.ready_buffer > 0
-        ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=cfg.ready_buffer if buffered else 0)
-        post: asyncio.Queue[SessionRun | None] = asyncio.Queue()
-        started = time.monotonic()
+            self._pending.put_nowait(s)
+        self.started = time.monotonic()
+        try:
+            await self._run_pools()
+        except asyncio.CancelledError:
+            self._remove_unfinished_workspaces()
+            raise
+        return RolloutSummary(self.sessions, time.monotonic() - self.started, self._utilisation())
 
-        async def finish_cut(s: SessionRun) -> None:
-            s.status = "cut"
-            await self._teardown(s)
-
-        async def init_worker() -> None:
-            while (s := await pending.get()) is not None:
-                if s.cut:
-                    await finish_cut(s)
-                    continue
-                if await self._init(s):
-                    s.stage = "ready"
-                    await ready.put(s)  # blocks while the READY buffer is full
-                else:
-                    await self._teardown(s)
-
-        async def run_worker() -> None:
-            source = ready if buffered else pending
-            while (s := await source.get()) is not None:
-                if s.cut:
-                    await finish_cut(s)
-                    continue
-                if not buffered and not await self._init(s):
-                    await self._teardown(s)
-                    continue
-                if s.cut:
-                    await finish_cut(s)
-                    continue
-                await self._run(s)
-                await post.put(s)
-
-        async def post_worker() -> None:
-            while (s := await post.get()) is not None:
-                if s.status != "cut":
-                    await self._post(s)
-                await self._teardown(s)
-
-        posts = [asyncio.create_task(post_worker()) for _ in range(cfg.post_workers)]
-        runs = [asyncio.create_task(run_worker()) for _ in range(cfg.concurrency)]
-        inits = [asyncio.create_task(init_worker()) for _ in range(cfg.init_workers)] if buffered else []
-        if buffered:
+    async def _run_pools(self) -> None:
+        """Start the worker pools and shut them down in stage order (each worker ends on a None)."""
+        cfg = self.config
+        posts = [asyncio.create_task(self._post_worker()) for _ in range(cfg.post_workers)]
+        runs = [asyncio.create_task(self._run_worker()) for _ in range(cfg.concurrency)]
+        if self._buffered:
+            inits = [asyncio.create_task(self._init_worker()) for _ in range(cfg.init_workers)]
             for _ in inits:
-                pending.put_nowait(None)
+                self._pending.put_nowait(None)
             await asyncio.gather(*inits)
             for _ in runs:
-                await ready.put(None)
+                await self._ready.put(None)
         else:
             for _ in runs:
-                pending.put_nowait(None)
+                self._pending.put_nowait(None)
         await asyncio.gather(*runs)
         for _ in posts:
-            post.put_nowait(None)
+            self._post_queue.put_nowait(None)
         await asyncio.gather(*posts)
-        return RolloutSummary(self.sessions, time.monotonic() - started, self._utilisation())
+
+    async def _init_worker(self) -> None:
+        while (s := await self._pending.get()) is not None:
+            await self._guarded(s, self._prepare)
+
+    async def _run_worker(self) -> None:
+        source = self._ready if self._buffered else self._pending
+        while (s := await source.get()) is not None:
+            await self._guarded(s, self._run_one)
+
+    async def _post_worker(self) -> None:
+        while (s := await self._post_queue.get()) is not None:
+            await self._guarded(s, self._evaluate)
+
+    async def _prepare(self, s: SessionRun) -> None:
+        """INIT worker: prepare the workspace and park the session in the READY buffer."""
+        if s.cut:
+            await self._finish_cut(s)
+        elif await self._init(s):
+            s.stage = "ready"
+            await self._ready.put(s)  # blocks while the READY buffer is full
+        else:
+            await self._teardown(s)
+
+    async def _run_one(self, s: SessionRun) -> None:
+        """RUN worker: (INIT inline without a READY buffer,) run the harness, hand over to POST-RUN."""
+        if s.cut:
+            await self._finish_cut(s)
+            return
+        if not self._buffered and not await self._init(s):
+            await self._teardown(s)
+            return
+        if s.cut:
+            await self._finish_cut(s)
+            return
+        await self._run(s)
+        await self._post_queue.put(s)
+
+    async def _evaluate(self, s: SessionRun) -> None:
+        """POST-RUN worker: evaluate (unless cut) and tear down."""
+        if s.status != "cut":
+            await self._post(s)
+        await self._teardown(s)
+
+    async def _finish_cut(self, s: SessionRun) -> None:
+        s.status = "cut"
+        await self._teardown(s)
 
     def _utilisation(self) -> float:
         spans = [s.spans["run"] for s in self.sessions if "run" in s.spans]

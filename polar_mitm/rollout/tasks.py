@@ -7,7 +7,12 @@
      "timeouts": {"init": 60, "run": 300, "eval": 60}}                     # seconds
 
 `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A relative `workspace.dir`
-is resolved against the task file's folder; `workspace.git` clones a repository (local path or URL) instead.
+is resolved against the task file's folder; `workspace.git` clones a repository (local path or URL) instead — git
+gets it as one argument, never through a shell.
+
+Task ids: any text except empty, '/', '.', '..', control or separator characters (NUL, ESC, newlines, DEL, U+2028…)
+and more than 200 bytes — see `polar_mitm.harness.base.id_problem`. Shell syntax in an id is harmless: every place an
+id reaches a shell quotes it. A bad line is rejected at load with its line number, before anything runs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from polar_mitm.harness.base import id_problem
 
 
 class TaskFileError(ValueError):
@@ -43,52 +50,98 @@ class Task:
 
 
 def parse_task(raw: dict[str, Any], base: Path) -> Task:
+    """One task from its JSON object; a ValueError names the field at fault."""
     if not isinstance(raw, dict):
-        raise TypeError("a task must be a JSON object")
-    task_id, prompt = raw.get("task_id"), raw.get("prompt")
-    if not isinstance(task_id, str) or not task_id or "/" in task_id:
-        raise ValueError("task_id must be a non-empty string without '/'")
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError("prompt must be a non-empty string")
-    ws = raw.get("workspace") or {}
-    if not isinstance(ws, dict):
-        raise TypeError("workspace must be an object")
-    setup = ws.get("setup") or []
-    if isinstance(setup, str):
-        setup = [setup]
+        raise ValueError("a task must be a JSON object")
+    task_id = raw.get("task_id")
+    if (problem := id_problem(task_id)) is not None:
+        raise ValueError(f"task_id {problem}: {task_id!r}")
+    prompt = _text(raw.get("prompt"), "prompt")
+    ws = _object(raw.get("workspace"), "workspace")
     ev = raw.get("eval") or {}
     if isinstance(ev, str):
         ev = {"command": ev}
+    ev = _object(ev, "eval")
     reward_mode = ev.get("reward", "exit")
     if reward_mode not in ("exit", "stdout"):
         raise ValueError("eval.reward must be 'exit' or 'stdout'")
-    t = raw.get("timeouts") or {}
-    ws_dir = ws.get("dir")
+    t = _object(raw.get("timeouts"), "timeouts")
+    ws_dir = _text(ws["dir"], "workspace.dir") if ws.get("dir") is not None else None
     return Task(
         task_id=task_id,
         prompt=prompt,
         workspace_dir=(base / ws_dir).resolve() if ws_dir else None,
-        workspace_git=ws.get("git"),
-        setup=[str(c) for c in setup],
-        eval_command=str(ev.get("command", "true")),
+        workspace_git=_git_source(ws.get("git")),
+        setup=_commands(ws.get("setup"), "workspace.setup"),
+        eval_command=_text(ev.get("command", "true"), "eval.command"),
         eval_reward=reward_mode,
-        timeouts=Timeouts(init=float(t.get("init", 120)), run=float(t.get("run", 600)),
-                          eval=float(t.get("eval", 120))),
+        timeouts=Timeouts(init=_seconds(t, "init", 120), run=_seconds(t, "run", 600), eval=_seconds(t, "eval", 120)),
         meta={k: v for k, v in raw.items() if k not in ("task_id", "prompt", "workspace", "eval", "timeouts")},
     )
 
 
+def _text(value: Any, name: str) -> str:
+    """A non-empty string without NUL (argv, environments and paths cannot carry one)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    if "\0" in value:
+        raise ValueError(f"{name} cannot contain a NUL character")
+    return value
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object")
+    return value
+
+
+def _commands(value: Any, name: str) -> list[str]:
+    """Shell commands: one string or a list of strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a string or a list of strings")
+    return [_text(command, f"{name}[{i}]") for i, command in enumerate(value)]
+
+
+def _git_source(value: Any) -> str | None:
+    """A repository to clone; passed to git as one argument after `--`, so it cannot become an option."""
+    if value is None:
+        return None
+    source = _text(value, "workspace.git")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in source):
+        raise ValueError(f"workspace.git cannot contain control characters: {source!r}")
+    return source
+
+
+def _seconds(timeouts: dict[str, Any], key: str, default: float) -> float:
+    value = timeouts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"timeouts.{key} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def load_tasks(path: str | Path) -> list[Task]:
-    """Parse a JSONL task file; errors name the line."""
+    """Parse a JSONL task file; every error is a TaskFileError naming the file and line."""
     path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TaskFileError(f"{path}: {exc.strerror or exc}") from exc
     tasks: list[Task] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
+    # Split bytes at \n only: str.splitlines would also split at U+2028 and friends, valid inside JSON strings.
+    for lineno, raw_line in enumerate(data.split(b"\n"), 1):
         try:
+            line = raw_line.decode("utf-8")
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
             task = parse_task(json.loads(line), path.parent)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise TaskFileError(f"{path}:{lineno}: {exc}") from exc
         if task.task_id in seen:
             raise TaskFileError(f"{path}:{lineno}: duplicate task_id {task.task_id!r}")
