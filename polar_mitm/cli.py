@@ -132,16 +132,21 @@ def records_command(
     """List recorded model calls (compacted shards and the live journal)."""
     from rich.table import Table
 
-    from polar_mitm.records import read_all
+    from polar_mitm.records import scan_all
+    from polar_mitm.terminal import markup_safe, plain
 
-    rows = read_all(out).to_pylist()
-    table = Table(title=f"{len(rows)} records in {out}")
+    found = scan_all(out)
+    for problem in found.problems:  # skipped, one line each naming the file: the rest is still listed
+        console.print(f"[yellow]{markup_safe(problem)}[/]", soft_wrap=True)
+    rows = found.table.to_pylist()
+    table = Table(title=f"{len(rows)} records in {markup_safe(out)}")
     for col in ("session_id", "task_id", "seq", "provider", "stream", "prompt", "sampled", "finish", "error"):
         table.add_column(col)
     for r in sorted(rows, key=lambda r: (r["session_id"], r["seq"]))[:limit]:
-        table.add_row(r["session_id"], r["task_id"] or "", str(r["seq"]), r["provider"], str(r["stream"]),
-                      str(len(r["prompt_ids"] or [])), str(len(r["completion_ids"] or [])), r["finish_reason"],
-                      (r["error"] or "")[:40])
+        # Ids and errors come from harnesses and engines: shown as text, never as markup or escape sequences.
+        table.add_row(plain(r["session_id"]), plain(r["task_id"] or ""), str(r["seq"]), plain(r["provider"]),
+                      str(r["stream"]), str(len(r["prompt_ids"] or [])), str(len(r["completion_ids"] or [])),
+                      plain(r["finish_reason"]), plain((r["error"] or "")[:40]))
     console.print(table)
 
 

@@ -69,7 +69,8 @@ class PolarGateway:
             self.writer = RecordWriter(out, rotate_bytes=opts.polar_rotate_mb << 20,
                                        rotate_seconds=opts.polar_rotate_seconds, fsync=opts.polar_fsync)
             self.writer.start()
-            last_seq = last_seq_by_session(out)
+            # An unreadable shard is moved aside with its reason; it must never keep the gateway from serving.
+            last_seq = last_seq_by_session(out, on_unreadable=self.writer.quarantine_shard)
         else:
             last_seq = None
         if self.engine is None or {"polar_backend", "polar_engine_timeout"} & updated:

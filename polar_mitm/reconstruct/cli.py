@@ -19,6 +19,7 @@ from rich.text import Text
 from polar_mitm.reconstruct.merge import MergeError, MergeSummary, merge, resolve_path
 from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
+from polar_mitm.terminal import markup_safe, plain, printable
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
@@ -71,8 +72,10 @@ def merge_command(
                             on_start=lambda total: progress.update(task, total=total),
                             on_progress=lambda n: progress.advance(task, n))
         except MergeError as exc:
-            console.print(f"[red]merge failed:[/] {exc}")
+            console.print(f"[red]merge failed:[/] {markup_safe(exc)}", soft_wrap=True)
             raise typer.Exit(1) from exc
+    for problem in summary.problems:  # one line each, naming the file (skipped, or how it was read)
+        console.print(f"[yellow]{markup_safe(problem)}[/]", soft_wrap=True)
     console.print(summary_table(summary, output))
 
 
@@ -100,18 +103,20 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
                                      f"({_pct(summary.trainable_tokens, summary.total_tokens)})"),
     ]
     if summary.eot_token_id is not None:
-        rows.append(("end-of-turn token", f"{summary.eot_token_id} ({summary.eot_source})"))
+        rows.append(("end-of-turn token", f"{summary.eot_token_id} ({markup_safe(summary.eot_source)})"))
     if summary.rewarded_sessions or summary.unrewarded_sessions:
         unrewarded = f"{summary.unrewarded_sessions:,} without"
         if summary.dropped_unrewarded_sequences:
             unrewarded += f" ({summary.dropped_unrewarded_sequences:,} sequences dropped)"
         rows.append(("rewards", f"{summary.rewarded_sessions:,} sessions rewarded, {unrewarded}"))
     if summary.skipped_files:
-        rows.append(("skipped (not records)", "\n".join(summary.skipped_files)))
+        rows.append(("skipped (not records)", "\n".join(markup_safe(f) for f in summary.skipped_files)))
+    if summary.problems:
+        rows.append(("input problems", f"[yellow]{len(summary.problems):,}[/] (listed above)"))
     rows += [
         ("invariants", "checked" if summary.invariants_checked else "[yellow]not checked[/]"),
         ("time", f"{summary.seconds:.2f} s"),
-        ("output", f"{output} ({len(summary.shards)} shard(s))"),
+        ("output", f"{markup_safe(output)} ({len(summary.shards)} shard(s))"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -184,7 +189,8 @@ def render_sequence(seq: MergedSequence, tokenizer, *, logprobs: bool = False, c
     def decode(ids: np.ndarray) -> str:
         if tokenizer is None:
             return "[" + " ".join(str(int(i)) for i in ids) + "]"
-        return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        # Sampled text is untrusted: an ESC the model wrote must not drive the terminal.
+        return printable(tokenizer.decode([int(i) for i in ids], skip_special_tokens=False), multiline=True)
 
     ids, mask, lps = (np.asarray(a) for a in (seq.input_ids, seq.loss_mask, seq.logprobs))
     runs = mask_runs(mask)
@@ -195,7 +201,7 @@ def render_sequence(seq: MergedSequence, tokenizer, *, logprobs: bool = False, c
         if value == 0:
             text.append(_elide(decode(ids[start:end]), context_chars), style=CONTEXT_STYLE)
             continue
-        label = seq.request_ids[turn] if n_sampled_runs == len(seq.request_ids) else "?"
+        label = printable(seq.request_ids[turn]) if n_sampled_runs == len(seq.request_ids) else "?"
         text.append(f"\n⟦turn {turn + 1} · {label} · {end - start} sampled⟧\n", style=TURN_STYLE)
         turn += 1
         if not logprobs:
@@ -219,7 +225,7 @@ def _header(seq: MergedSequence) -> Table:
         ("weights", f"{seq.weight_version_min} … {seq.weight_version_max}"),
         ("finish", seq.finish_reason), ("reward", "null" if seq.reward is None else f"{seq.reward:g}"),
     ):
-        table.add_row(name, str(value))
+        table.add_row(name, plain(value))
     return table
 
 
@@ -235,10 +241,11 @@ def show_command(
     try:
         table = find_sequences(data, ident)
     except (MergeError, FileNotFoundError) as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{markup_safe(exc)}[/]", soft_wrap=True)
         raise typer.Exit(1) from exc
     if table.num_rows == 0:
-        console.print(f"[red]no sequence, session or request {ident!r} in {data}[/]")
+        console.print(f"[red]no sequence, session or request {markup_safe(repr(ident))} in {markup_safe(data)}[/]",
+                      soft_wrap=True)
         raise typer.Exit(1)
     tok = None
     if tokenizer.lower() != "none":
@@ -247,9 +254,10 @@ def show_command(
         try:
             tok = load_tokenizer(tokenizer)
         except (OSError, ValueError) as exc:
-            console.print(f"[yellow]cannot load tokenizer {tokenizer!r} ({exc}); showing token ids[/]")
+            console.print(f"[yellow]cannot load tokenizer {markup_safe(repr(tokenizer))} ({markup_safe(exc)}); "
+                          "showing token ids[/]")
     for seq in sequences_from_table(table):
-        console.rule(seq.sequence_id)
+        console.rule(plain(seq.sequence_id))
         console.print(_header(seq))
         console.print(render_sequence(seq, tok, logprobs=logprobs, context_chars=0 if full else 1500))
     console.print(Text.assemble(("legend: ", "bold"), ("context (mask 0)", CONTEXT_STYLE), "  ",
@@ -307,14 +315,14 @@ def stats_command(
     try:
         table = read_merged(data, ["session_id", "input_ids", "loss_mask", "n_turns", "reward", "builder"])
     except (MergeError, FileNotFoundError) as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]{markup_safe(exc)}[/]", soft_wrap=True)
         raise typer.Exit(1) from exc
     if table.num_rows == 0:
-        console.print(f"[red]no merged sequences in {data}[/]")
+        console.print(f"[red]no merged sequences in {markup_safe(data)}[/]", soft_wrap=True)
         raise typer.Exit(1)
     stats = sequence_stats(table)
     lengths, trainable = stats["lengths"], stats["trainable"]
-    out = Table(title=f"stats · {data}", title_justify="left")
+    out = Table(title=f"stats · {markup_safe(data)}", title_justify="left")
     out.add_column("")
     for name in ("total", "mean", "median", "p90", "max"):
         out.add_column(name, justify="right")
@@ -328,7 +336,7 @@ def stats_command(
     facts.add_column()
     rewards = stats["rewards"]
     for name, value in (
-        ("builder", ", ".join(stats["builders"])), ("sessions", f"{stats['sessions']:,}"),
+        ("builder", markup_safe(", ".join(stats["builders"]))), ("sessions", f"{stats['sessions']:,}"),
         ("sequences", f"{stats['sequences']:,}"), ("requests", f"{stats['requests']:,}"),
         ("requests / sequence", f"{stats['requests'] / stats['sequences']:.2f}"),
         ("trainable share", _pct(int(trainable.sum()), int(lengths.sum()))),
@@ -339,4 +347,4 @@ def stats_command(
     if png is None:
         png = Path(data) / "stats.png" if "://" not in data and Path(data).is_dir() else Path("merged-stats.png")
     write_histograms(stats, png)
-    console.print(f"histograms: {png}")
+    console.print(f"histograms: {markup_safe(png)}", soft_wrap=True)

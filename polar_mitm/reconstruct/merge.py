@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from polar_mitm.gateway.journal import JOURNAL_DIR, LiveJournals, read_live_journals
 from polar_mitm.reconstruct.invariants import check_invariants
 from polar_mitm.reconstruct.per_request import build_per_request
 from polar_mitm.reconstruct.prefix_merging import (
@@ -47,6 +48,7 @@ from polar_mitm.reconstruct.turns import (
     sequences_to_table,
     turns_from_table,
 )
+from polar_mitm.records import one_line, records_table
 
 Builder = Callable[..., BuildResult]
 BUILDERS: dict[str, Builder] = {"prefix_merging": build_prefix_merging, "per_request": build_per_request}
@@ -96,16 +98,22 @@ class Source:
     def read(self, columns: Sequence[str]) -> pa.Table:
         if self.table is not None:
             return self.table.select(list(columns))
-        with self._open() as parquet:
-            return parquet.read(columns=list(columns))
+        try:
+            with self._open() as parquet:
+                return parquet.read(columns=list(columns))
+        except (OSError, pa.ArrowException) as exc:  # e.g. a corrupt data page behind an intact footer
+            raise MergeError(f"{self.name}: unreadable ({one_line(exc)})") from exc
 
     def batches(self, batch_rows: int) -> Iterator[pa.RecordBatch | pa.Table]:
         if self.table is not None:
             for start in range(0, self.table.num_rows, batch_rows):
                 yield self.table.slice(start, batch_rows).select(list(self.columns))
             return
-        with self._open() as parquet:
-            yield from parquet.iter_batches(batch_size=batch_rows, columns=list(self.columns))
+        try:
+            with self._open() as parquet:
+                yield from parquet.iter_batches(batch_size=batch_rows, columns=list(self.columns))
+        except (OSError, pa.ArrowException) as exc:
+            raise MergeError(f"{self.name}: unreadable ({one_line(exc)})") from exc
 
 
 def _record_columns(schema: pa.Schema) -> tuple[str, ...] | None:
@@ -115,58 +123,130 @@ def _record_columns(schema: pa.Schema) -> tuple[str, ...] | None:
     return tuple(n for n in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if n in names)
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+
+
+def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
+    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and item(t.value_type)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_floating(t) or pa.types.is_integer(t)
+
+
+# What each column read by merge may be (right names with other types would fail deep inside the builders).
+COLUMN_KINDS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
+    **{name: (_is_text, "text") for name in ("request_id", "session_id", "task_id", "finish_reason",
+                                             "weight_version", "error")},
+    "seq": (pa.types.is_integer, "an integer"),
+    "prompt_ids": (_list_of(pa.types.is_integer), "a list of integers"),
+    "completion_ids": (_list_of(pa.types.is_integer), "a list of integers"),
+    "completion_logprobs": (_list_of(_is_number), "a list of numbers"),
+    "started_at": (lambda t: pa.types.is_timestamp(t) or pa.types.is_integer(t), "a timestamp"),
+}
+
+
+def _type_problem(schema: pa.Schema, columns: Sequence[str]) -> str | None:
+    """Why a file with record column names still cannot be read as records (a column of another type)."""
+    for name in columns:
+        if name not in COLUMN_KINDS:
+            continue
+        accepts, kind = COLUMN_KINDS[name]
+        if not accepts(schema.field(name).type):
+            return f"column {name} is {schema.field(name).type}, expected {kind}"
+    return None
+
+
 def table_source(table: pa.Table, name: str = "<memory>") -> Source:
     """An in-memory records table as a merge input."""
     columns = _record_columns(table.schema)
     if columns is None:
         raise MergeError(f"{name}: not a records table (needs {', '.join(REQUIRED_COLUMNS)})")
+    problem = _type_problem(table.schema, columns)
+    if problem:
+        raise MergeError(f"{name}: {problem}")
     return Source(name=name, num_rows=table.num_rows, columns=columns, table=table)
 
 
-def list_sources(inputs: Sequence[str]) -> tuple[list[Source], list[str]]:
+@dataclass
+class Inputs:
+    """What `list_sources` found: usable sources, files that are not records, and what it could not read."""
+
+    sources: list[Source]
+    skipped: list[str]  # other Parquet files (e.g. merged shards): skipped, as pyarrow datasets skip foreign files
+    problems: list[str]  # one line each: a file, and why it was skipped or how it was read
+
+
+def _parquet_source(file: str, fs: pafs.FileSystem, inputs: Inputs) -> None:
+    """Add one Parquet file to `inputs`: as a source, a foreign file, or a problem naming what is wrong."""
+    try:
+        with pq.ParquetFile(file, filesystem=fs) as parquet:
+            schema, num_rows = parquet.schema_arrow, parquet.metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        inputs.problems.append(f"{file}: not a readable Parquet file ({one_line(exc)}) (skipped)")
+        return
+    columns = _record_columns(schema)
+    if columns is None:
+        inputs.skipped.append(file)
+        return
+    problem = _type_problem(schema, columns)
+    if problem:
+        inputs.problems.append(f"{file}: {problem} (skipped)")
+        return
+    if "schema_version" not in schema.names:
+        inputs.problems.append(f"{file}: no schema_version column (read as records of version 1)")
+    inputs.sources.append(Source(name=file, num_rows=num_rows, columns=columns, filesystem=fs))
+
+
+def _list_files(uri: str, fs: pafs.FileSystem, path: str, info: pafs.FileInfo) -> list[str]:
+    if info.type != pafs.FileType.Directory:
+        return [path]
+    try:
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    except OSError as exc:
+        raise MergeError(f"{uri}: cannot list the folder ({one_line(exc)})") from exc
+    return sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet")
+                  and not any(part[:1] in "_." for part in Path(f.path[len(path):]).parts))
+
+
+def list_sources(inputs: Sequence[str]) -> Inputs:
     """Every records Parquet file under `inputs` (files or folders, sorted), plus a local live journal.
 
-    Files whose columns are not records (e.g. merged shards) are skipped; their names come back as the second
-    value. Names starting with `_` or `.` are skipped, as pyarrow datasets do.
+    Files whose columns are not records (e.g. merged shards) are skipped and named in `skipped`; unreadable files
+    and columns of the wrong type are skipped with a line in `problems`. Names starting with `_` or `.` are
+    skipped, as pyarrow datasets do. A live journal is read *before* its folder is listed, and a journal whose
+    shard is listed is left out, so a compaction running meanwhile neither hides nor doubles a record.
     """
-    sources: list[Source] = []
-    skipped: list[str] = []
+    found = Inputs(sources=[], skipped=[], problems=[])
     for uri in inputs:
         fs, path = resolve_path(uri)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise MergeError(f"{uri}: no such file or folder")
-        if info.type == pafs.FileType.Directory:
-            found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-            files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet")
-                           and not any(part[:1] in "_." for part in Path(f.path[len(path):]).parts))
-        else:
-            files = [path]
+        local_folder = info.type == pafs.FileType.Directory and isinstance(fs, pafs.LocalFileSystem)
+        journals = read_live_journals(path) if local_folder else None  # before the listing: see the docstring
+        files = _list_files(uri, fs, path, info)
         for file in files:
-            with pq.ParquetFile(file, filesystem=fs) as parquet:
-                columns = _record_columns(parquet.schema_arrow)
-                num_rows = parquet.metadata.num_rows
-            if columns is None:
-                skipped.append(file)
-                continue
-            sources.append(Source(name=file, num_rows=num_rows, columns=columns, filesystem=fs))
-        if info.type == pafs.FileType.Directory and isinstance(fs, pafs.LocalFileSystem):
-            journal = _journal_table(Path(path))
+            _parquet_source(file, fs, found)
+        if journals is not None:
+            journal = _journal_source(Path(path), journals, files, found)
             if journal is not None:
-                sources.append(table_source(journal, f"{path}/_journal"))
-    return sources, skipped
+                found.sources.append(journal)
+    return found
 
 
-def _journal_table(folder: Path) -> pa.Table | None:
-    """Records still in the gateway's live journal (acknowledged, not yet compacted into a shard)."""
-    from polar_mitm.gateway.journal import JOURNAL_DIR, JOURNAL_SUFFIX, read_journal
-
-    if not (folder / JOURNAL_DIR).is_dir():
+def _journal_source(folder: Path, journals: LiveJournals, files: list[str], found: Inputs) -> Source | None:
+    """Records still in the gateway's live journal (acknowledged, not yet compacted into one of `files`)."""
+    rows, problems = journals.uncompacted(files)
+    found.problems.extend(problems)
+    if not rows:
         return None
-    from polar_mitm.records import journal_rows_to_table
-
-    rows = [row for j in sorted((folder / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}")) for row in read_journal(j)]
-    return journal_rows_to_table(rows) if rows else None
+    table, rejected = records_table(rows)
+    for row, reason in rejected:
+        found.problems.append(f"{folder / JOURNAL_DIR}: row of request {str(row.get('request_id'))!r} "
+                              f"skipped: {reason}")
+    return table_source(table, str(folder / JOURNAL_DIR)) if table.num_rows else None
 
 
 # -- end-of-turn token -------------------------------------------------------------------------------------------
@@ -232,11 +312,19 @@ def load_rewards(uri: str) -> dict[str, Reward]:
     if info.type == pafs.FileType.Directory or path.endswith((".parquet", ".pq")):
         import pyarrow.dataset as ds
 
-        rows = ds.dataset(path, format="parquet", filesystem=fs).to_table().to_pylist()
+        try:
+            rows = ds.dataset(path, format="parquet", filesystem=fs).to_table().to_pylist()
+        except (OSError, pa.ArrowException) as exc:
+            raise MergeError(f"rewards {uri}: not a readable Parquet file ({one_line(exc)})") from exc
         where = [f"row {i + 1}" for i in range(len(rows))]
     else:
-        with fs.open_input_stream(path) as stream:
-            lines = stream.read().decode("utf-8").splitlines()
+        try:
+            with fs.open_input_stream(path) as stream:
+                lines = stream.read().decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise MergeError(f"rewards {uri}: not UTF-8 text (byte {exc.start}); expected JSONL") from exc
+        except OSError as exc:
+            raise MergeError(f"rewards {uri}: cannot be read ({one_line(exc)})") from exc
         rows, where = [], []
         for number, line in enumerate(lines, start=1):
             if line.strip():
@@ -301,6 +389,7 @@ class MergeSummary:
     seconds: float = 0.0
     shards: list[str] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # unreadable inputs skipped, one line each
 
     @property
     def records_per_sequence(self) -> float:
@@ -441,7 +530,12 @@ class ShardWriter:
 
     def __init__(self, output: str) -> None:
         self.fs, self.root = resolve_path(output)
-        self.fs.create_dir(self.root, recursive=True)
+        if self.fs.get_file_info(self.root).type == pafs.FileType.File:
+            raise MergeError(f"output {output}: is a file, not a folder")
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+        except (OSError, pa.ArrowException) as exc:
+            raise MergeError(f"output {output}: cannot create the folder ({one_line(exc)})") from exc
         # A re-run replaces the previous output instead of mixing with it.
         for info in self.fs.get_file_info(pafs.FileSelector(self.root)):
             name = info.base_name
@@ -480,9 +574,11 @@ def merge(
     started = time.perf_counter()
     if builder not in BUILDERS:
         raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
-    sources, skipped = list_sources(inputs)
+    found = list_sources(inputs)
+    sources = found.sources
     if not sources:
-        raise MergeError(f"no records found under {', '.join(inputs)}")
+        why = f" (skipped: {'; '.join(found.problems)})" if found.problems else ""
+        raise MergeError(f"no records found under {', '.join(inputs)}{why}")
     # per_request needs no end-of-turn token: do not load a tokenizer (or scan completions) for nothing.
     needs_eot = builder != "per_request" or eot_token is not None
     eot_token_id, eot_source = resolve_eot(eot_token, tokenizer, sources) if needs_eot else (None, None)
@@ -495,7 +591,8 @@ def merge(
     summary = merge_sources(sources, writer, builder=builder, eot_token_id=eot_token_id, rewards=reward_table,
                             drop_unrewarded=drop_unrewarded, check=check, batch_rows=batch_rows,
                             flush_tokens=flush_tokens, on_progress=on_progress)
-    summary.eot_source, summary.shards, summary.skipped_files = eot_source, writer.shards, skipped
+    summary.eot_source, summary.shards, summary.skipped_files = eot_source, writer.shards, found.skipped
+    summary.problems = found.problems
     summary.seconds = time.perf_counter() - started  # the whole run: listing, end-of-turn detection, merge
     writer.write_summary(summary)
     return summary
