@@ -95,6 +95,7 @@ def test_placeholders_inside_quotes_are_spliced_safely(gateway, tmp_path, templa
     ("cmd:cat > out.txt <<EOF\n{prompt}\nEOF", "here-document"),
     ("cmd:echo \\{prompt} > out.txt", "backslash"),
     ('cmd:echo "${{NOT_SET:-{prompt}}}" > out.txt', "${...}"),
+    ('cmd:echo "$(case x in x) echo {prompt};; esac)" > out.txt', "case"),
 ])
 def test_templates_that_cannot_be_quoted_safely_are_rejected_before_any_session(gateway, tmp_path, template,
                                                                                  where):

@@ -53,6 +53,9 @@ class QuotingScanner:
         self.prev = ""  # the last character seen (a placeholder counts as a word character)
         self.heredoc_pending = False  # a `<<` was seen: its body starts at the next newline
         self.in_heredoc = False
+        # A `case` pattern's unmatched `)` can end a "$(…)" early in this scanner's eyes; inside double quotes that
+        # would misplace every later placeholder, so those are refused instead.
+        self.lost_in_case = False
 
     def feed(self, text: str) -> None:
         """Advance over literal template text."""
@@ -115,6 +118,8 @@ class QuotingScanner:
             self.stack.pop()
         elif char == "#" and top != "${" and (self.prev == "" or self.prev in WORD_BREAKS):
             self.stack.append("#")
+        elif char == "c" and _word_at(text, i, "case") and (self.prev == "" or self.prev in WORD_BREAKS):
+            self.lost_in_case = self.lost_in_case or '"' in self.stack
         elif char == "<" and nxt == "<" and text[i + 2: i + 3] != "<" and self.prev != "<":
             self.heredoc_pending = True
             return 2
@@ -126,6 +131,8 @@ class QuotingScanner:
         """Why a placeholder cannot be substituted here, or None when it can."""
         if self.in_heredoc:
             return "inside a here-document body"
+        if self.lost_in_case:
+            return 'after a `case` inside "$(...)"'
         if "`" in self.stack:
             return "inside backticks"
         if self.stack[-1] == "#":
@@ -181,6 +188,12 @@ class ShellTemplate:
             value = _FORMATTER.convert_field(values[part.name], part.conversion)
             out.append(splice(format(value, part.format_spec), part.quote))
         return "".join(out)
+
+
+def _word_at(text: str, i: int, word: str) -> bool:
+    """`word` starts at i and ends at a word break (or the end of the text)."""
+    end = i + len(word)
+    return text.startswith(word, i) and (end == len(text) or text[end] in WORD_BREAKS)
 
 
 def splice(value: str, quote: str) -> str:
