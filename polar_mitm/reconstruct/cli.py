@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from polar_mitm.reconstruct.merge import MergeError, MergeSummary, merge, resolve_path
+from polar_mitm.reconstruct.merge import SUMMARY_FILE, MergeError, MergeSummary, merge, resolve_path
 from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
 from polar_mitm.terminal import markup_safe, plain, printable
@@ -83,6 +84,15 @@ def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "–"
 
 
+def context_exact_text(exact: int, checked: int) -> str:
+    """The context-fidelity figure as shown to users (reconstruct/fidelity.py)."""
+    if not checked:
+        return "–"
+    share = exact / checked
+    style = "green" if exact == checked else ("yellow" if share >= 0.95 else "red")
+    return f"[{style}]{_pct(exact, checked)}[/] ({exact:,} / {checked:,})"
+
+
 def summary_table(summary: MergeSummary, output: str) -> Table:
     """The merge summary as a Rich table."""
     table = Table(title=f"merge · {summary.builder}", show_header=False, title_justify="left")
@@ -102,6 +112,8 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
         ("trainable / total tokens", f"{summary.trainable_tokens:,} / {summary.total_tokens:,} "
                                      f"({_pct(summary.trainable_tokens, summary.total_tokens)})"),
     ]
+    rows.append(("context-exact sampled tokens", context_exact_text(summary.context_exact_tokens,
+                                                                    summary.context_checked_tokens)))
     if summary.eot_token_id is not None:
         rows.append(("end-of-turn token", f"{summary.eot_token_id} ({markup_safe(summary.eot_source)})"))
     if summary.rewarded_sessions or summary.unrewarded_sessions:
@@ -285,6 +297,32 @@ def sequence_stats(table: pa.Table) -> dict[str, Any]:
     }
 
 
+def context_exact_of(data: str, records: str | None) -> str:
+    """Context-exact sampled tokens of merged `data`: measured against `records`, else merge's saved figure."""
+    if records is not None:
+        from polar_mitm.reconstruct.fidelity import sequence_fidelity
+        from polar_mitm.records import read_records
+
+        recorded = read_records(records).select(["request_id", "prompt_ids"])
+        prompts = {rid: None if ids is None else np.asarray(ids, dtype=np.int32) for rid, ids in zip(
+            recorded["request_id"].to_pylist(), recorded["prompt_ids"].to_pylist(), strict=True)}
+        merged = read_merged(data, ["input_ids", "loss_mask", "request_ids"])
+        exact = checked = 0
+        for ids, mask, request_ids in zip(merged["input_ids"].to_pylist(), merged["loss_mask"].to_pylist(),
+                                          merged["request_ids"].to_pylist(), strict=True):
+            fidelity = sequence_fidelity(np.asarray(ids), np.asarray(mask), request_ids, prompts)
+            exact, checked = exact + fidelity.exact_tokens, checked + fidelity.sampled_tokens
+        return context_exact_text(exact, checked)
+    summary_file = Path(data) / SUMMARY_FILE
+    if "://" in data or not summary_file.is_file():
+        return "– (pass --records)"
+    try:
+        saved = json.loads(summary_file.read_text())
+        return context_exact_text(int(saved["context_exact_tokens"]), int(saved["context_checked_tokens"]))
+    except (ValueError, KeyError, TypeError):
+        return "– (pass --records)"
+
+
 def write_histograms(stats: dict[str, Any], png: Path) -> None:
     """A PNG with histograms of sequence length and trainable tokens per sequence."""
     import matplotlib
@@ -310,6 +348,8 @@ def stats_command(
     data: Annotated[str, typer.Argument(help="Merged shards (folder, file or URI).")] = "merged/",
     png: Annotated[Path | None, typer.Option(
         help="Histogram PNG (default: DATA/stats.png for a local folder, else ./merged-stats.png).")] = None,
+    records: Annotated[str | None, typer.Option(
+        help="Record folder to measure context fidelity against (default: the figure merge saved).")] = None,
 ) -> None:
     """Summarise merged sequences: a table, plus a PNG with length and trainable-token histograms."""
     try:
@@ -341,6 +381,7 @@ def stats_command(
         ("requests / sequence", f"{stats['requests'] / stats['sequences']:.2f}"),
         ("trainable share", _pct(int(trainable.sum()), int(lengths.sum()))),
         ("rewarded sequences", f"{len(rewards):,}" + (f" (mean reward {rewards.mean():.3f})" if len(rewards) else "")),
+        ("context-exact sampled tokens", context_exact_of(data, records)),
     ):
         facts.add_row(name, value)
     console.print(facts)

@@ -1,0 +1,133 @@
+"""How a call's prompt reaches the engine: `tokens` (token-exact, the default) or `messages` (the engine renders).
+
+`messages`: the engine renders the harness's messages with its chat template — what every gateway does, and
+what drifts from the sampled tokens when a harness rewrites its history. `tokens`: the gateway sends the exact
+token stream of the session's chain plus the new tail (`token_chains.py`), so every sampled token is trained in
+the very context it was sampled in. Tokens mode needs the engine's tokenizer here; when it cannot be loaded,
+or disagrees with the engine's own rendering, calls go in messages mode and the records say why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.gateway.renderer import PromptRenderer, RendererError, RendererLoader
+from polar_mitm.gateway.token_chains import NO_CHAIN, RENDERER_MISMATCH, Plan, TokenChains
+
+log = logging.getLogger("polar_mitm.prompts")
+
+PROMPT_MODES = ("tokens", "messages")
+
+
+@dataclass
+class PromptStep:
+    """What was decided for one call; recorded as prompt_mode / spliced_turns / splice_reason."""
+
+    mode: str  # tokens | messages: who built the prompt ids the engine used
+    plan: Plan | None = None
+    spliced_turns: int | None = None  # see Plan.spliced_turns; None in messages mode
+    reason: str | None = None
+    check_ids: asyncio.Future | None = None  # our own rendering of a chain's first prompt, to compare
+
+
+class PromptBuilder:
+    """Builds each engine request's prompt per `mode`; keeps the session chains of tokens mode."""
+
+    def __init__(self, mode: str = "tokens", *, tokenizer: str = "", model_info=None,
+                 max_chain_tokens: int = 64 << 20) -> None:
+        if mode not in PROMPT_MODES:
+            raise ValueError(f"polar_prompt_mode must be one of {PROMPT_MODES}, got {mode!r}")
+        self.mode = mode
+        self.tokenizer_hint = tokenizer
+        self.model_info = model_info  # async () -> dict: the engine's /model_info (for its tokenizer path)
+        self.max_chain_tokens = max_chain_tokens
+        self._loader = RendererLoader()
+        self._chains: TokenChains | None = None
+        self._unavailable: str | None = None
+
+    async def _renderer(self) -> PromptRenderer | None:
+        if self._unavailable is not None:
+            return None
+        path = self.tokenizer_hint
+        if not path and self.model_info is not None:
+            try:
+                path = (await self.model_info()).get("tokenizer_path") or ""
+            except Exception as exc:  # the engine is down: messages mode now, try again next call
+                log.debug("no /model_info yet: %s", exc)
+                return None
+        try:
+            renderer = await asyncio.wrap_future(self._loader.get(path))
+        except RendererError as exc:
+            self._unavailable = str(exc)
+            return None
+        if self._chains is None:
+            self._chains = TokenChains(renderer.eot_id, renderer.eot_text, max_tokens=self.max_chain_tokens)
+        return renderer
+
+    async def prepare(self, session_id: str, conv: Conversation, request: dict[str, Any]) -> tuple[PromptStep, bytes]:
+        """Decide the prompt of one call; returns the step and the engine request body (JSON bytes)."""
+        if self.mode == "messages":
+            return PromptStep(mode="messages"), await _dumps(request)
+        renderer = await self._renderer()
+        if renderer is None or self._chains is None:
+            reason = f"tokens mode unavailable: {self._unavailable or 'engine tokenizer not loaded yet'}"
+            return PromptStep(mode="messages", reason=reason), await _dumps(request)
+        chains = self._chains
+
+        def plan_and_dump() -> tuple[Plan, bytes]:
+            text = renderer.render(request)
+            plan = chains.plan(session_id, text, conv.messages, renderer.encode)
+            if plan.input_ids is not None:
+                request["input_ids"] = plan.input_ids  # messages stay: the engine's parsers still need them
+            return plan, orjson.dumps(request)
+
+        plan, body = await asyncio.to_thread(plan_and_dump)
+        step = PromptStep(mode="tokens" if plan.input_ids is not None else "messages", plan=plan,
+                          spliced_turns=plan.spliced_turns, reason=plan.reason)
+        if plan.input_ids is None:
+            # A chain's first call: the engine renders; our rendering must agree before any splice builds on it.
+            step.check_ids = asyncio.ensure_future(asyncio.to_thread(renderer.encode, plan.text))
+        return step, body
+
+    async def complete(self, step: PromptStep, completion: Completion) -> None:
+        """After a successful engine call: verify the renderer on new chains, then advance the chains."""
+        if step.plan is None or self._chains is None:
+            return
+        if step.check_ids is not None:
+            ours = await step.check_ids
+            if ours != completion.prompt_ids:
+                log.warning("session %s: the gateway's rendering (%d ids) differs from the engine's (%d ids); "
+                            "messages mode for this session", step.plan.session_id, len(ours),
+                            len(completion.prompt_ids))
+                self._chains.fall_back(step.plan.session_id)
+                step.reason, step.spliced_turns = RENDERER_MISMATCH, 0
+                return
+        elif completion.prompt_ids != step.plan.input_ids:
+            log.warning("session %s: the engine's prompt ids differ from the input_ids sent; chain not extended",
+                        step.plan.session_id)
+            return
+        await asyncio.to_thread(self._chains.commit, step.plan, completion)
+
+    def abandon(self, step: PromptStep) -> None:
+        """The engine call failed: nothing to commit; stop a pending rendering check."""
+        if step.check_ids is not None:
+            step.check_ids.cancel()
+
+    def stats(self) -> dict[str, int]:
+        return self._chains.stats() if self._chains is not None else {}
+
+
+async def _dumps(request: dict[str, Any]) -> bytes:
+    # Messages of a long session are large: serialise them off the event loop.
+    if len(request.get("messages") or ()) < 32:
+        return orjson.dumps(request)
+    return await asyncio.to_thread(orjson.dumps, request)
+
+
+__all__ = ["NO_CHAIN", "PROMPT_MODES", "PromptBuilder", "PromptStep"]

@@ -1,0 +1,249 @@
+"""Token-exact prompts: the engine samples each turn in exactly the token stream the trainer will train on.
+
+Harnesses rebuild their history their own way (Gemini CLI drops thought parts, Pi and Qwen Code re-serialise
+tool-call arguments compactly), so a prompt rendered from their messages holds *other* tokens than the ones the
+model sampled. prefix_merging then trains those sampled ids in a context the model never saw. Here the gateway
+keeps, per session, the chains that prefix_merging will form — each with the exact token stream the engine has
+seen and sampled so far — and sends the engine
+
+    chain stream (the tip call's prompt ids + its sampled ids) + the new prompt's tail after the end-of-turn
+    that closes the previous assistant turn
+
+as `input_ids`: the online form of the merge rule, so merge later rebuilds precisely those sequences.
+
+Routing mirrors `reconstruct.prefix_merging`: the chain whose rendered tip (the harness's previous prompt,
+rendered by the engine's template) is the longest prefix of the new rendered prompt; ties go to the most
+recently extended chain (a kept retry); extending a chain retires its twins (samples the harness discarded).
+Prefixes are compared as rendered *text* — every tip ends where the next prompt continues the conversation,
+and the tail is tokenized alone, starting right after a special token.
+
+A chain is extended only when the harness's copy of the previous answer *is* what was sampled, modulo exactly:
+reasoning removed, tool-call arguments re-serialised (equal as parsed JSON), whitespace around blocks. Anything
+else (an edited or injected assistant message, another tool call) opens a new chain, with the reason recorded.
+Nothing is guessed. Pure logic: no I/O, no event loop; one lock per table, since calls run in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from polar_mitm.conversation import Completion, Message, ToolCall
+
+# Why a call did not extend a chain (recorded as `splice_reason`).
+NO_CHAIN = "no chain for this session yet"  # first call, or the gateway restarted / evicted the session
+NO_PREFIX = "no prefix match"  # history rewritten (compaction, another agent), or a new thread
+NO_EOT = "no end-of-turn after the chain tip"
+RETRY = "same prompt as a chain tip (retry): re-sent that call's exact prompt"
+ANSWER_DIFFERS = "the harness's previous assistant turn differs from what was sampled"
+RENDERER_MISMATCH = "the gateway's rendering differs from the engine's: session falls back to messages mode"
+SESSION_FALLBACK = "session in messages mode (renderer mismatch earlier)"
+
+MAX_CHAINS_PER_SESSION = 16
+
+
+@dataclass(eq=False)  # chains are compared by identity (their arrays have no truth value)
+class Chain:
+    """One thread of a session: what the engine saw and sampled at its tip call, and how to route to it."""
+
+    tip_text: str  # the harness's tip prompt, rendered by the engine's template
+    n_messages: int  # messages in the tip call
+    engine_prompt: np.ndarray  # int32: the ids the engine was given for the tip call
+    sampled: np.ndarray  # int32: what it sampled there
+    answer: Message  # the sampled answer as the engine parsed it
+    closed: bool  # sampled ids end with the end-of-turn token
+    turns: int  # sampled turns in engine_prompt + sampled
+    stamp: int = 0  # last extension (routing tie-break)
+    retired: bool = False
+
+    def size(self) -> int:
+        return len(self.engine_prompt) + len(self.sampled) + len(self.tip_text) // 4
+
+
+@dataclass
+class Plan:
+    """How to prompt the engine for one call, decided before the engine is asked."""
+
+    session_id: str
+    text: str  # the new rendered prompt
+    n_messages: int
+    input_ids: list[int] | None = None  # None: let the engine render the messages
+    chain: Chain | None = None  # the chain this call extends (or retries)
+    chain_stamp: int = 0  # the chain's stamp when planned (a concurrent extension forks instead)
+    retry: bool = False
+    # Earlier sampled turns carried verbatim; 0 = this call opens a new chain (merge starts a sequence there
+    # too); None = no chain logic applied (the session is in messages mode).
+    spliced_turns: int | None = 0
+    reason: str | None = None  # why no splice (None: extended a chain)
+
+
+@dataclass
+class _Session:
+    chains: list[Chain] = field(default_factory=list)
+    fallback: bool = False  # the renderer disagreed with the engine: messages mode for good
+    clock: int = 0
+
+
+class TokenChains:
+    """Per-session chains, bounded in memory (least recently used sessions are forgotten first)."""
+
+    def __init__(self, eot_id: int, eot_text: str, *, max_tokens: int = 64 << 20) -> None:
+        self.eot_id, self.eot_text = eot_id, eot_text
+        self.max_tokens = max_tokens
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    # -- before the engine call --------------------------------------------------------------------------------
+
+    def plan(self, session_id: str, text: str, messages: list[Message], encode) -> Plan:
+        """Route a call to a chain and build its prompt ids (`encode` tokenizes the tail text)."""
+        plan = Plan(session_id=session_id, text=text, n_messages=len(messages))
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                self._sessions.move_to_end(session_id)
+            if session is None or not session.chains:
+                plan.reason = NO_CHAIN
+                return plan
+            if session.fallback:
+                plan.reason, plan.spliced_turns = SESSION_FALLBACK, None
+                return plan
+            chain = self._route(session, text)
+            if chain is None:
+                plan.reason = NO_PREFIX
+                return plan
+            plan.chain, plan.chain_stamp = chain, chain.stamp
+            engine_prompt, sampled, closed, turns = chain.engine_prompt, chain.sampled, chain.closed, chain.turns
+            tip_len, n_tip, answer = len(chain.tip_text), chain.n_messages, chain.answer
+        if len(text) == tip_len:  # a retry: sample again in the tip call's own context
+            plan.input_ids, plan.retry, plan.reason = engine_prompt.tolist(), True, RETRY
+            plan.spliced_turns = turns - 1
+            return plan
+        eot_at = text.find(self.eot_text, tip_len)
+        if eot_at < 0:
+            plan.chain, plan.reason = None, NO_EOT
+            return plan
+        differs = answer_difference(messages, n_tip, answer)
+        if differs is not None:
+            plan.chain, plan.reason = None, f"{ANSWER_DIFFERS}: {differs}"
+            return plan
+        # Closed answer: the tail starts after its end-of-turn. Cut short (no end-of-turn sampled): the tail
+        # starts *at* the end-of-turn, so the stream still closes that turn — the merge rule, exactly.
+        tail = text[eot_at + len(self.eot_text):] if closed else text[eot_at:]
+        plan.input_ids = np.concatenate([engine_prompt, sampled]).tolist() + encode(tail)
+        plan.spliced_turns = turns
+        return plan
+
+    def _route(self, session: _Session, text: str) -> Chain | None:
+        best: Chain | None = None
+        for chain in session.chains:
+            if chain.retired or len(chain.tip_text) > len(text) or not text.startswith(chain.tip_text):
+                continue
+            if best is None or (len(chain.tip_text), chain.stamp) > (len(best.tip_text), best.stamp):
+                best = chain
+        return best
+
+    # -- after the engine answered -----------------------------------------------------------------------------
+
+    def commit(self, plan: Plan, completion: Completion) -> None:
+        """Advance (or open) the chain with what the engine saw and sampled for this call."""
+        prompt = np.asarray(completion.prompt_ids, dtype=np.int32)
+        sampled = np.asarray(completion.completion_ids, dtype=np.int32)
+        answer = Message(role="assistant", content=completion.content, reasoning=completion.reasoning,
+                         tool_calls=list(completion.tool_calls))
+        closed = len(sampled) > 0 and int(sampled[-1]) == self.eot_id
+        with self._lock:
+            session = self._sessions.get(plan.session_id)
+            if session is None:
+                session = self._sessions[plan.session_id] = _Session()
+            if session.fallback:
+                return
+            session.clock += 1
+            chain = plan.chain
+            extend = chain is not None and not plan.retry and chain.stamp == plan.chain_stamp \
+                and chain in session.chains
+            turns = (plan.spliced_turns or 0) + 1
+            if extend:
+                assert chain is not None
+                self._size -= chain.size()
+                chain.tip_text, chain.n_messages = plan.text, plan.n_messages
+                chain.engine_prompt, chain.sampled, chain.answer, chain.closed = prompt, sampled, answer, closed
+                chain.turns, chain.stamp = turns, session.clock
+                self._size += chain.size()
+            else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
+                chain = Chain(tip_text=plan.text, n_messages=plan.n_messages, engine_prompt=prompt,
+                              sampled=sampled, answer=answer, closed=closed, turns=turns, stamp=session.clock)
+                session.chains.append(chain)
+                self._size += chain.size()
+            for other in session.chains:  # the harness went on from this sample: its twins were discarded
+                if other is not chain and other.tip_text == chain.tip_text and not plan.retry:
+                    other.retired = True
+            self._trim(session)
+            self._evict()
+
+    def fall_back(self, session_id: str) -> None:
+        """Messages mode for the rest of this session (the renderer disagreed with the engine)."""
+        with self._lock:
+            session = self._sessions.setdefault(session_id, _Session())
+            session.fallback = True
+            self._size -= sum(c.size() for c in session.chains)
+            session.chains.clear()
+
+    def _trim(self, session: _Session) -> None:
+        live = [c for c in session.chains if not c.retired]
+        keep = sorted(live, key=lambda c: c.stamp)[-MAX_CHAINS_PER_SESSION:]
+        dropped = [c for c in session.chains if c not in keep]
+        self._size -= sum(c.size() for c in dropped)
+        session.chains = keep
+
+    def _evict(self) -> None:
+        while self._size > self.max_tokens and len(self._sessions) > 1:
+            _, session = self._sessions.popitem(last=False)
+            self._size -= sum(c.size() for c in session.chains)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"sessions": len(self._sessions), "chains": sum(len(s.chains) for s in self._sessions.values()),
+                    "tokens": self._size}
+
+
+# -- does the harness's copy of the previous answer correspond to what was sampled? ---------------------------
+
+
+def answer_difference(messages: list[Message], index: int, sampled: Message) -> str | None:
+    """None when messages[index] is the sampled answer modulo the allowed rewrites; else what differs."""
+    if index >= len(messages) or messages[index].role != "assistant":
+        return f"message {index} is not the assistant turn"
+    if index + 1 < len(messages) and messages[index + 1].role == "assistant":
+        return "the assistant turn is split over several messages"
+    sent = messages[index]
+    if _squash(sent.content) != _squash(sampled.content):
+        return "text content"
+    if sent.reasoning and _squash(sent.reasoning) != _squash(sampled.reasoning):
+        return "reasoning"
+    if len(sent.tool_calls) != len(sampled.tool_calls):
+        return f"{len(sent.tool_calls)} tool calls where {len(sampled.tool_calls)} were sampled"
+    for mine, theirs in zip(sent.tool_calls, sampled.tool_calls, strict=True):
+        if mine.name != theirs.name:
+            return f"tool call {mine.name!r} where {theirs.name!r} was sampled"
+        if _arguments(mine) != _arguments(theirs):
+            return f"arguments of tool call {mine.name!r}"
+    return None
+
+
+def _squash(text: str | None) -> str:
+    """Whitespace around blocks does not count (harnesses trim text blocks)."""
+    return (text or "").strip()
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments) if call.arguments.strip() else {}
+    except ValueError:
+        return ("unparsed", call.arguments.strip())
