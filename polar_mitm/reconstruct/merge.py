@@ -61,7 +61,8 @@ SHARD_PREFIX = "merged-"
 SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers skip it
 REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
                     "completion_logprobs")
-OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error")
+OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
+                    "greedy")
 
 
 class MergeError(ValueError):

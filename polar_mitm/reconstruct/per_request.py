@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from polar_mitm.reconstruct.schema import MergedSequence
-from polar_mitm.reconstruct.turns import BuildResult, TurnRecord
+from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns
 
 BUILDER_NAME = "per_request"
 
@@ -39,6 +39,8 @@ def sequence_of_turn(turn: TurnRecord, builder: str = BUILDER_NAME) -> MergedSeq
         weight_version_min=turn.weight_version,
         weight_version_max=turn.weight_version,
         finish_reason=turn.finish_reason,
+        turn_starts=[n_prompt],
+        **sampling_columns([turn]),
     )
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from polar_mitm.reconstruct.schema import MergedSequence
-from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, weight_version_range
+from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, weight_version_range
 
 BUILDER_NAME = "prefix_merging"
 
@@ -38,6 +38,7 @@ BUILDER_NAME = "prefix_merging"
 BREAK_NO_PREFIX = "no prefix match"  # history rewritten (compaction, stripped thinking), or another agent
 BREAK_SAME_PROMPT = "same prompt as a chain tip"  # a retry or resample of a prompt already answered
 BREAK_NO_EOT = "no end-of-turn after tip"  # the prompt grew, but not by a closed assistant turn
+BREAK_GATEWAY = "gateway opened a new chain"  # tokens mode: the harness's history did not continue a stream
 
 # End-of-turn tokens of common chat templates, by token text (ChatML first: the gateway's engines use it).
 KNOWN_EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -169,9 +170,11 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
         prompt, sampled = turn.prompt_ids, turn.completion_ids
         assert prompt is not None and sampled is not None
         hashes = _HASHER.prefix_hashes(prompt)
-        slot = table.longest_prefix(prompt, hashes)
+        slot = None if turn.new_chain else table.longest_prefix(prompt, hashes)
         start = None
-        if slot is not None:
+        if turn.new_chain and table.chains:
+            breaks[BREAK_GATEWAY] += 1
+        elif slot is not None:
             chain = table.chains[slot]
             start = splice_point(prompt, len(chain.tip), chain.tip_closed, eot_token_id)
             if start is None:
@@ -230,6 +233,8 @@ def assemble(turns: Sequence[TurnRecord], contexts: Sequence[np.ndarray],
         weight_version_min=low,
         weight_version_max=high,
         finish_reason=turns[-1].finish_reason,
+        turn_starts=starts,
+        **sampling_columns(turns),
         extra={"sampled_starts": starts},
     )
 

@@ -16,7 +16,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
+from polar_mitm.reconstruct.schema import (
+    MERGED_SCHEMA,
+    MERGED_SCHEMA_VERSION,
+    SAMPLING_FIELDS,
+    MergedSequence,
+)
 
 # Finish reasons whose records never become training data (their ids are partial or absent).
 EXCLUDED_FINISH_REASONS = ("error", "abort")
@@ -49,6 +54,15 @@ class TurnRecord:
     weight_version: str | None = None
     error: str | None = None
     position: int = 0  # index in the input scan: the last tie-breaker, so ordering is total
+    # The sampling parameters the engine used (record schema v2; None in v1 records: unknown).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    greedy: bool | None = None
+    # The gateway (tokens mode) opened a new chain at this call (record `spliced_turns == 0`): it judged the
+    # harness's history not to continue any sampled stream, so merge must not splice it either.
+    new_chain: bool = False
 
     def sort_key(self) -> tuple[int, int, str, int]:
         return (self.seq, self.started_at, self.request_id, self.position)
@@ -164,15 +178,23 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     request_ids, session_ids, task_ids = strings("request_id"), strings("session_id"), strings("task_id")
     finish, versions, errors = strings("finish_reason"), strings("weight_version"), strings("error")
     seqs = table.column("seq").to_pylist()
+    sampling = {name: strings(name) for name in SAMPLING_FIELDS}  # null in v1 records
+    spliced = table.column("spliced_turns").to_pylist() if "spliced_turns" in names else [None] * n
     return [
         TurnRecord(
             request_id=request_ids[i], session_id=session_ids[i], seq=int(seqs[i]),
             finish_reason=finish[i] or "", prompt_ids=prompts.row(i), completion_ids=completions.row(i),
             completion_logprobs=logprobs.row(i), task_id=task_ids[i], started_at=started[i],
             weight_version=versions[i], error=errors[i], position=first_position + i,
+            **{name: values[i] for name, values in sampling.items()}, new_chain=spliced[i] == 0,
         )
         for i in range(n)
     ]
+
+
+def sampling_columns(turns: Sequence[TurnRecord]) -> dict[str, list]:
+    """The per-turn sampling columns of a sequence built from `turns` (MERGED_SCHEMA v2), in turn order."""
+    return {column: [getattr(t, name) for t in turns] for name, column in SAMPLING_FIELDS.items()}
 
 
 # -- merged sequences ⇄ Arrow ------------------------------------------------------------------------------------
