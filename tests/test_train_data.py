@@ -18,6 +18,7 @@ from polar_mitm.train.data import (
     group_advantages,
     length_buckets,
     padding_fraction,
+    padding_sources,
     read_merged,
     truncate,
     version_distance,
@@ -162,7 +163,9 @@ def test_sampler_repeats_each_generation_batch_for_trls_buffering():
     order = list(sampler)
     assert len(order) == len(sampler) == 3 * 2 * 3
     assert order[:6] == [1, 3] * 3 and order[6:12] == [0, 4] * 3
-    assert order[12:14] == [2, 1]  # the last batch is filled up to full size
+    # The last batch is filled up to full size with a zero-weight placeholder (dataset index 5): a copy of the
+    # next-shorter row 4, not a second use of a row.
+    assert order[12:14] == [2, 5] and padding_sources([5, 1, 9, 3, 7], 2) == [4]
 
 
 def test_version_distance():

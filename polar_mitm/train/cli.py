@@ -38,7 +38,17 @@ def grpo_command(
     num_generations: Annotated[int | None, typer.Option(
         help="Expected sessions per task_id (group size check).")] = None,
     strict_group_size: Annotated[bool, typer.Option(help="Fail if a group has another size.")] = False,
-    temperature: Annotated[float, typer.Option(help="The rollouts' sampling temperature.")] = 1.0,
+    temperature: Annotated[float, typer.Option(
+        help="Sampling temperature of rows that recorded none (v1 data); others are scored at their own.")] = 1.0,
+    keep_truncated_sampling: Annotated[bool, typer.Option(
+        help="Keep greedy and top-p/top-k/min-p-truncated calls in the loss (default: context only, counted).")] = (
+        False),
+    session_weighting: Annotated[bool, typer.Option(
+        help="grpo/sapo: one unit of weight per session, shared by its sequences.")] = True,
+    behaviour_logp_tolerance: Annotated[float, typer.Option(
+        help="Report rows whose mean |recomputed - recorded| logprob exceeds this (nats).")] = 0.1,
+    drop_mismatched_rows: Annotated[bool, typer.Option(
+        help="Leave rows above --behaviour-logp-tolerance out of the loss.")] = False,
     loss_type: Annotated[str, typer.Option(help="dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo | vespo.")] = (
         "dapo"),
     epsilon: Annotated[float, typer.Option(help="Lower clip range of the ratio.")] = 0.2,
@@ -72,7 +82,8 @@ def grpo_command(
     model_dir = resolve_model(model)
     sequences = read_merged(data)
     train_data = build_training_data(sequences, estimator=advantage, scale_rewards=scale_rewards,  # type: ignore[arg-type]
-                                     max_length=max_length, group_size=num_generations)
+                                     max_length=max_length, group_size=num_generations,
+                                     keep_truncated_sampling=keep_truncated_sampling)
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
     config = PolarGRPOConfig(
@@ -80,7 +91,9 @@ def grpo_command(
         max_steps=max_steps, num_train_epochs=epochs, max_length=max_length, learning_rate=learning_rate,
         lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps, per_device_train_batch_size=per_device_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, group_size=num_generations,
-        strict_group_size=strict_group_size, temperature=temperature, loss_type=loss_type, epsilon=epsilon,
+        strict_group_size=strict_group_size, temperature=temperature, keep_truncated_sampling=keep_truncated_sampling,
+        session_weighting=session_weighting, behaviour_logp_tolerance=behaviour_logp_tolerance,
+        drop_mismatched_rows=drop_mismatched_rows, loss_type=loss_type, epsilon=epsilon,
         epsilon_high=epsilon_high, beta=beta, advantage_estimator=advantage, scale_rewards=scale_rewards,
         importance_sampling_level=importance_sampling_level, num_iterations=num_iterations,
         stale_correction=stale_correction, stale_is_clip_max=stale_is_clip_max,

@@ -4,7 +4,12 @@ Pure functions on `MergedSequence`s; the only I/O is `read_merged`. Rewards are 
 baseline is computed here over whole groups, before training — not inside a batch, where a group may be split.
 
 A GRPO group is a `task_id`; its members are sessions (one rollout each). A session may span several sequences
-(per_request sequences, or prefix_merging chains broken by a prefix change): they all share the session's advantage.
+(per_request sequences, or prefix_merging chains broken by a prefix change): they all share the session's advantage,
+and share one unit of weight under per-sequence losses (`session_weight`).
+
+Each merged call ("turn") keeps the sampling parameters it was sampled with (MERGED_SCHEMA v2): the trainer scores
+its tokens at its own temperature, and leaves greedy or top-p/top-k/min-p-truncated turns out of the loss by default
+(their recorded logprobs are not the probabilities of the distribution that sampled them).
 """
 
 from __future__ import annotations
@@ -210,6 +215,80 @@ def truncate(seq: MergedSequence, max_length: int | None) -> MergedSequence | No
     )
 
 
+# -- sampling parameters per turn -----------------------------------------------------------------------------------
+
+GREEDY_TEMPERATURE = 1e-5  # below it engines take the argmax (SGLang, the embedded engine)
+# Engines record a greedy call's logprobs from the untempered distribution (SGLang; the embedded engine does the same),
+# so a kept greedy turn is scored at T = 1.
+GREEDY_SCORING_TEMPERATURE = 1.0
+EXCLUDED_GREEDY = "greedy"
+EXCLUDED_TRUNCATED = "truncated"
+
+
+@dataclass(frozen=True)
+class TurnSampling:
+    """How one merged call was sampled, as the trainer needs it."""
+
+    start: int  # index in input_ids of its first sampled token
+    temperature: float | None  # the temperature its recorded logprobs are at (None: unknown, v1 data)
+    excluded: str | None  # EXCLUDED_GREEDY | EXCLUDED_TRUNCATED when its logprobs are not the sampling policy's
+
+
+def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
+    """The turns of `seq` with their scoring temperature and why they would be excluded (v1 data: one unknown turn).
+
+    Greedy: the token was the argmax, its probability under the sampler is 1 whatever the recorded logprob says.
+    Truncated (top_p < 1, top_k > 0, min_p > 0): the sampler renormalised over a subset of the vocabulary, while the
+    recorded logprob (like SGLang's) is of the full tempered distribution — the ratio's denominator is not the
+    probability the token was drawn with.
+    """
+    starts = list(seq.turn_starts) if seq.turn_starts is not None else [seq.prompt_len]
+
+    def column(values: Sequence | None) -> list:
+        return list(values) if values is not None and len(values) == len(starts) else [None] * len(starts)
+
+    temperatures, greedy = column(seq.turn_temperature), column(seq.turn_greedy)
+    top_p, top_k, min_p = column(seq.turn_top_p), column(seq.turn_top_k), column(seq.turn_min_p)
+    turns = []
+    for k, start in enumerate(starts):
+        t = temperatures[k]
+        is_greedy = bool(greedy[k]) or (t is not None and t < GREEDY_TEMPERATURE) or top_k[k] == 1
+        truncated = ((top_p[k] is not None and top_p[k] < 1.0) or (top_k[k] is not None and top_k[k] > 0)
+                     or (min_p[k] is not None and min_p[k] > 0.0))
+        excluded = EXCLUDED_GREEDY if is_greedy else EXCLUDED_TRUNCATED if truncated else None
+        scoring = GREEDY_SCORING_TEMPERATURE if is_greedy else (None if t is None else float(t))
+        turns.append(TurnSampling(start=int(start), temperature=scoring, excluded=excluded))
+    return turns
+
+
+def exclude_turns(loss_mask: Sequence[int], turns: Sequence[TurnSampling]) -> list[int]:
+    """`loss_mask` with the sampled tokens of excluded turns set to 0 (they stay in the sequence as context)."""
+    mask = list(loss_mask)
+    for k, turn in enumerate(turns):
+        if turn.excluded is None:
+            continue
+        end = turns[k + 1].start if k + 1 < len(turns) else len(mask)
+        mask[turn.start:end] = [0] * (end - turn.start)
+    return mask
+
+
+def temperature_key(temperature: float | None) -> str:
+    """How a temperature is counted in the data summary ("0.7"; "unknown" for v1 data)."""
+    return "unknown" if temperature is None else f"{temperature:.6g}"
+
+
+def token_temperatures(turn_starts: Sequence[int], turn_temperatures: Sequence[float | None], length: int,
+                       default: float) -> list[float]:
+    """The scoring temperature of every token of a row: its turn's (`default` where unknown). Tokens before the first
+    turn (the prompt) take the first turn's: they are never scored for the loss."""
+    temps = [default if t is None else float(t) for t in turn_temperatures] or [default]
+    out = [temps[0]] * length
+    for k, start in enumerate(turn_starts):
+        end = turn_starts[k + 1] if k + 1 < len(turn_starts) else length
+        out[start:end] = [temps[k]] * max(0, min(end, length) - start)
+    return out
+
+
 # -- training rows ---------------------------------------------------------------------------------------------------
 
 
@@ -234,6 +313,15 @@ class DataStats:
     reward_mean: float = 0.0
     reward_std: float = 0.0
     weight_versions: dict[str, int] = field(default_factory=dict)
+    # Sampling: turns per scoring temperature ("unknown": v1 data, scored at the trainer's --temperature), and what
+    # left the loss because its logprobs are not the sampling policy's (greedy / top-p, top-k, min-p truncation).
+    temperatures: dict[str, int] = field(default_factory=dict)
+    unknown_temperature_sequences: int = 0
+    excluded_greedy_turns: int = 0
+    excluded_truncated_turns: int = 0
+    excluded_sampled_tokens: int = 0
+    dropped_excluded_sampling: int = 0  # sequences with no sampled token left after the exclusions
+    sequences_per_session_max: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,13 +334,15 @@ class TrainingData:
     rows: list[dict[str, Any]]
     stats: DataStats
 
-    def to_dataset(self):
-        """A `datasets.Dataset` of the rows, for TRL's trainer."""
+    def to_dataset(self, batch_size: int | None = None):
+        """A `datasets.Dataset` of the rows for TRL's trainer; with `batch_size`, followed by the zero-weight
+        placeholders that fill the last length bucket (see `padding_sources`)."""
         from datasets import Dataset
 
         if not self.rows:
             raise MergedDataError("no trainable sequences (all unrewarded, or nothing sampled within --max-length)")
-        return Dataset.from_list(self.rows)
+        sources = padding_sources(self.lengths(), batch_size) if batch_size else []
+        return Dataset.from_list(self.rows + [{**self.rows[i], "placeholder": True} for i in sources])
 
     def lengths(self) -> list[int]:
         return [len(r["input_ids"]) for r in self.rows]
@@ -265,8 +355,14 @@ def build_training_data(
     scale_rewards: RewardScaling = "group",
     max_length: int | None = None,
     group_size: int | None = None,
+    keep_truncated_sampling: bool = False,
 ) -> TrainingData:
-    """Advantages per session, truncation, and one training row per sequence of a rewarded session."""
+    """Advantages per session, sampling exclusions, truncation, and one training row per sequence of a rewarded
+    session.
+
+    `keep_truncated_sampling` keeps greedy and top-p/top-k/min-p-truncated turns in the loss (see `turn_sampling`
+    for why they are left out by default); they are counted either way.
+    """
     adv = group_advantages(sequences, estimator=estimator, scale_rewards=scale_rewards)
     stats = DataStats(
         sequences_read=len(sequences), sessions=len(adv.group_of),
@@ -279,15 +375,23 @@ def build_training_data(
         stats.group_size_mismatches = sum(n for size, n in adv.group_sizes.items() if size != group_size)
     rows: list[dict[str, Any]] = []
     versions: Counter[str] = Counter()
+    temperatures: Counter[str] = Counter()
     for seq in sequences:
         if seq.session_id not in adv.reward:
             continue
+        turns = turn_sampling(seq)
+        if not keep_truncated_sampling:
+            seq = _without_excluded_turns(seq, turns, stats)
+            if seq is None:
+                continue
         kept = truncate(seq, max_length)
         if kept is None or not any(kept.loss_mask):
             stats.dropped_no_sampled_tokens += 1
             continue
         stats.truncated += kept is not seq
         versions[seq.weight_version_min or "unknown"] += 1
+        temperatures.update(temperature_key(t.temperature) for t in turns if keep_truncated_sampling or not t.excluded)
+        stats.unknown_temperature_sequences += any(t.temperature is None for t in turns)
         rows.append({
             "sequence_id": seq.sequence_id,
             "session_id": seq.session_id,
@@ -301,7 +405,15 @@ def build_training_data(
             # The oldest weights any of its turns was sampled with: how stale the sequence is, at worst.
             "weight_version": seq.weight_version_min,
             "weight_version_max": seq.weight_version_max,
+            "turn_starts": [t.start for t in turns],
+            "turn_temperatures": [t.temperature for t in turns],
+            "session_weight": 1.0,
+            "placeholder": False,  # True: a zero-weight copy that only fills the last batch
         })
+    for i, row in enumerate(rows):
+        row["row"] = i  # identifies the row (and its placeholder copies) inside the trainer
+    stats.sequences_per_session_max = set_session_weights(rows)
+    stats.temperatures = dict(sorted(temperatures.items()))
     stats.sequences_used = len(rows)
     stats.tokens = sum(len(r["input_ids"]) for r in rows)
     stats.sampled_tokens = sum(sum(r["loss_mask"]) for r in rows)
@@ -310,6 +422,34 @@ def build_training_data(
     stats.reward_std = _std(rewards)
     stats.weight_versions = dict(sorted(versions.items()))
     return TrainingData(rows=rows, stats=stats)
+
+
+def _without_excluded_turns(seq: MergedSequence, turns: Sequence[TurnSampling],
+                            stats: DataStats) -> MergedSequence | None:
+    """`seq` with its excluded turns out of the loss (counted in `stats`); None when nothing trainable is left."""
+    excluded = [t for t in turns if t.excluded]
+    if not excluded:
+        return seq
+    stats.excluded_greedy_turns += sum(t.excluded == EXCLUDED_GREEDY for t in excluded)
+    stats.excluded_truncated_turns += sum(t.excluded == EXCLUDED_TRUNCATED for t in excluded)
+    mask = exclude_turns(seq.loss_mask, turns)
+    stats.excluded_sampled_tokens += int(sum(seq.loss_mask)) - sum(mask)
+    if not any(mask):
+        stats.dropped_excluded_sampling += 1
+        return None
+    return replace(seq, loss_mask=mask)
+
+
+def set_session_weights(rows: list[dict[str, Any]]) -> int:
+    """Give each session's rows one unit of weight in total, scaled so the mean row weight is 1 (per-sequence losses
+    then keep their scale). Returns the most rows any session has."""
+    per_session = Counter(r["session_id"] for r in rows)
+    if not per_session:
+        return 0
+    mean_rows = len(rows) / len(per_session)
+    for r in rows:
+        r["session_weight"] = mean_rows / per_session[r["session_id"]]
+    return max(per_session.values())
 
 
 def newest_weight_version(rows: Sequence[dict[str, Any]]) -> str | None:
@@ -334,13 +474,14 @@ def version_distance(current: str | None, recorded: str | None) -> int:
 # -- batching --------------------------------------------------------------------------------------------------------
 
 
-def collate(rows: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+def collate(rows: Sequence[dict[str, Any]], pad_token_id: int, default_temperature: float = 1.0) -> dict[str, Any]:
     """Pad a batch of training rows into TRL's prompt/completion tensors.
 
     All rows are split at the same index, the shortest `prompt_len` of the batch: the "prompt" part is then the
     same width for every row (no left padding, positions exactly as sampled) and only the right end is padded, so a
     length-bucketed batch wastes almost nothing. Tokens of a longer prompt past the split land in the "completion"
-    part with loss mask 0 — they are context, never trained on.
+    part with loss mask 0 — they are context, never trained on. `token_temperature` is each completion token's
+    scoring temperature (its turn's; `default_temperature` where unknown), and placeholders get an all-zero loss mask.
     """
     import torch
 
@@ -352,12 +493,18 @@ def collate(rows: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]
     completion_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.long)
     behaviour_logps = torch.zeros((n, width), dtype=torch.float32)
+    temperature = torch.full((n, width), float(default_temperature), dtype=torch.float32)
+    placeholder = torch.tensor([bool(r.get("placeholder")) for r in rows], dtype=torch.bool)
     for i, r in enumerate(rows):
-        tail = len(r["input_ids"]) - split
+        length = len(r["input_ids"])
+        tail = length - split
         completion_ids[i, :tail] = torch.tensor(r["input_ids"][split:], dtype=torch.long)
         completion_mask[i, :tail] = 1
-        loss_mask[i, :tail] = torch.tensor(r["loss_mask"][split:], dtype=torch.long)
+        if not placeholder[i]:
+            loss_mask[i, :tail] = torch.tensor(r["loss_mask"][split:], dtype=torch.long)
         behaviour_logps[i, :tail] = torch.tensor(r["logprobs"][split:], dtype=torch.float32)
+        starts, temps = r.get("turn_starts") or [r["prompt_len"]], r.get("turn_temperatures") or [None]
+        temperature[i, :tail] = torch.tensor(token_temperatures(starts, temps, length, default_temperature)[split:])
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": torch.ones_like(prompt_ids),
@@ -367,6 +514,9 @@ def collate(rows: Sequence[dict[str, Any]], pad_token_id: int) -> dict[str, Any]
         "behaviour_logps": behaviour_logps * loss_mask,  # exactly 0.0 off the sampled tokens
         "advantages": torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
         "rewards": torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),
+        "token_temperature": temperature,
+        "session_weight": torch.tensor([float(r.get("session_weight", 1.0)) for r in rows], dtype=torch.float32),
+        "placeholder": placeholder,
     }
 
 
@@ -376,19 +526,37 @@ def padding_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -
     return 1.0 - sum(lengths[i] for b in batches for i in b) / grid if grid else 0.0
 
 
+def padding_sources(lengths: Sequence[int], batch_size: int) -> list[int]:
+    """The rows copied as zero-weight placeholders to fill the last length bucket up to `batch_size`.
+
+    Placeholder j has index `len(lengths) + j` in the training dataset (`TrainingData.to_dataset(batch_size)`). They
+    are the rows just shorter than the last bucket's, so the padding adds little width and — whenever there are at
+    least `batch_size` rows — no row appears twice in one batch.
+    """
+    n = len(lengths)
+    short = (-n) % batch_size
+    if not short:
+        return []
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    full = n - n % batch_size  # rows in the full buckets, which precede the last one in length order
+    if full >= short:
+        return order[full - short:full]
+    return [order[i % n] for i in range(short)]  # fewer rows than a batch: repeats are unavoidable
+
+
 def length_buckets(lengths: Sequence[int], batch_size: int, *, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
     """Indices grouped into batches of similar length (sorted, chunked; the chunk order shuffled).
 
-    The last chunk is filled up with the shortest sequences so every batch has `batch_size` rows (TRL splits a
-    generation batch evenly across accumulation steps).
+    Every row is in exactly one batch. The last batch is filled up to `batch_size` rows (TRL splits a generation batch
+    evenly across accumulation steps) with placeholders — indices `len(lengths) + j`, zero-weight copies of
+    `padding_sources(...)[j]` — so no row is used more often than the others.
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     if not order:
         return []
     chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     short = batch_size - len(chunks[-1])
-    if short:
-        chunks[-1] = chunks[-1] + [order[i % len(order)] for i in range(short)]
+    chunks[-1] = chunks[-1] + [len(order) + j for j in range(short)]
     if shuffle:
         random.Random(seed).shuffle(chunks)
     return chunks
@@ -399,7 +567,9 @@ class LengthBucketSampler:
 
     Yields global generation batches of `batch_size` indices of similar length, each repeated `repeat_count` times
     in a row (TRL reads a generation batch once and reuses it for `steps_per_generation × num_iterations` steps).
-    A new shuffle of the bucket order per epoch.
+    Each row is in exactly one generation batch per epoch (the last is filled with zero-weight placeholders, see
+    `length_buckets`), so it is trained on exactly `num_iterations` times per epoch. A new shuffle of the bucket order
+    per epoch.
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, *, repeat_count: int = 1, shuffle: bool = True,

@@ -49,9 +49,11 @@ class PolarGRPOConfig(GRPOConfig):
     )
     temperature: float = field(
         default=1.0,
-        metadata={"help": "The engine's sampling temperature for the recorded rollouts. Logprobs are recomputed as "
-                          "log_softmax(logits / temperature), so it must equal the sampling temperature for the "
-                          "importance ratios to mean anything."},
+        metadata={"help": "Fallback sampling temperature, for rows without a recorded one (merged schema v1 / record "
+                          "schema v1; counted as `unknown_temperature_sequences` in the data summary). Rows with a "
+                          "recorded temperature are scored at their own: each token's logits are divided by the "
+                          "temperature of the call that sampled it, so ratios are 1 on fresh data whatever the "
+                          "harness sent."},
     )
     num_generations: int | None = field(
         default=None,
@@ -82,6 +84,36 @@ class PolarGRPOConfig(GRPOConfig):
                           "keeps its own logprob). Sequences with no sampled token left are dropped."},
     )
 
+    keep_truncated_sampling: bool = field(
+        default=False,
+        metadata={"help": "Keep greedy and top-p/top-k/min-p-truncated calls in the loss. Off by default: their "
+                          "recorded logprobs are of the full tempered distribution, not of the (argmax or "
+                          "renormalised) distribution that drew the token, so the importance ratio is biased. They "
+                          "stay in the sequence as context and are counted (`excluded_*` in data_stats.json). Kept "
+                          "greedy calls are scored at T=1, as engines record them. Applied when the training data "
+                          "is built (`build_training_data(keep_truncated_sampling=...)`)."},
+    )
+    session_weighting: bool = field(
+        default=True,
+        metadata={"help": "With per-sequence loss types (`grpo`, `sapo`: every sequence weighs the same), give each "
+                          "session one unit of weight shared by its sequences (per_request rows, broken "
+                          "prefix_merging chains), scaled so the mean row weight is 1. Without it a session split "
+                          "into 30 sequences counts 30 times. Token-level losses (`dapo`, `bnpo`, `dr_grpo`, `cispo`, "
+                          "`luspo`, `vespo`) weigh tokens and need no correction. The KL term is not reweighted."},
+    )
+
+    # -- behaviour logprob check -----------------------------------------------------------------------------------
+    behaviour_logp_tolerance: float = field(
+        default=0.1,
+        metadata={"help": "Rows whose mean |recomputed - recorded| logprob over their sampled tokens exceeds this "
+                          "(in nats) are reported (logp_diff/frac_over_threshold, behaviour_check.json). fp32 on the "
+                          "engine's weights gives ~1e-6; bf16 ~1e-2."},
+    )
+    drop_mismatched_rows: bool = field(
+        default=False,
+        metadata={"help": "Leave rows above `behaviour_logp_tolerance` out of the loss (their loss mask is zeroed)."},
+    )
+
     # -- staleness / off-policy correction -------------------------------------------------------------------------
     policy_weight_version: str | None = field(
         default=None,
@@ -105,9 +137,12 @@ class PolarGRPOConfig(GRPOConfig):
     )
     check_behaviour_logps: bool = field(
         default=True,
-        metadata={"help": "Also recompute the logprobs of fresh rollouts and log |recomputed - recorded| "
-                          "(logp_diff/*): near 0 when tokens, weights and temperature line up. Costs one no-grad "
-                          "forward pass per generation batch."},
+        metadata={"help": "Before the first step, recompute the logprobs of every row sampled by the starting weights "
+                          "(staleness 0) and compare them with the recorded ones: per row, the mean |recomputed - "
+                          "recorded| over its sampled tokens, near 0 when tokens, weights and temperatures line up. "
+                          "Every step then logs its rows' values (logp_diff/fresh_mean, fresh_max, "
+                          "frac_over_threshold, frac_checked), and behaviour_check.json lists the worst rows. Costs "
+                          "one no-grad forward pass over those rows."},
     )
 
     # -- outputs ---------------------------------------------------------------------------------------------------
@@ -133,6 +168,8 @@ class PolarGRPOConfig(GRPOConfig):
             raise ValueError(f"stale_correction must be one of {STALE_CORRECTION_MODES}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError("max_length must be at least 2")
+        if self.behaviour_logp_tolerance < 0:
+            raise ValueError("behaviour_logp_tolerance must be >= 0")
         if self.group_size is not None and self.group_size < 2:
             raise ValueError("group_size must be at least 2 (a group of one has no baseline)")
         # Every row carries its own columns to the trainer: TRL must not drop them.

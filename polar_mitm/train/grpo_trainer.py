@@ -9,6 +9,12 @@ Two TRL methods are overridden (pinned to trl==1.16.0, whose internals they foll
   `old_per_token_logps` = the recorded behaviour logprobs — so TRL's clipped ratio is pi_theta / pi_behaviour.
   Rollouts older than the current policy get the decoupled correction: the ratio is anchored on the current
   weights' logprobs and each token is weighted by pi_current / pi_behaviour, truncated (TIS).
+- `_get_per_token_logps_and_entropies`: every token is scored at the temperature of the call that sampled it (TRL
+  divides all logits by one `temperature`; we scale the final hidden states per token by T_global / T_token, which
+  divides that token's logits by T_token exactly for an LM head without bias or soft-capping).
+- `_compute_loss`: logs the per-row behaviour-logprob check of each micro-batch, and makes TRL's KL exactly 0 on
+  tokens outside the loss (policy and reference logprobs there both set to the ratio anchor before TRL
+  exponentiates their differences), so a context token cannot overflow exp() into inf · 0 = NaN.
 
 Everything else — the loss types, clipping, KL to a reference, PEFT, gradient accumulation, multi-process
 training through accelerate, logging — is TRL's.
@@ -17,13 +23,17 @@ training through accelerate, logging — is TRL's.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
@@ -40,6 +50,9 @@ from polar_mitm.train.grpo_config import PolarGRPOConfig
 logger = logging.getLogger(__name__)
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps sequence-level weights finite
+PER_SEQUENCE_LOSSES = ("grpo", "sapo")  # TRL averages each sequence's tokens, then the sequences
+BEHAVIOUR_CHECK_FILE = "behaviour_check.json"
+WORST_ROWS_REPORTED = 20
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
 
 
@@ -70,10 +83,17 @@ class PolarGRPOTrainer(GRPOTrainer):
                              f"sessions (sizes: {train_data.stats.group_sizes})")
         self.train_data = train_data
         self.model_source = Path(model) if isinstance(model, str | Path) else None
+        self._token_temperature: torch.Tensor | None = None  # per-token scoring temperatures of the current forward
+        self._hidden_factor: torch.Tensor | None = None  # what the backbone hook multiplies the hidden states by
+        self._kl_anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (loss mask, logps outside the loss)
+        self.behaviour_logp_diff: dict[int, float] | None = None  # row → mean |recomputed - recorded|, at step 0
+        # The dataset holds the rows, then zero-weight placeholders that fill the last length bucket.
         super().__init__(model=str(model) if isinstance(model, Path) else model, reward_funcs=recorded_reward,
-                         args=args, train_dataset=train_data.to_dataset(), processing_class=processing_class,
-                         callbacks=callbacks, peft_config=peft_config)
+                         args=args, train_dataset=train_data.to_dataset(args.generation_batch_size),
+                         processing_class=processing_class, callbacks=callbacks, peft_config=peft_config)
         self.base_weight_version = args.policy_weight_version or newest_weight_version(train_data.rows)
+        self._install_temperature_hooks()
+        self._log_data_summary()
         from polar_mitm.train.metrics import JsonlMetricsCallback
 
         self.add_callback(JsonlMetricsCallback(Path(args.output_dir) / args.metrics_file))
@@ -109,8 +129,7 @@ class PolarGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         device = self.accelerator.device
         mode = "train" if self.model.training else "eval"
-        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
-        batch = {k: v.to(device) for k, v in collate(inputs, pad_token_id=pad_id).items()}
+        batch = {k: v.to(device) for k, v in self._collate(inputs).items()}
         prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
         completion_mask, loss_mask = batch["completion_mask"], batch["loss_mask"]
         behaviour_logps, advantages = batch["behaviour_logps"], batch["advantages"]
@@ -119,28 +138,34 @@ class PolarGRPOTrainer(GRPOTrainer):
         logits_to_keep = completion_ids.size(1)
         forward_batch = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
 
+        logp_diff = self._behaviour_check_values(inputs, device)
+        if self.args.drop_mismatched_rows:
+            # Rows whose recorded logprobs do not match the weights that sampled them leave the loss.
+            loss_mask = loss_mask * ~(logp_diff > self.args.behaviour_logp_tolerance).unsqueeze(1)
+        if self.loss_type in PER_SEQUENCE_LOSSES and self.args.session_weighting:
+            # TRL's clipped objective is linear in A, so weighting A weights the sequence's loss (sign kept).
+            advantages = advantages * batch["session_weight"]
         staleness = torch.tensor([self.staleness(row.get("weight_version")) for row in inputs], device=device)
         stale = staleness > 0
         # Decided across processes: a forward pass under ZeRO-3/FSDP is collective, so all ranks run it or none does.
         any_stale = self.accelerator.gather(stale.any().float().reshape(1)).max().item() > 0
         old_per_token_logps = behaviour_logps
         current_logps = None
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            correct = self.args.stale_correction != "none" and any_stale
-            if correct or self.args.check_behaviour_logps:
+        with (torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+              self.scoring_temperatures(batch["token_temperature"])):
+            if self.args.stale_correction != "none" and any_stale:
                 current_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch)
-            if correct:
                 weights = self._stale_importance_weights(current_logps, behaviour_logps, loss_mask, stale, mode)
                 anchor_current = stale.unsqueeze(1) & loss_mask.bool()
                 old_per_token_logps = torch.where(anchor_current, current_logps, behaviour_logps)
                 # A non-negative weight on the advantage is the weight on the token's loss: TRL's clipped objective
                 # is linear in A, and the sign (which the clip metrics read) is kept.
-                advantages = advantages.unsqueeze(1) * weights
+                advantages = advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
             ref_per_token_logps = self._reference_logps(input_ids, attention_mask, logits_to_keep, forward_batch)
 
         num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()
-        self._log_batch_metrics(mode, batch, staleness, current_logps, stale)
+        self._log_batch_metrics(mode, batch, staleness)
         output = {
             "prompt_ids": prompt_ids,
             "prompt_mask": batch["prompt_mask"],
@@ -151,10 +176,234 @@ class PolarGRPOTrainer(GRPOTrainer):
             "num_items_in_batch": num_items_in_batch,
             "old_per_token_logps": old_per_token_logps,
             "sampling_per_token_logps": behaviour_logps,
+            "token_temperature": batch["token_temperature"],
+            "behaviour_logp_diff": logp_diff,
+            "placeholder": batch["placeholder"],
         }
         if ref_per_token_logps is not None:
             output["ref_per_token_logps"] = ref_per_token_logps
         return output
+
+    def _compute_loss(self, model, inputs):
+        self._log_behaviour_check(inputs)
+        mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+        anchor = None
+        if self.beta != 0.0 and inputs.get("ref_per_token_logps") is not None:
+            # Outside the loss, TRL's KL and ratio terms are multiplied by 0 after exp(); give the policy and the
+            # reference the same finite value there (the ratio anchor), so both exponents are exactly 0 and no
+            # token outside the loss can overflow into inf · 0 = NaN. Inside the loss, TRL's formula is untouched.
+            anchor = inputs["old_per_token_logps"].detach()
+            inputs = {**inputs, "ref_per_token_logps": torch.where(mask, inputs["ref_per_token_logps"], anchor)}
+        with self.scoring_temperatures(inputs.get("token_temperature")), self._kl_zero_outside_loss(mask, anchor):
+            return super()._compute_loss(model, inputs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        """TRL's logprobs, with each completion token scored at its own temperature (`scoring_temperatures`)."""
+        temperatures = self._token_temperature
+        if temperatures is None or bool((temperatures == self.temperature).all()):
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+        else:
+            logps, entropies, aux = self._per_temperature_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs)
+        if self._kl_anchor is not None:  # see _compute_loss; no gradient flows outside the loss, as before
+            mask, anchor = self._kl_anchor
+            logps = torch.where(mask, logps, anchor.to(logps.dtype))
+        return logps, entropies, aux
+
+    # -- per-token temperatures ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def scoring_temperatures(self, token_temperature: torch.Tensor | None) -> Iterator[None]:
+        """Score the completion tokens of the forward passes inside at these temperatures ([B, completion])."""
+        previous, self._token_temperature = self._token_temperature, token_temperature
+        try:
+            yield
+        finally:
+            self._token_temperature = previous
+
+    @contextmanager
+    def _kl_zero_outside_loss(self, mask: torch.Tensor, anchor: torch.Tensor | None) -> Iterator[None]:
+        self._kl_anchor = (mask, anchor) if anchor is not None else None
+        try:
+            yield
+        finally:
+            self._kl_anchor = None
+
+    def policy_logps(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        """Logprobs of a scored batch's completion tokens under `model` (default: the policy), each at its own
+        temperature — what the loss compares with the behaviour logprobs."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad(), self.scoring_temperatures(batch["token_temperature"]):
+            return self._get_per_token_logps_and_entropies(
+                model or self.model, input_ids, attention_mask, batch["completion_ids"].size(1))[0]
+
+    def _per_temperature_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures,
+                               **kwargs):
+        """TRL's fused head at `self.temperature`, with the hidden state that predicts each completion token scaled
+        by self.temperature / its temperature: (h · s) W / T_global = h W / T_token."""
+        batch_size = batch_size or input_ids.size(0)
+        factor = torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        width = input_ids.size(1)
+        # Position p's hidden state predicts token p + 1: completion token j sits at width - logits_to_keep + j.
+        factor[:, width - logits_to_keep - 1:width - 1] = self.temperature / temperatures.to(factor.device)
+        parts = []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            self._hidden_factor = factor[start:end]
+            try:
+                parts.append(super()._get_per_token_logps_and_entropies(
+                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, batch_size=end - start,
+                    **kwargs))
+            finally:
+                self._hidden_factor = None
+        logps = torch.cat([p[0] for p in parts])
+        entropies = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
+        aux = torch.stack([p[2] for p in parts]).mean() if parts[0][2] is not None else None
+        return logps, entropies, aux
+
+    def _install_temperature_hooks(self) -> None:
+        """Hook the backbones TRL's fused head reads (policy and reference) to apply `_hidden_factor`."""
+        temperatures = {t for row in self.train_data.rows for t in row["turn_temperatures"] if t is not None}
+        mixed = bool(temperatures - {self.temperature})
+        for model in (self.model, self.ref_model):
+            if model is None:
+                continue
+            lm = self.accelerator.unwrap_model(model)
+            lm = lm.get_base_model() if is_peft_model(lm) else lm  # the model TRL put its fused head on
+            if mixed:
+                self._check_scalable_head(lm, temperatures)
+            lm.base_model.register_forward_hook(self._scale_hidden_states)
+
+    def _check_scalable_head(self, lm, temperatures: set[float]) -> None:
+        head = lm.get_output_embeddings()
+        softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
+        if getattr(head, "bias", None) is not None or softcap is not None:
+            sessions = sorted({r["session_id"] for r in self.train_data.rows
+                               if set(r["turn_temperatures"]) - {None, self.temperature}})
+            raise ValueError(
+                f"rows were sampled at temperatures {sorted(temperatures)} but this model's LM head (bias or logit "
+                f"soft-capping) cannot be scored per token; train them separately, each with its own --temperature "
+                f"(sessions not at {self.temperature}: {', '.join(sessions[:10])}{' …' if len(sessions) > 10 else ''})")
+
+    def _scale_hidden_states(self, module, args, output):
+        if self._hidden_factor is None:
+            return output
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        scaled = hidden * self._hidden_factor.to(device=hidden.device, dtype=hidden.dtype).unsqueeze(-1)
+        if isinstance(output, tuple):
+            return (scaled, *output[1:])
+        output.last_hidden_state = scaled
+        return output
+
+    # -- behaviour logprob check -----------------------------------------------------------------------------------
+
+    def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        return collate(rows, pad_token_id=pad_id, default_temperature=self.temperature)
+
+    def _behaviour_check_values(self, inputs: list[dict[str, Any]], device) -> torch.Tensor:
+        """Per row of `inputs`: its step-0 mean |recomputed - recorded| (NaN: unchecked, stale, or a placeholder)."""
+        if self.args.check_behaviour_logps and self.behaviour_logp_diff is None:
+            self.behaviour_logp_diff = self._run_behaviour_check()
+        checked = self.behaviour_logp_diff or {}
+        values = [math.nan if row.get("placeholder") else checked.get(row.get("row"), math.nan) for row in inputs]
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def _run_behaviour_check(self) -> dict[int, float]:
+        """Score every row sampled by the starting weights once, before the first step, split across processes.
+
+        Done up front because afterwards no row is fresh (each step moves the weights on), so a per-batch check at
+        the current weights would see only stale rows and hide a mismatch inside the stale-rollout weights.
+        """
+        rows = self.train_data.rows
+        fresh = sorted((i for i, r in enumerate(rows) if version_distance(self.base_weight_version,
+                                                                          r.get("weight_version")) == 0),
+                       key=lambda i: len(rows[i]["input_ids"]))
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine, size = fresh[rank::world], self.args.per_device_train_batch_size
+        # Every rank runs the same number of forward passes (collective under ZeRO-3/FSDP).
+        local = torch.tensor([math.ceil(len(mine) / size)], device=self.accelerator.device)
+        n_batches = int(self.accelerator.gather(local).max().item())
+        results: dict[int, float] = {}
+        for b in range(n_batches):
+            chunk = mine[b * size:(b + 1) * size] or fresh[:1]
+            for i, value in zip(chunk, self._row_logp_diff([rows[i] for i in chunk]), strict=True):
+                results[i] = value
+        from accelerate.utils import gather_object
+
+        merged = dict(pair for pair in gather_object(list(results.items())))
+        self._write_behaviour_report(merged, unchecked=len(rows) - len(fresh))
+        return merged
+
+    def _row_logp_diff(self, rows: list[dict[str, Any]]) -> list[float]:
+        """Per row: mean |logprob under the current weights - recorded logprob| over its sampled tokens."""
+        batch = {k: v.to(self.accelerator.device) for k, v in self._collate(rows).items()}
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps = self.policy_logps(batch)
+        mask = batch["loss_mask"].float()
+        diff = ((logps - batch["behaviour_logps"]).abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return diff.tolist()
+
+    def _write_behaviour_report(self, diffs: dict[int, float], unchecked: int) -> None:
+        rows, tolerance = self.train_data.rows, self.args.behaviour_logp_tolerance
+        over = sorted((i for i, d in diffs.items() if d > tolerance), key=lambda i: -diffs[i])
+        report = {
+            "tolerance": tolerance,
+            "rows_checked": len(diffs),
+            "rows_unchecked_stale": unchecked,
+            "rows_over_threshold": len(over),
+            "rows_dropped": len(over) if self.args.drop_mismatched_rows else 0,
+            "mean_abs_diff": sum(diffs.values()) / len(diffs) if diffs else None,
+            "max_abs_diff": max(diffs.values()) if diffs else None,
+            "worst_rows": [{"sequence_id": rows[i]["sequence_id"], "session_id": rows[i]["session_id"],
+                            "mean_abs_diff": diffs[i]} for i in over[:WORST_ROWS_REPORTED]],
+        }
+        if over:
+            names = ", ".join(f"{rows[i]['session_id']} ({diffs[i]:.3g})" for i in over[:5])
+            logger.warning("%d of %d rows sampled by the starting weights have recorded logprobs off by more than "
+                           "%g nats on average (%s%s)%s: wrong temperature, weights or tokens?", len(over), len(diffs),
+                           tolerance, names, " …" if len(over) > 5 else "",
+                           "; left out of the loss" if self.args.drop_mismatched_rows else "")
+        if self.accelerator.is_main_process:
+            out = Path(self.args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / BEHAVIOUR_CHECK_FILE).write_text(json.dumps(report, indent=2))
+
+    def _log_behaviour_check(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Each micro-batch's rows' check values: the metric reaches metrics.jsonl on every step."""
+        if not self.args.check_behaviour_logps or "behaviour_logp_diff" not in inputs:
+            return
+        mode = "train" if self.model.training else "eval"
+        real = ~inputs["placeholder"]
+        diffs = self._gather_values(inputs["behaviour_logp_diff"][real])  # NaN (unchecked) rows drop out here
+        n_real = self.accelerator.reduce(real.sum().float().reshape(1), reduction="sum").item()
+        metrics = self._metrics[mode]
+        metrics["logp_diff/frac_checked"].append(diffs.numel() / max(n_real, 1.0))
+        if diffs.numel():
+            metrics["logp_diff/fresh_mean"].append(diffs.mean().item())
+            metrics["logp_diff/fresh_max"].append(diffs.max().item())
+            metrics["logp_diff/frac_over_threshold"].append(
+                (diffs > self.args.behaviour_logp_tolerance).float().mean().item())
+
+    def _log_data_summary(self) -> None:
+        stats = self.train_data.stats
+        if stats.unknown_temperature_sequences:
+            logger.warning("%d sequences have no recorded sampling temperature (v1 data): scored at --temperature "
+                           "%g", stats.unknown_temperature_sequences, self.temperature)
+        excluded = stats.excluded_greedy_turns + stats.excluded_truncated_turns
+        if excluded:
+            logger.info("left out of the loss: %d greedy and %d top-p/top-k/min-p-truncated calls (%d sampled "
+                        "tokens; %d sequences with nothing else), see --keep-truncated-sampling",
+                        stats.excluded_greedy_turns, stats.excluded_truncated_turns, stats.excluded_sampled_tokens,
+                        stats.dropped_excluded_sampling)
+        if (self.loss_type in PER_SEQUENCE_LOSSES and not self.args.session_weighting
+                and stats.sequences_per_session_max > 1):
+            logger.warning("loss_type=%s weighs every sequence alike and sessions have up to %d sequences: "
+                           "sessions with more sequences count more (session_weighting is off)", self.loss_type,
+                           stats.sequences_per_session_max)
 
     # -- pieces ----------------------------------------------------------------------------------------------------
 
@@ -205,18 +454,19 @@ class PolarGRPOTrainer(GRPOTrainer):
         gathered = self.accelerator.gather(padded)
         return gathered[~torch.isnan(gathered)]
 
-    def _log_batch_metrics(self, mode: str, batch: dict[str, torch.Tensor], staleness: torch.Tensor,
-                           current_logps: torch.Tensor | None, stale: torch.Tensor) -> None:
+    def _log_batch_metrics(self, mode: str, batch: dict[str, torch.Tensor], staleness: torch.Tensor) -> None:
         metrics = self._metrics[mode]
+        real = ~batch["placeholder"]  # placeholders only fill the last batch: they are no data
         loss_mask, completion_mask = batch["loss_mask"], batch["completion_mask"]
-        rewards = self._gather_values(batch["rewards"])
-        advantages = self._gather_values(batch["advantages"])
-        stale_values = self._gather_values(staleness)
-        sampled = self._gather_values(loss_mask.sum(-1))
-        real = batch["prompt_mask"].sum() + completion_mask.sum()
+        rewards = self._gather_values(batch["rewards"][real])
+        advantages = self._gather_values(batch["advantages"][real])
+        stale_values = self._gather_values(staleness[real])
+        sampled = self._gather_values(loss_mask[real].sum(-1))
+        real_tokens = batch["prompt_mask"].sum() + completion_mask.sum()
         grid = batch["prompt_mask"].numel() + completion_mask.numel()
-        totals = self.accelerator.reduce(torch.stack([real.float(), torch.tensor(float(grid), device=real.device)]),
-                                         reduction="sum")
+        totals = self.accelerator.reduce(
+            torch.stack([real_tokens.float(), torch.tensor(float(grid), device=real_tokens.device)]),
+            reduction="sum")
         if mode == "train":
             self.state.num_input_tokens_seen += int(totals[0].item())
         metrics["num_tokens"] = [self.state.num_input_tokens_seen]
@@ -232,12 +482,6 @@ class PolarGRPOTrainer(GRPOTrainer):
         metrics["staleness/frac_stale"].append((stale_values > 0).float().mean().item())
         metrics["completions/mean_sampled_tokens"].append(sampled.mean().item())
         metrics["padding_fraction"].append(1.0 - (totals[0] / totals[1]).item())
-        if current_logps is not None:
-            fresh = loss_mask.bool() & ~stale.unsqueeze(1)
-            diff = self._gather_values((current_logps - batch["behaviour_logps"]).abs()[fresh])
-            if diff.numel():  # recorded vs recomputed logprobs of fresh rollouts: an alignment check
-                metrics["logp_diff/fresh_mean"].append(diff.mean().item())
-                metrics["logp_diff/fresh_max"].append(diff.max().item())
 
     # -- saving ----------------------------------------------------------------------------------------------------
 
@@ -270,8 +514,6 @@ class PolarGRPOTrainer(GRPOTrainer):
 
     @property
     def is_peft(self) -> bool:
-        from accelerate.utils import is_peft_model
-
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
     def _copy_model_metadata(self, output_dir: Path) -> None:
