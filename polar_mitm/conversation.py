@@ -7,6 +7,7 @@ Never import mitmproxy here (codecs, reconstruct and train must not depend on it
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -135,6 +136,7 @@ class Completion:
     completion_logprobs: list[float]
     weight_version: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict)
+    meta_json: str | None = None  # meta_info as JSON text, set by the gateway once it is known to encode
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,7 +148,11 @@ class Completion:
 
     @classmethod
     def from_engine_response(cls, resp: dict[str, Any]) -> Completion:
-        """Parse SGLang's chat answer (with `return_token_ids`, `return_meta_info`, `logprobs`)."""
+        """Parse SGLang's chat answer (with `return_token_ids`, `return_meta_info`, `logprobs`).
+
+        Raises ValueError/TypeError/KeyError on an answer that is malformed in any way a record could carry:
+        an acknowledged record must always convert to the Parquet schema (int32 ids, float32 logprobs, strings).
+        """
         choice = resp["choices"][0]
         message = choice.get("message") or {}
         prompt_ids = choice.get("prompt_token_ids")
@@ -154,17 +160,22 @@ class Completion:
         if prompt_ids is None or completion_ids is None:
             # Never treat a missing id list as empty: that silently corrupts training data.
             raise ValueError("engine answer lacks prompt_token_ids/response_token_ids (return_token_ids ignored?)")
+        check_token_ids(prompt_ids, "prompt_token_ids")
+        check_token_ids(completion_ids, "response_token_ids")
+        if not prompt_ids:
+            raise ValueError("engine answer has an empty prompt_token_ids")
         meta = dict(choice.get("meta_info") or {})
         triples = meta.pop("output_token_logprobs", None)
         if triples is not None:
-            logprobs = [float(t[0]) for t in triples]
+            logprobs = checked_logprobs([t[0] for t in triples])
         else:
-            logprobs = [float(e["logprob"]) for e in ((choice.get("logprobs") or {}).get("content") or [])]
+            logprobs = checked_logprobs([e["logprob"] for e in ((choice.get("logprobs") or {}).get("content") or [])])
         if len(logprobs) != len(completion_ids):
             raise ValueError(f"engine gave {len(logprobs)} logprobs for {len(completion_ids)} sampled tokens")
         calls = [
-            ToolCall(id=c.get("id") or f"call_{i}", name=c["function"]["name"],
-                     arguments=c["function"].get("arguments") or "{}")
+            ToolCall(id=optional_text(c.get("id"), "tool call id") or f"call_{i}",
+                     name=required_text(c["function"]["name"], "tool call name"),
+                     arguments=optional_text(c["function"].get("arguments"), "tool call arguments") or "{}")
             for i, c in enumerate(message.get("tool_calls") or [])
         ]
         finish = choice.get("finish_reason") or "stop"
@@ -172,10 +183,10 @@ class Completion:
             finish = "tool_calls"
         version = meta.get("weight_version") or (resp.get("metadata") or {}).get("weight_version")
         return cls(
-            id=resp.get("id") or "",
-            model=resp.get("model") or "",
-            content=message.get("content") or "",
-            reasoning=message.get("reasoning_content"),
+            id=optional_text(resp.get("id"), "id") or "",
+            model=optional_text(resp.get("model"), "model") or "",
+            content=optional_text(message.get("content"), "content") or "",
+            reasoning=optional_text(message.get("reasoning_content"), "reasoning_content"),
             tool_calls=calls,
             finish_reason=finish if finish in ("stop", "length", "tool_calls", "abort") else "stop",
             # orjson already yields ints; re-wrapping 30k-id prompts would cost ~1 ms per call on the hot path.
@@ -185,3 +196,39 @@ class Completion:
             weight_version=None if version is None else str(version),
             meta_info=meta,
         )
+
+
+TOKEN_ID_LIMIT = 2**31  # records store ids as int32
+# A logprob is ≤ 0; allow float rounding above it, nothing more (a positive logprob is a broken engine).
+LOGPROB_TOLERANCE = 1e-5
+
+
+def check_token_ids(ids: Any, where: str) -> None:
+    """A list of ints in [0, 2^31): bools, floats, strings or out-of-range ids are a broken engine answer."""
+    if type(ids) is not list:
+        raise ValueError(f"engine answer's {where} is not a list")
+    # C-speed checks over long prompts (a Python loop costs ~1 ms per 30k ids).
+    if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT):
+        raise ValueError(f"engine answer's {where} holds a value that is not a token id in [0, 2^31)")
+
+
+def checked_logprobs(values: list[Any]) -> list[float]:
+    """The sampled tokens' logprobs as floats: finite numbers ≤ 0 (within rounding), else ValueError."""
+    if not set(map(type, values)) <= {float, int}:
+        raise ValueError("engine answer has a logprob that is not a number")
+    logprobs = list(map(float, values))
+    if logprobs and not (all(map(math.isfinite, logprobs)) and max(logprobs) <= LOGPROB_TOLERANCE):
+        raise ValueError("engine answer has a logprob that is not finite or is positive")
+    return logprobs
+
+
+def optional_text(value: Any, where: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"engine answer's {where} is not a string")
+    return value
+
+
+def required_text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"engine answer's {where} is not a string")
+    return value

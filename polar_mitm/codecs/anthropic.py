@@ -16,7 +16,16 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
-from polar_mitm.codecs.base import AuxCodec, Codec, GatewayError, HttpAnswer, sse_event
+from polar_mitm.codecs.base import (
+    INT32_MAX,
+    INT64_MAX,
+    AuxCodec,
+    Codec,
+    GatewayError,
+    HttpAnswer,
+    check_int_range,
+    sse_event,
+)
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
 
 # Claude Code's per-request billing line (`x-anthropic-billing-header: cc_version=…; cch=<hash>;`). It changes every
@@ -42,6 +51,8 @@ _ERROR = {  # our error kind → (HTTP status, Anthropic error type)
     "not_found": (404, "not_found_error"),
     "overloaded": (529, "overloaded_error"),
     "engine_error": (500, "api_error"),
+    "too_large": (413, "request_too_large"),
+    "internal": (500, "api_error"),
 }
 
 _STREAM_CHUNK_CHARS = 16
@@ -156,11 +167,11 @@ def _decode(body: Any, *, require_max_tokens: bool) -> Conversation:
     max_tokens = _optional(body, "max_tokens", int, "an integer")
     if max_tokens is None and require_max_tokens:
         raise _invalid("max_tokens: field required")
-    if max_tokens is not None and max_tokens < 1:
-        raise _invalid("max_tokens: must be at least 1")
+    if max_tokens is not None:
+        check_int_range(max_tokens, "max_tokens", 1, INT64_MAX)
     top_k = _optional(body, "top_k", int, "an integer")
-    if top_k is not None and top_k < 0:
-        raise _invalid("top_k: must be at least 0")
+    if top_k is not None:
+        check_int_range(top_k, "top_k", 0, INT32_MAX)
     metadata = _optional(body, "metadata", dict, "an object")
 
     messages = _decode_system(body.get("system"))

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import orjson
+
 from polar_mitm.conversation import Completion, Conversation
 
 ErrorKind = Literal[
@@ -17,8 +19,18 @@ ErrorKind = Literal[
     "context_length",  # prompt longer than the engine's context → 400
     "not_found",  # an endpoint we do not serve → 404
     "overloaded",  # engine unreachable / timed out → Anthropic 529, OpenAI 503, Google 503
-    "engine_error",  # engine answered 5xx or nonsense → 502/500
+    "engine_error",  # engine answered 5xx or nonsense → 502
+    "too_large",  # request body over the gateway's size limit → 413
+    "internal",  # a gateway bug: still answered in the provider's shape → 500
 ]
+
+# Integer bounds of request fields. Sampling counts (top_k, n, thinking budgets) end up in int32 record columns
+# and engine tensors; a token budget may be any 64-bit value (the gateway caps it before the engine sees it).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# JSON nesting a request may have. Real tool schemas are < 20 deep; the JSON encoder stops at 255 levels, and the
+# request is re-nested a few levels deeper in the engine request and the record.
+MAX_JSON_DEPTH = 128
 
 
 class GatewayError(Exception):
@@ -28,6 +40,45 @@ class GatewayError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def invalid_request(message: str) -> GatewayError:
+    return GatewayError("invalid_request", message)
+
+
+def check_int_range(value: int, where: str, minimum: int, maximum: int) -> int:
+    """`value` if it lies in [minimum, maximum]; otherwise a client error naming the field."""
+    if value < minimum:
+        raise invalid_request(f"{where} must be at least {minimum}")
+    if value > maximum:
+        raise invalid_request(f"{where} must be at most {maximum}")
+    return value
+
+
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Is `value` (parsed JSON) nested more than `limit` containers deep? Iterative: deep input is the threat."""
+    if not isinstance(value, dict | list):
+        return False
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a client error: not JSON, or nested deeper than MAX_JSON_DEPTH."""
+    try:
+        body = orjson.loads(raw)
+    except ValueError as exc:
+        raise invalid_request("the request body is not valid JSON") from exc
+    if nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise invalid_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    return body
 
 
 @dataclass

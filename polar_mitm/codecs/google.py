@@ -15,7 +15,17 @@ from functools import cache
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
-from polar_mitm.codecs.base import AuxCodec, Codec, ErrorKind, GatewayError, HttpAnswer, sse_event
+from polar_mitm.codecs.base import (
+    INT32_MAX,
+    INT64_MAX,
+    AuxCodec,
+    Codec,
+    ErrorKind,
+    GatewayError,
+    HttpAnswer,
+    check_int_range,
+    sse_event,
+)
 from polar_mitm.conversation import Completion, Conversation, FinishReason, Message, Tool, ToolCall
 
 _MODEL = r"/(?P<model>(?:models|tunedModels)/[^/:]+)"
@@ -29,6 +39,8 @@ _ERROR_STATUS: dict[ErrorKind, tuple[int, str]] = {
     "not_found": (404, "NOT_FOUND"),
     "overloaded": (503, "UNAVAILABLE"),
     "engine_error": (500, "INTERNAL"),
+    "too_large": (413, "INVALID_ARGUMENT"),
+    "internal": (500, "INTERNAL"),
 }
 _FINISH: dict[FinishReason, str] = {
     "stop": "STOP",
@@ -184,11 +196,14 @@ def _opt_number(obj: dict[str, Any], key: str) -> float | None:
     return value
 
 
-def _opt_int(obj: dict[str, Any], key: str) -> int | None:
+def _opt_int(obj: dict[str, Any], key: str, minimum: int = -INT32_MAX, maximum: int = INT32_MAX) -> int | None:
+    """An integer field within [minimum, maximum] (`1e30` parses as a whole float: out of range, not a crash)."""
     value = _opt_number(obj, key)
-    if value is not None and value != int(value):
+    if value is None:
+        return None
+    if value != int(value):
         raise _invalid(f"generationConfig.{key} must be an integer")
-    return None if value is None else int(value)
+    return check_int_range(int(value), f"generationConfig.{key}", minimum, maximum)
 
 
 def _model_name(resource: str | None) -> str:
@@ -405,9 +420,7 @@ def _apply_generation_config(conv: Conversation, value: Any) -> None:
     candidates = _opt_int(config, "candidateCount")
     if candidates is not None and candidates > 1:
         raise _invalid("candidateCount > 1 is not supported")
-    conv.max_tokens = _opt_int(config, "maxOutputTokens")
-    if conv.max_tokens is not None and conv.max_tokens < 1:
-        raise _invalid("generationConfig.maxOutputTokens must be positive")
+    conv.max_tokens = _opt_int(config, "maxOutputTokens", minimum=1, maximum=INT64_MAX)
     conv.temperature = _opt_number(config, "temperature")
     conv.top_p = _opt_number(config, "topP")
     conv.top_k = _opt_int(config, "topK")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, sse_event
+from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
 from polar_mitm.codecs.openai_common import (
     OpenAIModels,
     arguments_text,
@@ -62,13 +62,15 @@ class OpenAIChatCodec(OpenAIModels, Codec):
         if n is not None and n > 1:
             raise invalid("n>1 not supported: ask for one choice per request")
         stream_options = optional_dict(body, "stream_options") or {}
-        max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
+        max_tokens = optional_int(body, "max_completion_tokens", minimum=1, maximum=INT64_MAX)
+        if max_tokens is None:
+            max_tokens = optional_int(body, "max_tokens", minimum=1, maximum=INT64_MAX)
         return Conversation(
             messages=messages,
             model=optional_str(body, "model") or "",
             tools=_decode_tools(body),
             tool_choice=_decode_tool_choice(body.get("tool_choice")),
-            max_tokens=max_tokens if max_tokens is not None else optional_int(body, "max_tokens", minimum=1),
+            max_tokens=max_tokens,
             temperature=optional_number(body, "temperature"),
             top_p=optional_number(body, "top_p"),
             top_k=optional_int(body, "top_k", minimum=-1),

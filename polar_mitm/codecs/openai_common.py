@@ -15,7 +15,7 @@ import time
 from typing import Any
 from urllib.parse import unquote
 
-from polar_mitm.codecs.base import AuxCodec, GatewayError, HttpAnswer
+from polar_mitm.codecs.base import INT32_MAX, AuxCodec, GatewayError, HttpAnswer, check_int_range
 
 # (status, OpenAI error type, code) per gateway error kind, as OpenAI's own API answers them.
 _ERROR_SHAPES: dict[str, tuple[int, str, str | None]] = {
@@ -24,6 +24,8 @@ _ERROR_SHAPES: dict[str, tuple[int, str, str | None]] = {
     "not_found": (404, "invalid_request_error", "unknown_url"),
     "overloaded": (503, "server_error", "engine_unavailable"),
     "engine_error": (502, "server_error", "engine_error"),
+    "too_large": (413, "invalid_request_error", "request_too_large"),
+    "internal": (500, "server_error", "internal_error"),
 }
 
 # Characters per streamed delta: small enough that harnesses render progressively, large enough to keep the
@@ -110,7 +112,8 @@ def optional_number(body: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def optional_int(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
+def optional_int(body: dict[str, Any], key: str, minimum: int = 0, maximum: int = INT32_MAX) -> int | None:
+    """An integer field within [minimum, maximum]; a whole float (`8.0`) counts, `1e30` is out of range."""
     value = body.get(key)
     if value is None:
         return None
@@ -118,9 +121,7 @@ def optional_int(body: dict[str, Any], key: str, minimum: int = 0) -> int | None
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"{key} must be an integer")
-    if value < minimum:
-        raise invalid(f"{key} must be at least {minimum}")
-    return value
+    return check_int_range(value, key, minimum, maximum)
 
 
 def parse_stop(value: Any) -> list[str]:

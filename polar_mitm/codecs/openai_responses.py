@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, sse_event
+from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
 from polar_mitm.codecs.openai_common import (
     OpenAIModels,
     arguments_text,
@@ -91,7 +91,7 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
             model=optional_str(body, "model") or "",
             tools=tools,
             tool_choice=_decode_tool_choice(body.get("tool_choice")),
-            max_tokens=optional_int(body, "max_output_tokens", minimum=1),
+            max_tokens=optional_int(body, "max_output_tokens", minimum=1, maximum=INT64_MAX),
             temperature=optional_number(body, "temperature"),
             top_p=optional_number(body, "top_p"),
             top_k=optional_int(body, "top_k", minimum=-1),

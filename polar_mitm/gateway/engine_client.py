@@ -68,15 +68,24 @@ class EngineClient:
         if tools:
             payload["tools"] = tools
         raw = await self._request("POST", "/tokenize", orjson.dumps(payload))
-        return int(orjson.loads(raw)["count"])
+        try:
+            count = orjson.loads(raw)["count"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise GatewayError("engine_error", f"the engine's /tokenize answer has no count: {raw[:200]!r}") from exc
+        if type(count) is not int or count < 0:
+            raise GatewayError("engine_error", f"the engine's /tokenize count is not a token count: {count!r}")
+        return count
 
     async def served_model(self) -> str:
         if self._served_model is None:
             raw = await self._request("GET", "/v1/models")
             try:
-                self._served_model = orjson.loads(raw)["data"][0]["id"]
+                served = orjson.loads(raw)["data"][0]["id"]
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 raise GatewayError("engine_error", f"unexpected /v1/models answer: {raw[:200]!r}") from exc
+            if not isinstance(served, str):
+                raise GatewayError("engine_error", f"unexpected /v1/models answer: {raw[:200]!r}")
+            self._served_model = served
         return self._served_model
 
 

@@ -103,6 +103,16 @@ def resolve(headers: dict[str, str], path: str, query: dict[str, str], *, proxy_
     return Identity(session_id=session, task_id=task, source=source, harness_ids=harness_ids), rest
 
 
+def safe_text(value: str) -> str:
+    """`value` as valid UTF-8 text: bytes that were not UTF-8 (lone surrogates from a lenient decode) → U+FFFD."""
+    if value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate surrogateescape never produces
+        return value.encode("utf-8", "replace").decode("utf-8")
+
+
 def scrub_headers(headers: dict[str, str]) -> dict[str, str]:
     """Headers without credentials (safe to record or log)."""
     return {k: v for k, v in headers.items() if k.lower() not in SECRET_HEADERS}

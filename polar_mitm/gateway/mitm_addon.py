@@ -22,6 +22,10 @@ from polar_mitm.records import last_seq_by_session
 
 log = logging.getLogger("polar_mitm.addon")
 
+# Default completion budget per call (polar_max_tokens): long enough for any real agent turn (a large file written
+# in one tool call), short enough that a degenerate sample cannot hold the engine for its whole context.
+DEFAULT_MAX_TOKENS = 8192
+
 
 def optional_float(value: str | None, name: str) -> float | None:
     if value in (None, ""):
@@ -32,6 +36,15 @@ def optional_float(value: str | None, name: str) -> float | None:
         raise ValueError(f"{name} must be a number, got {value!r}") from exc
 
 
+def scrub_credentials(flow: http.HTTPFlow) -> None:
+    """Remove every credential header and query parameter from the flow (idempotent)."""
+    for name in list(flow.request.headers.keys()):
+        if name.lower() in ident.SECRET_HEADERS:
+            del flow.request.headers[name]
+    for key in [k for k in flow.request.query.keys() if k.lower() in ident.SECRET_QUERY_KEYS]:
+        del flow.request.query[key]
+
+
 class PolarGateway:
     """Answers model calls from the engine, records them under `polar_out`, handles the rest per passthrough."""
 
@@ -40,6 +53,7 @@ class PolarGateway:
         self.writer: RecordWriter | None = None
         self.engine: EngineClient | None = None
         self._proxy_users: dict[str, str] = {}
+        self._disconnects: dict[str, asyncio.Event] = {}  # client connection id → set when it closes
 
     def load(self, loader) -> None:
         loader.add_option("polar_backend", str, "http://127.0.0.1:30000",
@@ -52,13 +66,17 @@ class PolarGateway:
                           "Force this sampling temperature on every call (RL wants the trainer's temperature).")
         loader.add_option("polar_top_p", Optional[str], None,  # noqa: UP045
                           "Force this top_p on every call.")
-        loader.add_option("polar_max_tokens", int, 0, "Cap each call's max tokens (0 = no cap).")
+        loader.add_option("polar_max_tokens", int, DEFAULT_MAX_TOKENS,
+                          "Cap each call's completion tokens, whatever the harness asks (0 = no cap). Bounds a "
+                          "degenerate RL sample; harnesses that send no max_tokens (Codex) get this budget.")
         loader.add_option("polar_engine_timeout", int, 600, "Seconds to wait for the engine per call.")
         loader.add_option("polar_rotate_mb", int, 64, "Compact the journal into a Parquet shard at this size.")
         loader.add_option("polar_rotate_seconds", int, 300, "… or at this age.")
         loader.add_option("polar_fsync", bool, True,
                           "fsync each record before answering (off: a crash may lose the last ~1 s of records).")
         loader.add_option("polar_models", str, "", "Extra model ids (comma-separated) for model listings.")
+        loader.add_option("polar_max_body_mb", int, 64,
+                          "Largest request body in MiB, compressed or decoded; larger ones get a provider-shaped 413.")
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
@@ -81,6 +99,7 @@ class PolarGateway:
             top_p=optional_float(opts.polar_top_p, "polar_top_p"),
             max_tokens=opts.polar_max_tokens or None,
             extra_models=[m.strip() for m in opts.polar_models.split(",") if m.strip()],
+            max_body_bytes=opts.polar_max_body_mb << 20,
         )
         previous = self.gateway
         self.gateway = Gateway(config, self.engine, self.writer)
@@ -102,7 +121,20 @@ class PolarGateway:
         flow.request.headers.pop("Proxy-Authorization", None)
 
     def client_disconnected(self, client) -> None:
+        """Forget the connection; cancel its model calls still waiting for the engine (they are recorded `abort`)."""
         self._proxy_users.pop(client.id, None)
+        event = self._disconnects.pop(client.id, None)
+        if event is not None:
+            event.set()
+
+    def _disconnect_event(self, client) -> asyncio.Event:
+        """The event `client_disconnected` sets for this client connection."""
+        event = self._disconnects.get(client.id)
+        if event is None:
+            event = self._disconnects[client.id] = asyncio.Event()
+            if client.timestamp_end is not None:  # already gone before its request reached us
+                event.set()
+        return event
 
     def _user_of(self, flow: http.HTTPFlow) -> str | None:
         auth = flow.metadata.get("proxyauth")  # set when mitmproxy's own proxyauth option is on
@@ -113,39 +145,41 @@ class PolarGateway:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or self.gateway is None:
             return
-        user = self._user_of(flow) or self._proxy_users.get(flow.client_conn.id)
-        headers = {k.lower(): v for k, v in flow.request.headers.items()}
-        req = GatewayRequest(
-            method=flow.request.method,
-            host=flow.request.pretty_host,
-            path=flow.request.path.split("?", 1)[0],
-            query=dict(flow.request.query.items()),
-            headers=headers,
-            body=flow.request.raw_content or b"",
-            mode="reverse" if isinstance(flow.client_conn.proxy_mode, ReverseMode) else "regular",
-            proxy_user=user,
-            connection_id=flow.client_conn.id[:12],
-        )
-        try:
-            answer = await self.gateway.handle(req)
-        except Exception:  # the gateway must never take a flow down with it
-            log.exception("polar gateway failed on %s %s", req.method, req.path)
-            flow.response = http.Response.make(500, b'{"error": "polar-mitm internal error"}',
-                                               {"content-type": "application/json"})
-            return
+        req = self._gateway_request(flow)
+        # Credentials never go further (not into `mitmdump -w` files, not into logs): removed before any handling,
+        # so no failure can leave them in the flow. Only a flow that may be forwarded keeps them until it is not.
+        if not (req.mode == "regular" and self.gateway.config.passthrough == "upstream"):
+            scrub_credentials(flow)
+        answer = await self.gateway.handle(req)  # never raises: failures come back provider-shaped
         if answer is None:
-            return  # passthrough upstream
-        # Credentials never go further (not into `mitmdump -w` files, not into logs).
-        for name in list(flow.request.headers.keys()):
-            if name.lower() in ident.SECRET_HEADERS:
-                del flow.request.headers[name]
-        flow.request.headers.pop("Proxy-Authorization", None)
-        if "key" in flow.request.query:
-            del flow.request.query["key"]
+            return  # passthrough upstream: the real provider needs the credentials
+        scrub_credentials(flow)
         headers_out: dict[str, Any] = {"content-type": answer.content_type, **(answer.headers or {})}
         flow.response = http.Response.make(answer.status, answer.body, headers_out)
         if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
             flow.metadata.update(answer.meta)
+
+    def _gateway_request(self, flow: http.HTTPFlow) -> GatewayRequest:
+        """The flow as the gateway sees it: credentials still in (identity reads `polar-…` keys), text made UTF-8.
+
+        Header and path bytes that are not UTF-8 reach us as lone surrogates, which no JSON encoder or Parquet
+        column accepts: they become U+FFFD here, once.
+        """
+        safe = ident.safe_text
+        user = self._user_of(flow) or self._proxy_users.get(flow.client_conn.id)
+        return GatewayRequest(
+            method=safe(flow.request.method),
+            host=safe(flow.request.pretty_host),
+            path=safe(flow.request.path.split("?", 1)[0]),
+            query={safe(k): safe(v) for k, v in flow.request.query.items()},
+            headers={safe(k).lower(): safe(v) for k, v in flow.request.headers.items()},
+            body=flow.request.raw_content or b"",
+            content_encoding=safe(flow.request.headers.get("content-encoding", "")),
+            mode="reverse" if isinstance(flow.client_conn.proxy_mode, ReverseMode) else "regular",
+            proxy_user=safe(user) if user else None,
+            connection_id=flow.client_conn.id[:12],
+            disconnected=self._disconnect_event(flow.client_conn),
+        )
 
     def done(self) -> None:
         if self.writer is not None:

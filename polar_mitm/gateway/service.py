@@ -1,8 +1,10 @@
 """The gateway's request handling, independent of mitmproxy: request in → provider answer out + one record.
 
-Life of a model call: resolve identity → detect the provider → decode (worker thread) → ask the engine
-(async HTTP) → encode the provider answer, JSON or SSE replay (worker thread) → append the record durably →
-answer the harness. Nothing here blocks the event loop: JSON work of prompt-sized payloads runs in threads.
+Life of a model call: resolve identity → detect the provider → decode the body (content encoding, JSON; worker
+thread) → ask the engine (async HTTP, cancelled when the harness disconnects) → encode the provider answer, JSON or
+SSE replay (worker thread) → append the record durably → answer the harness. Nothing here blocks the event loop:
+JSON work of prompt-sized payloads runs in threads. Every failure, expected or not, is answered in the provider's
+own error shape and recorded.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 import orjson
 
 from polar_mitm.codecs import CODECS, by_headers, detect
-from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
+from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, parse_body
 from polar_mitm.conversation import Completion, Conversation
 from polar_mitm.gateway import identity as ident
+from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.journal import RecordWriter
 from polar_mitm.records import Record
@@ -46,6 +49,7 @@ class GatewayConfig:
     top_p: float | None = None
     max_tokens: int | None = None  # caps the harness's max_tokens
     extra_models: list[str] = field(default_factory=list)
+    max_body_bytes: int = 64 << 20  # larger request bodies (raw or decoded) get a 413
 
 
 @dataclass
@@ -59,6 +63,12 @@ class GatewayRequest:
     mode: str  # regular | reverse
     proxy_user: str | None
     connection_id: str
+    content_encoding: str = ""  # of `body`; decoded by the gateway, off the event loop
+    disconnected: asyncio.Event | None = None  # set when the harness's connection closes
+
+
+class ClientDisconnected(Exception):
+    """The harness closed its connection before its answer was ready."""
 
 
 class Gateway:
@@ -76,7 +86,17 @@ class Gateway:
     # -- entry point ---------------------------------------------------------------------------------------------
 
     async def handle(self, req: GatewayRequest) -> HttpAnswer | None:
-        """The answer for `req`, or None to let it go upstream (passthrough of non-model traffic)."""
+        """The answer for `req`, or None to let it go upstream (passthrough of non-model traffic).
+
+        Never raises: an unexpected failure is answered in the provider's error shape and recorded.
+        """
+        try:
+            return await self._route(req)
+        except Exception as exc:  # a gateway bug must not cost the harness its provider's error shape
+            log.exception("unexpected error on %s %s", req.method, req.path)
+            return await self._internal_error(req, exc)
+
+    async def _route(self, req: GatewayRequest) -> HttpAnswer | None:
         who, path = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
                                   connection_id=req.connection_id)
         if req.headers.get("upgrade", "").lower() == "websocket":
@@ -85,13 +105,12 @@ class Gateway:
             codec = next((c for c in CODECS.values() if c.matches(path)), None)
             if codec is not None:  # the common case: decided by the path alone, body parsed off the loop
                 return await self._model_call(req, who, path, codec)
-        body = parse_json(req.body) if len(req.body) < 1 << 16 else None
         provider = self._provider_for(req, path)
-        if provider is not None:
-            aux = await self._auxiliary(req, path, provider, body)
-            if aux is not None:
-                return aux
-        codec = detect(path, req.headers, body) if req.method == "POST" else None
+        if provider is not None and req.method == "POST" and provider.count_tokens_path(path):
+            return await self._count_tokens(req, who, path, provider)
+        if provider is not None and req.method == "GET" and provider.models_path(path, req.method):
+            return await self._models(path, provider)
+        codec = await self._detect(req, path) if req.method == "POST" else None
         if codec is not None:  # a body that looks like a model call on an unknown path
             return await self._model_call(req, who, path, codec)
         if req.method == "HEAD" and path in ("", "/"):
@@ -102,6 +121,24 @@ class Gateway:
         return shape.encode_error(GatewayError(
             "not_found", f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
                          f"serves model APIs (set polar_passthrough=upstream to forward other traffic)"))
+
+    async def _detect(self, req: GatewayRequest, path: str) -> Codec | None:
+        """The codec of a POST whose path is unknown, by its headers and body shape (None if not a model call)."""
+        try:
+            body = parse_body(await self._body(req))
+        except GatewayError:
+            return None  # not a readable JSON body, so not a model call: answered as other traffic
+        return detect(path, req.headers, body)
+
+    async def _body(self, req: GatewayRequest) -> bytes:
+        """The request body, content encoding decoded (once), within the size limit; else a GatewayError."""
+        limit = self.config.max_body_bytes
+        if len(req.body) > limit:
+            raise too_large(limit)
+        if req.content_encoding and req.content_encoding.lower() != "identity":
+            req.body = await offload(decode_content, len(req.body), req.body, req.content_encoding, limit)
+            req.content_encoding = ""
+        return req.body
 
     def _no_websocket(self, req: GatewayRequest, path: str) -> HttpAnswer:
         """Model APIs are served over plain HTTP here; a WebSocket upgrade gets an answer that ends retries.
@@ -134,44 +171,79 @@ class Gateway:
 
     # -- auxiliary endpoints -------------------------------------------------------------------------------------
 
-    async def _auxiliary(self, req: GatewayRequest, path: str, codec: Codec, body: Any) -> HttpAnswer | None:
+    async def _count_tokens(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
+        """Anthropic count_tokens / Google countTokens, counted by the engine's tokenizer; failures recorded."""
         try:
-            if req.method == "POST" and codec.count_tokens_path(path):
-                conv: Conversation = await asyncio.to_thread(codec.decode_count_tokens, body, path, req.query)
-                n = await self.engine.count_tokens([m.to_engine() for m in conv.messages],
-                                                   [t.to_engine() for t in conv.tools])
-                return HttpAnswer.json(200, codec.encode_count_tokens(n))
-            if req.method == "GET" and codec.models_path(path, req.method):
-                served = await self.engine.served_model()
-                tail = path.rstrip("/").rsplit("/", 1)[-1]
-                ids = [tail] if tail not in ("models",) else [served, *self.config.extra_models]
-                return HttpAnswer.json(200, codec.encode_models(ids, path))
+            raw = await self._body(req)
+            conv: Conversation = await offload(self._decode_count_tokens, len(raw), codec, raw, path, req.query)
+            n = await self.engine.count_tokens([m.to_engine() for m in conv.messages],
+                                               [t.to_engine() for t in conv.tools])
+        except GatewayError as err:
+            answer = codec.encode_error(err)
+            record = self._new_record(req, who, path, codec)
+            record.error, record.status_code = f"{err.kind}: {err.message}", answer.status
+            return with_record(answer, await self._persist(record))
+        return HttpAnswer.json(200, codec.encode_count_tokens(n))
+
+    @staticmethod
+    def _decode_count_tokens(codec: Codec, raw: bytes, path: str, query: dict[str, str]) -> Conversation:
+        return codec.decode_count_tokens(parse_body(raw), path, query)
+
+    async def _models(self, path: str, codec: Codec) -> HttpAnswer:
+        """Model listings and lookups, answered locally with the engine's served model."""
+        try:
+            served = await self.engine.served_model()
         except GatewayError as err:
             return codec.encode_error(err)
-        except NotImplementedError:
-            return None
-        return None
+        tail = path.rstrip("/").rsplit("/", 1)[-1]
+        ids = [tail] if tail not in ("models",) else [served, *self.config.extra_models]
+        return HttpAnswer.json(200, codec.encode_models(ids, path))
+
+    async def _internal_error(self, req: GatewayRequest, exc: Exception) -> HttpAnswer:
+        """A gateway bug, answered as a provider-shaped 500 and recorded (the record is skipped if that fails too)."""
+        path = ident.strip_path_prefix(req.path)[0]
+        codec = self._shape_for(req, path)
+        answer = codec.encode_error(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
+        try:
+            who = ident.Identity(session_id=f"conn-{req.connection_id}", task_id=None, source="connection")
+            who = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
+                                connection_id=req.connection_id)[0]
+        except Exception:  # the identity itself may be what failed: record under the connection's id
+            log.exception("identity unresolvable for the internal-error record")
+        try:
+            record = self._new_record(req, who, path, codec)
+            record.error, record.status_code = f"internal: {exc!r}", answer.status
+            return with_record(answer, await self._persist(record))
+        except Exception:
+            log.exception("could not record the internal error on %s %s", req.method, req.path)
+            return answer
+
+    def _shape_for(self, req: GatewayRequest, path: str) -> Codec:
+        """The provider whose error shape suits `req` (OpenAI's when nothing tells): never raises."""
+        try:
+            return (next((c for c in CODECS.values() if c.matches(path)), None) or self._provider_for(req, path)
+                    or CODECS["openai_chat"])
+        except Exception:
+            return CODECS["openai_chat"]
 
     # -- model calls ---------------------------------------------------------------------------------------------
 
     async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
-        started = datetime.now(UTC)
-        seq = next(self._seq[who.session_id])
-        request_id = f"req_{uuid.uuid4().hex}"
-        record = Record(
-            request_id=request_id, session_id=who.session_id, task_id=who.task_id, seq=seq, started_at=started,
-            finished_at=started, provider=codec.name, path=path, host=req.host, mode=req.mode, stream=False,
-            finish_reason="error", session_source=who.source,
-            harness_ids_json=orjson.dumps(who.harness_ids).decode() if who.harness_ids else None,
-            request_json=req.body.decode("utf-8", "replace") or None,
-        )
+        record = self._new_record(req, who, path, codec)
         try:
-            conv, engine_body = await offload(self._prepare, len(req.body), codec, req.body, path, req.query)
+            raw_body = await self._body(req)
+            record.request_json = raw_body.decode("utf-8", "replace") or None
+            conv, engine_request = await offload(self._prepare, len(raw_body), codec, raw_body, path, req.query)
             record.stream, record.model_requested = conv.stream, conv.model
             record.messages_json = orjson.dumps(conv.messages_json()).decode()
             record.tools_json = orjson.dumps(conv.tools_json()).decode()
-            raw = await self.engine.chat(engine_body)
+            engine_body = await offload(orjson.dumps, len(raw_body), engine_request)
+            raw = await self._ask_engine(engine_body, req.disconnected)
             answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
+        except ClientDisconnected:
+            record.finish_reason, record.status_code = "abort", 499
+            record.error = "abort: the client disconnected before the answer; the engine call was cancelled"
+            return with_record(HttpAnswer(499, b"", "text/plain"), await self._persist(record))
         except GatewayError as err:
             answer = codec.encode_error(err)
             record.error = f"{err.kind}: {err.message}"
@@ -179,7 +251,7 @@ class Gateway:
             return with_record(answer, await self._persist(record))
         except Exception as exc:  # never crash on a bad flow: report it in the provider's shape
             log.exception("unexpected error on %s %s", req.method, path)
-            err = GatewayError("engine_error", f"polar-mitm internal error: {exc!r}")
+            err = GatewayError("internal", f"polar-mitm internal error: {exc!r}")
             answer = codec.encode_error(err)
             record.error, record.status_code = f"internal: {exc!r}", answer.status
             return with_record(answer, await self._persist(record))
@@ -189,17 +261,47 @@ class Gateway:
         record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
         record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
         record.response_json = response
-        record.engine_meta_json = orjson.dumps(completion.meta_info).decode()
+        record.engine_meta_json = completion.meta_json
         record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
         record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
         record.greedy = is_greedy(conv.sampling)
         record.status_code = answer.status
         return with_record(answer, await self._persist(record))
 
-    def _prepare(self, codec: Codec, raw: bytes, path: str, query: dict[str, str]) -> tuple[Conversation, bytes]:
-        body = parse_json(raw)
-        if body is None:
-            raise GatewayError("invalid_request", "the request body is not valid JSON")
+    def _new_record(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> Record:
+        """The record of a call, as an error until an answer fills it in (takes the session's next seq)."""
+        started = datetime.now(UTC)
+        return Record(
+            request_id=f"req_{uuid.uuid4().hex}", session_id=who.session_id, task_id=who.task_id,
+            seq=next(self._seq[who.session_id]), started_at=started, finished_at=started, provider=codec.name,
+            path=path, host=req.host, mode=req.mode, stream=False, finish_reason="error", session_source=who.source,
+            harness_ids_json=orjson.dumps(who.harness_ids).decode() if who.harness_ids else None,
+        )
+
+    async def _ask_engine(self, engine_body: bytes, disconnected: asyncio.Event | None) -> bytes:
+        """The engine's raw answer; if the harness disconnects first, the engine call is cancelled.
+
+        Cancelling closes the engine connection, and SGLang and `polar-mitm serve` both stop decoding when their
+        client goes away: an abandoned generation does not hold the engine for the next caller.
+        """
+        if disconnected is None:
+            return await self.engine.chat(engine_body)
+        call = asyncio.ensure_future(self.engine.chat(engine_body))
+        gone = asyncio.ensure_future(disconnected.wait())
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not call.done():
+                call.cancel()
+                await asyncio.wait({call})  # let aiohttp close the connection before the abort is recorded
+        if call.cancelled():
+            raise ClientDisconnected
+        return call.result()
+
+    def _prepare(self, codec: Codec, raw: bytes, path: str,
+                 query: dict[str, str]) -> tuple[Conversation, dict[str, Any]]:
+        body = parse_body(raw)
         conv = codec.decode_request(body, path, query)
         if conv.stream is False:
             conv.stream = codec.stream_requested(body, path, query)
@@ -208,12 +310,13 @@ class Gateway:
             overrides["max_tokens"] = min(conv.max_tokens or self.config.max_tokens, self.config.max_tokens)
         request = conv.to_engine_request(overrides=overrides)
         conv.sampling = explicit_sampling(request)
-        return conv, orjson.dumps(request)
+        return conv, request
 
     @staticmethod
     def _finish(codec: Codec, conv: Conversation, raw: bytes) -> tuple[HttpAnswer, Completion, str]:
         try:
             completion = Completion.from_engine_response(orjson.loads(raw))
+            completion.meta_json = orjson.dumps(completion.meta_info).decode()
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}") from exc
         response = codec.encode_response(conv, completion)
@@ -264,15 +367,6 @@ async def offload(fn, size: int, *args):
     if size < OFFLOAD_BYTES:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
-
-
-def parse_json(raw: bytes) -> Any:
-    if not raw:
-        return None
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
 
 
 def with_record(answer: HttpAnswer, row: dict[str, Any]) -> HttpAnswer:
