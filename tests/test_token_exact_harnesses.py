@@ -56,28 +56,41 @@ def report_table(request):
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line("\ncontext-exact sampled tokens per harness (proxy mode):")
-        reporter.write_line(f"{'harness':12} {'tokens mode':>22} {'messages mode':>22}")
+        reporter.write_line(f"{'harness':12} {'tokens mode':>30} {'messages mode':>30}")
         for name in HARNESSES:
             cells = []
             for mode in ("tokens", "messages"):
                 r = RESULTS.get((name, mode))
-                cells.append(f"{r['share']:7.1%} ({r['exact']}/{r['sampled']}) {r['main_sequences']}seq"
+                cells.append(f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}"
                              if r else "–")
-            reporter.write_line(f"{name:12} {cells[0]:>22} {cells[1]:>22}")
+            reporter.write_line(f"{name:12} {cells[0]:>30} {cells[1]:>30}")
 
 
-def fidelity(rows: list[dict[str, Any]], eot_id: int) -> dict[str, Any]:
+def max_logprob_gap(tiny_engine, sequences) -> float:
+    """Largest |forward-pass logprob − recorded logprob| over sampled tokens: the trainer's step 0 (same weights)."""
+    worst = 0.0
+    for seq in sequences:
+        ids = [int(t) for t in seq.input_ids]
+        scored = np.asarray(tiny_engine.score(ids[:seq.prompt_len], ids[seq.prompt_len:]))
+        mask = np.asarray(seq.loss_mask[seq.prompt_len:], dtype=bool)
+        worst = max(worst, float(np.abs(scored[mask] - np.asarray(seq.logprobs[seq.prompt_len:])[mask]).max()))
+    return worst
+
+
+def fidelity(rows: list[dict[str, Any]], eot_id: int, tiny_engine) -> dict[str, Any]:
     records = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
     table, _ = merge_table(records, eot_token_id=eot_id)
     prompts = {r["request_id"]: np.asarray(r["prompt_ids"], dtype=np.int32) for r in rows}
     main_ids = {r["request_id"] for r in rows if r["tools_json"] != "[]"}
     exact = sampled = 0
     main_sequences = 0
-    for seq in sequences_from_table(table):
+    sequences = sequences_from_table(table)
+    for seq in sequences:
         f = sequence_fidelity(seq.input_ids, seq.loss_mask, seq.request_ids, prompts)
         exact, sampled = exact + f.exact_tokens, sampled + f.sampled_tokens
         main_sequences += bool(main_ids & set(seq.request_ids))
-    return {"exact": exact, "sampled": sampled, "share": exact / sampled, "main_sequences": main_sequences}
+    return {"exact": exact, "sampled": sampled, "share": exact / sampled, "main_sequences": main_sequences,
+            "logprob_gap": max_logprob_gap(tiny_engine, sequences)}
 
 
 @pytest.mark.parametrize("name", list(HARNESSES))
@@ -93,11 +106,13 @@ def test_harness_session_is_context_exact_in_tokens_mode(stack, tiny_engine, tmp
     main = [r for r in rows if r["tools_json"] != "[]"]
     assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS), context
     assert all(r["status_code"] == 200 for r in rows)
-    result = fidelity(rows, tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    result = fidelity(rows, tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"), tiny_engine)
     RESULTS[(name, mode)] = result
     if mode == "tokens":
         assert result["share"] == 1.0, result
         assert result["main_sequences"] == 1, result
+        assert result["logprob_gap"] <= 1e-4, result  # trainer logprobs at step 0 == behaviour logprobs
         assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
     elif name in REWRITING:
         assert result["share"] < 1.0, result  # the drift that tokens mode removes
+        assert result["logprob_gap"] > 1e-4, result  # ... and the wrong importance ratios it causes
