@@ -205,11 +205,11 @@ class Gateway:
         codec = self._shape_for(req, path)
         answer = codec.encode_error(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
         try:
-            who = ident.Identity(session_id=f"conn-{req.connection_id}", task_id=None, source="connection")
             who = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
                                 connection_id=req.connection_id)[0]
         except Exception:  # the identity itself may be what failed: record under the connection's id
             log.exception("identity unresolvable for the internal-error record")
+            who = ident.Identity(session_id=f"conn-{req.connection_id}", task_id=None, source="connection")
         try:
             record = self._new_record(req, who, path, codec)
             record.error, record.status_code = f"internal: {exc!r}", answer.status
