@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,13 +23,22 @@ from hypothesis import strategies as st
 
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
-from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MergedSequence
 from polar_mitm.reconstruct.turns import sequences_from_table
 from polar_mitm.records import read_all
 from polar_mitm.sdk_agent import base_url_for
-from polar_mitm.train.data import LengthBucketSampler, build_training_data, length_buckets, padding_sources
+from polar_mitm.train.data import (
+    LengthBucketSampler,
+    build_training_data,
+    collate,
+    length_buckets,
+    padding_sources,
+    read_merged,
+)
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+
+pytestmark = pytest.mark.slow
 
 RATIO_TOL = 1e-4
 USER_TEXT = "Write hello into out.txt"
@@ -102,7 +112,7 @@ def metrics(run: Path) -> list[dict]:
 
 def test_rows_sampled_at_t07_through_the_gateway_have_step0_ratio_1_with_the_default_config(captured, tmp_path):
     rows = [captured[f"t07-{g}"] for g in range(4)]
-    assert {t for s in rows for t in s.turn_temperature} == {pytest.approx(0.7)}
+    assert all(t == pytest.approx(0.7) for s in rows for t in s.turn_temperature)
     assert any(s.n_turns == 2 for s in rows)
     trainer = make_trainer(rows, tmp_path / "run")  # the default config: temperature 1.0
     assert trainer.args.temperature == 1.0
@@ -261,3 +271,16 @@ def test_shifted_behaviour_logprobs_are_reported_on_every_step(tiny_engine, tmp_
     report = json.loads((run / "behaviour_check.json").read_text())
     assert report["rows_checked"] == 4 and report["rows_over_threshold"] == 4
     assert {r["session_id"] for r in report["worst_rows"]} == {"s0", "s1", "s2", "s3"}
+
+
+def test_v1_merged_files_read_with_unknown_temperature_scored_at_the_global_one(tiny_engine, tmp_path):
+    seq = scored(tiny_engine, "task", "old", ["Done."], temperature=0.7)
+    v1_fields = [f for f in MERGED_SCHEMA if not f.name.startswith("turn_")]
+    row = {f.name: getattr(seq, f.name) for f in v1_fields} | {"schema_version": 1}
+    pq.write_table(pa.Table.from_pylist([row], schema=pa.schema(v1_fields)), tmp_path / "v1.parquet")
+    (old,) = read_merged(tmp_path)
+    assert old.turn_temperature is None and old.turn_starts is None
+    data = build_training_data([old])
+    assert data.stats.unknown_temperature_sequences == 1 and data.stats.temperatures == {"unknown": 1}
+    batch = collate(data.rows, pad_token_id=0, default_temperature=0.7)
+    assert torch.allclose(batch["token_temperature"], torch.tensor(0.7))

@@ -94,6 +94,14 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
     if bad_mask.size:
         i = int(bad_mask[0])
         raise MergedDataError(f"{at}: loss_mask[{i}]={seq.loss_mask[i]} is not 0/1")
+    if seq.turn_starts is not None:
+        starts = list(seq.turn_starts)
+        if starts != sorted(starts) or not all(seq.prompt_len <= s < n for s in starts):
+            raise MergedDataError(f"{at}: turn_starts {starts[:8]} not increasing within [prompt_len, {n})")
+        for name in ("turn_temperature", "turn_top_p", "turn_top_k", "turn_min_p", "turn_greedy"):
+            values = getattr(seq, name)
+            if values is not None and len(values) != len(starts):
+                raise MergedDataError(f"{at}: {name} has {len(values)} values for {len(starts)} turns")
     sampled = mask == 1
     bad_logprob = np.flatnonzero(sampled & ~(np.isfinite(logprobs) & (logprobs <= 1e-6)))
     if bad_logprob.size:
