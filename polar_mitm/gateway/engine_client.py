@@ -22,6 +22,7 @@ class EngineClient:
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._served_model: str | None = None
+        self._model_info: dict[str, Any] | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         # Created lazily: an aiohttp session belongs to the event loop that first uses it.
@@ -75,6 +76,16 @@ class EngineClient:
         if type(count) is not int or count < 0:
             raise GatewayError("engine_error", f"the engine's /tokenize count is not a token count: {count!r}")
         return count
+
+    async def model_info(self) -> dict[str, Any]:
+        """GET /model_info (SGLang and the embedded engine): model and tokenizer paths, EOS ids, versions."""
+        if self._model_info is None:
+            raw = await self._request("GET", "/model_info")
+            info = orjson.loads(raw)
+            if not isinstance(info, dict):
+                raise GatewayError("engine_error", f"unexpected /model_info answer: {raw[:200]!r}")
+            self._model_info = info
+        return self._model_info
 
     async def served_model(self) -> str:
         if self._served_model is None:

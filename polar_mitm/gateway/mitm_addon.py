@@ -17,6 +17,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
 from polar_mitm.records import last_seq_by_session
 
@@ -52,6 +53,7 @@ class PolarGateway:
         self.gateway: Gateway | None = None
         self.writer: RecordWriter | None = None
         self.engine: EngineClient | None = None
+        self.prompts: PromptBuilder | None = None
         self._proxy_users: dict[str, str] = {}
         self._disconnects: dict[str, asyncio.Event] = {}  # client connection id → set when it closes
 
@@ -77,6 +79,12 @@ class PolarGateway:
         loader.add_option("polar_models", str, "", "Extra model ids (comma-separated) for model listings.")
         loader.add_option("polar_max_body_mb", int, 64,
                           "Largest request body in MiB, compressed or decoded; larger ones get a provider-shaped 413.")
+        loader.add_option("polar_prompt_mode", str, "tokens",
+                          "`tokens`: send the engine the session's exact token stream + the new tail (every sampled "
+                          "token trained in the context it was sampled in); `messages`: the engine renders the "
+                          "harness's messages.", choices=["tokens", "messages"])
+        loader.add_option("polar_tokenizer", str, "",
+                          "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path).")
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
@@ -102,7 +110,10 @@ class PolarGateway:
             max_body_bytes=opts.polar_max_body_mb << 20,
         )
         previous = self.gateway
-        self.gateway = Gateway(config, self.engine, self.writer)
+        if self.prompts is None or {"polar_prompt_mode", "polar_tokenizer", "polar_backend"} & updated:
+            self.prompts = PromptBuilder(opts.polar_prompt_mode, tokenizer=opts.polar_tokenizer,
+                                         model_info=self.engine.model_info)
+        self.gateway = Gateway(config, self.engine, self.writer, self.prompts)
         if previous is not None and last_seq is None:
             self.gateway._seq = previous._seq  # keep numbering across option changes
         elif last_seq:

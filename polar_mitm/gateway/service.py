@@ -27,6 +27,7 @@ from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
 from polar_mitm.records import Record
 
 log = logging.getLogger("polar_mitm.gateway")
@@ -74,8 +75,10 @@ class ClientDisconnected(Exception):
 class Gateway:
     """Answers model calls from the engine and records them; answers or blocks everything else."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineClient, writer: RecordWriter) -> None:
+    def __init__(self, config: GatewayConfig, engine: EngineClient, writer: RecordWriter,
+                 prompts: PromptBuilder | None = None) -> None:
         self.config, self.engine, self.writer = config, engine, writer
+        self.prompts = prompts or PromptBuilder("messages")
         self._seq: dict[str, itertools.count] = defaultdict(lambda: itertools.count(0))
 
     def seed_sequences(self, last_seq: dict[str, int]) -> None:
@@ -230,6 +233,7 @@ class Gateway:
 
     async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
         record = self._new_record(req, who, path, codec)
+        step: PromptStep | None = None
         try:
             raw_body = await self._body(req)
             record.request_json = raw_body.decode("utf-8", "replace") or None
@@ -237,19 +241,26 @@ class Gateway:
             record.stream, record.model_requested = conv.stream, conv.model
             record.messages_json = orjson.dumps(conv.messages_json()).decode()
             record.tools_json = orjson.dumps(conv.tools_json()).decode()
-            engine_body = await offload(orjson.dumps, len(raw_body), engine_request)
+            # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
+            step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request)
+            record.prompt_mode, record.splice_reason = step.mode, step.reason
             raw = await self._ask_engine(engine_body, req.disconnected)
             answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
+            await self.prompts.complete(step, completion)
+            record.spliced_turns, record.splice_reason = step.spliced_turns, step.reason
         except ClientDisconnected:
+            self._abandon(step)
             record.finish_reason, record.status_code = "abort", 499
             record.error = "abort: the client disconnected before the answer; the engine call was cancelled"
             return with_record(HttpAnswer(499, b"", "text/plain"), await self._persist(record))
         except GatewayError as err:
+            self._abandon(step)
             answer = codec.encode_error(err)
             record.error = f"{err.kind}: {err.message}"
             record.status_code = answer.status
             return with_record(answer, await self._persist(record))
         except Exception as exc:  # never crash on a bad flow: report it in the provider's shape
+            self._abandon(step)
             log.exception("unexpected error on %s %s", req.method, path)
             err = GatewayError("internal", f"polar-mitm internal error: {exc!r}")
             answer = codec.encode_error(err)
@@ -267,6 +278,11 @@ class Gateway:
         record.greedy = is_greedy(conv.sampling)
         record.status_code = answer.status
         return with_record(answer, await self._persist(record))
+
+    def _abandon(self, step: PromptStep | None) -> None:
+        """The call failed after its prompt was planned: no chain moves; stop a pending rendering check."""
+        if step is not None:
+            self.prompts.abandon(step)
 
     def _new_record(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> Record:
         """The record of a call, as an error until an answer fills it in (takes the session's next seq)."""
@@ -340,7 +356,9 @@ class Gateway:
 # What SGLang samples with when a field is absent *and* it runs with `--sampling-defaults openai`. With its
 # default `--sampling-defaults model` it would take the model's generation_config.json instead — so the gateway
 # always sends every field explicitly, and the record's values are the ones the engine used.
-NEUTRAL_SAMPLING: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+# repetition_penalty is never recorded: it is pinned to neutral so a generation_config value cannot slip in.
+NEUTRAL_SAMPLING: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                            "repetition_penalty": 1.0}
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is argmax
 
 

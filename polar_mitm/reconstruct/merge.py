@@ -31,6 +31,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from polar_mitm.gateway.journal import JOURNAL_DIR, LiveJournals, read_live_journals
+from polar_mitm.reconstruct.fidelity import sequences_fidelity
 from polar_mitm.reconstruct.invariants import check_invariants
 from polar_mitm.reconstruct.per_request import build_per_request
 from polar_mitm.reconstruct.prefix_merging import (
@@ -62,7 +63,7 @@ SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers sk
 REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
                     "completion_logprobs")
 OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
-                    "greedy")
+                    "greedy", "spliced_turns")
 
 
 class MergeError(ValueError):
@@ -387,6 +388,9 @@ class MergeSummary:
     unrewarded_sessions: int = 0
     dropped_unrewarded_sequences: int = 0
     invariants_checked: bool = True
+    # Sampled tokens whose merged context equals their call's recorded prompt (reconstruct/fidelity.py).
+    context_exact_tokens: int = 0
+    context_checked_tokens: int = 0
     seconds: float = 0.0
     shards: list[str] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
@@ -493,6 +497,9 @@ def merge_sources(
             summary.dropped_unrewarded_sequences += len(result.sequences)
             return
         join_reward(result.sequences, reward)
+        fidelity = sequences_fidelity(result.sequences, {t.request_id: t.prompt_ids for t in kept})
+        summary.context_exact_tokens += fidelity.exact_tokens
+        summary.context_checked_tokens += fidelity.sampled_tokens
         summary.trainable_records += len(kept)
         summary.sequences += len(result.sequences)
         for seq in result.sequences:

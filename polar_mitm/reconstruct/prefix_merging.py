@@ -14,7 +14,9 @@ answer into the next prompt with its own tokenisation (which may differ from the
 ids are kept as they were sampled and only the prompt's tail after that rendered answer is added as context.
 When the previous answer was cut short (no end-of-turn at the end of its sampled ids), the prompt's end-of-turn
 token is kept in the context. A call that cannot be spliced onto any chain starts a new one; Polar's original
-stopped the chain and dropped the rest of the session.
+stopped the chain and dropped the rest of the session. A call whose record says the gateway opened a new chain
+there (tokens mode, `spliced_turns == 0`: the harness's history did not continue any sampled stream) starts a new
+one too, so merge and gateway agree on every sequence.
 
 Routing cost: one vectorised pass over each prompt (prefix hashes), an O(1) hash check per open chain (no
 token comparison except with the chosen chain), and a search for the end-of-turn token in the new tail only —
