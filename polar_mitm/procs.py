@@ -136,10 +136,23 @@ def addon_path() -> Path:
     return Path(__file__).resolve().parent.parent / "addon" / "polar.py"
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when its parent dies (Linux), so a killed Ray worker leaves no gateway."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
                   options: dict[str, str] | None = None, proxy_port: int | None = None,
-                  reverse_port: int | None = None, netns: LoopbackNamespace | None = None) -> GatewayProcess:
-    """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given)."""
+                  reverse_port: int | None = None, netns: LoopbackNamespace | None = None,
+                  tie_to_parent: bool = False) -> GatewayProcess:
+    """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given).
+
+    `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
+    """
     proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
     mitmdump = Path(sys.executable).with_name("mitmdump")
     cmd = [str(mitmdump), "-q", "-s", str(addon_path()),
@@ -149,7 +162,8 @@ def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | Non
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT,
+                            preexec_fn=die_with_parent if tie_to_parent else None)
     wait = netns.wait_port if netns is not None else wait_port
     try:
         wait(proxy_port, proc=proc)

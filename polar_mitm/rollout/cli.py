@@ -122,6 +122,10 @@ def rollout_command(
     gateway_proxy: Annotated[str | None, typer.Option(help="… and its HTTPS_PROXY listener.")] = None,
     work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path("runs/rollout"),
     keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = False,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", help="Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
+                      "OUT/node-NAME/.")] = None,
+    max_attempts: Annotated[int, typer.Option(help="--ray: runs of a session whose node died.")] = 2,
 ) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
     task_list, harness_spec = load_inputs(tasks, harness)
@@ -130,6 +134,10 @@ def rollout_command(
                            post_workers=post_workers, ready_buffer=ready_buffer, keep=keep,
                            failure_reward=failure_reward, workspace_root=work_dir / "workspaces",
                            keep_workspaces=keep_workspaces, log_dir=work_dir / "logs")
+    if ray is not None:
+        ray_rollout(task_list, harness, config, ray, out=out, rewards=rewards, engine=engine, model=model,
+                    script=script, work_dir=work_dir, max_attempts=max_attempts)
+        return
     try:
         with capture_stack(out, engine=engine, model=model, script=script, gateway_url=gateway_url,
                            gateway_proxy=gateway_proxy, ca_bundle=None, work=work_dir) as (endpoints, _):
@@ -144,6 +152,23 @@ def rollout_command(
     console.print(summary_table(summary.sessions))
     console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
                   f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}")
+
+
+def ray_rollout(task_list: list[Task], harness: str, config: RolloutConfig, address: str, **options) -> None:
+    """`rollout --ray`: the sessions on a Ray cluster; the same rewards file, plus which node ran what."""
+    from polar_mitm.rollout.ray_runner import ray_rollout_command
+
+    result = ray_rollout_command(task_list, harness, config, address=address, **options)
+    for line in result.lines():
+        console.print(line, markup=False)
+    summary = result.summary
+    if result.interrupted is not None:
+        typer.echo(f"interrupted: {len(summary.sessions)} finished session(s) → rewards {options['rewards']}",
+                   err=True)
+        raise typer.Exit(128 + result.interrupted)
+    console.print(summary_table(summary.sessions))
+    console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
+                  f"{summary.run_utilisation:.0%} → rewards {options['rewards']}, records {options['out']}/node-*")
 
 
 def iteration_table(results):
@@ -181,6 +206,8 @@ def loop_command(
     builder: Annotated[str, typer.Option(help="prefix_merging | per_request.")] = "prefix_merging",
     overlap: Annotated[int, typer.Option(help="1: next rollouts run while the trainer trains.")] = 0,
     keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", help="Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node.")] = None,
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
     from polar_mitm.rollout.loop import Loop, LoopConfig
@@ -189,7 +216,7 @@ def loop_command(
                      concurrency=concurrency, model=model, script=script, engine_url=engine,
                      temperature=temperature, max_tokens=max_tokens, learning_rate=learning_rate,
                      per_device_batch_size=batch_size, epochs=epochs, lora=lora, builder=builder, overlap=overlap,
-                     keep=keep)
+                     keep=keep, ray_address=ray)
     done = []
 
     def show(stats) -> None:

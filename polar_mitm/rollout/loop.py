@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from polar_mitm import procs
+from polar_mitm import engines, procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
@@ -48,7 +48,8 @@ class LoopConfig:
     builder: str = "prefix_merging"
     overlap: int = 0  # 1: next rollouts run while the trainer trains
     keep: int | None = None  # straggler cut
-    seed: int = 0
+    seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
+    ray_address: str | None = None  # rollouts on this Ray cluster ("auto", "HOST:PORT"); None: on this machine
 
 
 @dataclass
@@ -93,11 +94,16 @@ class Loop:
     # -- stages --------------------------------------------------------------------------------------------------
 
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
+        if self.cfg.ray_address is not None:
+            from polar_mitm.rollout.ray_runner import loop_rollout
+
+            return loop_rollout(self, k)  # one gateway per node, records under iter-K/flows/node-*/
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
         it.mkdir(parents=True, exist_ok=True)
-        options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens)}
-        gw = procs.start_gateway(self.engine_url, it / "flows", confdir=cfg.run_dir / "mitmproxy",
+        options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens),
+                   **engines.gateway_options(self.engine_url)}
+        gw = procs.start_gateway(engines.gateway_backends(self.engine_url, 1)[0], it / "flows", confdir=cfg.run_dir / "mitmproxy",
                                  log=it / "gateway.log", options=options)
         try:
             rollout = Rollout(self.tasks, HarnessSpec(cfg.harness),
@@ -161,9 +167,11 @@ class Loop:
         cfg = self.cfg
         cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = resolve_model(cfg.model)
-        if self.engine_url is not None:
-            self.weight_version = engine_weight_version(self.engine_url) or "0"
+        self.model_dir = resolve_model(cfg.model, seed=cfg.seed)
+        if self.engine_url is not None:  # one engine, SGLang's router, or a comma list (we start the router)
+            self.engine_set = engines.attach(self.engine_url, log=cfg.run_dir / "router.log")
+            self.engine_url = self.engine_set.url
+            self.weight_version = engines.common_weight_version(self.engine_url) or "0"
         else:
             args = ["--script", str(cfg.script)] if cfg.script else []
             self.engine_proc, self.engine_url = procs.start_engine(str(self.model_dir), log=cfg.run_dir / "engine.log",
@@ -208,6 +216,10 @@ class Loop:
         finally:
             if self.engine_proc is not None:
                 procs.stop(self.engine_proc)
+            if getattr(self, "ray_pool", None) is not None:
+                self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
+            if getattr(self, "engine_set", None) is not None:
+                engines.close(self.engine_set)
         return results
 
 

@@ -36,7 +36,22 @@ def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | No
 
 def push_weights(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
                  timeout: float = 600.0) -> str:
-    """Tell the engine at `engine_url` to load the checkpoint in `model_dir`; return its new weight_version.
+    """Load `model_dir` into the engine(s) of `engine_url`; return the new weight_version.
+
+    `engine_url` may be SGLang's router or a comma list of engines: the router does not forward weight updates, so
+    every worker is pushed and checked (`polar_mitm.engines.push_to_workers`; a lagging worker raises, named).
+    """
+    from polar_mitm.engines import engine_workers, push_to_workers
+
+    workers = engine_workers(engine_url)
+    if workers != [engine_url.rstrip("/")]:
+        return push_to_workers(workers, model_dir, weight_version=weight_version, timeout=timeout)
+    return push_weights_to_engine(engine_url, model_dir, weight_version=weight_version, timeout=timeout)
+
+
+def push_weights_to_engine(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
+                           timeout: float = 600.0) -> str:
+    """Tell the one engine at `engine_url` to load the checkpoint in `model_dir`; return its new weight_version.
 
     `model_dir` must be readable by the engine at that path (same machine or a shared filesystem).
     """
