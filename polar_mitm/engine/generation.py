@@ -245,20 +245,24 @@ class Engine:
 
     def _choose(self, prompt_ids: list[int], candidates: list[list[int]], params: SamplingParams,
                 rng: torch.Generator) -> list[int]:
-        """Sample one scripted candidate by the model's per-token probability of it (caller holds the lock)."""
+        """Sample one scripted candidate by the model's probability of the whole answer (caller holds the lock).
+
+        The logprobs are the ones decoding will record for the chosen candidate: log_softmax(logits / T) at each of
+        its tokens. Greedy takes the most probable candidate.
+        """
+        from polar_mitm.engine.script import choice_probabilities
+
         temperature = 1.0 if params.greedy else params.temperature
-        scores = []
+        token_logprobs = []
         for ids in candidates:
             full = torch.tensor([prompt_ids + ids[:-1]], dtype=torch.long)
             logits = self.model(input_ids=full, logits_to_keep=len(ids)).logits[0].float()
             logp = torch.log_softmax(logits / temperature, dim=-1)
-            # Length-normalised: whole-sequence probabilities of a random model differ by tens of nats between
-            # candidates, which would make the choice deterministic; per-token means keep it a real lottery.
-            scores.append(logp.gather(1, torch.tensor(ids).unsqueeze(1)).mean())
-        weights = torch.softmax(torch.stack(scores), dim=0)
+            token_logprobs.append(logp.gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1).tolist())
+        probabilities = choice_probabilities(token_logprobs)
         if params.greedy:
-            return candidates[int(torch.argmax(weights))]
-        return candidates[int(torch.multinomial(weights, 1, generator=rng))]
+            return candidates[max(range(len(candidates)), key=probabilities.__getitem__)]
+        return candidates[int(torch.multinomial(torch.tensor(probabilities), 1, generator=rng))]
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
                 top_logprobs_num: int, forced_id: int | None = None) -> TokenStep:

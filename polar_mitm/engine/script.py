@@ -22,14 +22,20 @@ occurs in the prompt text wins over all of that (e.g. the JSON a harness's routi
 compaction summary). After the last turn the script repeats its last turn.
 
 A turn may also be `{"choices": [TURN, TURN, ...]}`: the engine then samples ONE of the candidate turns with
-probability ∝ exp(mean logprob of its tokens under the model, at the request's temperature), so the policy is the
-model restricted to those answers. Outcomes then vary inside a GRPO group and training shifts the
-choice — this is what makes the CPU demo learn something real.
+probability ∝ exp(sum of the logprobs of its tokens under the model, at the request's temperature) — the model's
+own probability of each whole answer, restricted to the candidates (`choice_probabilities`). The recorded logprobs
+are those same per-token logprobs, so a GRPO update that raises a token's logprob by x raises its candidate's odds
+by e^x: training moves the choice exactly as it moves the model. (A per-token *mean* would divide that effect by
+the answer's length.) Outcomes vary inside a GRPO group and training shifts the choice — this is what makes the
+CPU demo learn something real. Write candidates of equal token length that differ in a token or two, so a random
+model starts near an even choice; the importance ratios GRPO computes per token then omit only the normaliser
+over the candidates (the same for every candidate of a call).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +120,21 @@ class ScriptedChoice:
     """Candidate turns; the engine samples one by the model's probability of each."""
 
     alternatives: list[ScriptedTurn]
+
+
+def choice_probabilities(candidate_logprobs: Sequence[Sequence[float]]) -> list[float]:
+    """The model restricted to the candidates: P(c) ∝ exp(Σ logprobs of c's tokens), each at the sampling temperature.
+
+    `candidate_logprobs[i]` are the per-token logprobs of candidate i (log_softmax(logits / T) at each of its
+    tokens, the numbers the engine records). Computed in log space, so sums of hundreds of nats do not underflow.
+    """
+    if not candidate_logprobs:
+        raise ValueError("no candidates")
+    totals = [math.fsum(lps) for lps in candidate_logprobs]
+    top = max(totals)
+    weights = [math.exp(t - top) for t in totals]
+    norm = math.fsum(weights)
+    return [w / norm for w in weights]
 
 
 def turn_text(item: Any, offered: Sequence[str] | None = None) -> str:
