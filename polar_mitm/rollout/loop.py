@@ -23,6 +23,7 @@ import httpx
 
 from polar_mitm import engines, procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
 
@@ -50,6 +51,7 @@ class LoopConfig:
     keep: int | None = None  # straggler cut
     seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
     ray_address: str | None = None  # rollouts on this Ray cluster ("auto", "HOST:PORT"); None: on this machine
+    final_rollout: bool = False  # after the last training, one more rollout (no training): the trained policy's reward
 
 
 @dataclass
@@ -82,10 +84,11 @@ def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
 class Loop:
     """Owns the engine for the whole run; a fresh gateway (and record directory) per iteration."""
 
-    def __init__(self, cfg: LoopConfig, on_iteration=None) -> None:
+    def __init__(self, cfg: LoopConfig, on_iteration=None, progress: LoopProgress | None = None) -> None:
         self.cfg = cfg
         self.tasks: list[Task] = load_tasks(cfg.tasks)
         self.on_iteration = on_iteration or (lambda stats: None)
+        self.progress: LoopProgress = progress or NoProgress()
         self.model_dir: Path | None = None
         self.weight_version = "0"  # of self.model_dir, as the engine numbers it
         self.engine_proc = None
@@ -101,6 +104,7 @@ class Loop:
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
         it.mkdir(parents=True, exist_ok=True)
+        self.progress.stage(k, "rollout", len(self.tasks) * cfg.group_size)
         options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens),
                    **engines.gateway_options(self.engine_url)}
         gw = procs.start_gateway(engines.gateway_backends(self.engine_url, 1)[0], it / "flows", confdir=cfg.run_dir / "mitmproxy",
@@ -110,6 +114,7 @@ class Loop:
                               GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
                               RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep,
                                             workspace_root=it / "workspaces", log_dir=it / "logs"))
+            rollout.on_update = lambda sessions: self.progress.advance(sum(s.stage == "done" for s in sessions))
             import asyncio
 
             summary = asyncio.run(rollout.run())
@@ -122,17 +127,21 @@ class Loop:
         from polar_mitm.reconstruct.merge import merge
 
         started = time.monotonic()
+        self.progress.stage(k, "merge")
         summary = merge([str(flows)], str(self.cfg.run_dir / f"iter-{k}" / "merged"), builder=self.cfg.builder,
                         rewards=str(rewards), tokenizer=str(self.model_dir), drop_unrewarded=True)
         return summary, time.monotonic() - started
 
     def _train(self, k: int) -> tuple[Path, str | None, float]:
+        import torch
+
         from polar_mitm.train.data import build_training_data, read_merged
         from polar_mitm.train.grpo_config import PolarGRPOConfig
         from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
+        self.progress.stage(k, "train")
         data = build_training_data(read_merged([it / "merged"]))
         out = it / "train"
         config = PolarGRPOConfig(
@@ -140,6 +149,7 @@ class Loop:
             per_device_train_batch_size=cfg.per_device_batch_size, temperature=cfg.temperature,
             loss_type=cfg.loss_type, push_to_engine=self.engine_url, report_to=[], seed=cfg.seed,
             lr_scheduler_type="constant", save_merged=True, disable_tqdm=True,
+            dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory needs an accelerator (else a warning)
             # The weights we start from, not "the newest in the data": with --overlap the data is one version behind,
             # and staleness (hence the importance correction) is measured against this.
             policy_weight_version=self.weight_version,
@@ -153,11 +163,23 @@ class Loop:
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # the loop prints its own table; metrics.jsonl has every step
+        trainer.add_callback(trainer_progress_callback(self.progress))
         trainer.train()
         saved = trainer.save_final()
         version = trainer.policy_weight_version()
         (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
         return saved.get("merged", saved["model"]) if cfg.lora else saved["model"], version, time.monotonic() - started
+
+    def _final_rollout(self, k: int) -> IterationStats:
+        """Rollout + merge with the last pushed weights, no training: the reward the trained policy earns."""
+        summary, flows, rewards, rollout_s = self._rollout(k)
+        merged, merge_s = self._merge(k, flows, rewards)  # kept for `polar-mitm report` and `show`
+        mean, std, pass_rate = reward_stats(summary)
+        return IterationStats(
+            iteration=k, weight_version=self.weight_version, sessions=len(summary.sessions), reward_mean=mean,
+            reward_std=std, pass_rate=pass_rate, sequences=merged.sequences, requests=merged.trainable_records,
+            trainable_tokens=merged.trainable_tokens, total_tokens=merged.total_tokens,
+            seconds={"rollout": rollout_s, "merge": merge_s, "train": 0.0})
 
     # -- driver --------------------------------------------------------------------------------------------------
 
@@ -212,6 +234,9 @@ class Loop:
                 self.on_iteration(stats)
                 if k + 1 < cfg.iterations:
                     pending = next_rollout.get("result") or self._rollout(k + 1)
+            if cfg.final_rollout:
+                results.append(self._final_rollout(cfg.iterations))
+                self.on_iteration(results[-1])
             (cfg.run_dir / "loop.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
         finally:
             if self.engine_proc is not None:
