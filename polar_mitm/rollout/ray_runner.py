@@ -265,12 +265,13 @@ class RayRolloutResult:
     dead_nodes: list[str]
     lost_attempts: list[dict[str, Any]]  # attempts that died with their node (no reward row: never counted)
     interrupted: int | None = None  # the signal that stopped the rollout
+    setup_seconds: float = 0.0  # starting and stopping the gateways (compaction), not in the summary's wall time
 
     def report(self) -> dict[str, Any]:
         per_node = Counter(o.node for o in self.outcomes)
         return {"sessions": len(self.outcomes), "per_node": dict(per_node), "dead_nodes": self.dead_nodes,
                 "lost_attempts": self.lost_attempts, "interrupted": self.interrupted,
-                "outcomes": [asdict(o) for o in self.outcomes]}
+                "setup_seconds": self.setup_seconds, "outcomes": [asdict(o) for o in self.outcomes]}
 
     def lines(self) -> list[str]:
         """What the driver prints: sessions per node and, for each dead node, what became of its sessions."""
@@ -362,10 +363,11 @@ class RayRollout:
     def run(self) -> RayRolloutResult:
         import ray
 
-        started = time.monotonic()
+        began = time.monotonic()
         self._begin()
+        started = time.monotonic()  # the summary's wall time is the sessions' own; gateway start/stop is setup
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        interrupted = None
+        interrupted, sessions_done = None, None
         try:
             while self.pending or self.inflight:
                 self._fill()
@@ -375,6 +377,7 @@ class RayRollout:
                 for ref in ready:
                     self._collect(ref)
             self._fail_unrunnable()
+            sessions_done = time.monotonic()
             self._end()
         except (KeyboardInterrupt, Signalled) as stop:
             interrupted = stop.signum if isinstance(stop, Signalled) else signal.SIGINT
@@ -382,7 +385,11 @@ class RayRollout:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._compact_dead()
-        return self._result(time.monotonic() - started, interrupted)
+        ended = time.monotonic()
+        sessions_done = sessions_done or ended
+        result = self._result(sessions_done - started, interrupted)
+        result.setup_seconds = (started - began) + (ended - sessions_done)
+        return result
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         raise Signalled(signum)

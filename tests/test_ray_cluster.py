@@ -1,0 +1,137 @@
+"""Rollouts and the loop on a real local Ray cluster: a head without CPUs and two worker nodes (separate raylets,
+`polar_rollout` resource), driven by the real `polar-mitm` CLI; engines are real embedded engines behind the real
+sglang-router. A worker node is killed mid-rollout: nothing finished is lost, nothing is counted twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm import engines, procs
+from polar_mitm.records import read_all
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
+SMALL = {"object_store_memory": 80 << 20}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **SMALL})
+    workers = [cluster.add_node(num_cpus=1, resources={"polar_rollout": 1}, **SMALL) for _ in range(2)]
+    cluster.wait_for_nodes()
+    yield cluster, workers
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scripted_engines(tmp_path_factory):
+    """Two embedded engines playing the CPU demo's scripted choice policy (as `polar-mitm loop` starts one)."""
+    started = [procs.start_engine("tiny", log=tmp_path_factory.mktemp(f"engine{k}") / "engine.log",
+                                  extra_args=["--threads", "1", "--script", str(EXAMPLES / "policy.json")])
+               for k in range(2)]
+    yield [url for _, url in started]
+    for proc, _ in started:
+        procs.stop(proc)
+
+
+def node_name(node) -> str:
+    return f"{node.node_ip_address}-{node.node_id[:8]}"
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "polar_mitm.cli", *args]
+
+
+def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_engines, tmp_path):
+    ray_cluster, _ = cluster
+    before = engines.worker_versions(scripted_engines)
+    run = tmp_path / "run"
+    done = subprocess.run(cli("loop", str(EXAMPLES / "tasks.jsonl"), "--iterations", "1", "-g", "4", "-c", "2",
+                              "--engine", ",".join(scripted_engines), "--ray", ray_cluster.address,
+                              "-o", str(run), "--learning-rate", "1e-2"),
+                          capture_output=True, text=True, timeout=900, env={"HF_HUB_OFFLINE": "1",
+                                                                            **_env()})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    it = run / "iter-0"
+    node_dirs = sorted((it / "flows").glob("node-*"))
+    assert len(node_dirs) == 2
+    records = {d.name: read_all(d, include_journal=False).to_pylist() for d in node_dirs}
+    assert all(rows for rows in records.values()), {k: len(v) for k, v in records.items()}  # both nodes wrote
+    rewards = pq.read_table(it / "rewards.parquet").to_pylist()
+    assert len(rewards) == 12 and len({(r["task_id"], r["sample_index"]) for r in rewards}) == 12
+    assert len({r["session_id"] for r in rewards}) == 12
+    recorded = {r["session_id"] for rows in records.values() for r in rows}
+    assert {r["session_id"] for r in rewards} == recorded  # every session: records and exactly one reward
+    report = json.loads((it / "ray_report.json").read_text())
+    assert len(report["per_node"]) == 2 and not report["dead_nodes"]
+    # The weights were pushed to both engines (the router does not forward the push): same new version.
+    after = engines.worker_versions(scripted_engines)
+    assert len(set(after.values())) == 1 and int(next(iter(after.values()))) > max(int(v) for v in before.values())
+    merged = pq.read_table(it / "merged").to_pylist()
+    assert merged and all(sum(r["loss_mask"]) > 0 for r in merged)
+    assert (it / "train" / "metrics.jsonl").exists()
+
+
+CURL_THEN_SLEEP = (
+    "cmd:curl -sf {base_url}/v1/chat/completions -H 'content-type: application/json' "
+    "-d '{{\"model\": \"m\", \"max_tokens\": 2, \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}' "
+    "> /dev/null && sleep 3"
+)
+
+
+def test_a_worker_node_killed_mid_rollout_loses_nothing_finished_and_counts_nothing_twice(
+        cluster, scripted_engines, tmp_path):
+    ray_cluster, workers = cluster
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"t{k}", "prompt": "p", "eval": {"command": "true"}}) + "\n"
+                             for k in range(2)))
+    work, out = tmp_path / "work", tmp_path / "flows"
+    driver = subprocess.Popen(cli("rollout", str(tasks), "--harness", CURL_THEN_SLEEP, "-g", "6", "-c", "2",
+                                  "--ready-buffer", "0", "--engine", scripted_engines[0], "--ray",
+                                  ray_cluster.address, "--out", str(out), "--rewards", str(tmp_path / "r.parquet"),
+                                  "--work-dir", str(work)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    victim = workers[1]
+    logs = work / "logs" / node_name(victim)
+    deadline = time.monotonic() + 300
+    while len(list(logs.glob("*.log"))) < 3:  # its third session started: the first ones are finished
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()
+        time.sleep(0.2)
+    time.sleep(0.5)
+    ray_cluster.remove_node(victim, allow_graceful=False)
+    output, _ = driver.communicate(timeout=300)
+    assert driver.returncode == 0, output[-3000:]
+    dead = node_name(victim)
+    assert f"node {dead} died:" in output
+
+    report = json.loads((work / "ray_report.json").read_text())
+    assert report["dead_nodes"] == [dead]
+    rewards = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert len(rewards) == 12 and len({(r["task_id"], r["sample_index"]) for r in rewards}) == 12
+    by_session = {r["session_id"]: r for r in rewards}
+    finished_on_dead = [o for o in report["outcomes"] if o["node"] == dead]
+    assert finished_on_dead and all(o["status"] == "ok" for o in finished_on_dead)
+    lost = report["lost_attempts"]
+    assert lost and all(a["session_id"] not in by_session for a in lost)  # a lost attempt has no reward row
+    for attempt in lost:  # ... and its sample was run again and counted once, under a new id
+        again = [r for r in rewards if (r["task_id"], r["sample_index"]) == (attempt["task_id"], attempt["index"])]
+        assert len(again) == 1 and again[0]["status"] in ("ok", "node_lost")
+    # The dead node's finished sessions kept their records (its journal compacted by the driver).
+    dead_rows = read_all(out / f"node-{dead}", include_journal=False).to_pylist()
+    assert {o["session_id"] for o in finished_on_dead} <= {r["session_id"] for r in dead_rows}
+    assert all(r["status"] == "ok" for r in rewards)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
