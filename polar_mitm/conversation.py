@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -196,6 +197,42 @@ class Completion:
             weight_version=None if version is None else str(version),
             meta_info=meta,
         )
+
+
+def harness_safe(completion: Completion, offered: Sequence[str]) -> Completion:
+    """The answer a harness can always act on, whatever the model sampled (ids and logprobs untouched).
+
+    A small model emits tool calls the harness cannot run: a tool the request does not offer, or arguments that
+    are not a JSON object (SGLang may pass such calls on). Those become visible text — the call as the model
+    wrote it — rather than a call the harness would crash on. An answer that is all reasoning (an unclosed
+    `<think>`, or nothing after it) shows its reasoning as the text, since several harnesses treat an answer
+    with no text and no call as an error. The finish reason follows what is left: `tool_calls` only while a
+    call remains; a truncated answer stays `length`.
+    """
+    names = set(offered)
+    kept = [c for c in completion.tool_calls if c.name in names and _object_arguments(c)]
+    rejected = [c for c in completion.tool_calls if c not in kept]
+    if rejected:
+        shown = "\n".join(_as_text(c) for c in rejected)
+        completion.content = f"{completion.content}\n{shown}" if completion.content else shown
+        completion.tool_calls = kept
+        if not kept and completion.finish_reason == "tool_calls":
+            completion.finish_reason = "stop"
+    if not completion.content and not completion.tool_calls and completion.reasoning:
+        completion.content, completion.reasoning = completion.reasoning, None
+    return completion
+
+
+def _object_arguments(call: ToolCall) -> bool:
+    try:
+        return isinstance(json.loads(call.arguments or "{}"), dict)
+    except ValueError:
+        return False
+
+
+def _as_text(call: ToolCall) -> str:
+    """A rejected call in the model's own `<tool_call>` notation."""
+    return f'<tool_call>\n{{"name": {json.dumps(call.name)}, "arguments": {call.arguments or "{}"}}}\n</tool_call>'
 
 
 TOKEN_ID_LIMIT = 2**31  # records store ids as int32

@@ -173,7 +173,8 @@ def matched_stop(gen: Generation):
 def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, Any]:
     """The non-streaming chat completion, with SGLang's token-id and meta-info extensions when asked."""
     parsed = parse_output(gen.text, tool_call_parser=engine.tool_call_parser,
-                          reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given)
+                          reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given,
+                          offered=job.tool_names)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None,
                                "reasoning_content": parsed.reasoning,
                                "tool_calls": [c.to_openai(i) for i, c in enumerate(parsed.tool_calls)] or None}

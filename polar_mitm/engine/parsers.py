@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -47,34 +48,58 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     return None, text
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str, list[ParsedCall]]:
-    """(content, calls). A block that is not valid `{"name", "arguments"}` JSON stays in the content."""
+def parse_tool_calls(text: str, parser: str,
+                     offered: Collection[str] | None = None) -> tuple[str, list[ParsedCall]]:
+    """(content, calls). A block that is not a valid call stays in the content, as text.
+
+    Valid: a JSON object `{"name": str, "arguments"|"parameters": object}` naming a tool the request offers
+    (`offered`; None = any name). A small model writes broken JSON, arguments that are not an object, or tools
+    it was never given; passing those on as calls would crash the harness or make it run a tool that does not
+    exist, so the harness gets the text instead (the record keeps the sampled ids either way). SGLang's own
+    parsers drop such blocks; keeping them as text loses nothing.
+    """
     if parser == "none" or "<tool_call>" not in text:
         return text, []
     calls: list[ParsedCall] = []
     kept: list[str] = []
     last = 0
     for match in TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(match.group(1))
-            name = obj["name"]
-            args = obj.get("arguments", obj.get("parameters", {}))
-            if not isinstance(name, str):
-                raise TypeError("name")
-        except (ValueError, KeyError, TypeError):
+        call = _valid_call(match.group(1), offered)
+        if call is None:
             continue
         kept.append(text[last:match.start()])
         last = match.end()
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        calls.append(ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments))
+        calls.append(call)
     kept.append(text[last:])
     content = "".join(kept).strip() if calls else text
     return content, calls
 
 
-def parse_output(text: str, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool) -> ParsedOutput:
+def _valid_call(block: str, offered: Collection[str] | None) -> ParsedCall | None:
+    """The call a `<tool_call>` block holds, or None when it is not one the harness could run."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict) or (offered is not None and name not in offered):
+        return None
+    return ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name,
+                      arguments=json.dumps(args, ensure_ascii=False))
+
+
+def parse_output(text: str, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool,
+                 offered: Collection[str] | None = None) -> ParsedOutput:
+    """Reasoning, content and tool calls of a finished completion (`offered`: the request's tool names)."""
     reasoning, rest = split_reasoning(text, reasoning_parser)
-    content, calls = parse_tool_calls(rest, tool_call_parser if tools_given else "none")
+    content, calls = parse_tool_calls(rest, tool_call_parser if tools_given else "none", offered)
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
 
 
@@ -87,8 +112,10 @@ class StreamingSplitter:
 
     TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
-    def __init__(self, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool) -> None:
+    def __init__(self, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool,
+                 offered: Collection[str] | None = None) -> None:
         self.tools = tools_given and tool_call_parser != "none"
+        self.offered = offered
         self.reasoning = reasoning_parser != "none"
         self.mode = "start"  # start → (reasoning →) content ⇄ tool
         self.buffer = ""
@@ -143,7 +170,7 @@ class StreamingSplitter:
                     break
                 block = self.buffer[: idx + len("</tool_call>")]
                 self.buffer = self.buffer[idx + len("</tool_call>"):]
-                content, calls = parse_tool_calls(block, "qwen25")
+                content, calls = parse_tool_calls(block, "qwen25", self.offered)
                 if calls:
                     out.extend(("tool_call", c) for c in calls)
                 else:

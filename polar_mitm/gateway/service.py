@@ -22,7 +22,7 @@ import orjson
 
 from polar_mitm.codecs import CODECS, by_headers, detect
 from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, parse_body
-from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
@@ -333,6 +333,7 @@ class Gateway:
         try:
             completion = Completion.from_engine_response(orjson.loads(raw))
             completion.meta_json = orjson.dumps(completion.meta_info).decode()
+            harness_safe(completion, [t.name for t in conv.tools])  # malformed model output → text
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}") from exc
         response = codec.encode_response(conv, completion)
