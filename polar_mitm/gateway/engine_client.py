@@ -1,10 +1,13 @@
-"""Talks to the engine (SGLang or the embedded one) over HTTP: non-streaming chat with ids, logprobs, meta info.
+"""Talks to the engine (SGLang or the embedded one) over HTTP: chat with ids, logprobs, meta info — answered whole,
+or streamed (`open_stream`: SSE chunks with per-chunk logprobs and the final sglext chunk with the ids).
 
 aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0.7 ms (benchmarks/bench_gateway.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -49,16 +52,45 @@ class EngineClient:
             raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise GatewayError("overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}") from exc
-        if status >= 500:
-            raise GatewayError("engine_error", f"the engine failed with HTTP {status}: "
-                                               f"{raw[:500].decode('utf-8', 'replace')}")
         if status >= 400:
-            message = engine_error_message(raw)
-            lowered = message.lower()
-            kind = "context_length" if ("context length" in lowered or "longer than" in lowered
-                                        or "exceeds the maximum" in lowered) else "invalid_request"
-            raise GatewayError(kind, message)
+            raise status_error(status, raw)
         return raw
+
+    @asynccontextmanager
+    async def open_stream(self, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST /v1/chat/completions (a `stream: true` body); the open response once the engine accepted it.
+
+        Leaving the context early closes the connection, which SGLang and `polar-mitm serve` both take as an abort.
+        """
+        try:
+            resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+        except TimeoutError as exc:
+            raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise GatewayError("overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}") from exc
+        try:
+            if resp.status >= 400:
+                raise status_error(resp.status, await resp.read())
+            yield resp
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+
+    async def abort_request(self, rid: str) -> None:
+        """SGLang's `POST /abort_request`: stop generating `rid` (a streamed call then ends with finish `abort`)."""
+        await self._request("POST", "/abort_request", orjson.dumps({"rid": rid}))
+
+    async def weight_version(self) -> str | None:
+        """The engine's current weight version, asked now (SGLang's streamed chunks do not carry it)."""
+        raw = await self._request("GET", "/model_info")
+        try:
+            version = orjson.loads(raw).get("weight_version")
+        except (ValueError, AttributeError):
+            return None
+        return None if version is None else str(version)
 
     async def chat(self, body: bytes) -> bytes:
         """POST /v1/chat/completions; returns the raw JSON bytes (parsed off the event loop by the caller)."""
@@ -80,7 +112,10 @@ class EngineClient:
     async def model_info(self) -> dict[str, Any]:
         """GET /model_info (SGLang and the embedded engine): model and tokenizer paths, EOS ids, versions."""
         if self._model_info is None:
-            raw = await self._request("GET", "/model_info")
+            try:
+                raw = await self._request("GET", "/model_info")
+            except GatewayError:  # SGLang's router serves only the older name
+                raw = await self._request("GET", "/get_model_info")
             info = orjson.loads(raw)
             if not isinstance(info, dict):
                 raise GatewayError("engine_error", f"unexpected /model_info answer: {raw[:200]!r}")
@@ -98,6 +133,53 @@ class EngineClient:
                 raise GatewayError("engine_error", f"unexpected /v1/models answer: {raw[:200]!r}")
             self._served_model = served
         return self._served_model
+
+
+def status_error(status: int, raw: bytes) -> GatewayError:
+    """The typed error of an engine answer with HTTP status >= 400."""
+    if status >= 500:
+        return GatewayError("engine_error", f"the engine failed with HTTP {status}: "
+                                            f"{raw[:500].decode('utf-8', 'replace')}")
+    message = engine_error_message(raw)
+    lowered = message.lower()
+    kind = "context_length" if ("context length" in lowered or "longer than" in lowered
+                                or "exceeds the maximum" in lowered) else "invalid_request"
+    return GatewayError(kind, message)
+
+
+async def sse_frames(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, bytes]]:
+    """(event name, data) of each Server-Sent Event of `resp`; comments and empty frames are skipped.
+
+    Read in raw chunks rather than lines: the final sglext frame of a long prompt is far longer than aiohttp's
+    line limit.
+    """
+    buffer = bytearray()
+    async for data in resp.content.iter_any():
+        buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+        start = 0
+        while (end := buffer.find(b"\n\n", start)) >= 0:
+            frame = parse_frame(bytes(buffer[start:end]))
+            start = end + 2
+            if frame is not None:
+                yield frame
+        del buffer[:start]
+    frame = parse_frame(bytes(buffer))
+    if frame is not None:
+        yield frame
+
+
+def parse_frame(frame: bytes) -> tuple[str | None, bytes] | None:
+    """One SSE frame → (event name, data lines joined); None for comments and empty frames."""
+    event: str | None = None
+    data: list[bytes] = []
+    for line in frame.split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip(b" "))
+        elif line.startswith(b"event:"):
+            event = line[6:].strip().decode("utf-8", "replace")
+    if not data:
+        return None
+    return event, b"\n".join(data)
 
 
 def engine_error_message(raw: bytes) -> str:
