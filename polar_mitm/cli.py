@@ -84,12 +84,32 @@ def demo(
     run_dir: Annotated[Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")] = Path(
         "runs/demo"),
     learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 2e-2,
+    seed: Annotated[int, typer.Option(help="Seed of the loop's trainer and of the tiny model's initial weights.")] = 0,
 ) -> None:
     """The main job on CPU: a real model answers with ids + logprobs, then rollout → merge → GRPO → push, looped."""
     from polar_mitm.demo import run_demo
 
     run_demo(model=model, prompt=prompt, port=port, console=console, loop_model=loop_model, iterations=iterations,
-             run_dir=run_dir, learning_rate=learning_rate)
+             run_dir=run_dir, learning_rate=learning_rate, seed=seed)
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A loop run (`runs/demo`), or a rollout, merge or grpo directory.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN_DIR/report.html).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer for the token viewer (default: the engine's, as the gateway recorded it).")] = None,
+    sessions: Annotated[int, typer.Option(help="Sessions shown in the token viewer.")] = 6,
+) -> None:
+    """Write one self-contained HTML report (no server, no network): iterations, curves, merge, tasks, tokens."""
+    from polar_mitm.report import write_report
+
+    try:
+        path = write_report(run_dir, out, tokenizer=tokenizer, sessions=sessions)
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    console.print(f"report → {path}")
 
 
 @app.command()

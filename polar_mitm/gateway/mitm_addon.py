@@ -16,6 +16,8 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.engine_client import EngineClient
+from polar_mitm.gateway.engine_info import record_engine
+from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.gateway.journal import RecordWriter
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
@@ -56,6 +58,7 @@ class PolarGateway:
         self.prompts: PromptBuilder | None = None
         self._proxy_users: dict[str, str] = {}
         self._disconnects: dict[str, asyncio.Event] = {}  # client connection id → set when it closes
+        self._engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json once the engine answers
 
     def load(self, loader) -> None:
         loader.add_option("polar_backend", str, "http://127.0.0.1:30000",
@@ -123,6 +126,15 @@ class PolarGateway:
         # Never dial the real provider when a tunnel opens: model calls are answered here.
         if ctx.options.polar_passthrough == "block" and ctx.options.connection_strategy != "lazy":
             ctx.options.update(connection_strategy="lazy")
+        warning = exposure_warning(ctx.options.mode, ctx.options.listen_host, ctx.options.proxyauth,
+                                   ctx.options.listen_port)
+        if warning:
+            log.warning(warning)
+        # Describe the engine next to the records (what merge needs), and load tokens mode's renderer now rather
+        # than on the first call. A strong reference: the event loop keeps only weak ones to its tasks.
+        if self.engine is not None and self.prompts is not None:
+            self._engine_task = asyncio.get_running_loop().create_task(record_engine(
+                Path(ctx.options.polar_out), ctx.options.polar_backend, self.engine.model_info, self.prompts.warm))
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Regular mode: remember the proxy user (our session carrier) of this client connection."""
@@ -193,6 +205,8 @@ class PolarGateway:
         )
 
     def done(self) -> None:
+        if self._engine_task is not None:
+            self._engine_task.cancel()
         if self.writer is not None:
             self.writer.close()
         if self.engine is not None:

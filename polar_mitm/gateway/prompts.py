@@ -70,6 +70,10 @@ class PromptBuilder:
             self._chains = TokenChains(renderer.eot_id, renderer.eot_text, max_tokens=self.max_chain_tokens)
         return renderer
 
+    async def warm(self) -> PromptRenderer | None:
+        """Load the engine's tokenizer now (tokens mode) instead of on the first call; None when not available."""
+        return await self._renderer() if self.mode == "tokens" else None
+
     async def prepare(self, session_id: str, conv: Conversation, request: dict[str, Any]) -> tuple[PromptStep, bytes]:
         """Decide the prompt of one call; returns the step and the engine request body (JSON bytes)."""
         if self.mode == "messages":

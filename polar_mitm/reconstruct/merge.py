@@ -63,7 +63,7 @@ SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers sk
 REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
                     "completion_logprobs")
 OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
-                    "greedy", "spliced_turns")
+                    "greedy", "spliced_turns", "call_kind")
 
 
 class MergeError(ValueError):
@@ -264,8 +264,10 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[Source]) -> tuple[int, str]:
-    """The end-of-turn id and where it came from: --eot-token, the tokenizer, or the records themselves."""
+def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[Source],
+                inputs: Sequence[str] = ()) -> tuple[int, str]:
+    """The end-of-turn id and where it came from: --eot-token, the tokenizer, what the gateway recorded about its
+    engine next to the records (`_engine.json`), or the records themselves."""
     if eot_token is not None and eot_token.strip().lstrip("-").isdigit():
         return int(eot_token), "--eot-token"
     if eot_token is not None:
@@ -277,6 +279,9 @@ def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[
         return int(vocab[eot_token]), f"--eot-token via {tokenizer}"
     if tokenizer is not None:
         return eot_from_tokenizer(load_tokenizer(tokenizer)), f"tokenizer {tokenizer}"
+    recorded = recorded_eot(inputs)
+    if recorded is not None:
+        return recorded
     last_ids: list[tuple[str, int]] = []
     for source in sources:
         table = source.read(["finish_reason", "completion_ids"])
@@ -290,6 +295,30 @@ def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[
         raise MergeError("cannot detect the end-of-turn token (no record stopped on its own): "
                          "pass --eot-token ID or --tokenizer PATH|tiny")
     return token_id, "most common last sampled id"
+
+
+def recorded_eot(inputs: Sequence[str]) -> tuple[int, str] | None:
+    """The end-of-turn id the gateway recorded for these inputs' engine: its renderer's id, else the recorded
+    tokenizer's (when that path can be loaded here); None when no input has a usable `_engine.json`."""
+    from polar_mitm.gateway.engine_info import ENGINE_FILE, read_engine_file
+
+    found: dict[int, str] = {}
+    for directory in inputs:
+        info = read_engine_file(directory)
+        if info is None:
+            continue
+        if isinstance(info.get("eot_token_id"), int):
+            found.setdefault(info["eot_token_id"], f"{directory}/{ENGINE_FILE}")
+        elif info.get("tokenizer_path"):
+            try:
+                token_id = eot_from_tokenizer(load_tokenizer(str(info["tokenizer_path"])))
+            except (OSError, ValueError):  # a path on the engine's machine, not this one: no answer from it
+                continue
+            found.setdefault(token_id, f"tokenizer {info['tokenizer_path']} (from {directory}/{ENGINE_FILE})")
+    if len(found) > 1:
+        raise MergeError(f"the inputs were recorded from engines with different end-of-turn ids ({sorted(found)}): "
+                         "merge them separately, or pass --eot-token ID")
+    return next(iter(found.items()), None)
 
 
 # -- rewards -----------------------------------------------------------------------------------------------------
@@ -589,7 +618,8 @@ def merge(
         raise MergeError(f"no records found under {', '.join(inputs)}{why}")
     # per_request needs no end-of-turn token: do not load a tokenizer (or scan completions) for nothing.
     needs_eot = builder != "per_request" or eot_token is not None
-    eot_token_id, eot_source = resolve_eot(eot_token, tokenizer, sources) if needs_eot else (None, None)
+    eot_token_id, eot_source = (resolve_eot(eot_token, tokenizer, sources, inputs) if needs_eot
+                               else (None, None))
     reward_table = load_rewards(rewards) if rewards else None
     if drop_unrewarded and reward_table is None:
         raise MergeError("--drop-unrewarded needs --rewards")

@@ -17,7 +17,8 @@ console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in 
 
 def grpo_command(
     data: Annotated[list[Path], typer.Option("--data", help="Merged shards: a directory of *.parquet (repeatable).")],
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")],
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")] = (
+        Path("runs/grpo")),
     model: Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")] = "tiny",
     lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
     lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
