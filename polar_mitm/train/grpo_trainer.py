@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from polar_mitm.train.data import (
@@ -54,6 +53,20 @@ PER_SEQUENCE_LOSSES = ("grpo", "sapo")  # TRL averages each sequence's tokens, t
 BEHAVIOUR_CHECK_FILE = "behaviour_check.json"
 WORST_ROWS_REPORTED = 20
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
+
+
+@contextmanager
+def disable_gradient_checkpointing(model, gradient_checkpointing_kwargs: dict | None = None) -> Iterator[None]:
+    """TRL's helper of the same name, reading transformers 5's `is_activation_checkpointing` (TRL 1.16 reads the
+    deprecated `is_gradient_checkpointing`, which warns on every training step)."""
+    was_enabled = model.is_activation_checkpointing
+    if was_enabled:
+        model.gradient_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
 
 
 def recorded_reward(completions: list[Any], reward: list[float] | None = None, **_: Any) -> list[float]:
