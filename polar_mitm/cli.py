@@ -200,6 +200,15 @@ def _register_harness() -> None:
 _register_harness()
 
 
+def _register_tasks() -> None:
+    from polar_mitm.rollout.swe_cli import tasks_app
+
+    app.add_typer(tasks_app, name="tasks")
+
+
+_register_tasks()
+
+
 def _register_train() -> None:
     from polar_mitm.train.cli import grpo_command, plot_command, sft_command, sync_command
 

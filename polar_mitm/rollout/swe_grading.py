@@ -1,0 +1,302 @@
+"""Grading of SWE-bench-format tasks, run by the rollout's INIT (`env`) and POST-RUN (`grade`) stages:
+
+    python -m polar_mitm.rollout.swe_grading env SPEC     # once per task: its venv (or its image), reused
+    python -m polar_mitm.rollout.swe_grading grade SPEC   # in the workspace after the run; prints `reward: R` last
+
+`grade` follows SWE-bench's evaluation script: the files that `test_patch` touches are restored to `base_commit`
+(whatever the agent did to them), `test_patch` is applied, the test command runs on the test files of the patch in
+the task's own environment, and the log goes through the `swebench` package: its log parser
+(`harness.log_parsers`, `parse_log_pytest` by default), `get_logs_eval` (markers, and the exit-code cross-check that
+catches a log claiming passes the run did not have), `get_eval_tests_report`, `get_resolution_status` and
+`compute_fail_to_pass`. Reward: `resolved` → 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passes;
+`fraction` → the share of FAIL_TO_PASS fixed when every PASS_TO_PASS test still passes, else 0.0.
+
+The environment: a venv per task (`env_dir`, created once under a file lock by the first INIT of the task, then
+reused by its other sessions), or the instance's Docker/Apptainer image with the workspace mounted at
+`container_workdir` (SWE-bench's images: /testbed with a `testbed` conda env).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+READY_MARK = ".polar-env-ready"
+
+
+@dataclass
+class GradingSpec:
+    """Everything grading needs for one task; written by `polar-mitm tasks swe`, outside the workspace."""
+
+    instance_id: str
+    base_commit: str
+    test_patch: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    test_command: str = "python -m pytest -rA --tb=no -p no:cacheprovider"
+    log_parser: str = "parse_log_pytest"
+    reward: str = "resolved"  # resolved | fraction
+    env_dir: str = ""
+    requirements: list[str] = field(default_factory=list)
+    python: str = sys.executable
+    image: str | None = None
+    container: str = "docker"  # docker | apptainer
+    container_workdir: str = "/testbed"
+    container_setup: str = ""
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> GradingSpec:
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+@dataclass
+class Grade:
+    """The outcome of one grading."""
+
+    reward: float
+    resolution: str  # swebench's RESOLVED_FULL | RESOLVED_PARTIAL | RESOLVED_NO, or why nothing was graded
+    fixed: int = 0  # FAIL_TO_PASS tests that pass
+    kept: int = 0  # PASS_TO_PASS tests that pass
+    failing: list[str] = field(default_factory=list)  # graded tests that do not pass
+
+    def lines(self, spec: GradingSpec) -> list[str]:
+        shown = ", ".join(self.failing[:10]) + (" …" if len(self.failing) > 10 else "")
+        return [f"{spec.instance_id}: {self.resolution}",
+                f"FAIL_TO_PASS fixed {self.fixed}/{len(spec.fail_to_pass)}, "
+                f"PASS_TO_PASS kept {self.kept}/{len(spec.pass_to_pass)}",
+                *([f"not passing: {shown}"] if self.failing else []),
+                f"reward: {self.reward:g}"]  # last: the rollout reads the last number printed
+
+
+# -- swebench ------------------------------------------------------------------------------------------------------
+
+
+def swebench_harness() -> types.ModuleType:
+    """`swebench.harness`, without running its package __init__.
+
+    Why: that __init__ imports docker_utils, modal_eval and reporting (docker, modal, datasets): ~10 s per grading.
+    Grading needs only `constants`, `log_parsers` and `grading`, which import nothing heavy; a bare package object
+    with the real search path lets them load as usual.
+    """
+    if "swebench.harness" not in sys.modules:
+        import swebench
+
+        location = importlib.util.find_spec("swebench.harness", swebench.__path__)
+        if location is None or location.submodule_search_locations is None:
+            raise ImportError("swebench.harness not found: install polar-mitm[swe]")
+        package = types.ModuleType("swebench.harness")
+        package.__path__ = list(location.submodule_search_locations)
+        package.__package__ = "swebench.harness"
+        sys.modules["swebench.harness"] = package
+    import swebench.harness.grading  # noqa: F401 — loads constants and log_parsers too
+
+    return sys.modules["swebench.harness"]
+
+
+def log_parser(name: str) -> Any:
+    """swebench's log parser of that name (`parse_log_pytest`, …); a ValueError lists the known ones."""
+    registry = swebench_harness().log_parsers.PARSER_REGISTRY
+    if name not in registry:
+        raise ValueError(f"unknown log parser {name!r}; swebench has {', '.join(sorted(registry))}")
+    return registry[name]
+
+
+def test_files_of(patch: str) -> list[str]:
+    """The files a diff touches (paths in the repository), parsed with unidiff as swebench does."""
+    from unidiff import PatchSet
+    from unidiff.errors import UnidiffParseError
+
+    try:
+        patched = PatchSet(patch)
+    except UnidiffParseError as exc:
+        raise ValueError(f"not a unified diff: {exc}") from None
+    files = []
+    for patched_file in patched:
+        path = patched_file.source_file if patched_file.is_removed_file else patched_file.target_file
+        files.append(path[2:] if path.startswith(("a/", "b/")) else path)
+    if not files:
+        raise ValueError("the diff touches no file")
+    return files
+
+
+def test_directives(spec: GradingSpec) -> list[str]:
+    """What the test command runs: the test files of `test_patch` (swebench skips data files such as .json)."""
+    non_test = tuple(swebench_harness().constants.NON_TEST_EXTS)
+    return [path for path in test_files_of(spec.test_patch) if not path.endswith(non_test)]
+
+
+# -- the environment -------------------------------------------------------------------------------------------------
+
+
+def prepare_env(spec: GradingSpec) -> str:
+    """INIT: the task's environment, created once (later sessions find it ready); what was done, in words."""
+    if spec.image:
+        return _prepare_image(spec)
+    env = Path(spec.env_dir)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with open(env.with_name(env.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one INIT builds it; the others of the same task wait, then reuse it
+        if (env / READY_MARK).exists():
+            return f"reusing {env}"
+        shutil.rmtree(env, ignore_errors=True)  # a half-built one from an interrupted INIT
+        _build_venv(env, spec)
+        (env / READY_MARK).write_text(json.dumps(spec.requirements))
+    return f"created {env}"
+
+
+def _build_venv(env: Path, spec: GradingSpec) -> None:
+    """A venv with the test requirements; uv installs from its cache offline when it can (fast, no network)."""
+    uv = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv:
+        _check([uv, "venv", "-q", "--python", spec.python, str(env)])
+        if spec.requirements:
+            base = [uv, "pip", "install", "-q", "--python", str(env / "bin" / "python"), *spec.requirements]
+            if subprocess.run([*base, "--offline"], capture_output=True).returncode != 0:
+                _check(base)
+        return
+    _check([spec.python, "-m", "venv", str(env)])
+    if spec.requirements:
+        _check([str(env / "bin" / "python"), "-m", "pip", "install", "-q", *spec.requirements])
+
+
+def _prepare_image(spec: GradingSpec) -> str:
+    assert spec.image is not None
+    if spec.container == "apptainer":
+        sif = Path(spec.env_dir) / "image.sif"
+        if not sif.exists():
+            sif.parent.mkdir(parents=True, exist_ok=True)
+            _check(["apptainer", "build", str(sif), f"docker://{spec.image}"])
+        return f"image {sif}"
+    if subprocess.run(["docker", "image", "inspect", spec.image], capture_output=True).returncode != 0:
+        _check(["docker", "pull", "-q", spec.image])
+    return f"image {spec.image}"
+
+
+def _check(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"`{shlex.join(argv)}` failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
+
+
+def test_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
+    """The test run: the command on the patch's test files, in the venv or in the instance's container."""
+    command = " ".join([spec.test_command, *map(shlex.quote, test_directives(spec))])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    if spec.image:
+        script = f"{spec.container_setup} && {command}" if spec.container_setup else command
+        mount = f"{workspace}:{spec.container_workdir}"
+        if spec.container == "apptainer":
+            image = str(Path(spec.env_dir) / "image.sif")
+            return ["apptainer", "exec", "--containall", "--bind", mount, "--pwd", spec.container_workdir, image,
+                    "bash", "-c", script], env
+        return ["docker", "run", "--rm", "--network", "none", "-v", mount, "-w", spec.container_workdir,
+                spec.image, "bash", "-c", script], env
+    bin_dir = Path(spec.env_dir) / "bin"
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=spec.env_dir,
+               PYTHONDONTWRITEBYTECODE="1")
+    return ["bash", "-c", command], env
+
+
+# -- grading ---------------------------------------------------------------------------------------------------------
+
+
+def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | None:
+    """Put the test files back as they were at `base_commit`, then apply `test_patch`; None, or why it failed."""
+    for path in test_files_of(spec.test_patch):
+        in_base = subprocess.run(["git", "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace,
+                                 capture_output=True).returncode == 0
+        if in_base:
+            subprocess.run(["git", "checkout", "-q", spec.base_commit, "--", path], cwd=workspace, check=True,
+                           capture_output=True)
+        else:  # a file the patch creates: whatever the agent put there goes
+            target = workspace / path
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+    applied = subprocess.run(["git", "apply", "-v", "-"], cwd=workspace, input=spec.test_patch, text=True,
+                             capture_output=True)
+    return None if applied.returncode == 0 else f"test_patch does not apply: {applied.stderr.strip()[-500:]}"
+
+
+def grade(spec: GradingSpec, workspace: Path) -> Grade:
+    """Restore tests, apply test_patch, run the tests, grade them with swebench."""
+    harness = swebench_harness()
+    constants, grading = harness.constants, harness.grading
+    problem = restore_and_apply_test_patch(spec, workspace)
+    if problem is not None:
+        print(problem)
+        return Grade(0.0, constants.APPLY_PATCH_FAIL)
+    argv, env = test_argv(spec, workspace)
+    run = subprocess.run(argv, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, errors="replace")
+    log = (f"{constants.START_TEST_OUTPUT}\n{run.stdout}\n{constants.END_TEST_OUTPUT}\n"
+           f"{constants.TEST_EXIT_CODE}: {run.returncode}\n")
+    status_map, ran = _logs_eval(spec, log)
+    if not ran:
+        print(run.stdout[-3000:])
+        return Grade(0.0, "TESTS_DID_NOT_RUN", failing=list(spec.fail_to_pass))
+    report = grading.get_eval_tests_report(status_map, {constants.FAIL_TO_PASS: spec.fail_to_pass,
+                                                        constants.PASS_TO_PASS: spec.pass_to_pass})
+    f2p, p2p = report[constants.FAIL_TO_PASS], report[constants.PASS_TO_PASS]
+    resolution = grading.get_resolution_status(report)
+    if spec.reward == "fraction":
+        reward = float(grading.compute_fail_to_pass(report)) if not p2p["failure"] else 0.0
+    else:
+        reward = 1.0 if resolution == constants.ResolvedStatus.FULL.value else 0.0
+    return Grade(reward, resolution, fixed=len(f2p["success"]), kept=len(p2p["success"]),
+                 failing=[*f2p["failure"], *p2p["failure"]])
+
+
+def _logs_eval(spec: GradingSpec, log: str) -> tuple[dict[str, str], bool]:
+    """swebench's get_logs_eval on our log (it reads a file): the status map, and whether the tests really ran."""
+    from swebench.types import TestSpec
+
+    test_spec = TestSpec(instance_id=spec.instance_id, image=spec.image or "", eval_script_list=[], repo="",
+                         version="", FAIL_TO_PASS=spec.fail_to_pass, PASS_TO_PASS=spec.pass_to_pass,
+                         log_parser=spec.log_parser)
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as handle:
+        handle.write(log)
+    try:
+        return swebench_harness().grading.get_logs_eval(test_spec, handle.name)
+    finally:
+        os.unlink(handle.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`env SPEC` or `grade SPEC` (in the workspace); `grade` always ends with a `reward:` line."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("env", "grade"):
+        print("usage: python -m polar_mitm.rollout.swe_grading {env|grade} SPEC", file=sys.stderr)
+        return 2
+    spec = GradingSpec.load(Path(args[1]))
+    if args[0] == "env":
+        print(prepare_env(spec))
+        return 0
+    try:
+        result = grade(spec, Path.cwd())
+    except Exception as exc:  # noqa: BLE001 — any failure is a zero reward with its reason, never a stray number
+        print(f"grading failed: {type(exc).__name__}: {exc}")
+        result = Grade(0.0, "GRADING_ERROR", failing=list(spec.fail_to_pass))
+    with contextlib.suppress(BrokenPipeError):
+        print("\n".join(result.lines(spec)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
