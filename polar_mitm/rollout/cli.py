@@ -224,7 +224,11 @@ def loop_command(
         console.print(iteration_table(done))
 
     load_inputs(tasks, harness)  # a bad task file or harness is one line, before the engine starts
-    results = Loop(cfg, on_iteration=show).run()
+    from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
+
+    quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
+    with RichLoopProgress(console, iterations) as progress:
+        results = Loop(cfg, on_iteration=show, progress=progress).run()
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:
         first, last = results[0], results[-1]
