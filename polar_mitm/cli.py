@@ -40,6 +40,9 @@ def serve(
     seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
     script: Annotated[Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")] = None,
+    token_delay: Annotated[float, typer.Option(help="Test knob: seconds to wait before each sampled token.")] = 0.0,
+    first_token_delay: Annotated[float, typer.Option(
+        help="Test knob: seconds to hold the first token back (a slow prefill).")] = 0.0,
 ) -> None:
     """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
     import os
@@ -49,7 +52,7 @@ def serve(
 
     from polar_mitm.engine.generation import Engine
     from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.engine.server import build_app
+    from polar_mitm.engine.server import Pacing, build_app
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     path = resolve_model(model, seed=seed)
@@ -57,7 +60,8 @@ def serve(
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, script_path=script)
     console.print(f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
                   f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}")
-    uvicorn.run(build_app(engine), host=host, port=port, log_level="warning", access_log=False)
+    pacing = Pacing(token_delay=token_delay, first_token_delay=first_token_delay)
+    uvicorn.run(build_app(engine, pacing), host=host, port=port, log_level="warning", access_log=False)
 
 
 @app.command("chat")

@@ -1,8 +1,9 @@
 """The embedded engine's HTTP server: the subset of SGLang's API the gateway and the RL loop use.
 
 Endpoints: POST /v1/chat/completions, POST /generate, POST /tokenize, POST /update_weights_from_disk,
-GET /model_info, GET /health, GET /v1/models. Errors are SGLang-like JSON (`{"object": "error", ...}`) with HTTP 400
-for bad input; generation runs in worker threads so the event loop keeps answering while a long prompt prefills.
+POST /abort_request, GET /model_info, GET /health, GET /v1/models, and (ours) GET /engine_stats. Errors are
+SGLang-like JSON (`{"object": "error", ...}`) with HTTP 400 for bad input; generation runs in worker threads so the
+event loop keeps answering while a long prompt prefills, and streamed tokens are sent while the next is decoded.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import asyncio
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,7 +26,7 @@ from polar_mitm.engine import chat
 from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, TokenStep
 from polar_mitm.engine.parsers import StreamingSplitter
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
-from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText
+from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText, ParsedStream
 
 BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
 
@@ -45,13 +48,91 @@ def sse(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+@dataclass
+class Pacing:
+    """Test knob: slow the engine down to a known pace (seconds), so tests can observe streaming and aborts.
+
+    `first_token_delay` holds the first token back (a long prefill); `token_delay` every token after it. Both
+    waits end at once when the generation is cancelled.
+    """
+
+    token_delay: float = 0.0
+    first_token_delay: float = 0.0
+
+    def wrap(self, on_token: Callable[[TokenStep], None] | None,
+             cancelled: threading.Event) -> Callable[[TokenStep], None] | None:
+        if not (self.token_delay or self.first_token_delay):
+            return on_token
+        sent = [0]
+
+        def paced(step: TokenStep) -> None:
+            cancelled.wait(self.first_token_delay if sent[0] == 0 else self.token_delay)
+            sent[0] += 1
+            if on_token is not None:
+                on_token(step)
+
+        return paced
+
+
+@dataclass
+class EngineStats:
+    """What the engine did (GET /engine_stats): lets tests see that an abandoned generation really stopped."""
+
+    started: int = 0
+    finished: int = 0
+    aborted: int = 0
+    running: dict[str, int] = field(default_factory=dict)  # request id → tokens sampled so far
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # finished generations, newest last
+
+    def as_json(self) -> dict[str, Any]:
+        return {"started": self.started, "finished": self.finished, "aborted": self.aborted,
+                "running": dict(self.running), "recent": list(self.recent)}
+
+
 class EngineServer:
     """Routes bound to one Engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, pacing: Pacing | None = None) -> None:
         self.engine = engine
+        self.pacing = pacing or Pacing()
+        self.stats = EngineStats()
+        self._cancels: dict[str, threading.Event] = {}  # running request id → its cancel flag (/abort_request)
 
     # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _tracked(self, request_id: str, run: Callable[[threading.Event, Callable[[TokenStep], None] | None],
+                                                     Generation]) -> Callable[..., Generation]:
+        """`run` with its cancel flag registered under `request_id`, paced, and counted in the stats.
+
+        Runs in the worker thread; the stats are only touched there and read whole by /engine_stats.
+        """
+        def tracked(cancelled: threading.Event, on_token: Callable[[TokenStep], None] | None = None) -> Generation:
+            stats = self.stats
+            self._cancels[request_id] = cancelled
+            stats.started += 1
+            stats.running[request_id] = 0
+
+            def counted(step: TokenStep) -> None:
+                stats.running[request_id] = stats.running.get(request_id, 0) + 1
+                if on_token is not None:
+                    on_token(step)
+
+            gen: Generation | None = None
+            try:
+                gen = run(cancelled, self.pacing.wrap(counted, cancelled))
+                return gen
+            finally:
+                self._cancels.pop(request_id, None)
+                stats.running.pop(request_id, None)
+                kind = ((gen.finish_reason or {}).get("type") if gen is not None else "error") or "stop"
+                if kind == "abort":
+                    stats.aborted += 1
+                else:
+                    stats.finished += 1
+                stats.recent.append({"request_id": request_id, "finish_reason": kind,
+                                     "completion_tokens": len(gen.output_ids) if gen is not None else 0})
+
+        return tracked
 
     async def _run_generation(self, request: Request, run: Callable[[threading.Event], Generation]) -> Generation:
         """Generate in a worker thread; a client disconnect sets the cancel flag, which stops decoding."""
@@ -90,6 +171,27 @@ class EngineServer:
     # -- endpoints -----------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def engine_stats(self, request: Request) -> Response:
+        """Generations started, finished, aborted and running (with tokens sampled so far)."""
+        return JSONResponse(self.stats.as_json())
+
+    async def abort_request(self, request: Request) -> Response:
+        """SGLang's `POST /abort_request {"rid": ...}` (or `{"abort_all": true}`): stop those generations.
+
+        A streamed generation then ends with `finish_reason: abort` and its final sglext chunk (the ids so far).
+        """
+        try:
+            body = await read_json(request)
+        except BAD_INPUT as exc:
+            return error_response(str(exc))
+        body = body if isinstance(body, dict) else {}
+        targets = list(self._cancels) if body.get("abort_all") else [body.get("rid")]
+        for rid in targets:
+            cancel = self._cancels.get(rid) if isinstance(rid, str) else None
+            if cancel is not None:
+                cancel.set()
         return Response(status_code=200)
 
     async def model_info(self, request: Request) -> Response:
@@ -153,14 +255,15 @@ class EngineServer:
                     "return_token_ids/return_meta_info are non-streaming only; use return_*_ids_in_sglext")
         except BAD_INPUT as exc:
             return error_response(str(exc))
-        request_id = chat.new_request_id()
+        rid = body.get("rid")
+        request_id = rid if isinstance(rid, str) and rid else chat.new_request_id()
         if job.stream:
             return StreamingResponse(self._chat_stream(job, request_id), media_type="text/event-stream")
         top = job.top_logprobs if job.logprobs else 0
         try:
-            gen = await self._run_generation(request, lambda cancelled: self.engine.generate(
-                job.prompt_ids, job.params, top_logprobs_num=top, cancelled=cancelled, request_id=request_id,
-                tool_names=job.tool_names))
+            gen = await self._run_generation(request, self._tracked(request_id, lambda cancelled, on_token: (
+                self.engine.generate(job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token,
+                                     cancelled=cancelled, request_id=request_id, tool_names=job.tool_names))))
         except BAD_INPUT as exc:
             return error_response(str(exc))
         return JSONResponse(chat.chat_response(self.engine, job, gen))
@@ -168,12 +271,21 @@ class EngineServer:
     async def _chat_stream(self, job: chat.ChatJob, request_id: str) -> AsyncIterator[bytes]:
         engine, model, created = self.engine, self.engine.served_model_name, int(time.time())
         top = job.top_logprobs if job.logprobs else 0
-        queue, cancelled = self._stream_steps(lambda c, on_token: engine.generate(
+        queue, cancelled = self._stream_steps(self._tracked(request_id, lambda c, on_token: engine.generate(
             job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token, cancelled=c,
-            request_id=request_id, tool_names=job.tool_names))
+            request_id=request_id, tool_names=job.tool_names)))
         decoder = IncrementalText(engine.tokenizer, job.params)
         splitter = StreamingSplitter(tool_call_parser=engine.tool_call_parser,
-                                     reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given)
+                                     reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given,
+                                     offered=job.tool_names)
+        shaper = ParsedStream(tools_active=splitter.tools, reasoning_active=splitter.reasoning)
+
+        def parse(text: str, final: bool = False) -> list[tuple[str, object]]:
+            # Shaped so that the deltas add up to the non-streamed answer's content and reasoning.
+            shaper.note_text(text)
+            pieces = shaper.shape(splitter.feed(text, final=final))
+            return pieces + shaper.finish() if final else pieces
+
         calls = []
         try:
             yield sse(chat.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
@@ -185,7 +297,7 @@ class EngineServer:
                     break
                 if isinstance(item, Generation):
                     gen = item
-                    pieces = splitter.feed(decoder.finish(gen), final=True)
+                    pieces = parse(decoder.finish(gen), final=True)
                     for payload in self._deltas(pieces, calls):
                         yield sse(chat.chunk(request_id, model, created, payload))
                     yield sse(chat.chunk(request_id, model, created, {},
@@ -210,7 +322,7 @@ class EngineServer:
                 if job.logprobs:
                     logprobs = {"content": [chat.token_logprob_entry(engine, step.token_id, step.logprob,
                                                                      step.top_logprobs)]}
-                pieces = splitter.feed(decoder.push(step.token_id))
+                pieces = parse(decoder.push(step.token_id))
                 deltas = list(self._deltas(pieces, calls))
                 if not deltas:
                     deltas = [{"content": ""}] if logprobs else []
@@ -264,14 +376,15 @@ class EngineServer:
         if body.get("stream"):
             return StreamingResponse(self._generate_stream(prompt_ids, params, top, result),
                                      media_type="text/event-stream")
-        gen = await self._run_generation(request, lambda cancelled: self.engine.generate(
-            prompt_ids, params, top_logprobs_num=top, cancelled=cancelled))
+        gen = await self._run_generation(request, self._tracked(chat.new_request_id(), lambda cancelled, on_token: (
+            self.engine.generate(prompt_ids, params, top_logprobs_num=top, on_token=on_token,
+                                 cancelled=cancelled))))
         return JSONResponse(result(gen, gen.text, gen.output_ids, True))
 
     async def _generate_stream(self, prompt_ids, params, top, result) -> AsyncIterator[bytes]:
         # SGLang's default: each chunk is cumulative (full text and ids so far).
-        queue, cancelled = self._stream_steps(lambda c, on_token: self.engine.generate(
-            prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=c))
+        queue, cancelled = self._stream_steps(self._tracked(chat.new_request_id(), lambda c, on_token: (
+            self.engine.generate(prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=c))))
         partial = Generation(request_id="", prompt_ids=prompt_ids, weight_version=self.engine.weight_version)
         decoder = IncrementalDecoder(self.engine.tokenizer, params.skip_special_tokens)
         text = ""
@@ -297,6 +410,8 @@ class EngineServer:
         return [
             Route("/health", self.health, methods=["GET"]),
             Route("/health_generate", self.health, methods=["GET"]),
+            Route("/engine_stats", self.engine_stats, methods=["GET"]),
+            Route("/abort_request", self.abort_request, methods=["POST"]),
             Route("/model_info", self.model_info, methods=["GET"]),
             Route("/get_model_info", self.model_info, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -307,5 +422,5 @@ class EngineServer:
         ]
 
 
-def build_app(engine: Engine) -> Starlette:
-    return Starlette(routes=EngineServer(engine).routes())
+def build_app(engine: Engine, pacing: Pacing | None = None) -> Starlette:
+    return Starlette(routes=EngineServer(engine, pacing).routes())

@@ -19,6 +19,8 @@ from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.gateway.live import LiveAnswer
+from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
 from polar_mitm.records import last_seq_by_session
@@ -58,6 +60,8 @@ class PolarGateway:
         self.prompts: PromptBuilder | None = None
         self._proxy_users: dict[str, str] = {}
         self._disconnects: dict[str, asyncio.Event] = {}  # client connection id → set when it closes
+        self.live = LiveServer()  # sends live-streamed answers, which mitmproxy streams on (live_server.py)
+        self._live_flows: dict[str, tuple[str, dict[str, Any], LiveAnswer]] = {}  # flow id → (token, request, answer)
         self._engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json once the engine answers
 
     def load(self, loader) -> None:
@@ -88,6 +92,13 @@ class PolarGateway:
                           "harness's messages.", choices=["tokens", "messages"])
         loader.add_option("polar_tokenizer", str, "",
                           "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path).")
+        loader.add_option("polar_stream", str, "live",
+                          "Streamed calls: `live` (the engine streams; the harness gets events as tokens are sampled) "
+                          "or `replay` (answer whole from the engine, then replay it as SSE; for engines that cannot "
+                          "stream ids).", choices=["live", "replay"])
+        loader.add_option("polar_keepalive_seconds", str, "10",  # a str: `--set` cannot parse float options
+                          "Live streams: send the provider's keep-alive (Anthropic ping, SSE comment) after this "
+                          "many seconds of silence, so harness idle timeouts do not fire (0 = never).")
 
     def configure(self, updated: set[str]) -> None:
         opts = ctx.options
@@ -111,6 +122,8 @@ class PolarGateway:
             max_tokens=opts.polar_max_tokens or None,
             extra_models=[m.strip() for m in opts.polar_models.split(",") if m.strip()],
             max_body_bytes=opts.polar_max_body_mb << 20,
+            stream=opts.polar_stream,
+            keepalive_seconds=optional_float(opts.polar_keepalive_seconds, "polar_keepalive_seconds") or 0.0,
         )
         previous = self.gateway
         if self.prompts is None or {"polar_prompt_mode", "polar_tokenizer", "polar_backend"} & updated:
@@ -177,10 +190,59 @@ class PolarGateway:
         if answer is None:
             return  # passthrough upstream: the real provider needs the credentials
         scrub_credentials(flow)
+        if isinstance(answer, LiveAnswer):
+            await self._go_live(flow, answer)
+            return
         headers_out: dict[str, Any] = {"content-type": answer.content_type, **(answer.headers or {})}
         flow.response = http.Response.make(answer.status, answer.body, headers_out)
         if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
             flow.metadata.update(answer.meta)
+
+    async def _go_live(self, flow: http.HTTPFlow, answer: LiveAnswer) -> None:
+        """Send the flow to the live server, which writes the answer as it is generated (see live_server.py)."""
+        await self.live.start()
+        token = self.live.register(answer)
+        req = flow.request
+        self._live_flows[flow.id] = (token, {"scheme": req.scheme, "host": req.host, "port": req.port,
+                                             "path": req.path, "headers": req.headers.copy(),
+                                             "raw_content": req.raw_content}, answer)
+        req.scheme, req.host, req.port = "http", "127.0.0.1", self.live.port
+        req.path = PATH_PREFIX + token
+        # The answer is already planned: no need to copy the prompt over loopback.
+        for name in ("content-encoding", "transfer-encoding"):
+            req.headers.pop(name, None)
+        req.headers["content-length"] = "0"
+        req.raw_content = b""
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """A live answer's body is streamed to the harness chunk by chunk, as the live server writes it."""
+        if flow.id in self._live_flows:
+            flow.response.stream = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        live = self._live_flows.pop(flow.id, None)
+        if live is not None:
+            _token, original, answer = live
+            self._restore(flow, original)
+            if answer.row is not None:  # saved with `mitmdump -w`, as for answers sent whole
+                flow.metadata["polar_record"] = answer.row
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        """A live flow that failed before its answer was fetched still gets its call run (and recorded)."""
+        live = self._live_flows.pop(flow.id, None)
+        if live is not None:
+            token, original, _answer = live
+            self.live.abandon(token)
+            self._restore(flow, original)
+
+    @staticmethod
+    def _restore(flow: http.HTTPFlow, original: dict[str, Any]) -> None:
+        """The request as the harness sent it (for `mitmdump -w` files and logs)."""
+        req = flow.request
+        req.scheme, req.host, req.port, req.path = (original["scheme"], original["host"], original["port"],
+                                                    original["path"])
+        req.headers = original["headers"]
+        req.raw_content = original["raw_content"]
 
     def _gateway_request(self, flow: http.HTTPFlow) -> GatewayRequest:
         """The flow as the gateway sees it: credentials still in (identity reads `polar-…` keys), text made UTF-8.
@@ -213,5 +275,6 @@ class PolarGateway:
             try:
                 loop = asyncio.get_running_loop()
                 loop.create_task(self.engine.aclose())
+                loop.create_task(self.live.close())
             except RuntimeError:
                 pass

@@ -2,7 +2,9 @@
 
 Life of a model call: resolve identity → detect the provider → decode the body (content encoding, JSON; worker
 thread) → ask the engine (async HTTP, cancelled when the harness disconnects) → encode the provider answer, JSON or
-SSE replay (worker thread) → append the record durably → answer the harness. Nothing here blocks the event loop:
+SSE replay (worker thread) → append the record durably → answer the harness. A call the harness streams goes live
+instead (`polar_stream=live`, gateway/live.py): the engine streams and the harness gets events as tokens are sampled.
+Nothing here blocks the event loop:
 JSON work of prompt-sized payloads runs in threads. Every failure, expected or not, is answered in the provider's
 own error shape and recorded.
 """
@@ -27,6 +29,7 @@ from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
 from polar_mitm.records import Record
 
@@ -51,6 +54,8 @@ class GatewayConfig:
     max_tokens: int | None = None  # caps the harness's max_tokens
     extra_models: list[str] = field(default_factory=list)
     max_body_bytes: int = 64 << 20  # larger request bodies (raw or decoded) get a 413
+    stream: str = "live"  # live: stream from the engine as it samples (gateway/live.py) | replay: answer, then SSE
+    keepalive_seconds: float = 10.0  # live streams: a keep-alive after this much silence (0 = never)
 
 
 @dataclass
@@ -88,8 +93,10 @@ class Gateway:
 
     # -- entry point ---------------------------------------------------------------------------------------------
 
-    async def handle(self, req: GatewayRequest) -> HttpAnswer | None:
+    async def handle(self, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
         """The answer for `req`, or None to let it go upstream (passthrough of non-model traffic).
+
+        A streamed model call in `live` mode is a LiveAnswer: the transport runs it, and it writes as it goes.
 
         Never raises: an unexpected failure is answered in the provider's error shape and recorded.
         """
@@ -99,7 +106,7 @@ class Gateway:
             log.exception("unexpected error on %s %s", req.method, req.path)
             return await self._internal_error(req, exc)
 
-    async def _route(self, req: GatewayRequest) -> HttpAnswer | None:
+    async def _route(self, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
         who, path = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
                                   connection_id=req.connection_id)
         if req.headers.get("upgrade", "").lower() == "websocket":
@@ -231,7 +238,8 @@ class Gateway:
 
     # -- model calls ---------------------------------------------------------------------------------------------
 
-    async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
+    async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str,
+                          codec: Codec) -> HttpAnswer | LiveAnswer:
         record = self._new_record(req, who, path, codec)
         step: PromptStep | None = None
         try:
@@ -241,9 +249,16 @@ class Gateway:
             record.stream, record.model_requested = conv.stream, conv.model
             record.messages_json = orjson.dumps(conv.messages_json()).decode()
             record.tools_json = orjson.dumps(conv.tools_json()).decode()
+            live = conv.stream and self.config.stream == "live"
+            if live:  # the engine streams too; the harness gets tokens as they are sampled
+                live_engine_request(engine_request, record.request_id)
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
             step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request)
             record.prompt_mode, record.splice_reason = step.mode, step.reason
+            if live:
+                return LiveAnswer(LiveCall(self, codec, conv, record, step, engine_body, req.disconnected,
+                                           keepalive_seconds=self.config.keepalive_seconds,
+                                           prompt_tokens=len(engine_request.get("input_ids") or ())))
             raw = await self._ask_engine(engine_body, req.disconnected)
             answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
             await self.prompts.complete(step, completion)
@@ -266,6 +281,16 @@ class Gateway:
             answer = codec.encode_error(err)
             record.error, record.status_code = f"internal: {exc!r}", answer.status
             return with_record(answer, await self._persist(record))
+        self._fill_record(record, conv, completion, response, answer.status)
+        return with_record(answer, await self._persist(record))
+
+    @staticmethod
+    def _fill_record(record: Record, conv: Conversation, completion: Completion, response: str | None,
+                     status: int) -> None:
+        """A finished call's record: what the engine did (ids, logprobs, finish, sampling) and the answer sent.
+
+        Shared by the answered-whole and the live-streamed paths, so their records cannot drift apart.
+        """
         record.model_used = completion.model
         record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids
         record.completion_logprobs = completion.completion_logprobs
@@ -276,8 +301,7 @@ class Gateway:
         record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
         record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
         record.greedy = is_greedy(conv.sampling)
-        record.status_code = answer.status
-        return with_record(answer, await self._persist(record))
+        record.status_code = status
 
     def _abandon(self, step: PromptStep | None) -> None:
         """The call failed after its prompt was planned: no chain moves; stop a pending rendering check."""

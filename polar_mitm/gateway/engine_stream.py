@@ -1,0 +1,171 @@
+"""An engine's streamed chat answer, assembled: deltas for the live encoders as chunks arrive, and at the end the
+same `Completion` the non-streamed path builds — or an error when the stream's ids and logprobs do not add up.
+
+The engine streams SGLang's shape: `chat.completion.chunk`s whose deltas carry `content`, `reasoning_content` and
+`tool_calls` (whole, or — SGLang's incremental parsers — a name first, then argument pieces, keyed by `index`),
+each with the logprobs of the tokens it covers; a finish chunk (`finish_reason`, `matched_stop`); the sglext
+chunk (`choices: []`, `sglext: {input_ids, output_ids}`); the usage chunk; `[DONE]`. A tool call is handed on
+once it has closed (another call, text, or the finish follows), never half-written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_mitm.codecs.base import GatewayError
+from polar_mitm.codecs.live.base import Delta
+from polar_mitm.conversation import Completion, ToolCall
+
+
+@dataclass
+class _OpenCall:
+    id: str
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class StreamAssembler:
+    """Feeds on an engine's parsed stream chunks; yields deltas; assembles the Completion at the end."""
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.model = ""
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.logprobs: list[Any] = []  # the OpenAI `logprobs.content` entries, in order
+        self.finish_reason: str | None = None
+        self.matched_stop: Any = None
+        self.input_ids: list[int] | None = None
+        self.output_ids: list[int] | None = None
+        self.weight_version: str | None = None
+        self.usage: dict[str, Any] = {}
+        self.chunks = 0
+        self._open: dict[int, _OpenCall] = {}  # tool calls still being written, by index
+
+    def feed(self, chunk: Any) -> list[Delta]:
+        """The deltas one engine chunk brings (raises GatewayError on an in-stream engine error)."""
+        if not isinstance(chunk, dict):
+            raise GatewayError("engine_error", f"the engine streamed a chunk that is not an object: {chunk!r:.200}")
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+            raise GatewayError("engine_error", f"the engine failed mid-stream: {error.get('message', error)!r:.500}")
+        self.chunks += 1
+        self.id = self.id or str(chunk.get("id") or "")
+        self.model = self.model or str(chunk.get("model") or "")
+        self._take_extras(chunk)
+        deltas: list[Delta] = []
+        for choice in chunk.get("choices") or ():
+            deltas += self._choice(choice)
+        return deltas
+
+    def finish(self) -> list[Delta]:
+        """The stream ended: close the calls still open."""
+        return self._close_calls()
+
+    def _take_extras(self, chunk: dict[str, Any]) -> None:
+        ext = chunk.get("sglext")
+        if isinstance(ext, dict):
+            if ext.get("input_ids") is not None:
+                self.input_ids = _flat(ext["input_ids"])
+            if ext.get("output_ids") is not None:
+                self.output_ids = _flat(ext["output_ids"])
+            if ext.get("weight_version") is not None:
+                self.weight_version = str(ext["weight_version"])
+        metadata = chunk.get("metadata")
+        if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
+            self.weight_version = str(metadata["weight_version"])
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+
+    def _choice(self, choice: dict[str, Any]) -> list[Delta]:
+        deltas: list[Delta] = []
+        delta = choice.get("delta") or {}
+        if delta.get("tool_calls"):
+            for piece in delta["tool_calls"]:
+                deltas += self._call_piece(piece)
+        for key, kind, store in (("reasoning_content", "reasoning", self.reasoning), ("content", "text",
+                                                                                    self.content)):
+            text = delta.get(key)
+            if isinstance(text, str) and text:
+                deltas += self._close_calls()
+                store.append(text)
+                deltas.append(Delta(kind, text))  # type: ignore[arg-type]
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and logprobs.get("content"):
+            self.logprobs += logprobs["content"]
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+            self.matched_stop = choice.get("matched_stop")
+            deltas += self._close_calls()
+        return deltas
+
+    def _call_piece(self, piece: dict[str, Any]) -> list[Delta]:
+        index = piece.get("index", len(self.calls) + len(self._open))
+        function = piece.get("function") or {}
+        out: list[Delta] = []
+        if index not in self._open:
+            out = self._close_calls()  # a new call closes the one before it
+            self._open[index] = _OpenCall(id=str(piece.get("id") or f"call_{index}"))
+        call = self._open[index]
+        call.name += function.get("name") or ""
+        if function.get("arguments"):
+            call.arguments.append(function["arguments"])
+        return out
+
+    def _close_calls(self) -> list[Delta]:
+        closed = [ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments) or "{}")
+                  for _, c in sorted(self._open.items())]
+        self._open.clear()
+        self.calls += closed
+        return [Delta("tool_call", call=call) for call in closed]
+
+    # -- the end -----------------------------------------------------------------------------------------------
+
+    def engine_response(self) -> dict[str, Any]:
+        """The stream as the non-streamed engine answer would have said it (`Completion.from_engine_response`)."""
+        finish = self.finish_reason or "stop"
+        meta = {"id": self.id, "prompt_tokens": len(self.input_ids or ()), "completion_tokens": len(
+            self.output_ids or ()), "finish_reason": {"type": "stop" if finish == "tool_calls" else finish,
+                                                     "matched": self.matched_stop},
+                "weight_version": self.weight_version, "streamed": True}
+        cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            meta["cached_tokens"] = cached
+        message = {"role": "assistant", "content": "".join(self.content),
+                   "reasoning_content": "".join(self.reasoning) or None,
+                   "tool_calls": [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]}
+        return {"id": self.id, "model": self.model, "choices": [{
+            "message": message, "finish_reason": finish, "prompt_token_ids": self.input_ids,
+            "response_token_ids": self.output_ids, "logprobs": {"content": self.logprobs}, "meta_info": meta}]}
+
+    def completion(self) -> Completion:
+        """The finished Completion, validated as the non-streamed answer is; ValueError when the ids or logprobs
+        are missing or do not add up (the call is then recorded as an error, never as training data)."""
+        if self.finish_reason is None:
+            raise ValueError("the engine's stream ended without a finish reason")
+        if self.input_ids is None or self.output_ids is None:
+            raise ValueError("the engine's stream has no sglext ids (return_input_ids_in_sglext / "
+                             "return_output_ids_in_sglext ignored?)")
+        completion = Completion.from_engine_response(self.engine_response())
+        return completion
+
+    def display(self) -> Completion:
+        """What the harness is shown when the ids did not add up: the text, calls and finish, no ids."""
+        finish = self.finish_reason if self.finish_reason in ("stop", "length", "tool_calls", "abort") else "stop"
+        if self.calls and finish == "stop":
+            finish = "tool_calls"
+        return Completion(id=self.id, model=self.model, content="".join(self.content),
+                          reasoning="".join(self.reasoning) or None, tool_calls=list(self.calls),
+                          finish_reason=finish,  # type: ignore[arg-type]
+                          prompt_ids=list(self.input_ids or ()), completion_ids=list(self.output_ids or ()),
+                          completion_logprobs=[], weight_version=self.weight_version)
+
+
+def _flat(ids: Any) -> list[int]:
+    """sglext ids: `[[...]]` (one list per choice) or a flat list (SGLang's shared prompt); we ask for one choice."""
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return ids[0]
+    return ids

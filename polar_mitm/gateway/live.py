@@ -1,0 +1,390 @@
+"""Live streaming of one model call: the engine streams, the harness gets its provider's events as they arrive,
+and the record written at the end holds what the non-streamed path would record.
+
+Life of a live call: open the engine stream (`stream: true`, per-chunk logprobs, ids in the sglext chunk; an
+engine that refuses answers in the provider's error shape) → commit the answer (HTTP 200 + the provider's opening
+events) at the engine's first chunk, or at the first keep-alive tick if the engine is silent that long → each
+engine chunk's deltas go out at once, coalesced when several wait → at the engine's end: the `Completion` built and
+validated as in the non-streamed path, the chain advanced, the record appended durably, *then* the closing events.
+
+A stream whose ids or logprobs do not add up still ends normally for the harness (it saw a good answer), but its
+record is an error, never training data. When the harness goes away mid-stream the engine is told to abort
+(`/abort_request`, SGLang's API), the rest of its stream is read for the ids sampled so far, and the call is
+recorded as `abort` with those ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+import orjson
+
+from polar_mitm.codecs.base import Codec, GatewayError
+from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
+from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
+from polar_mitm.gateway.engine_client import sse_frames
+from polar_mitm.gateway.engine_stream import StreamAssembler
+from polar_mitm.gateway.prompts import PromptStep
+from polar_mitm.records import Record
+
+if TYPE_CHECKING:
+    from polar_mitm.gateway.service import Gateway
+
+log = logging.getLogger("polar_mitm.live")
+
+ABORT_DRAIN_SECONDS = 10.0  # after an abort, how long to wait for the engine's last chunk (the ids so far)
+LARGE_JSON = 32 << 10  # engine chunks above this (the sglext ids of a long prompt) are parsed off the event loop
+
+
+class Responder(Protocol):
+    """Where a live answer goes (the transport): status line and headers once, then bytes as they come."""
+
+    async def begin(self, status: int, content_type: str, headers: dict[str, str]) -> None: ...
+
+    async def send(self, data: bytes) -> None: ...  # raises ConnectionError (or OSError) when the client is gone
+
+    async def end(self) -> None: ...
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TICK, GONE, END = _Marker("TICK"), _Marker("GONE"), _Marker("END")  # keep-alive due, client gone, engine done
+
+
+class _ClientGone(Exception):
+    """The harness disconnected (its connection closed, or a write to it failed)."""
+
+
+def live_engine_request(request: dict[str, Any], rid: str) -> None:
+    """Turn the engine request into SGLang's streamed form: ids through sglext, usage at the end, our request id
+    (so the call can be aborted by name). `return_token_ids`/`return_meta_info` are refused with `stream: true`."""
+    request.pop("return_token_ids", None)
+    request.pop("return_meta_info", None)
+    request.update(stream=True, stream_options={"include_usage": True}, return_input_ids_in_sglext=True,
+                   return_output_ids_in_sglext=True, rid=rid)
+
+
+class LiveAnswer:
+    """A model call answered as it is generated; the transport calls `run` once with its responder."""
+
+    def __init__(self, call: LiveCall) -> None:
+        self.call = call
+        self.request_id = call.record.request_id
+
+    @property
+    def row(self) -> dict[str, Any] | None:
+        """The record, once written (before the last bytes go out): for the flow's metadata."""
+        return self.call.row
+
+    async def run(self, out: Responder) -> None:
+        await self.call.run(out)
+
+
+class LiveCall:
+    """One streamed model call, from the engine request to the durable record."""
+
+    def __init__(self, gateway: Gateway, codec: Codec, conv: Conversation, record: Record, step: PromptStep,
+                 engine_body: bytes, disconnected: asyncio.Event | None, *, keepalive_seconds: float,
+                 prompt_tokens: int = 0) -> None:
+        self.gateway, self.codec, self.conv, self.record, self.step = gateway, codec, conv, record, step
+        self.engine_body, self.disconnected = engine_body, disconnected
+        self.keepalive_seconds = keepalive_seconds
+        self.prompt_tokens = prompt_tokens
+        self.assembler = StreamAssembler()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.encoder: LiveStream | None = None
+        self.out: Responder | None = None
+        self.begun = False  # the provider's opening events are written (the answer is committed)
+        self.headers_sent = False
+        self.visible = False  # text or a tool call reached the harness (harness_safe's all-reasoning rule)
+        self.offered = {tool.name for tool in conv.tools}
+        self.row: dict[str, Any] | None = None
+
+    # -- the whole call ----------------------------------------------------------------------------------------
+
+    async def run(self, out: Responder) -> dict[str, Any]:
+        """Stream the answer to `out`; returns the record row. Never raises."""
+        self.out = out
+        try:
+            return await self._run()
+        except GatewayError as err:
+            return await self._failed(err)
+        except Exception as exc:  # a gateway bug: the harness still gets its provider's error shape
+            log.exception("unexpected error in a live stream")
+            return await self._failed(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
+
+    async def _run(self) -> dict[str, Any]:
+        async with self.gateway.engine.open_stream(self.engine_body) as resp:
+            reader = asyncio.ensure_future(self._read(resp))
+            watcher = asyncio.ensure_future(self._watch())
+            try:
+                await self._pump()
+                return await self._finished()
+            except _ClientGone:
+                return await self._aborted()
+            finally:
+                watcher.cancel()
+                reader.cancel()
+
+    # -- reading the engine ------------------------------------------------------------------------------------
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> None:
+        """Engine SSE → parsed chunks on the queue, then END (or the error that ended the stream)."""
+        try:
+            async for _event, data in sse_frames(resp):
+                if data == b"[DONE]":
+                    break
+                chunk = orjson.loads(data) if len(data) < LARGE_JSON else await asyncio.to_thread(orjson.loads, data)
+                self.queue.put_nowait(chunk)
+            self.queue.put_nowait(END)
+        except ValueError as exc:
+            self.queue.put_nowait(GatewayError("engine_error", f"the engine streamed malformed JSON: {exc}"))
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.queue.put_nowait(GatewayError("engine_error", f"the engine's stream broke off: {exc!r}"))
+
+    async def _watch(self) -> None:
+        if self.disconnected is not None:
+            await self.disconnected.wait()
+            self.queue.put_nowait(GONE)
+
+    async def _next_batch(self) -> list[Any]:
+        """What the queue holds now (at least one item), or [TICK] when a keep-alive is due first."""
+        if self.queue.empty():
+            timeout = self.keepalive_seconds if self.keepalive_seconds > 0 else None
+            try:
+                first = await asyncio.wait_for(self.queue.get(), timeout)
+            except TimeoutError:
+                return [TICK]
+        else:
+            first = self.queue.get_nowait()
+        batch = [first]
+        while not self.queue.empty():
+            batch.append(self.queue.get_nowait())
+        return batch
+
+    # -- writing the harness -----------------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        """Engine chunks → provider events, until the engine's END (raises on errors and on a gone client)."""
+        while True:
+            data = bytearray()
+            done = False
+            for item in await self._next_batch():
+                if item is TICK:
+                    data += self._commit_bytes() + self._encoder().keepalive()
+                elif item is GONE:
+                    raise _ClientGone
+                elif item is END:
+                    done = True
+                elif isinstance(item, GatewayError):
+                    raise item
+                else:
+                    deltas = self.assembler.feed(item)
+                    data += self._commit_bytes()  # the engine's first chunk commits the answer
+                    data += self._encode(deltas)
+            await self._send(bytes(data))
+            if done:
+                return
+
+    def _encoder(self) -> LiveStream:
+        if self.encoder is None:
+            # The engine's id when its first chunk is here; else ours (a keep-alive came first). The finished
+            # completion takes the same id, so the record's response matches what the harness was sent.
+            head_id = self.assembler.id or f"chatcmpl-{self.record.request_id.removeprefix('req_')}"
+            self.encoder = live_stream(self.codec.name, self.conv,
+                                       StreamHead(id=head_id, model=self.assembler.model,
+                                                  prompt_tokens=self.prompt_tokens))
+        return self.encoder
+
+    def _commit_bytes(self) -> bytes:
+        """The provider's opening events, the first time only."""
+        if self.begun:
+            return b""
+        self.begun = True
+        return self._encoder().start()
+
+    async def _send(self, data: bytes) -> None:
+        assert self.out is not None
+        if self.begun and not self.headers_sent:
+            self.headers_sent = True
+            await self._begin(200, self._encoder().content_type)
+        if not data:
+            return
+        try:
+            await self.out.send(data)
+        except (ConnectionError, OSError, aiohttp.ClientError) as exc:
+            raise _ClientGone from exc
+
+    async def _begin(self, status: int, content_type: str) -> None:
+        assert self.out is not None
+        try:
+            await self.out.begin(status, content_type, {"cache-control": "no-cache",
+                                                        "x-polar-request-id": self.record.request_id})
+        except (ConnectionError, OSError) as exc:
+            raise _ClientGone from exc
+
+    def _encode(self, deltas: list[Delta]) -> bytes:
+        encoder = self._encoder()
+        return b"".join(encoder.delta(delta) for delta in self._checked(deltas))
+
+    def _checked(self, deltas: list[Delta]) -> list[Delta]:
+        """Tool calls the harness cannot run (a tool it does not offer, arguments that are not a JSON object) go
+        out as the text the model wrote, as the non-streamed path's `harness_safe` does."""
+        checked = []
+        for delta in deltas:
+            if delta.kind == "tool_call" and delta.call is not None and not self._runnable(delta.call):
+                shown = _call_as_text(delta.call)
+                delta = Delta("text", ("\n" + shown) if self.visible else shown)
+            if delta.kind != "reasoning":
+                self.visible = True
+            checked.append(delta)
+        return checked
+
+    def _runnable(self, call: ToolCall) -> bool:
+        if call.name not in self.offered:
+            return False
+        try:
+            return isinstance(orjson.loads(call.arguments or "{}"), dict)
+        except ValueError:
+            return False
+
+    # -- the three endings -------------------------------------------------------------------------------------
+
+    async def _finished(self) -> dict[str, Any]:
+        """The engine finished: validate, record durably, then send the closing events."""
+        tail = self._encode(self.assembler.finish())
+        try:
+            completion = await _offload(self.assembler.completion, len(self.assembler.input_ids or ()))
+            problem = None
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            completion, problem = self.assembler.display(), str(exc)
+        if completion.weight_version is None and problem is None:
+            completion.weight_version = await self._weight_version()
+        completion.id = self._encoder().head.id
+        completion.meta_json = orjson.dumps(completion.meta_info).decode()
+        harness_safe(completion, [tool.name for tool in self.conv.tools])  # as the non-streamed path does
+        if not self.visible and completion.content:  # all reasoning: shown as text, as the JSON answer does
+            tail += self._encoder().delta(Delta("text", completion.content))
+        record = self.record
+        if problem is None:
+            response = await _offload(self._response_json, len(completion.prompt_ids), completion)
+            await self.gateway.prompts.complete(self.step, completion)
+            record.spliced_turns, record.splice_reason = self.step.spliced_turns, self.step.reason
+            self.gateway._fill_record(record, self.conv, completion, response, 200)
+        else:
+            self.gateway._abandon(self.step)
+            record.error = f"engine_error: the streamed answer's ids/logprobs do not add up: {problem}"
+            record.status_code = 200  # the harness got its answer; only the record is unusable
+        row = self.row = await self.gateway._persist(record)
+        await self._send(tail + self._encoder().finish(completion))
+        await self._end()
+        return row
+
+    async def _aborted(self) -> dict[str, Any]:
+        """The harness left: abort the engine, read its last chunks for the ids so far, record `abort`."""
+        self.gateway._abandon(self.step)
+        try:
+            await self.gateway.engine.abort_request(self.record.request_id)
+        except GatewayError as exc:  # an engine without /abort_request stops when the connection closes
+            log.info("abort_request for %s: %s", self.record.request_id, exc.message)
+        completion = await self._drain()
+        record = self.record
+        if completion is not None:
+            completion.id = self.assembler.id
+            completion.meta_json = orjson.dumps(completion.meta_info).decode()
+            self.gateway._fill_record(record, self.conv, completion, None, 499)
+            sampled = f"after {completion.completion_tokens} sampled tokens (recorded)"
+        else:
+            sampled = "before its ids could be read"
+        record.finish_reason, record.status_code = "abort", 499
+        record.error = f"abort: the client disconnected mid-stream; the engine generation was aborted {sampled}"
+        row = self.row = await self.gateway._persist(record)
+        await self._end()
+        return row
+
+    async def _drain(self) -> Completion | None:
+        """The rest of the engine's stream after an abort, for its sglext ids (None if they do not come)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ABORT_DRAIN_SECONDS
+        while (left := deadline - loop.time()) > 0:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), left)
+            except TimeoutError:
+                break
+            if item is END:
+                self.assembler.finish()
+                try:
+                    return self.assembler.completion()
+                except (ValueError, KeyError, IndexError, TypeError):
+                    return None
+            if isinstance(item, GatewayError):
+                return None
+            if isinstance(item, dict):
+                try:
+                    self.assembler.feed(item)
+                except GatewayError:
+                    return None
+        return None
+
+    async def _failed(self, err: GatewayError) -> dict[str, Any]:
+        """An error: the provider's error answer (or in-stream error event once committed), recorded."""
+        self.gateway._abandon(self.step)
+        record = self.record
+        record.error = f"{err.kind}: {err.message}"
+        try:
+            if self.begun:
+                record.status_code = 200
+                await self._send(self._encoder().fail(err))
+            else:
+                answer = self.codec.encode_error(err)
+                record.status_code = answer.status
+                await self._begin(answer.status, answer.content_type)
+                assert self.out is not None
+                await self.out.send(answer.body)
+        except _ClientGone:
+            pass
+        row = self.row = await self.gateway._persist(record)
+        await self._end()
+        return row
+
+    async def _end(self) -> None:
+        assert self.out is not None
+        try:
+            await self.out.end()
+        except (ConnectionError, OSError):
+            pass
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _response_json(self, completion: Completion) -> str:
+        return orjson.dumps(self.codec.encode_response(self.conv, completion)).decode()
+
+    async def _weight_version(self) -> str | None:
+        """SGLang's streamed chunks do not carry the weight version: ask the engine (weights change between RL
+        iterations, while no call runs)."""
+        try:
+            return await self.gateway.engine.weight_version()
+        except GatewayError:
+            return None
+
+
+def _call_as_text(call: ToolCall) -> str:
+    """A call the harness cannot run, in the model's own `<tool_call>` notation."""
+    name = orjson.dumps(call.name).decode()
+    return f'<tool_call>\n{{"name": {name}, "arguments": {call.arguments or "{}"}}}\n</tool_call>'
+
+
+async def _offload(fn, size: int, *args):
+    """Run `fn` in a worker thread when its payload (ids) is large, so long prompts never stall the event loop."""
+    if size < 8192:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
