@@ -85,3 +85,16 @@ def proxy_env(gateway, monkeypatch):
             monkeypatch.delenv(name, raising=False)
 
     return apply
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The demo's RL loop (README's main job), shortened to one training iteration + the trained policy's rollout.
+
+    Shared by the learning test and the report tests: (run directory, the loop's per-iteration stats).
+    """
+    from polar_mitm.demo import demo_loop_config
+    from polar_mitm.rollout.loop import Loop
+
+    run_dir = tmp_path_factory.mktemp("demo-run")
+    return run_dir, Loop(demo_loop_config(model="tiny", iterations=1, run_dir=run_dir)).run()

@@ -1,0 +1,11 @@
+"""`polar-mitm report RUN_DIR`: one self-contained static HTML page for a loop, rollout, merge or train directory.
+
+`collect` reads what a run left on disk (loop.json, each iteration's rewards, merge summary, training metrics and
+merged sequences), `charts` draws the curves as inline SVG with matplotlib, `trajectories` decodes a few merged
+sequences for the token viewer, and `render` fills one Jinja2 template with inline CSS and JS — no server, no
+network, nothing fetched when the page opens.
+"""
+
+from polar_mitm.report.render import write_report
+
+__all__ = ["write_report"]

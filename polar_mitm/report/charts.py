@@ -1,0 +1,139 @@
+"""The report's curves, drawn by matplotlib as inline SVG (text kept as text, so the page stays small and sharp).
+
+Why matplotlib: it is already the project's plotting library (`polar-mitm plot`, `stats`, the demo's PNG), it
+writes standalone SVG that any browser shows with no script and no network, and it is well kept. An interactive
+JS library would have to be inlined into every report (plotly.js is ~4 MB, Bokeh's ~1 MB) for hover on curves
+the report does not need — the token viewer, where hover matters, is plain HTML.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from polar_mitm.report.collect import RunData, reward_summary
+
+# (chart id, title, y label, metric keys) of the per-step training curves, in display order.
+STEP_CHARTS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("loss", "loss", "loss", ("loss",)),
+    ("kl", "KL to the reference model", "KL", ("kl",)),
+    ("clip", "clip ratio", "fraction of tokens", ("clip_ratio/region_mean", "clip_ratio/low_mean",
+                                                   "clip_ratio/high_mean")),
+    ("staleness", "staleness (weight versions behind)", "versions", ("staleness/mean", "staleness/max")),
+)
+
+
+@dataclass
+class Chart:
+    """One figure of the report: its id (for the page and its tests), title, and SVG markup or why it is empty."""
+
+    chart_id: str
+    title: str
+    svg: str | None
+    note: str = ""
+
+
+def step_series(run: RunData) -> tuple[list[dict[str, Any]], list[int]]:
+    """All training log rows of the run on one global step axis, and the steps where a new iteration starts."""
+    rows: list[dict[str, Any]] = []
+    boundaries: list[int] = []
+    offset = 0
+    for stage in run.stages:
+        if not stage.metrics:
+            continue
+        if rows:
+            boundaries.append(offset)
+        for row in stage.metrics:
+            rows.append({**row, "global_step": offset + int(row.get("step") or 0)})
+        offset += max(int(r.get("step") or 0) for r in stage.metrics)
+    return rows, boundaries
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def build_charts(run: RunData) -> list[Chart]:
+    """The reward chart, then one chart per training metric group (an empty one says why it is empty)."""
+    charts = [reward_chart(run)]
+    rows, boundaries = step_series(run)
+    for chart_id, title, ylabel, keys in STEP_CHARTS:
+        series = {key: [(r["global_step"], r[key]) for r in rows if _finite(r.get(key))] for key in keys}
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            why = "no training metrics in this run" if not rows else f"not logged ({', '.join(keys)})"
+            if chart_id == "kl" and rows:
+                why = "not logged: beta = 0 (no reference model, no KL term)"
+            charts.append(Chart(chart_id, title, None, why))
+            continue
+        charts.append(Chart(chart_id, title, line_svg(series, boundaries, ylabel=ylabel, salt=chart_id)))
+    return charts
+
+
+def reward_chart(run: RunData) -> Chart:
+    """Mean session reward (±std) per iteration; for a single train run, the per-step reward of its batches."""
+    points = [(i, summary) for i, stage in enumerate(run.stages)
+              if (summary := reward_summary(stage)) is not None]
+    if run.kind == "loop" and points:
+        return Chart("reward", "mean session reward per iteration (±std)", errorbar_svg(points))
+    rows, boundaries = step_series(run)
+    series = {"reward": [(r["global_step"], r["reward"]) for r in rows if _finite(r.get("reward"))]}
+    if series["reward"]:
+        return Chart("reward", "reward of the training batches", line_svg(series, boundaries, ylabel="reward",
+                                                                           salt="reward"))
+    if points:
+        return Chart("reward", "mean session reward (±std)", errorbar_svg(points))
+    return Chart("reward", "reward", None, "no rewards in this run")
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 2.9))
+    ax.grid(alpha=0.3)
+    return plt, fig, ax
+
+
+def _svg(plt, fig, salt: str) -> str:
+    """The figure as one <svg> element: text kept as text, ids salted per chart so inline figures never clash."""
+    import matplotlib
+
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"polar-report-{salt}"}):
+        buffer = io.StringIO()
+        fig.tight_layout()
+        fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    plt.close(fig)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]  # drop the XML declaration and DOCTYPE: the SVG is inlined in HTML
+
+
+def errorbar_svg(points: Sequence[tuple[int, tuple[float, float]]]) -> str:
+    plt, fig, ax = _figure()
+    xs = [x for x, _ in points]
+    ax.errorbar(xs, [m for _, (m, _) in points], yerr=[s for _, (_, s) in points], marker="o", capsize=3)
+    ax.set_xticks(xs)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(min(-0.05, ax.get_ylim()[0]), max(1.05, ax.get_ylim()[1]))
+    return _svg(plt, fig, "reward")
+
+
+def line_svg(series: dict[str, list[tuple[int, float]]], boundaries: Sequence[int], *, ylabel: str,
+             salt: str) -> str:
+    plt, fig, ax = _figure()
+    for name, points in series.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="." if len(points) < 40 else None,
+                label=name)
+    for step in boundaries:
+        ax.axvline(step + 0.5, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("training step" + (" (dotted: next iteration)" if boundaries else ""))
+    ax.set_ylabel(ylabel)
+    if len(series) > 1:
+        ax.legend(fontsize="small")
+    return _svg(plt, fig, salt)

@@ -1,0 +1,153 @@
+"""Read what a run directory holds into one `RunData`: the loop's iterations, or a single rollout/merge/train stage.
+
+Layouts understood (anything missing is simply absent from the report):
+
+- a loop run (`polar-mitm loop`, the demo): `loop.json` and `iter-K/{rewards.parquet, merged/, train/, flows/}`;
+- a single stage directory: `metrics.jsonl` (a `grpo` output dir), `_summary.json` + shards (a `merge` output dir),
+  `rewards.parquet` (a rollout), or any of those in `merged/`, `train/` subfolders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+ENGINE_SIDECAR = "_engine.json"  # written by the gateway next to its records (see polar_mitm/gateway/engine_info.py)
+
+
+@dataclass
+class Stage:
+    """One iteration's artifacts (or the whole directory, for a single-stage run)."""
+
+    label: str
+    root: Path
+    stats: dict[str, Any] | None = None  # the loop's IterationStats row
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # train metrics.jsonl rows
+    merge_summary: dict[str, Any] | None = None
+    rewards: list[dict[str, Any]] = field(default_factory=list)  # session_id, task_id, reward, status
+    merged_dir: Path | None = None
+    train_dir: Path | None = None
+    flows_dir: Path | None = None
+
+
+@dataclass
+class RunData:
+    """Everything the report shows, read from one directory."""
+
+    root: Path
+    kind: str  # loop | stage
+    stages: list[Stage]
+
+    @property
+    def has_iterations(self) -> bool:
+        return any(s.stats is not None for s in self.stages)
+
+
+def collect_run(root: str | Path) -> RunData:
+    """Read `root` (see the module docstring); raises FileNotFoundError when it holds nothing a report can show."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    iteration_dirs = sorted((p for p in root.glob("iter-*") if p.is_dir() and _iteration_index(p) is not None),
+                            key=_iteration_index)
+    if iteration_dirs:
+        stats = _loop_stats(root)
+        stages = [read_stage(d, f"iteration {_iteration_index(d)}", stats.get(_iteration_index(d)))
+                  for d in iteration_dirs]
+        run = RunData(root=root, kind="loop", stages=stages)
+    else:
+        run = RunData(root=root, kind="stage", stages=[read_stage(root, root.name)])
+    if not any(s.metrics or s.merge_summary or s.rewards or s.merged_dir or s.stats for s in run.stages):
+        raise FileNotFoundError(f"{root}: no loop.json, metrics.jsonl, merge summary or rewards found")
+    return run
+
+
+def _iteration_index(path: Path) -> int | None:
+    match = re.fullmatch(r"iter-(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _loop_stats(root: Path) -> dict[int, dict[str, Any]]:
+    """The loop's per-iteration table by iteration number (empty while a loop is still running)."""
+    path = root / "loop.json"
+    if not path.exists():
+        return {}
+    return {int(row["iteration"]): row for row in json.loads(path.read_text())}
+
+
+def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> Stage:
+    """The artifacts found in `root` itself or in its `merged/`, `train/`, `flows/` subfolders."""
+    stage = Stage(label=label, root=root, stats=stats)
+    stage.train_dir = _first_dir(root, "train", marker="metrics.jsonl")
+    if stage.train_dir is not None:
+        stage.metrics = read_metrics_file(stage.train_dir / "metrics.jsonl")
+    stage.merged_dir = _first_dir(root, "merged", marker="_summary.json")
+    if stage.merged_dir is not None:
+        stage.merge_summary = json.loads((stage.merged_dir / "_summary.json").read_text())
+    rewards = root / "rewards.parquet"
+    if rewards.exists():
+        stage.rewards = pq.read_table(rewards, columns=["session_id", "task_id", "reward", "status"]).to_pylist()
+    elif stage.merged_dir is not None:  # a merge directory alone: the rewards joined into its sequences
+        stage.rewards = merged_session_rewards(stage.merged_dir)
+    flows = root / "flows"
+    stage.flows_dir = flows if flows.is_dir() else (root if (root / ENGINE_SIDECAR).exists() else None)
+    return stage
+
+
+def merged_session_rewards(merged_dir: Path) -> list[dict[str, Any]]:
+    """One row per session of the merged shards (session_id, task_id, reward), for sessions with a reward."""
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(str(merged_dir), format="parquet").to_table(columns=["session_id", "task_id", "reward"])
+    sessions: dict[str, dict[str, Any]] = {}
+    for row in table.to_pylist():
+        if row["reward"] is not None:
+            sessions.setdefault(row["session_id"], {**row, "status": None})
+    return list(sessions.values())
+
+
+def _first_dir(root: Path, sub: str, *, marker: str) -> Path | None:
+    """`root` when it holds `marker`, else `root/sub` when that does."""
+    for candidate in (root, root / sub):
+        if (candidate / marker).exists():
+            return candidate
+    return None
+
+
+def read_metrics_file(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows that are per-step logs (the closing `train_runtime` summary row is left out)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "train_runtime" not in r]
+
+
+def pass_rates(stage: Stage) -> dict[str, tuple[int, int, float]]:
+    """Per task: (sessions passed, sessions, mean reward). A session passes when its reward is > 0, as in the loop."""
+    by_task: dict[str, list[float]] = {}
+    for row in stage.rewards:
+        if row["reward"] is not None:
+            by_task.setdefault(row["task_id"] or "(no task)", []).append(float(row["reward"]))
+    return {task: (sum(r > 0 for r in rs), len(rs), sum(rs) / len(rs)) for task, rs in sorted(by_task.items())}
+
+
+def reward_summary(stage: Stage) -> tuple[float, float] | None:
+    """(mean, std) of the stage's session rewards: the loop's numbers when it wrote them, else from rewards."""
+    if stage.stats is not None:
+        return float(stage.stats["reward_mean"]), float(stage.stats["reward_std"])
+    rewards = [float(r["reward"]) for r in stage.rewards if r["reward"] is not None]
+    if not rewards:
+        return None
+    mean = sum(rewards) / len(rewards)
+    return mean, (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+
+
+def engine_info(run: RunData) -> dict[str, Any] | None:
+    """The engine description the gateway recorded next to the records (model, tokenizer path, end-of-turn id)."""
+    for stage in run.stages:
+        if stage.flows_dir is not None and (stage.flows_dir / ENGINE_SIDECAR).exists():
+            return json.loads((stage.flows_dir / ENGINE_SIDECAR).read_text())
+    return None

@@ -1,0 +1,123 @@
+"""Fill the report template: one HTML file, CSS/JS/SVG inline, nothing loaded from anywhere when it opens."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from polar_mitm.report.charts import build_charts
+from polar_mitm.report.collect import RunData, collect_run, engine_info, pass_rates, reward_summary
+from polar_mitm.report.trajectories import load_report_tokenizer, read_trajectories
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, tokenizer: str | None = None,
+                 sessions: int = 6) -> Path:
+    """Write the report of `run_dir` to `out` (default `<run_dir>/report.html`); return its path."""
+    run = collect_run(run_dir)
+    out = Path(out) if out is not None else run.root / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(run, tokenizer=tokenizer, sessions=sessions), encoding="utf-8")
+    return out
+
+
+def render_html(run: RunData, *, tokenizer: str | None = None, sessions: int = 6) -> str:
+    """The report page of `run` as one string."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.html.j2").render(**page_context(run, tokenizer=tokenizer, sessions=sessions))
+
+
+def page_context(run: RunData, *, tokenizer: str | None, sessions: int) -> dict[str, Any]:
+    """Everything the template shows, as plain values."""
+    viewer_stage = next((s for s in reversed(run.stages) if s.merged_dir is not None), None)
+    trajectories, viewer_note = [], "no merged sequences in this run"
+    if viewer_stage is not None:
+        tok = load_report_tokenizer(run, tokenizer)
+        trajectories = read_trajectories(viewer_stage.merged_dir, tok, limit=sessions)
+        viewer_note = (f"{len(trajectories)} sessions from {viewer_stage.label} ({viewer_stage.merged_dir})"
+                       + ("" if tok is not None else " — no tokenizer found: token ids shown"))
+    return {
+        "title": f"polar-mitm report · {run.root.name}",
+        "root": str(run.root),
+        "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "headline": headline(run),
+        "iterations": iteration_rows(run),
+        "charts": build_charts(run),
+        "merge_rows": merge_rows(run),
+        "task_table": task_table(run),
+        "engine": engine_info(run),
+        "trajectories": trajectories,
+        "viewer_note": viewer_note,
+    }
+
+
+def headline(run: RunData) -> str:
+    """One line: how the reward moved (or what the directory is)."""
+    rewards = [summary for s in run.stages if (summary := reward_summary(s)) is not None]
+    if len(rewards) >= 2:
+        return f"reward {rewards[0][0]:.2f} → {rewards[-1][0]:.2f} in {len(rewards)} iterations"
+    if rewards:
+        return f"mean reward {rewards[0][0]:.2f}"
+    return f"{run.kind} directory"
+
+
+def iteration_rows(run: RunData) -> list[dict[str, str]]:
+    """The loop's per-iteration table (as the console prints it), or one row per stage with what is known."""
+    rows = []
+    for stage in run.stages:
+        s = stage.stats
+        if s is None:
+            continue
+        seconds = s.get("seconds") or {}
+        rows.append({
+            "iteration": str(s["iteration"]), "weights": str(s.get("weight_version")), "sessions": str(s["sessions"]),
+            "reward": f"{s['reward_mean']:.3f} ± {s['reward_std']:.2f}", "pass": f"{s['pass_rate']:.0%}",
+            "calls": str(s["requests"]), "sequences": str(s["sequences"]),
+            "tokens": f"{s['trainable_tokens']}/{s['total_tokens']}",
+            "seconds": " / ".join(f"{seconds.get(k, 0):.0f}" for k in ("rollout", "merge", "train")),
+        })
+    return rows
+
+
+def merge_rows(run: RunData) -> list[dict[str, str]]:
+    """Per stage: requests → sequences, trainable tokens, and the context-exact share where merge measured it."""
+    rows = []
+    for stage in run.stages:
+        m = stage.merge_summary
+        if m is None:
+            continue
+        checked, exact = m.get("context_checked_tokens") or 0, m.get("context_exact_tokens") or 0
+        rows.append({
+            "stage": stage.label, "builder": str(m.get("builder")),
+            "requests": f"{m.get('trainable_records', 0)} of {m.get('records', 0)}",
+            "sequences": str(m.get("sequences", 0)),
+            "per_sequence": f"{m.get('records_per_sequence', 0):.1f}",
+            "trainable": f"{m.get('trainable_tokens', 0)} / {m.get('total_tokens', 0)}",
+            "context_exact": f"{exact}/{checked} ({exact / checked:.0%})" if checked else "—",
+            "breaks": ", ".join(f"{k} {v}" for k, v in (m.get("breaks") or {}).items()) or "none",
+            "eot": f"{m.get('eot_token_id')} ({m.get('eot_source')})" if m.get("eot_token_id") is not None else "—",
+        })
+    return rows
+
+
+def task_table(run: RunData) -> dict[str, Any]:
+    """Pass rate per task (rows) and stage (columns): 'passed/sessions' cells with the rate for colouring."""
+    stages = [s for s in run.stages if s.rewards]
+    rates = [pass_rates(s) for s in stages]
+    tasks = sorted({task for r in rates for task in r})
+    rows = []
+    for task in tasks:
+        cells = []
+        for r in rates:
+            if task in r:
+                passed, total, mean = r[task]
+                cells.append({"text": f"{passed}/{total}", "rate": passed / total, "mean": f"{mean:.2f}"})
+            else:
+                cells.append({"text": "—", "rate": None, "mean": ""})
+        rows.append({"task": task, "cells": cells})
+    return {"stages": [s.label for s in stages], "rows": rows}

@@ -1,0 +1,97 @@
+"""The report in a real headless Chromium (Debian's package, scripts/setup-browser.sh; driven by Playwright): the
+page loads offline with no console error, the curves and the token viewer render, hover and colour modes work."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import pytest
+
+from polar_mitm.report import write_report
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def page_session(demo_run, tmp_path_factory):
+    """(page, console errors, requests that tried to leave the file) for the demo run's report."""
+    assert CHROMIUM, "no chromium on PATH: run scripts/setup-browser.sh (scripts/test.sh does)"
+    from playwright.sync_api import sync_playwright
+
+    run_dir, _ = demo_run
+    report = write_report(run_dir, tmp_path_factory.mktemp("report") / "report.html")
+    errors: list[str] = []
+    outside: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        context = browser.new_context(offline=True, viewport={"width": 1280, "height": 900})
+
+        def route(request_route):  # only the file itself (and data: URLs) may load
+            url = request_route.request.url
+            if url.startswith(("file:", "data:")):
+                request_route.continue_()
+            else:
+                outside.append(url)
+                request_route.abort()
+
+        context.route("**/*", route)
+        page = context.new_page()
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(report.as_uri(), wait_until="load")
+        yield page, errors, outside
+        browser.close()
+
+
+def non_blank_fraction(png: bytes) -> float:
+    """Share of pixels that are not (near) white."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("L")
+    pixels = list(image.getdata())
+    return sum(p < 240 for p in pixels) / len(pixels)
+
+
+def test_page_loads_offline_without_console_errors(page_session):
+    page, errors, outside = page_session
+    assert page.title().startswith("polar-mitm report")
+    assert errors == [] and outside == []
+
+
+def test_curves_render(page_session):
+    page, _, _ = page_session
+    for name in ("reward", "loss", "clip", "staleness"):
+        chart = page.locator(f"#chart-{name} svg")
+        assert chart.count() == 1
+        box = chart.bounding_box()
+        assert box is not None and box["width"] > 300 and box["height"] > 150
+        assert page.locator(f"#chart-{name} svg path").count() > 5
+        assert non_blank_fraction(chart.screenshot()) > 0.02, name
+
+
+def test_token_viewer_renders_and_hover_shows_id_and_logprob(page_session):
+    page, errors, _ = page_session
+    tokens = page.locator("#viewer .tk")
+    assert tokens.count() > 500 and page.locator("#viewer .turn").count() >= 12
+    sampled = page.locator("#viewer .tk.m1").first
+    sampled.scroll_into_view_if_needed()
+    sampled.hover()
+    tip = page.locator("#tip")
+    assert tip.is_visible()
+    text = tip.inner_text()
+    assert f"token id {sampled.get_attribute('data-id')}" in text and "logprob -" in text
+    mask_colour = sampled.evaluate("el => getComputedStyle(el).backgroundColor")
+    page.get_by_role("button", name="logprob").click()
+    assert page.locator("#viewer").get_attribute("class") == "mode-logprob"
+    assert sampled.evaluate("el => getComputedStyle(el).backgroundColor") != mask_colour
+    assert non_blank_fraction(page.locator("#viewer .traj").first.screenshot()) > 0.05
+    assert errors == []
+
+
+def test_full_page_screenshot_is_not_blank(page_session, tmp_path):
+    page, _, _ = page_session
+    png = page.screenshot(full_page=True, path=str(tmp_path / "report.png"))
+    assert non_blank_fraction(png) > 0.05
