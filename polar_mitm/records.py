@@ -19,7 +19,8 @@ log = logging.getLogger("polar_mitm.records")
 
 # v2: sampling parameters used (temperature, top_p, top_k, min_p, greedy) and the prompt mode
 # (prompt_mode, spliced_turns, splice_reason). v1 files read with those columns null.
-RECORD_SCHEMA_VERSION = 2
+# v3: call_kind (main|side|compaction) and output_constraint (json_schema|json_object|…); older files read null.
+RECORD_SCHEMA_VERSION = 3
 
 RECORD_SCHEMA = pa.schema([
     pa.field("schema_version", pa.int16(), nullable=False),
@@ -63,6 +64,13 @@ RECORD_SCHEMA = pa.schema([
     pa.field("prompt_mode", pa.string()),
     pa.field("spliced_turns", pa.int32()),  # earlier sampled turns carried verbatim in prompt_ids
     pa.field("splice_reason", pa.string()),  # why the call did not continue a chain (tokens mode), if it did not
+    # v3 — what the call was, as far as the gateway can tell (gateway/call_kind.py): main (the agent loop: tools
+    # offered) | side (no tools: titles, classifiers, checks) | compaction (a harness summarising its history;
+    # merge starts a new chain after it)
+    pa.field("call_kind", pa.string()),
+    # v3 — the engine decoded under a grammar (structured output): json_schema | json_object. Its logprobs are
+    # of the masked distribution, not the model's own: training should leave such calls out (engine/constraints.py)
+    pa.field("output_constraint", pa.string()),
 ], metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)})
 
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
@@ -107,6 +115,8 @@ class Record:
     prompt_mode: str | None = None
     spliced_turns: int | None = None
     splice_reason: str | None = None
+    call_kind: str | None = None
+    output_constraint: str | None = None
     schema_version: int = RECORD_SCHEMA_VERSION
 
     def to_journal(self) -> dict[str, Any]:

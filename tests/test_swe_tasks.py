@@ -25,7 +25,7 @@ from polar_mitm.records import read_all
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, run_shell
 from polar_mitm.rollout.swe import InstanceError, SweOptions, load_instances, write_tasks
-from polar_mitm.rollout.swe_grading import GradingSpec, grade
+from polar_mitm.rollout.swe_grading import GradingSpec, grade, suite_argv
 from polar_mitm.rollout.tasks import Task, load_tasks
 
 SET = Path(__file__).resolve().parent.parent / "examples" / "swe_tasks"
@@ -232,6 +232,38 @@ def test_options_are_checked_and_other_sources_and_images_are_used(tmp_path):
     spec = GradingSpec.load(Path(tasks[0]["swe"]["spec"]))
     assert spec.image == "swebench/sweb.eval.x86_64.inflection_1776_ordinal-teens:latest"
     load_tasks(tmp_path / "t.jsonl")
+
+
+def test_parquet_and_json_instance_files_with_list_columns_load(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{**i, "FAIL_TO_PASS": json.loads(i["FAIL_TO_PASS"]), "PASS_TO_PASS": json.loads(i["PASS_TO_PASS"])}
+            for i in INSTANCES]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "instances.parquet")
+    (tmp_path / "instances.json").write_text(json.dumps(INSTANCES))
+    expected = [(i.instance_id, i.fail_to_pass, i.pass_to_pass) for i in load_instances(SET / "instances.jsonl")]
+    for name in ("instances.parquet", "instances.json"):
+        got = [(i.instance_id, i.fail_to_pass, i.pass_to_pass) for i in load_instances(tmp_path / name)]
+        assert got == expected, name
+    rows[2]["FAIL_TO_PASS"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(InstanceError, match=r"bad.parquet:row 2: instance 'inflection__parameterize-trailing-sep"
+                                            r"arator': missing field FAIL_TO_PASS"):
+        load_instances(tmp_path / "bad.parquet")
+
+
+def test_tests_run_in_the_instance_image_with_the_workspace_mounted(tmp_path):
+    spec = GradingSpec(instance_id="a__b-1", base_commit="abc1234", test_patch=INSTANCES[0]["test_patch"],
+                       fail_to_pass=["t"], pass_to_pass=[], image="sweb.eval.x86_64.a_1776_b-1:latest",
+                       env_dir=str(tmp_path / "env"), container_setup="conda activate testbed")
+    argv, _ = suite_argv(spec, tmp_path / "ws")
+    assert argv[:3] == ["docker", "run", "--rm"] and f"{tmp_path / 'ws'}:/testbed" in argv
+    assert argv[-4:] == ["sweb.eval.x86_64.a_1776_b-1:latest", "bash", "-c",
+                         "conda activate testbed && python -m pytest -rA --tb=no -p no:cacheprovider test_inflection.py"]
+    spec.container = "apptainer"
+    argv, _ = suite_argv(spec, tmp_path / "ws")
+    assert argv[:2] == ["apptainer", "exec"] and str(tmp_path / "env" / "image.sif") in argv
 
 
 # -- a real harness through the gateway ----------------------------------------------------------------------------

@@ -13,11 +13,13 @@ from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
 from polar_mitm.codecs.google import GoogleCodec
 from polar_mitm.codecs.openai_chat import OpenAIChatCodec
 from polar_mitm.codecs.openai_responses import OpenAIResponsesCodec
+from polar_mitm.codecs.responses_compact import ResponsesCompactCodec
 
 CODECS: dict[str, Codec] = {
     codec.name: codec
     for codec in (AnthropicCodec(), OpenAIChatCodec(), OpenAIResponsesCodec(), GoogleCodec())
 }
+CODECS[ResponsesCompactCodec.key] = ResponsesCompactCodec()  # Codex's remote compaction (provider: Responses)
 
 __all__ = ["CODECS", "Codec", "GatewayError", "HttpAnswer", "detect", "by_headers"]
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
+from polar_mitm.codecs import structured
 from polar_mitm.codecs.base import (
     INT32_MAX,
     INT64_MAX,
@@ -194,6 +195,7 @@ def _decode(body: Any, *, require_max_tokens: bool) -> Conversation:
         stop=_decode_stop_sequences(body.get("stop_sequences")),
         stream=bool(_optional(body, "stream", bool, "a boolean")),
         thinking=_decode_thinking(body.get("thinking")),
+        response_format=structured.from_anthropic(body),
         extra={} if metadata is None else {"metadata": metadata},
     )
 

@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
+from polar_mitm.codecs import structured
 from polar_mitm.codecs.base import (
     INT32_MAX,
     INT64_MAX,
@@ -429,6 +430,8 @@ def _apply_generation_config(conv: Conversation, value: Any) -> None:
         raise _invalid("generationConfig.stopSequences must be strings")
     conv.stop = list(stops)
     conv.thinking = _thinking(_get(config, "thinkingConfig"))
+    conv.response_format = structured.from_google(_get(config, "responseJsonSchema"), _get(config, "responseSchema"),
+                                                  _get(config, "responseMimeType"))
 
 
 def _thinking(value: Any) -> bool | None:

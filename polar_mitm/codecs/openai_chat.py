@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from polar_mitm.codecs import structured
 from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
 from polar_mitm.codecs.openai_common import (
     OpenAIModels,
@@ -78,6 +79,7 @@ class OpenAIChatCodec(OpenAIModels, Codec):
             stream=bool(optional_bool(body, "stream")),
             thinking=_decode_thinking(body),
             include_usage=bool(optional_bool(stream_options, "include_usage")),
+            response_format=structured.from_openai_chat(body.get("response_format")),
             extra={key: body[key] for key in _EXTRA_KEYS if body.get(key) is not None},
         )
 

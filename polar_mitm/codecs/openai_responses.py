@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_mitm.codecs import structured
 from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
 from polar_mitm.codecs.openai_common import (
     OpenAIModels,
@@ -98,6 +99,7 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
             stream=bool(optional_bool(body, "stream")),
             thinking=thinking_from_effort(extra.get("reasoning", {}).get("effort"), "reasoning.effort"),
             extra=extra,
+            response_format=structured.from_responses_text(body.get("text")),
         )
 
     # ---- answers -------------------------------------------------------------------------------------------
@@ -174,6 +176,12 @@ class _History:
         elif kind == "local_shell_call_output":
             self._result(require_str(item.get("call_id") or item.get("id"), f"{where}.id"),
                          require_str(item.get("output"), f"{where}.output"))
+        elif kind in ("compaction", "compaction_summary"):
+            # A summary from `…/responses/compact` (responses_compact.py): the thread continues from its text.
+            summary = unseal_reasoning(str(item.get("encrypted_content") or ""))
+            if summary is not None:
+                self.pending_reasoning = None
+                self.messages.append(Message(role="user", content=summary))
         elif kind == "item_reference":
             raise invalid(f"{where}: item_reference needs stored responses, which are not supported; "
                           "send the full input")

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_mitm.engine.constraints import ConstraintError, spec_from_response_format
 from polar_mitm.engine.generation import Engine, Generation
 from polar_mitm.engine.parsers import ParsedCall, parse_output
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
@@ -122,9 +123,11 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
         "presence_penalty": body.get("presence_penalty") or None,
         "repetition_penalty": body.get("repetition_penalty"),
         "n": body.get("n"),
+        **constraint_params(body),
     }
     try:
         params = SamplingParams.from_sglang({k: v for k, v in raw.items() if v is not None})
+        engine.check_constraint(params)  # a schema that does not compile is a 400 before anything runs
     except (SamplingError, TypeError) as exc:
         raise ChatRequestError(str(exc)) from exc
     top = body.get("top_logprobs") or 0
@@ -133,6 +136,19 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
     return ChatJob(body=body, prompt_ids=list(prompt_ids), params=params, logprobs=bool(body.get("logprobs")),
                    top_logprobs=top, tools_given=bool(tools), stream=bool(body.get("stream")),
                    tool_names=tool_names_of(tools))
+
+
+def constraint_params(body: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's chat constraint fields → sampling params: `response_format` (json_schema | json_object) as
+    `json_schema`, or SGLang's own `regex` / `ebnf` request fields."""
+    try:
+        spec = spec_from_response_format(body.get("response_format"))
+    except ConstraintError as exc:
+        raise ChatRequestError(str(exc)) from exc
+    out: dict[str, Any] = {"regex": body.get("regex"), "ebnf": body.get("ebnf")}
+    if spec is not None:
+        out["json_schema"] = spec.source
+    return out
 
 
 def tool_names_of(tools: list[Any] | None) -> list[str]:

@@ -16,7 +16,7 @@ SGLANG_SAMPLING_KEYS = frozenset({
 # never silently samples from a different distribution than the one whose logprobs we report.
 NEUTRAL_ONLY = {
     "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
+    "structural_tag": None, "logit_bias": None,
     "stop_regex": None, "custom_params": None,
 }
 
@@ -39,6 +39,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    # Constrained decoding (engine/constraints.py), at most one of the three, as on SGLang.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_sglang(cls, raw: dict[str, Any] | None) -> SamplingParams:

@@ -43,6 +43,7 @@ RETRY = "same prompt as a chain tip (retry): re-sent that call's exact prompt"
 ANSWER_DIFFERS = "the harness's previous assistant turn differs from what was sampled"
 RENDERER_MISMATCH = "the gateway's rendering differs from the engine's: session falls back to messages mode"
 SESSION_FALLBACK = "session in messages mode (renderer mismatch earlier)"
+COMPACTION = "compaction"  # the history was replaced by a compaction summary (merge counts it the same way)
 
 MAX_CHAINS_PER_SESSION = 16
 
@@ -80,6 +81,7 @@ class Plan:
     # too); None = no chain logic applied (the session is in messages mode).
     spliced_turns: int | None = 0
     reason: str | None = None  # why no splice (None: extended a chain)
+    compaction: bool = False  # the call is a compaction (record call_kind): the next new chain is its consequence
 
 
 @dataclass
@@ -87,6 +89,7 @@ class _Session:
     chains: list[Chain] = field(default_factory=list)
     fallback: bool = False  # the renderer disagreed with the engine: messages mode for good
     clock: int = 0
+    compacted: bool = False  # a compaction call since the last new chain: the next new chain is its consequence
 
 
 class TokenChains:
@@ -103,6 +106,13 @@ class TokenChains:
 
     def plan(self, session_id: str, text: str, messages: list[Message], encode) -> Plan:
         """Route a call to a chain and build its prompt ids (`encode` tokenizes the tail text)."""
+        plan = self._plan(session_id, text, messages, encode)
+        if plan.input_ids is None or plan.chain is None:
+            with self._lock:
+                self._compaction_reason(plan)
+        return plan
+
+    def _plan(self, session_id: str, text: str, messages: list[Message], encode) -> Plan:
         plan = Plan(session_id=session_id, text=text, n_messages=len(messages))
         with self._lock:
             session = self._sessions.get(session_id)
@@ -139,6 +149,12 @@ class TokenChains:
         plan.input_ids = np.concatenate([engine_prompt, sampled]).tolist() + encode(tail)
         plan.spliced_turns = turns
         return plan
+
+    def _compaction_reason(self, plan: Plan) -> None:
+        """Name a new chain after a compaction, as merge does (retries are not new threads)."""
+        session = self._sessions.get(plan.session_id)
+        if session is not None and session.compacted and plan.spliced_turns == 0 and plan.reason != NO_CHAIN:
+            plan.reason = COMPACTION
 
     def _route(self, session: _Session, text: str) -> Chain | None:
         best: Chain | None = None
@@ -177,6 +193,7 @@ class TokenChains:
                 chain.turns, chain.stamp = turns, session.clock
                 self._size += chain.size()
             else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
+                session.compacted = session.compacted and plan.retry
                 chain = Chain(tip_text=plan.text, n_messages=plan.n_messages, engine_prompt=prompt,
                               sampled=sampled, answer=answer, closed=closed, turns=turns, stamp=session.clock)
                 session.chains.append(chain)
@@ -184,6 +201,8 @@ class TokenChains:
             for other in session.chains:  # the harness went on from this sample: its twins were discarded
                 if other is not chain and other.tip_text == chain.tip_text and not plan.retry:
                     other.retired = True
+            if plan.compaction:
+                session.compacted = True
             self._trim(session)
             self._evict()
 

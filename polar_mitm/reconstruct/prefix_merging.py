@@ -16,7 +16,9 @@ When the previous answer was cut short (no end-of-turn at the end of its sampled
 token is kept in the context. A call that cannot be spliced onto any chain starts a new one; Polar's original
 stopped the chain and dropped the rest of the session. A call whose record says the gateway opened a new chain
 there (tokens mode, `spliced_turns == 0`: the harness's history did not continue any sampled stream) starts a new
-one too, so merge and gateway agree on every sequence.
+one too, so merge and gateway agree on every sequence. After a compaction call (record `call_kind ==
+"compaction"`: the harness summarised its history to go on from the summary), the next call that starts a
+sequence counts under the reason "compaction", in merge and in the gateway's `splice_reason` alike.
 
 Routing cost: one vectorised pass over each prompt (prefix hashes), an O(1) hash check per open chain (no
 token comparison except with the chosen chain), and a search for the end-of-turn token in the new tail only —
@@ -41,6 +43,7 @@ BREAK_NO_PREFIX = "no prefix match"  # history rewritten (compaction, stripped t
 BREAK_SAME_PROMPT = "same prompt as a chain tip"  # a retry or resample of a prompt already answered
 BREAK_NO_EOT = "no end-of-turn after tip"  # the prompt grew, but not by a closed assistant turn
 BREAK_GATEWAY = "gateway opened a new chain"  # tokens mode: the harness's history did not continue a stream
+BREAK_COMPACTION = "compaction"  # the history was replaced by a compaction summary (the call before compacted)
 
 # End-of-turn tokens of common chat templates, by token text (ChatML first: the gateway's engines use it).
 KNOWN_EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -168,21 +171,28 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
         raise ValueError("prefix_merging needs the end-of-turn token id (see --eot-token / --tokenizer)")
     table = _ChainTable()
     breaks: Counter[str] = Counter()
+    compacted = False  # a compaction call since the last new sequence: the next new one is its consequence
     for step, turn in enumerate(turns, start=1):
         prompt, sampled = turn.prompt_ids, turn.completion_ids
         assert prompt is not None and sampled is not None
         hashes = _HASHER.prefix_hashes(prompt)
         slot = None if turn.new_chain else table.longest_prefix(prompt, hashes)
         start = None
+        reason = None
         if turn.new_chain and table.chains:
-            breaks[BREAK_GATEWAY] += 1
+            reason = BREAK_GATEWAY
         elif slot is not None:
             chain = table.chains[slot]
             start = splice_point(prompt, len(chain.tip), chain.tip_closed, eot_token_id)
             if start is None:
-                breaks[BREAK_SAME_PROMPT if len(prompt) == len(chain.tip) else BREAK_NO_EOT] += 1
+                reason = BREAK_SAME_PROMPT if len(prompt) == len(chain.tip) else BREAK_NO_EOT
         elif table.chains:
-            breaks[BREAK_NO_PREFIX] += 1
+            reason = BREAK_NO_PREFIX
+        if reason is not None:
+            breaks[BREAK_COMPACTION if compacted and reason != BREAK_SAME_PROMPT else reason] += 1
+            compacted = False
+        if turn.call_kind == "compaction":
+            compacted = True
         if slot is not None and start is not None:
             table.retire_twins(slot)
             chain = table.chains[slot]

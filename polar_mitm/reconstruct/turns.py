@@ -63,6 +63,7 @@ class TurnRecord:
     # The gateway (tokens mode) opened a new chain at this call (record `spliced_turns == 0`): it judged the
     # harness's history not to continue any sampled stream, so merge must not splice it either.
     new_chain: bool = False
+    call_kind: str | None = None  # main | side | compaction (record schema v3; None before)
 
     def sort_key(self) -> tuple[int, int, str, int]:
         return (self.seq, self.started_at, self.request_id, self.position)
@@ -180,6 +181,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     seqs = table.column("seq").to_pylist()
     sampling = {name: strings(name) for name in SAMPLING_FIELDS}  # null in v1 records
     spliced = table.column("spliced_turns").to_pylist() if "spliced_turns" in names else [None] * n
+    kinds = strings("call_kind")
     return [
         TurnRecord(
             request_id=request_ids[i], session_id=session_ids[i], seq=int(seqs[i]),
@@ -187,6 +189,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
             completion_logprobs=logprobs.row(i), task_id=task_ids[i], started_at=started[i],
             weight_version=versions[i], error=errors[i], position=first_position + i,
             **{name: values[i] for name, values in sampling.items()}, new_chain=spliced[i] == 0,
+            call_kind=kinds[i],
         )
         for i in range(n)
     ]

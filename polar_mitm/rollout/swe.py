@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.harness.base import id_problem
-from polar_mitm.rollout.swe_grading import GradingSpec, test_files_of
+from polar_mitm.rollout.swe_grading import GradingSpec, patched_files
 
 REQUIRED_TEXT = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch")
 OPTIONAL_TEXT = ("patch", "version", "hints_text", "environment_setup_commit", "created_at")
@@ -86,7 +86,7 @@ def parse_instance(raw: Any) -> Instance:
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise ValueError(f"field {name} must be a string")
     try:
-        test_files_of(raw["test_patch"])
+        patched_files(raw["test_patch"])
     except ValueError as exc:
         raise ValueError(f"field test_patch: {exc}") from None
     fail_to_pass = _test_list(raw, "FAIL_TO_PASS")

@@ -116,7 +116,7 @@ def log_parser(name: str) -> Any:
     return registry[name]
 
 
-def test_files_of(patch: str) -> list[str]:
+def patched_files(patch: str) -> list[str]:
     """The files a diff touches (paths in the repository), parsed with unidiff as swebench does."""
     from unidiff import PatchSet
     from unidiff.errors import UnidiffParseError
@@ -134,10 +134,10 @@ def test_files_of(patch: str) -> list[str]:
     return files
 
 
-def test_directives(spec: GradingSpec) -> list[str]:
+def suite_directives(spec: GradingSpec) -> list[str]:
     """What the test command runs: the test files of `test_patch` (swebench skips data files such as .json)."""
     non_test = tuple(swebench_harness().constants.NON_TEST_EXTS)
-    return [path for path in test_files_of(spec.test_patch) if not path.endswith(non_test)]
+    return [path for path in patched_files(spec.test_patch) if not path.endswith(non_test)]
 
 
 # -- the environment -------------------------------------------------------------------------------------------------
@@ -193,9 +193,9 @@ def _check(argv: list[str]) -> None:
         raise RuntimeError(f"`{shlex.join(argv)}` failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
 
 
-def test_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
+def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
     """The test run: the command on the patch's test files, in the venv or in the instance's container."""
-    command = " ".join([spec.test_command, *map(shlex.quote, test_directives(spec))])
+    command = " ".join([spec.test_command, *map(shlex.quote, suite_directives(spec))])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     if spec.image:
         script = f"{spec.container_setup} && {command}" if spec.container_setup else command
@@ -217,7 +217,7 @@ def test_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, 
 
 def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | None:
     """Put the test files back as they were at `base_commit`, then apply `test_patch`; None, or why it failed."""
-    for path in test_files_of(spec.test_patch):
+    for path in patched_files(spec.test_patch):
         in_base = subprocess.run(["git", "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace,
                                  capture_output=True).returncode == 0
         if in_base:
@@ -242,7 +242,7 @@ def grade(spec: GradingSpec, workspace: Path) -> Grade:
     if problem is not None:
         print(problem)
         return Grade(0.0, constants.APPLY_PATCH_FAIL)
-    argv, env = test_argv(spec, workspace)
+    argv, env = suite_argv(spec, workspace)
     run = subprocess.run(argv, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, errors="replace")
     log = (f"{constants.START_TEST_OUTPUT}\n{run.stdout}\n{constants.END_TEST_OUTPUT}\n"

@@ -1,0 +1,59 @@
+"""OpenAI's remote compaction endpoint, `POST …/responses/compact`, answered by sampling the summary from the engine.
+
+Codex compacts a long thread through this endpoint when its provider is OpenAI's (proxy mode). OpenAI summarises
+server-side and answers `{"object": "response.compaction", "output": [kept user messages…, {"type":
+"compaction", "encrypted_content": …}]}`; the harness replaces its history with that output and sends it back
+on later calls. Here the summary is a normal engine call — the thread as a Responses request plus a compaction
+instruction, sampled and recorded like any other call (`call_kind = "compaction"`) — and the compaction item's
+`encrypted_content` is the sealed summary, which the Responses codec turns back into its text on later calls.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from polar_mitm.codecs.openai_common import path_only
+from polar_mitm.codecs.openai_responses import OpenAIResponsesCodec, seal_reasoning
+from polar_mitm.conversation import Completion, Conversation, Message
+
+# Our instruction (OpenAI's own is not public); the same task Codex's local compaction gives the model.
+COMPACT_INSTRUCTION = ("You are performing a CONTEXT CHECKPOINT COMPACTION. Summarise the conversation so far "
+                       "for another model that will resume the task: the goal, what was done, what is left.")
+
+
+class ResponsesCompactCodec(OpenAIResponsesCodec):
+    """`…/responses/compact`: a Responses request in, a compaction answer out (never streamed)."""
+
+    key: ClassVar[str] = "openai_responses_compact"  # its CODECS key; records keep provider "openai_responses"
+
+    def matches(self, path: str) -> bool:
+        return path_only(path).rstrip("/").endswith("/responses/compact")
+
+    def stream_requested(self, body: dict[str, Any], path: str, query: dict[str, str]) -> bool:
+        return False
+
+    def decode_request(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
+        if isinstance(body, dict):  # the compact body has no streaming or output options of its own
+            body = {k: v for k, v in body.items() if k not in ("stream", "text", "tool_choice")}
+        conv = super().decode_request(body, path, query)
+        conv.stream, conv.tool_choice = False, "none"  # the summary is text
+        conv.extra["kept_user_messages"] = [m.content for m in conv.messages if m.role == "user"]
+        conv.messages.append(Message(role="user", content=COMPACT_INSTRUCTION))
+        return conv
+
+    def encode_response(self, conv: Conversation, completion: Completion) -> dict[str, Any]:
+        kept = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+                for text in conv.extra.get("kept_user_messages", [])]
+        summary = completion.content or completion.reasoning or ""
+        compaction = {"type": "compaction", "id": f"cmp_{uuid.uuid4().hex}",
+                      "encrypted_content": seal_reasoning(summary)}
+        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response.compaction", "created_at": int(time.time()),
+                "output": [*kept, compaction],
+                "usage": {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
+                          "total_tokens": completion.prompt_tokens + completion.completion_tokens}}
+
+    def encode_stream(self, conv: Conversation, completion: Completion) -> Iterator[bytes]:
+        raise NotImplementedError("responses/compact is never streamed")

@@ -1,0 +1,47 @@
+"""What a model call is, as far as the gateway can tell from the request alone (record column `call_kind`).
+
+- `compaction`: the harness asks for a summary of its own history, to continue from it. Told by the endpoint
+  (Codex's remote `…/responses/compact`) or by the harness's own compaction instruction in the prompt — fixed
+  text in the pinned harness versions (package.json), listed below with where it comes from.
+- `side`: no tools offered — titles, routing classifiers, next-speaker and loop checks, summaries of tool output.
+  No harness runs its agent loop without tools.
+- `main`: everything else (the agent loop, a subagent's loop).
+
+Merge starts a new chain after a compaction (reason "compaction"), and so does the gateway's token-exact mode.
+"""
+
+from __future__ import annotations
+
+from polar_mitm.conversation import Conversation
+
+COMPACT_PATH_SUFFIX = "/responses/compact"
+
+# (harness, the start of its compaction instruction) — checked in each harness's shipped source.
+COMPACTION_MARKERS = (
+    ("claude-code", "Your task is to create a detailed summary of the conversation so far"),
+    ("codex (local compaction)", "You are performing a CONTEXT CHECKPOINT COMPACTION"),
+    ("gemini", "You are a specialized system component responsible for distilling chat history into a structured"),
+    ("qwen", "You are the component that summarizes a conversation when its context window is about to overflow"),
+    ("opencode", "You are a context summarization agent. You are given a conversation between a user and an agent"),
+    ("pi", "The messages above are a conversation to summarize. Create a structured context checkpoint"),
+)
+
+
+def is_compact_path(path: str) -> bool:
+    return path.rstrip("/").endswith(COMPACT_PATH_SUFFIX)
+
+
+def call_kind(conv: Conversation, path: str) -> str:
+    """main | side | compaction for one decoded request."""
+    if is_compact_path(path) or _asks_for_compaction(conv):
+        return "compaction"
+    return "main" if conv.tools else "side"
+
+
+def _asks_for_compaction(conv: Conversation) -> bool:
+    """The harness's compaction instruction in its system prompt or its last user message."""
+    texts = [m.content for m in conv.messages if m.role == "system"]
+    last_user = next((m for m in reversed(conv.messages) if m.role == "user"), None)
+    if last_user is not None:
+        texts.append(last_user.content)
+    return any(marker in text for text in texts for _, marker in COMPACTION_MARKERS)

@@ -1,0 +1,126 @@
+"""Structured output from all four APIs reaches the engine, which decodes under the grammar (llguidance, on CPU).
+
+The engine here is the *unscripted* tiny model: random weights, so without the constraint it writes token soup;
+with it every answer must validate against the request's schema. Schemas use enums, booleans and integers —
+a random model never closes a free string, so a free-text field would only end at the token budget (a real
+model does close them; the grammar is the same). The record says the call was constrained.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import jsonschema
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.records import read_all
+from polar_mitm.sdk_agent import base_url_for
+
+SCHEMA = {"type": "object", "properties": {
+    "next_speaker": {"type": "string", "enum": ["user", "model"]},
+    "done": {"type": "boolean"},
+    "steps": {"type": "integer"}}, "required": ["next_speaker", "done", "steps"], "additionalProperties": False}
+PROMPT = "Who speaks next? Answer in JSON."
+
+
+@pytest.fixture(scope="module")
+def free_gateway(engine_url, tmp_path_factory):
+    """The gateway in front of the unscripted tiny engine; budgets capped so a runaway answer stays short."""
+    root = tmp_path_factory.mktemp("structured")
+    gw = procs.start_gateway(engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log",
+                             options={"polar_max_tokens": "64"})
+    yield gw
+    gw.stop()
+
+
+def ask_openai_chat(base: str) -> str:
+    import openai
+
+    client = openai.OpenAI(api_key="sk-test", base_url=base, max_retries=0)
+    answer = client.chat.completions.create(model="gpt-4.1", messages=[{"role": "user", "content": PROMPT}],
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "next", "schema": SCHEMA, "strict": True}})
+    return answer.choices[0].message.content
+
+
+def ask_openai_responses(base: str) -> str:
+    import openai
+
+    client = openai.OpenAI(api_key="sk-test", base_url=base, max_retries=0)
+    answer = client.responses.create(model="gpt-5", input=PROMPT, store=False, text={"format": {
+        "type": "json_schema", "name": "next", "schema": SCHEMA, "strict": True}})
+    return answer.output_text
+
+
+def ask_google(base: str, field: str) -> str:
+    from google import genai
+    from google.genai import types
+
+    client = genai.Client(api_key="test", http_options=types.HttpOptions(base_url=base))
+    schema = SCHEMA if field == "response_json_schema" else {
+        "type": "OBJECT", "properties": {"next_speaker": {"type": "STRING", "enum": ["user", "model"]},
+                                         "done": {"type": "BOOLEAN"}, "steps": {"type": "INTEGER"}},
+        "required": ["next_speaker", "done", "steps"]}
+    config = types.GenerateContentConfig(response_mime_type="application/json", **{field: schema})
+    return client.models.generate_content(model="gemini-2.5-flash", contents=PROMPT, config=config).text
+
+
+def ask_anthropic(base: str) -> str:
+    import anthropic
+
+    client = anthropic.Anthropic(api_key="sk-test", base_url=base, max_retries=0)
+    answer = client.messages.create(model="claude-sonnet-4-6", max_tokens=64,
+                                    messages=[{"role": "user", "content": PROMPT}],
+                                    extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}})
+    return "".join(block.text for block in answer.content if block.type == "text")
+
+
+CLIENTS = {
+    "openai_chat": ("openai_chat", ask_openai_chat),
+    "openai_responses": ("openai_responses", ask_openai_responses),
+    "google-responseJsonSchema": ("google", lambda base: ask_google(base, "response_json_schema")),
+    "google-responseSchema": ("google", lambda base: ask_google(base, "response_schema")),
+    "anthropic": ("anthropic", ask_anthropic),
+}
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_schema_constrained_answer_from_the_unscripted_engine_is_valid_json(free_gateway, client):
+    provider, ask = CLIENTS[client]
+    session = f"json-{client}-{uuid.uuid4().hex[:6]}"
+    text = ask(base_url_for(provider, free_gateway.reverse_url, f"/s/{session}"))
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+    rows = [r for r in read_all(free_gateway.out_dir).to_pylist() if r["session_id"] == session]
+    assert len(rows) == 1 and rows[0]["status_code"] == 200
+    assert rows[0]["output_constraint"] == "json_schema" and rows[0]["call_kind"] == "side"
+    assert rows[0]["finish_reason"] == "stop"
+    # The engine reported decoding under the grammar, and its logprobs are of the masked distribution.
+    assert json.loads(rows[0]["engine_meta_json"])["constraint"] == "json_schema"
+
+
+def test_masked_logprobs_are_at_least_the_models_own(tiny_engine):
+    """SGLang's vocab mask comes before the softmax: a constrained token's logprob is renormalised upwards."""
+    from polar_mitm.engine.sampling import SamplingParams
+
+    prompt = tiny_engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                                       add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    params = SamplingParams.from_sglang({"max_new_tokens": 48, "json_schema": json.dumps(SCHEMA),
+                                         "sampling_seed": 3})
+    gen = tiny_engine.generate(prompt, params)
+    jsonschema.validate(json.loads(gen.text), SCHEMA)
+    free = tiny_engine.score(prompt, gen.output_ids)
+    assert all(c >= f - 1e-4 for c, f in zip(gen.output_logprobs, free, strict=True))
+    assert sum(gen.output_logprobs) > sum(free) + 1.0  # the mask moved real probability mass
+
+
+def test_a_schema_that_does_not_compile_is_a_client_error(free_gateway):
+    import openai
+
+    client = openai.OpenAI(api_key="sk-test", base_url=f"{free_gateway.reverse_url}/v1", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
