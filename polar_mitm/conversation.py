@@ -85,6 +85,8 @@ class Conversation:
     stream: bool = False
     thinking: bool | None = None  # harness asked for reasoning (None = provider default)
     include_usage: bool = False  # OpenAI chat stream_options.include_usage
+    # Structured output, as SGLang's chat `response_format` (codecs/structured.py); None = free text.
+    response_format: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # provider-specific echoes (metadata, store, ...)
     sampling: dict[str, Any] = field(default_factory=dict)  # what the engine was sent (set by the gateway)
 
@@ -116,6 +118,8 @@ class Conversation:
             body["stop"] = list(self.stop)
         if self.thinking is False:
             body["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         for key, value in (overrides or {}).items():
             if value is not None:
                 body[key] = value

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from polar_mitm.engine.constraints import ConstraintSpec, GrammarCompiler, spec_from_params
 from polar_mitm.engine.sampling import SamplingParams
 
 PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
@@ -49,6 +50,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     queue_s: float = 0.0
+    constraint: str | None = None  # json_schema | regex | ebnf when decoding was constrained (logprobs masked)
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` for this generation."""
@@ -63,6 +65,7 @@ class Generation:
             "prefill_latency": self.prefill_s,
             "decode_latency": self.decode_s,
             "queue_time": self.queue_s,
+            "constraint": self.constraint,
             "output_token_logprobs": [
                 [lp, tid, None] for lp, tid in zip(self.output_logprobs, self.output_ids, strict=True)
             ],
@@ -93,6 +96,7 @@ class Engine:
         self.weight_version = "0"
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
+        self.grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
         self.script = None
         if script_path is not None:
             from polar_mitm.engine.script import Script
@@ -145,6 +149,13 @@ class Engine:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def check_constraint(self, params: SamplingParams) -> ConstraintSpec | None:
+        """The request's constraint, compiled once to reject a bad schema/regex/grammar up front (HTTP 400)."""
+        spec = spec_from_params(params.json_schema, params.regex, params.ebnf)
+        if spec is not None:
+            self.grammars.compile(spec)
+        return spec
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -209,6 +220,10 @@ class Engine:
             if self.script is not None:
                 candidates = self.script.candidate_ids_for(prompt_ids, tool_names)
                 forced = candidates[0] if len(candidates) == 1 else self._choose(prompt_ids, candidates, params, rng)
+            # A scripted turn is written by the test, not sampled: no grammar applies to it.
+            spec = None if forced else spec_from_params(params.json_schema, params.regex, params.ebnf)
+            constraint = self.grammars.compile(spec) if spec is not None else None
+            gen.constraint = spec.kind if spec is not None else None
             cache = self._new_cache()
             logits = self._prefill(prompt_ids, cache)
             t1 = time.perf_counter()
@@ -218,7 +233,11 @@ class Engine:
                     gen.finish_reason = {"type": "abort", "message": "client disconnected"}
                     break
                 forced_id = forced[len(gen.output_ids)] if forced and len(gen.output_ids) < len(forced) else None
+                if constraint is not None:  # SGLang's vocab mask: before temperature, so logprobs are masked
+                    logits = constraint.apply(logits)
                 step = self._sample(logits, params, rng, top_logprobs_num, forced_id)
+                if constraint is not None:
+                    constraint.advance(step.token_id)
                 gen.output_ids.append(step.token_id)
                 gen.output_logprobs.append(step.logprob)
                 gen.output_top_logprobs.append(step.top_logprobs)

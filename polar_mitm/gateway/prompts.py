@@ -118,6 +118,12 @@ class PromptBuilder:
             return
         await asyncio.to_thread(self._chains.commit, step.plan, completion)
 
+    @staticmethod
+    def mark_compaction(step: PromptStep) -> None:
+        """This call is a compaction: once committed, the session's next new chain is recorded as caused by it."""
+        if step.plan is not None:
+            step.plan.compaction = True
+
     def abandon(self, step: PromptStep) -> None:
         """The engine call failed: nothing to commit; stop a pending rendering check."""
         if step.check_ids is not None:

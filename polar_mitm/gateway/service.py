@@ -26,6 +26,7 @@ from polar_mitm.codecs import CODECS, by_headers, detect
 from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, parse_body
 from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.gateway import identity as ident
+from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.journal import RecordWriter
@@ -247,6 +248,8 @@ class Gateway:
             record.request_json = raw_body.decode("utf-8", "replace") or None
             conv, engine_request = await offload(self._prepare, len(raw_body), codec, raw_body, path, req.query)
             record.stream, record.model_requested = conv.stream, conv.model
+            record.call_kind = call_kind(conv, path)
+            record.output_constraint = (conv.response_format or {}).get("type")
             record.messages_json = orjson.dumps(conv.messages_json()).decode()
             record.tools_json = orjson.dumps(conv.tools_json()).decode()
             live = conv.stream and self.config.stream == "live"
@@ -255,6 +258,8 @@ class Gateway:
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
             step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request)
             record.prompt_mode, record.splice_reason = step.mode, step.reason
+            if record.call_kind == "compaction":  # its commit marks the session (replay and live alike)
+                self.prompts.mark_compaction(step)
             if live:
                 return LiveAnswer(LiveCall(self, codec, conv, record, step, engine_body, req.disconnected,
                                            keepalive_seconds=self.config.keepalive_seconds,
