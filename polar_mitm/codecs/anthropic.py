@@ -117,7 +117,9 @@ class AnthropicCodec(Codec, AuxCodec):
     def encode_error(self, error: GatewayError) -> HttpAnswer:
         """`{"type": "error", "error": {"type", "message"}, "request_id"}` with the API's status for the kind."""
         status, error_type = _ERROR.get(error.kind, (500, "api_error"))
-        payload = {"type": "error", "error": {"type": error_type, "message": error.message},
+        # Claude Code compacts and retries on exactly this wording: /^prompt is too long: \d+ tokens > \d+ maximum$/
+        message = error.worded("prompt is too long: {n} tokens > {limit} maximum")
+        payload = {"type": "error", "error": {"type": error_type, "message": message},
                    "request_id": f"req_{uuid.uuid4().hex}"}
         return HttpAnswer.json(status, payload)
 

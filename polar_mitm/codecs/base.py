@@ -36,10 +36,18 @@ MAX_JSON_DEPTH = 128
 class GatewayError(Exception):
     """An error to show the harness in its provider's own shape (see `Codec.encode_error`)."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, *, tokens: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.tokens = tokens  # context_length: (prompt tokens, context limit) when the engine said
+
+    def worded(self, overflow_template: str) -> str:
+        """The message, or — for a context overflow with known counts — the provider's own wording of it
+        (`{n}` prompt tokens, `{limit}` maximum): harnesses match that text to decide to compact and retry."""
+        if self.kind == "context_length" and self.tokens is not None:
+            return overflow_template.format(n=self.tokens[0], limit=self.tokens[1])
+        return self.message
 
 
 def invalid_request(message: str) -> GatewayError:

@@ -104,7 +104,8 @@ class GoogleCodec(Codec, AuxCodec):
     def encode_error(self, error: GatewayError) -> HttpAnswer:
         """Google's `{"error": {"code", "message", "status"}}` with the matching HTTP status."""
         code, status = _ERROR_STATUS.get(error.kind, (500, "INTERNAL"))
-        return HttpAnswer.json(code, {"error": {"code": code, "message": error.message, "status": status}})
+        message = error.worded("The input token count ({n}) exceeds the maximum number of tokens allowed ({limit}).")
+        return HttpAnswer.json(code, {"error": {"code": code, "message": message, "status": status}})
 
     # --- auxiliary endpoints -----------------------------------------------------------------------------
 

@@ -39,7 +39,10 @@ MODELS_CREATED_AT = int(time.time())
 def openai_error_answer(error: GatewayError) -> HttpAnswer:
     """`{"error": {message, type, param, code}}` with the status OpenAI uses for this kind of failure."""
     status, error_type, code = _ERROR_SHAPES.get(error.kind, (500, "server_error", None))
-    return HttpAnswer.json(status, {"error": {"message": error.message, "type": error_type, "param": None,
+    # OpenAI's wording; harnesses match the code (Codex) or "maximum context length" (AI SDK, Qwen Code).
+    message = error.worded("This model's maximum context length is {limit} tokens. However, your messages "
+                           "resulted in {n} tokens. Please reduce the length of the messages.")
+    return HttpAnswer.json(status, {"error": {"message": message, "type": error_type, "param": None,
                                               "code": code}})
 
 

@@ -6,6 +6,7 @@ aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -144,7 +145,13 @@ def status_error(status: int, raw: bytes) -> GatewayError:
     lowered = message.lower()
     kind = "context_length" if ("context length" in lowered or "longer than" in lowered
                                 or "exceeds the maximum" in lowered) else "invalid_request"
-    return GatewayError(kind, message)
+    counts = OVERFLOW_COUNTS.search(message) if kind == "context_length" else None
+    tokens = (int(counts.group(1)), int(counts.group(2))) if counts else None
+    return GatewayError(kind, message, tokens=tokens)
+
+
+# SGLang and `polar-mitm serve`: "The input (N tokens) is longer than the model's context length (M tokens)."
+OVERFLOW_COUNTS = re.compile(r"\((\d+) tokens\).*?\((\d+) tokens\)", re.DOTALL)
 
 
 async def sse_frames(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, bytes]]:
