@@ -124,3 +124,36 @@ def test_a_schema_that_does_not_compile_is_a_client_error(free_gateway):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+def test_constrained_calls_are_left_out_of_the_loss_and_counted(free_gateway, tiny_engine):
+    """A grammar-masked call's logprobs are not the policy's: merge marks the turn, training leaves it out."""
+    import openai
+    import pyarrow as pa
+
+    from polar_mitm.reconstruct.merge import merge_table
+    from polar_mitm.reconstruct.turns import sequences_from_table
+    from polar_mitm.records import RECORD_SCHEMA
+    from polar_mitm.train.data import build_training_data
+
+    sessions = {f"grammar-{k}-{uuid.uuid4().hex[:6]}": k for k in ("constrained", "free")}
+    for session, kind in sessions.items():
+        client = openai.OpenAI(api_key="sk-test", base_url=f"{free_gateway.reverse_url}/t/json-task/s/{session}/v1",
+                               max_retries=0)
+        extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "next", "schema": SCHEMA}}}
+                 if kind == "constrained" else {"max_tokens": 8})
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], **extra)
+    rows = [r for r in read_all(free_gateway.out_dir).to_pylist() if r["session_id"] in sessions]
+    table, _ = merge_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA),
+                           eot_token_id=tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    merged = sequences_from_table(table)
+    by_kind = {sessions[s.session_id]: s for s in merged}
+    assert list(by_kind["constrained"].turn_constrained) == [True]
+    assert list(by_kind["free"].turn_constrained) == [False]
+    for seq in merged:
+        seq.reward = 1.0 if sessions[seq.session_id] == "free" else 0.0
+    data = build_training_data(merged)
+    assert data.stats.excluded_constrained_turns == 1
+    assert [r["session_id"] for r in data.rows] == [s for s, k in sessions.items() if k == "free"]
+    kept = build_training_data(merged, keep_truncated_sampling=True)
+    assert kept.stats.excluded_constrained_turns == 0 and len(kept.rows) == 2

@@ -63,7 +63,8 @@ SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers sk
 REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
                     "completion_logprobs")
 OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
-                    "greedy", "spliced_turns", "call_kind")
+                    "greedy", "spliced_turns", "call_kind",
+                    "output_constraint")
 
 
 class MergeError(ValueError):

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 # v2: per-turn sampling parameters (turn_starts, turn_temperature, turn_top_p, turn_top_k, turn_min_p, turn_greedy).
-# v1 files read with those columns null.
-MERGED_SCHEMA_VERSION = 2
+# v1 files read with those columns null. v3: turn_constrained (the call's output was grammar-constrained: its recorded
+# logprobs are of the constrained, renormalised distribution); v2 files read it null.
+MERGED_SCHEMA_VERSION = 3
 
 MERGED_SCHEMA = pa.schema([
     pa.field("schema_version", pa.int16(), nullable=False),
@@ -45,6 +46,7 @@ MERGED_SCHEMA = pa.schema([
     pa.field("turn_top_k", pa.list_(pa.int32())),  # -1 = off
     pa.field("turn_min_p", pa.list_(pa.float32())),
     pa.field("turn_greedy", pa.list_(pa.bool_())),
+    pa.field("turn_constrained", pa.list_(pa.bool_())),
 ], metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)})
 
 
@@ -70,6 +72,7 @@ class MergedSequence:
     turn_top_k: list[int | None] | None = None
     turn_min_p: list[float | None] | None = None
     turn_greedy: list[bool | None] | None = None
+    turn_constrained: list[bool | None] | None = None
     schema_version: int = MERGED_SCHEMA_VERSION
     extra: dict = field(default_factory=dict, repr=False)  # not persisted
 

@@ -64,6 +64,7 @@ class TurnRecord:
     # harness's history not to continue any sampled stream, so merge must not splice it either.
     new_chain: bool = False
     call_kind: str | None = None  # main | side | compaction (record schema v3; None before)
+    constrained: bool | None = None  # output was grammar-constrained (record `output_constraint`; None before v3)
 
     def sort_key(self) -> tuple[int, int, str, int]:
         return (self.seq, self.started_at, self.request_id, self.position)
@@ -182,6 +183,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     sampling = {name: strings(name) for name in SAMPLING_FIELDS}  # null in v1 records
     spliced = table.column("spliced_turns").to_pylist() if "spliced_turns" in names else [None] * n
     kinds = strings("call_kind")
+    constraints = table.column("output_constraint").to_pylist() if "output_constraint" in names else None
     return [
         TurnRecord(
             request_id=request_ids[i], session_id=session_ids[i], seq=int(seqs[i]),
@@ -189,15 +191,17 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
             completion_logprobs=logprobs.row(i), task_id=task_ids[i], started_at=started[i],
             weight_version=versions[i], error=errors[i], position=first_position + i,
             **{name: values[i] for name, values in sampling.items()}, new_chain=spliced[i] == 0,
-            call_kind=kinds[i],
+            call_kind=kinds[i], constrained=None if constraints is None else constraints[i] is not None,
         )
         for i in range(n)
     ]
 
 
 def sampling_columns(turns: Sequence[TurnRecord]) -> dict[str, list]:
-    """The per-turn sampling columns of a sequence built from `turns` (MERGED_SCHEMA v2), in turn order."""
-    return {column: [getattr(t, name) for t in turns] for name, column in SAMPLING_FIELDS.items()}
+    """The per-turn sampling columns of a sequence built from `turns` (MERGED_SCHEMA v3), in turn order."""
+    columns = {column: [getattr(t, name) for t in turns] for name, column in SAMPLING_FIELDS.items()}
+    columns["turn_constrained"] = [t.constrained for t in turns]
+    return columns
 
 
 # -- merged sequences ⇄ Arrow ------------------------------------------------------------------------------------

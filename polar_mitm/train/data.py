@@ -98,7 +98,7 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
         starts = list(seq.turn_starts)
         if starts != sorted(starts) or not all(seq.prompt_len <= s < n for s in starts):
             raise MergedDataError(f"{at}: turn_starts {starts[:8]} not increasing within [prompt_len, {n})")
-        for name in ("turn_temperature", "turn_top_p", "turn_top_k", "turn_min_p", "turn_greedy"):
+        for name in ("turn_temperature", "turn_top_p", "turn_top_k", "turn_min_p", "turn_greedy", "turn_constrained"):
             values = getattr(seq, name)
             if values is not None and len(values) != len(starts):
                 raise MergedDataError(f"{at}: {name} has {len(values)} values for {len(starts)} turns")
@@ -231,6 +231,7 @@ GREEDY_TEMPERATURE = 1e-5  # below it engines take the argmax (SGLang, the embed
 GREEDY_SCORING_TEMPERATURE = 1.0
 EXCLUDED_GREEDY = "greedy"
 EXCLUDED_TRUNCATED = "truncated"
+EXCLUDED_CONSTRAINED = "constrained"
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class TurnSampling:
 
     start: int  # index in input_ids of its first sampled token
     temperature: float | None  # the temperature its recorded logprobs are at (None: unknown, v1 data)
-    excluded: str | None  # EXCLUDED_GREEDY | EXCLUDED_TRUNCATED when its logprobs are not the sampling policy's
+    excluded: str | None  # EXCLUDED_GREEDY | _TRUNCATED | _CONSTRAINED when its logprobs are not the policy's
 
 
 def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
@@ -249,6 +250,8 @@ def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
     Truncated (top_p < 1, top_k > 0, min_p > 0): the sampler renormalised over a subset of the vocabulary, while the
     recorded logprob (like SGLang's) is of the full tempered distribution — the ratio's denominator is not the
     probability the token was drawn with.
+    Constrained (JSON schema, regex, grammar): the recorded logprob is of the grammar-masked, renormalised
+    distribution, while the trainer scores the unconstrained policy — the two disagree on every masked step.
     """
     starts = list(seq.turn_starts) if seq.turn_starts is not None else [seq.prompt_len]
 
@@ -257,13 +260,15 @@ def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
 
     temperatures, greedy = column(seq.turn_temperature), column(seq.turn_greedy)
     top_p, top_k, min_p = column(seq.turn_top_p), column(seq.turn_top_k), column(seq.turn_min_p)
+    constrained = column(seq.turn_constrained)
     turns = []
     for k, start in enumerate(starts):
         t = temperatures[k]
         is_greedy = bool(greedy[k]) or (t is not None and t < GREEDY_TEMPERATURE) or top_k[k] == 1
         truncated = ((top_p[k] is not None and top_p[k] < 1.0) or (top_k[k] is not None and top_k[k] > 0)
                      or (min_p[k] is not None and min_p[k] > 0.0))
-        excluded = EXCLUDED_GREEDY if is_greedy else EXCLUDED_TRUNCATED if truncated else None
+        excluded = (EXCLUDED_GREEDY if is_greedy else EXCLUDED_TRUNCATED if truncated
+                    else EXCLUDED_CONSTRAINED if constrained[k] else None)
         scoring = GREEDY_SCORING_TEMPERATURE if is_greedy else (None if t is None else float(t))
         turns.append(TurnSampling(start=int(start), temperature=scoring, excluded=excluded))
     return turns
@@ -327,6 +332,7 @@ class DataStats:
     unknown_temperature_sequences: int = 0
     excluded_greedy_turns: int = 0
     excluded_truncated_turns: int = 0
+    excluded_constrained_turns: int = 0
     excluded_sampled_tokens: int = 0
     dropped_excluded_sampling: int = 0  # sequences with no sampled token left after the exclusions
     sequences_per_session_max: int = 0
@@ -440,6 +446,7 @@ def _without_excluded_turns(seq: MergedSequence, turns: Sequence[TurnSampling],
         return seq
     stats.excluded_greedy_turns += sum(t.excluded == EXCLUDED_GREEDY for t in excluded)
     stats.excluded_truncated_turns += sum(t.excluded == EXCLUDED_TRUNCATED for t in excluded)
+    stats.excluded_constrained_turns += sum(t.excluded == EXCLUDED_CONSTRAINED for t in excluded)
     mask = exclude_turns(seq.loss_mask, turns)
     stats.excluded_sampled_tokens += int(sum(seq.loss_mask)) - sum(mask)
     if not any(mask):

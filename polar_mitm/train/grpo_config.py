@@ -86,7 +86,8 @@ class PolarGRPOConfig(GRPOConfig):
 
     keep_truncated_sampling: bool = field(
         default=False,
-        metadata={"help": "Keep greedy and top-p/top-k/min-p-truncated calls in the loss. Off by default: their "
+        metadata={"help": "Keep greedy, top-p/top-k/min-p-truncated and grammar-constrained calls in the loss. "
+                          "Off by default: their "
                           "recorded logprobs are of the full tempered distribution, not of the (argmax or "
                           "renormalised) distribution that drew the token, so the importance ratio is biased. They "
                           "stay in the sequence as context and are counted (`excluded_*` in data_stats.json). Kept "

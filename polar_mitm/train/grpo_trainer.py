@@ -406,11 +406,12 @@ class PolarGRPOTrainer(GRPOTrainer):
         if stats.unknown_temperature_sequences:
             logger.warning("%d sequences have no recorded sampling temperature (v1 data): scored at --temperature "
                            "%g", stats.unknown_temperature_sequences, self.temperature)
-        excluded = stats.excluded_greedy_turns + stats.excluded_truncated_turns
+        excluded = stats.excluded_greedy_turns + stats.excluded_truncated_turns + stats.excluded_constrained_turns
         if excluded:
-            logger.info("left out of the loss: %d greedy and %d top-p/top-k/min-p-truncated calls (%d sampled "
-                        "tokens; %d sequences with nothing else), see --keep-truncated-sampling",
-                        stats.excluded_greedy_turns, stats.excluded_truncated_turns, stats.excluded_sampled_tokens,
+            logger.info("left out of the loss: %d greedy, %d top-p/top-k/min-p-truncated and %d grammar-constrained "
+                        "calls (%d sampled tokens; %d sequences with nothing else), see --keep-truncated-sampling",
+                        stats.excluded_greedy_turns, stats.excluded_truncated_turns,
+                        stats.excluded_constrained_turns, stats.excluded_sampled_tokens,
                         stats.dropped_excluded_sampling)
         if (self.loss_type in PER_SEQUENCE_LOSSES and not self.args.session_weighting
                 and stats.sequences_per_session_max > 1):
