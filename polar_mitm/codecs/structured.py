@@ -81,12 +81,34 @@ def from_anthropic(body: dict[str, Any]) -> ResponseFormat | None:
 def from_google(json_schema: Any, openapi_schema: Any, mime_type: Any) -> ResponseFormat | None:
     """Google `responseJsonSchema` (JSON Schema), else `responseSchema` (OpenAPI subset), else JSON mime type."""
     if json_schema is not None:
-        return json_schema_format(json_schema)
+        return json_schema_format(lower_type_names(json_schema))
     if openapi_schema is not None:
         return json_schema_format(openapi_to_json_schema(openapi_schema))
     if mime_type == "application/json":
         return {"type": "json_object"}
     return None
+
+
+_TYPE_NAMES = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"}
+
+
+def lower_type_names(schema: Any) -> Any:
+    """`"type": "OBJECT"` → `"object"` throughout a schema.
+
+    Gemini accepts its SDK's upper-case `Type` names inside `responseJsonSchema` too, and Gemini CLI sends them
+    (`Type.OBJECT` from @google/genai); JSON Schema — and so the engine's grammar compiler — knows only lower case.
+    """
+    if isinstance(schema, list):
+        return [lower_type_names(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: lower_type_names(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind in _TYPE_NAMES:
+        out["type"] = kind.lower()
+    elif isinstance(kind, list):
+        out["type"] = [k.lower() if isinstance(k, str) and k in _TYPE_NAMES else k for k in kind]
+    return out
 
 
 _OPENAPI_KEYS = {"description", "enum", "format", "minimum", "maximum", "minItems", "maxItems", "minLength",

@@ -565,3 +565,18 @@ def test_arbitrary_json_raises_only_gateway_errors(body: Any) -> None:
 @given(gemini_like)
 def test_gemini_shaped_json_raises_only_gateway_errors(body: Any) -> None:
     only_gateway_errors(body)
+
+
+def test_response_json_schema_with_sdk_type_names_becomes_plain_json_schema() -> None:
+    """Gemini CLI's side requests send @google/genai's upper-case Type names inside responseJsonSchema."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "who speaks next?"}]}],
+            "generationConfig": {"responseMimeType": "application/json", "responseJsonSchema": {
+                "type": "OBJECT", "properties": {"next_speaker": {"type": "STRING", "enum": ["user", "model"]},
+                                                 "tags": {"type": "ARRAY", "items": {"type": "STRING"}},
+                                                 "type": {"type": "STRING"}},
+                "required": ["next_speaker"]}}}
+    schema = decode(body).response_format["json_schema"]["schema"]
+    assert schema["type"] == "object"
+    assert schema["properties"]["next_speaker"] == {"type": "string", "enum": ["user", "model"]}
+    assert schema["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert schema["properties"]["type"] == {"type": "string"}  # a property named "type" is left as it is
