@@ -87,7 +87,7 @@ def demo(
     iterations: Annotated[int, typer.Option(help="RL loop iterations (0 = only the chat).")] = 3,
     run_dir: Annotated[Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")] = Path(
         "runs/demo"),
-    learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 2e-2,
+    learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 3e-3,
     seed: Annotated[int, typer.Option(help="Seed of the loop's trainer and of the tiny model's initial weights.")] = 0,
 ) -> None:
     """The main job on CPU: a real model answers with ids + logprobs, then rollout → merge → GRPO → push, looped."""

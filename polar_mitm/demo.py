@@ -13,11 +13,14 @@ from polar_mitm import procs
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
 
-# The demo's training settings (benchmarks/bench_demo_learning.py measures them over seeds). Four sequences per
-# optimizer step — about one task's group — keep each Adam step balanced between that group's passing and failing
-# sessions (two per step moved the other tasks' choices more); the final rollout measures the policy the last
-# training produced instead of training once more for nothing.
-DEMO_LEARNING_RATE = 2e-2
+# The demo's training settings (benchmarks/bench_demo_learning.py measures them over seeds). Adam's first steps move
+# every weight by about the learning rate: at 2e-2 one iteration on a 2-pass/2-fail group moved the tiny model's
+# choice the WRONG way (interference from the other tasks' updates outweighed the group's own signal); at 3e-3 with
+# two passes over the data (six steps of four sequences — about one task's group each) every informative group moved
+# its choice the right way by 1.5-2 nats of log-odds. The final rollout measures the policy the last training
+# produced instead of training once more for nothing.
+DEMO_LEARNING_RATE = 3e-3
+DEMO_EPOCHS = 2.0
 DEMO_BATCH_SIZE = 4
 
 
@@ -82,7 +85,8 @@ def demo_loop_config(*, model: str, iterations: int, run_dir: Path, learning_rat
 
     return LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=run_dir, iterations=iterations, group_size=4,
                       concurrency=4, model=model, script=EXAMPLES / "policy.json" if model == "tiny" else None,
-                      learning_rate=learning_rate, per_device_batch_size=DEMO_BATCH_SIZE, max_tokens=128, seed=seed,
+                      learning_rate=learning_rate, per_device_batch_size=DEMO_BATCH_SIZE, epochs=DEMO_EPOCHS,
+                      max_tokens=128, seed=seed,
                       final_rollout=True)
 
 
