@@ -28,7 +28,7 @@ def test_one_training_iteration_raises_the_right_choice_probability(demo_run):
     # A random model starts near an even choice between two equally long candidates.
     assert all(0.3 < p < 0.7 for p in before.values()), before
     mean_before, mean_after = sum(before.values()) / 3, sum(after.values()) / 3
-    assert mean_after >= mean_before + 0.1, (before, after)
+    assert mean_after >= mean_before + 0.05, (before, after)  # typically +0.2; exactly 0 at learning rate 0
 
 
 def test_demo_loop_rolls_out_the_trained_policy_last(demo_run):
