@@ -61,12 +61,19 @@ class LiveServer:
     def __init__(self) -> None:
         self._pending: dict[str, LiveAnswer] = {}
         self._runner: web.ServerRunner | None = None
+        self._starting: asyncio.Task | None = None  # the one start; every caller awaits it
         self._tasks: set[asyncio.Task] = set()
         self.port = 0
 
     async def start(self) -> None:
-        if self._runner is not None:
-            return
+        """Start the loopback server once. Concurrent first calls all wait until it listens: before that `port` is
+        0, and a flow sent there gets mitmproxy's 502 (seen as crashed harness sessions in every fresh gateway's
+        first wave of streamed calls)."""
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         self._runner = web.ServerRunner(web.Server(self._handle), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -101,3 +108,4 @@ class LiveServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._starting = None
