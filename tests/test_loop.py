@@ -34,3 +34,17 @@ def test_loop_iterations_train_push_and_record_new_weight_versions(tmp_path, ove
     assert len(rewards) == 6 and all(r["reward"] in (0.0, 1.0) for r in rewards)
     assert (tmp_path / "run" / "iter-1" / "train" / "model.safetensors").exists()
     assert len(json.loads((tmp_path / "run" / "loop.json").read_text())) == 2
+
+
+@pytest.mark.slow
+def test_loop_trains_with_two_data_parallel_processes(tmp_path):
+    """`--train-processes 2`: the GRPO step runs as `polar-mitm grpo` in two torchrun processes (gloo on CPU)."""
+    cfg = LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=tmp_path / "run", iterations=1, group_size=2,
+                     concurrency=2, model="tiny", script=EXAMPLES / "policy.json", learning_rate=1e-2,
+                     max_tokens=128, train_processes=2)
+    results = Loop(cfg).run()
+    train = tmp_path / "run" / "iter-0" / "train"
+    result = json.loads((train / "result.json").read_text())
+    assert result["steps"] > 0 and results[0].weight_version == result["weight_version"] != "0"
+    assert (train / "model.safetensors").exists() and (tmp_path / "run" / "iter-0" / "data_stats.json").exists()
+    assert result["processes"] == 2

@@ -208,6 +208,9 @@ def loop_command(
     keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
     ray: Annotated[str | None, typer.Option(
         "--ray", help="Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node.")] = None,
+    train_processes: Annotated[int, typer.Option(
+        help="GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same global "
+             "batch.")] = 1,
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
     from polar_mitm.rollout.loop import Loop, LoopConfig
@@ -216,7 +219,7 @@ def loop_command(
                      concurrency=concurrency, model=model, script=script, engine_url=engine,
                      temperature=temperature, max_tokens=max_tokens, learning_rate=learning_rate,
                      per_device_batch_size=batch_size, epochs=epochs, lora=lora, builder=builder, overlap=overlap,
-                     keep=keep, ray_address=ray)
+                     keep=keep, ray_address=ray, train_processes=train_processes)
     done = []
 
     def show(stats) -> None:

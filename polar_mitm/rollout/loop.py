@@ -51,6 +51,9 @@ class LoopConfig:
     keep: int | None = None  # straggler cut
     seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
     ray_address: str | None = None  # rollouts on this Ray cluster ("auto", "HOST:PORT"); None: on this machine
+    # >1: the GRPO step runs as N data-parallel processes (`accelerate launch` on GPUs, torchrun + gloo on CPU),
+    # the same `polar-mitm grpo` command recipes/training.md describes; the global batch stays the same.
+    train_processes: int = 1
     final_rollout: bool = False  # after the last training, one more rollout (no training): the trained policy's reward
 
 
@@ -142,6 +145,9 @@ class Loop:
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
         self.progress.stage(k, "train")
+        if cfg.train_processes > 1:
+            saved_dir, version = train_in_processes(cfg, self.model_dir, it, self.engine_url, self.weight_version)
+            return saved_dir, version, time.monotonic() - started
         data = build_training_data(read_merged([it / "merged"]))
         out = it / "train"
         config = PolarGRPOConfig(
@@ -253,3 +259,53 @@ def engine_weight_version(url: str) -> str | None:
         return httpx.get(f"{url}/model_info", timeout=5).json().get("weight_version")
     except httpx.HTTPError:
         return None
+
+
+def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
+    """How to start `processes` data-parallel trainer processes: accelerate on GPUs, torchrun + gloo on CPU.
+
+    (`accelerate launch --cpu --num_processes N` starts one process unless MPI is configured; torchrun with
+    ACCELERATE_USE_CPU is what works on CPU — see recipes/training.md.)
+    """
+    import sys
+
+    import torch
+
+    python = Path(sys.executable)
+    if torch.cuda.is_available():
+        return [str(python.with_name("accelerate")), "launch", "--num_processes", str(processes), "-m"], {}
+    return ([str(python.with_name("torchrun")), "--standalone", "--nproc_per_node", str(processes), "-m"],
+            {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+
+
+def train_in_processes(cfg: LoopConfig, model_dir: Path, it: Path, engine_url: str,
+                       weight_version: str | None) -> tuple[Path, str | None]:
+    """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo`; returns (weights, version)."""
+    import os
+    import subprocess
+
+    n = cfg.train_processes
+    if cfg.per_device_batch_size % n:
+        raise ValueError(f"--batch-size {cfg.per_device_batch_size} must be divisible by --train-processes {n} "
+                         f"(the global batch stays the same)")
+    out = it / "train"
+    launcher, env = train_launcher(n)
+    argv = [*launcher, "polar_mitm.cli", "grpo", "--data", str(it / "merged"), "--model", str(model_dir),
+            "-o", str(out), "--epochs", str(cfg.epochs), "--learning-rate", str(cfg.learning_rate),
+            "--lr-scheduler", "constant", "--per-device-batch-size", str(cfg.per_device_batch_size // n),
+            "--temperature", str(cfg.temperature), "--loss-type", cfg.loss_type, "--seed", str(cfg.seed),
+            "--push-to-engine", engine_url, "--report-to", "none"]
+    if weight_version is not None:
+        argv += ["--policy-weight-version", weight_version]
+    if cfg.lora:
+        argv += ["--lora", "--save-merged"]
+    log = it / "train.log"
+    with open(log, "wb") as sink:
+        done = subprocess.run(argv, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the {n}-process GRPO step failed (exit {done.returncode}); log {log}:\n{tail}")
+    result = json.loads((out / "result.json").read_text())
+    (it / "data_stats.json").write_text((out / "data_stats.json").read_text())
+    saved = Path(result.get("merged") or result["model"])
+    return saved, result.get("weight_version")

@@ -116,6 +116,11 @@ def grpo_command(
     if trainer.accelerator.is_main_process:
         (output_dir / "data_stats.json").write_text(json.dumps(train_data.stats.to_dict(), indent=2))
         (output_dir / "grpo_config.json").write_text(config.to_json_string())
+        # What a caller that launched us as processes (the loop's --train-processes) needs to go on.
+        (output_dir / "result.json").write_text(json.dumps({
+            **{name: str(path) for name, path in saved.items()},
+            "weight_version": trainer.policy_weight_version(), "steps": trainer.state.global_step,
+            "processes": trainer.accelerator.num_processes}))
         for name, path in saved.items():
             console.print(f"[green]{name}[/] → {path}")
         console.print(f"metrics → {output_dir / config.metrics_file} (TensorBoard: {output_dir / 'runs'}); "
