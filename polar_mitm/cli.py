@@ -84,7 +84,8 @@ def demo(
     port: Annotated[int, typer.Option(help="Engine port (0 = pick a free one).")] = 0,
     loop_model: Annotated[str, typer.Option(help="Model of the RL loop (tiny uses the scripted choice policy).")] = (
         "tiny"),
-    iterations: Annotated[int, typer.Option(help="RL loop iterations (0 = only the chat).")] = 3,
+    iterations: Annotated[int, typer.Option(
+        help="RL loop training iterations, then a rollout of the trained policy (0 = only the chat).")] = 4,
     run_dir: Annotated[Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")] = Path(
         "runs/demo"),
     learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 3e-3,

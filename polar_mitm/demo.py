@@ -59,7 +59,7 @@ def print_chat(engine_url: str, prompt: str, *, max_tokens: int, temperature: fl
 
 
 def run_demo(*, model: str, prompt: str, port: int, console: Console, loop_model: str = "tiny",
-             iterations: int = 3, run_dir: Path = Path("runs/demo"), learning_rate: float = DEMO_LEARNING_RATE,
+             iterations: int = 4, run_dir: Path = Path("runs/demo"), learning_rate: float = DEMO_LEARNING_RATE,
              seed: int = 0) -> list | None:
     """Step 1: a real model answers through the engine's SGLang contract (ids + logprobs).
     Step 2: the RL loop on the CPU demo tasks — rollout through the gateway → merge → GRPO → weights pushed."""
