@@ -105,14 +105,7 @@ class StreamingRollout(Rollout):
 
     def start(self) -> None:
         cfg = self.config
-        cfg.workspace_root = cfg.workspace_root.resolve()
-        cfg.workspace_root.mkdir(parents=True, exist_ok=True)
-        if cfg.log_dir:
-            cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        self._buffered = cfg.ready_buffer > 0
-        self._pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
-        self._ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=max(cfg.ready_buffer, 0))
-        self._post_queue: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+        self._open_stages()
         self._posts = [asyncio.create_task(self._post_worker()) for _ in range(cfg.post_workers)]
         self._runs = [asyncio.create_task(self._run_worker()) for _ in range(cfg.concurrency)]
         self._inits = [asyncio.create_task(self._init_worker()) for _ in range(cfg.init_workers)] \

@@ -283,8 +283,8 @@ class Rollout:
 
     # -- workers -------------------------------------------------------------------------------------------------
 
-    async def run(self) -> RolloutSummary:
-        """All sessions through the stages; on cancellation, running harnesses are stopped before it re-raises."""
+    def _open_stages(self) -> None:
+        """Directories and the stage queues (also used by the Ray node runner, which feeds sessions one by one)."""
         cfg = self.config
         # Absolute: harnesses run with the workspace as their cwd, where a relative path would point elsewhere.
         cfg.workspace_root = cfg.workspace_root.resolve()
@@ -295,6 +295,10 @@ class Rollout:
         self._pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
         self._ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=max(cfg.ready_buffer, 0))
         self._post_queue: asyncio.Queue[SessionRun | None] = asyncio.Queue()
+
+    async def run(self) -> RolloutSummary:
+        """All sessions through the stages; on cancellation, running harnesses are stopped before it re-raises."""
+        self._open_stages()
         for s in self.sessions:
             self._pending.put_nowait(s)
         self.started = time.monotonic()
