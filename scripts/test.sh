@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent) and run the whole test suite. README command (2); CI runs this.
+#   bash scripts/test.sh              everything (what .ci/run does)
+#   bash scripts/test.sh --fast ...   local work: skips the tests marked `slow` (real harness CLIs, training,
+#                                     the RL loop, Ray, the browser) and the browser setup; other args go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+if [[ "${1:-}" == "--fast" ]]; then
+  fast=1
+  shift
+fi
 bash scripts/setup.sh
-bash scripts/setup-browser.sh  # Chromium for the report's browser test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -ra "$@"
+if (( fast )); then
+  exec .venv/bin/python -m pytest -q -ra -m "not slow" "$@"
+fi
+bash scripts/setup-browser.sh  # Chromium for the report's browser test
+exec .venv/bin/python -m pytest -q -ra --durations=15 "$@"
