@@ -5,16 +5,22 @@ or `TASK/SESSION` with the slash written `%2F`) → a path prefix `/s/SESSION/�
 also names the task) → an API key `polar-SESSION` or `polar-TASK/SESSION` → one id per client connection.
 Task: header `x-polar-task`, else the TASK part of whichever of the above carries one.
 
+The forms themselves (how each is built and parsed) live in `polar_mitm/session_ids.py`; this module decides
+which header, path or key to read them from.
+
 Secrets (API keys, Authorization, proxy credentials) are read here and never leave this module except as the
-session/task ids the caller chose to put in them.
+session/task ids the caller chose to put in them; `scrub_credentials` removes them from a request before it is
+handled, logged or saved.
 """
 
 from __future__ import annotations
 
 import base64
-import re
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+
+from polar_mitm import session_ids
+from polar_mitm.session_ids import SessionId
 
 SECRET_HEADERS = frozenset({
     "authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "api-key", "openai-api-key",
@@ -24,8 +30,6 @@ SECRET_QUERY_KEYS = frozenset({"key", "api_key", "apikey", "access_token"})
 # Harness-native session ids worth keeping in the record.
 HARNESS_ID_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id", "conversation-id",
                       "conversation_id", "x-opencode-session", "x-gemini-session-id", "user-agent")
-PATH_PREFIX = re.compile(r"^(?:/t/(?P<task>[^/]+))?/s/(?P<session>[^/]+)(?P<rest>/.*)?$")
-API_KEY_PREFIX = "polar-"
 
 
 @dataclass
@@ -37,7 +41,7 @@ class Identity:
 
 
 def proxy_user(proxy_authorization: str | None) -> str | None:
-    """The user name of a `Basic` Proxy-Authorization header (percent-decoded)."""
+    """The user name of a `Basic` Proxy-Authorization header, decoded to its compact form `TASK/SESSION`."""
     if not proxy_authorization:
         return None
     scheme, _, value = proxy_authorization.partition(" ")
@@ -47,13 +51,7 @@ def proxy_user(proxy_authorization: str | None) -> str | None:
         user = base64.b64decode(value.strip()).decode("utf-8", "replace").partition(":")[0]
     except ValueError:
         return None
-    return unquote(user) or None
-
-
-def split_task(value: str) -> tuple[str | None, str]:
-    """`TASK/SESSION` → (TASK, SESSION); `SESSION` → (None, SESSION)."""
-    task, sep, session = value.rpartition("/")
-    return (task or None, session) if sep and session else (None, value)
+    return session_ids.decode_proxy_user(user) or None
 
 
 def api_key_of(headers: dict[str, str], query: dict[str, str]) -> str | None:
@@ -68,10 +66,8 @@ def api_key_of(headers: dict[str, str], query: dict[str, str]) -> str | None:
 
 def strip_path_prefix(path: str) -> tuple[str, str | None, str | None]:
     """(`/rest`, task, session) for `/t/TASK/s/SESSION/rest`; (path, None, None) otherwise."""
-    m = PATH_PREFIX.match(path)
-    if not m:
-        return path, None, None
-    return m.group("rest") or "/", unquote(m.group("task")) if m.group("task") else None, unquote(m.group("session"))
+    ids, rest = session_ids.parse_path(path)
+    return (rest, ids.task, ids.session) if ids else (path, None, None)
 
 
 def resolve(headers: dict[str, str], path: str, query: dict[str, str], *, proxy_user_name: str | None,
@@ -80,25 +76,19 @@ def resolve(headers: dict[str, str], path: str, query: dict[str, str], *, proxy_
 
     `headers` must have lower-case names.
     """
-    rest, path_task, path_session = strip_path_prefix(path)
-    key = api_key_of(headers, query)
-    key_task, key_session = (None, None)
-    if key and key.startswith(API_KEY_PREFIX) and len(key) > len(API_KEY_PREFIX):
-        key_task, key_session = split_task(key[len(API_KEY_PREFIX):])
-    user_task, user_session = split_task(proxy_user_name) if proxy_user_name else (None, None)
-
-    candidates = [
-        ("header", headers.get("x-polar-task"), headers.get("x-polar-session")),
-        ("proxy_auth", user_task, user_session),
-        ("path", path_task, path_session),
-        ("api_key", key_task, key_session),
+    path_ids, rest = session_ids.parse_path(path)
+    candidates: list[tuple[str, SessionId | None]] = [
+        ("header", SessionId(headers.get("x-polar-session") or "", headers.get("x-polar-task"))),
+        ("proxy_auth", session_ids.parse_compact(proxy_user_name)),
+        ("path", path_ids),
+        ("api_key", session_ids.parse_api_key(api_key_of(headers, query))),
     ]
     source, session = "connection", f"conn-{connection_id}"
-    for name, _task, value in candidates:
-        if value:
-            source, session = name, value
+    for name, ids in candidates:
+        if ids and ids.session:
+            source, session = name, ids.session
             break
-    task = headers.get("x-polar-task") or next((t for _, t, _s in candidates if t), None)
+    task = next((ids.task for _, ids in candidates if ids and ids.task), None)
     harness_ids = {h: headers[h] for h in HARNESS_ID_HEADERS if headers.get(h)}
     return Identity(session_id=session, task_id=task, source=source, harness_ids=harness_ids), rest
 
@@ -119,4 +109,17 @@ def scrub_headers(headers: dict[str, str]) -> dict[str, str]:
 
 
 def scrub_query(query: dict[str, str]) -> dict[str, str]:
+    """Query parameters without credentials (safe to record or log)."""
     return {k: v for k, v in query.items() if k.lower() not in SECRET_QUERY_KEYS}
+
+
+def scrub_credentials(headers: MutableMapping[str, str], query: MutableMapping[str, str]) -> None:
+    """Remove every credential header and query parameter in place (idempotent).
+
+    Takes any mutable mappings with case-insensitive deletion by name, such as a mitmproxy request's `headers`
+    and `query` multidicts (deleting a name removes all its values).
+    """
+    for name in [k for k in headers.keys() if k.lower() in SECRET_HEADERS]:
+        del headers[name]
+    for key in [k for k in query.keys() if k.lower() in SECRET_QUERY_KEYS]:
+        del query[key]

@@ -41,15 +41,6 @@ def optional_float(value: str | None, name: str) -> float | None:
         raise ValueError(f"{name} must be a number, got {value!r}") from exc
 
 
-def scrub_credentials(flow: http.HTTPFlow) -> None:
-    """Remove every credential header and query parameter from the flow (idempotent)."""
-    for name in list(flow.request.headers.keys()):
-        if name.lower() in ident.SECRET_HEADERS:
-            del flow.request.headers[name]
-    for key in [k for k in flow.request.query.keys() if k.lower() in ident.SECRET_QUERY_KEYS]:
-        del flow.request.query[key]
-
-
 class PolarGateway:
     """Answers model calls from the engine, records them under `polar_out`, handles the rest per passthrough."""
 
@@ -175,7 +166,7 @@ class PolarGateway:
     def _user_of(self, flow: http.HTTPFlow) -> str | None:
         auth = flow.metadata.get("proxyauth")  # set when mitmproxy's own proxyauth option is on
         if auth:
-            return ident.split_task(auth[0])[1] and auth[0]
+            return auth[0] or None
         return ident.proxy_user(flow.request.headers.get("Proxy-Authorization"))
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -185,11 +176,11 @@ class PolarGateway:
         # Credentials never go further (not into `mitmdump -w` files, not into logs): removed before any handling,
         # so no failure can leave them in the flow. Only a flow that may be forwarded keeps them until it is not.
         if not (req.mode == "regular" and self.gateway.config.passthrough == "upstream"):
-            scrub_credentials(flow)
+            ident.scrub_credentials(flow.request.headers, flow.request.query)
         answer = await self.gateway.handle(req)  # never raises: failures come back provider-shaped
         if answer is None:
             return  # passthrough upstream: the real provider needs the credentials
-        scrub_credentials(flow)
+        ident.scrub_credentials(flow.request.headers, flow.request.query)
         if isinstance(answer, LiveAnswer):
             await self._go_live(flow, answer)
             return

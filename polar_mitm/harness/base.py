@@ -13,7 +13,9 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
+
+from polar_mitm.session_ids import SessionId
 
 Mode = Literal["proxy", "base-url"]
 MODES: tuple[Mode, ...] = ("proxy", "base-url")
@@ -81,20 +83,24 @@ class Hookup:
             raise HarnessError("proxy mode needs a CA bundle (system CAs + mitmproxy's CA) for the harness to trust")
 
     @property
+    def session_id(self) -> SessionId:
+        """The session and task ids, which build every form the gateway reads (polar_mitm/session_ids.py)."""
+        return SessionId(self.session, self.task)
+
+    @property
     def identity(self) -> str:
         """`TASK/SESSION` or `SESSION`: the form the gateway reads from API keys and proxy user names."""
-        return f"{self.task}/{self.session}" if self.task else self.session
+        return self.session_id.compact
 
     @property
     def api_key(self) -> str:
         """An API key that also names the session (`polar-TASK/SESSION`), for clients that hide the base URL."""
-        return f"polar-{self.identity}"
+        return self.session_id.api_key
 
     @property
     def path_prefix(self) -> str:
         """`/t/TASK/s/SESSION`: the reverse gateway strips it and records the ids."""
-        session = f"/s/{quote(self.session, safe='')}"
-        return f"/t/{quote(self.task, safe='')}{session}" if self.task else session
+        return self.session_id.path_prefix
 
     def base_url(self, suffix: str = "") -> str:
         """The gateway's reverse URL with the session prefix, plus a provider suffix such as `/v1`."""
@@ -104,10 +110,7 @@ class Hookup:
     def proxy_url(self) -> str:
         """`http://TASK%2FSESSION:x@host:port`: every harness sends this user name on CONNECT."""
         parts = urlsplit(self.gateway_proxy)
-        user = quote(self.session, safe="")
-        if self.task:
-            user = f"{quote(self.task, safe='')}%2F{user}"
-        return f"{parts.scheme or 'http'}://{user}:x@{parts.hostname}:{parts.port}"
+        return self.session_id.proxy_url(f"{parts.hostname}:{parts.port}", parts.scheme or "http")
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
 from polar_mitm.rollout.tasks import Task
+from polar_mitm.session_ids import SessionId
 
 SDK_PROVIDERS = ("openai_chat", "openai_responses", "anthropic", "google")
 
@@ -78,7 +78,7 @@ class HarnessSpec:
             raise HarnessSpecError(f"{exc} (or use sdk:PROVIDER, cmd:TEMPLATE)") from exc
 
     def launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0) -> Launch:
-        prefix = f"/t/{quote(task.task_id, safe='')}/s/{quote(session, safe='')}"
+        prefix = SessionId(session, task.task_id).path_prefix
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
             base = gw.reverse_url + prefix + ("/v1" if self.value.startswith("openai") else "")
@@ -99,7 +99,7 @@ class HarnessSpec:
         proxy = ""
         if gw.proxy_url:
             host = gw.proxy_url.split("://", 1)[-1]
-            proxy = f"http://{quote(task.task_id, safe='')}%2F{quote(session, safe='')}:x@{host}"
+            proxy = SessionId(session, task.task_id).proxy_url(host)
         return {"prompt": task.prompt, "workspace": str(workspace), "session": session, "task": task.task_id,
                 "index": index, "base_url": gw.reverse_url + prefix, "proxy_url": proxy,
                 "ca_bundle": str(gw.ca_bundle or "")}
