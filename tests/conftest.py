@@ -10,6 +10,7 @@ import pytest
 
 from polar_mitm import procs
 from polar_mitm.engine.model_zoo import resolve_model
+from polar_mitm.session_ids import SessionId
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,8 +78,7 @@ def proxy_env(gateway, monkeypatch):
     """Point HTTPS_PROXY-honouring clients at the gateway with a session (and task) in the proxy user name."""
 
     def apply(session: str, task: str | None = None) -> None:
-        user = f"{task}%2F{session}" if task else session
-        monkeypatch.setenv("HTTPS_PROXY", f"http://{user}:x@127.0.0.1:{gateway.proxy_port}")
+        monkeypatch.setenv("HTTPS_PROXY", SessionId(session, task).proxy_url(f"127.0.0.1:{gateway.proxy_port}"))
         monkeypatch.setenv("SSL_CERT_FILE", str(gateway.ca_bundle()))
         for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy",
                      "https_proxy"):
