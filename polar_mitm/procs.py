@@ -1,12 +1,23 @@
-"""Start and stop our own server processes (engine, gateway) for the demo, tests and rollouts."""
+"""Start and stop our own server processes (engine, gateway) for the demo, tests and rollouts.
+
+`engine_and_gateway` is the usual way in: the engine up (started, or one given by URL) and healthy, then the
+gateway in front of it, both down again when the block ends. `engine_running` and `gateway_running` are its two
+halves, for callers that keep one engine across several gateways (the RL loop). `kill_group`/`stop_group` end the
+process groups of the children we start in their own session (harnesses, setup and evaluation commands).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +82,25 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` (SIGKILL by default) to a process group we started, if anything of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+async def stop_group(proc: asyncio.subprocess.Process, grace: float = 2.0) -> None:
+    """SIGTERM the whole process group of `proc` (harnesses spawn children), then SIGKILL after a grace period."""
+    if proc.returncode is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        kill_group(proc.pid, sig)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+            return
+        except TimeoutError:
+            continue
 
 
 def wait_port(port: int, *, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
@@ -172,3 +202,46 @@ def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | Non
         stop(proc)
         raise
     return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir))
+
+
+@contextmanager
+def engine_running(engine: str | None = None, *, model: str = "tiny", log: Path | None = None,
+                   extra_args: list[str] | None = None, netns: LoopbackNamespace | None = None) -> Iterator[str]:
+    """The engine's base URL for the duration of a block: `engine` when given (not ours: left running), else
+    `polar-mitm serve --model MODEL EXTRA_ARGS` started for the block, healthy before it runs, stopped after."""
+    if engine is not None:
+        yield engine
+        return
+    proc, url = start_engine(model, log=log, extra_args=extra_args, netns=netns)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def gateway_running(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
+                    options: dict[str, str] | None = None,
+                    netns: LoopbackNamespace | None = None) -> Iterator[GatewayProcess]:
+    """`start_gateway` for the duration of a block; stopping it compacts its journal into a shard."""
+    gateway = start_gateway(backend, out_dir, confdir=confdir, log=log, options=options, netns=netns)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+@contextmanager
+def engine_and_gateway(out_dir: Path, *, confdir: Path, engine: str | None = None, model: str = "tiny",
+                       engine_args: list[str] | None = None, engine_log: Path | None = None,
+                       gateway_log: Path | None = None, gateway_options: dict[str, str] | None = None,
+                       netns: LoopbackNamespace | None = None) -> Iterator[tuple[str, GatewayProcess]]:
+    """(engine URL, gateway) for the duration of a block: the engine up and healthy (`engine_running`), then the
+    gateway in front of it writing records to `out_dir`; on exit the gateway goes down first, then the engine.
+
+    Everything runs inside `netns` when given (then its URLs are only reachable from there).
+    """
+    with engine_running(engine, model=model, log=engine_log, extra_args=engine_args, netns=netns) as engine_url, \
+            gateway_running(engine_url, out_dir, confdir=confdir, log=gateway_log, options=gateway_options,
+                            netns=netns) as gateway:
+        yield engine_url, gateway

@@ -5,10 +5,9 @@ against: used by tests/test_harnesses.py and scripts/record_harness_flows.py.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,8 @@ class HarnessStack:
     root: Path
     netns: LoopbackNamespace | None
     isolation: str  # how harnesses are kept offline, in words
-    engine: subprocess.Popen
     gateway: procs.GatewayProcess
+    running: ExitStack  # what `stop` takes down: gateway, engine, namespace
     bin_dir: Path = field(default_factory=lambda: REPO_ROOT / "node_modules" / ".bin")
 
     @classmethod
@@ -54,28 +53,18 @@ class HarnessStack:
         script_file = root / "script.json"
         script_file.write_text(json.dumps(script, indent=1))
         netns, isolation = try_namespace() if isolate else (None, "isolation by environment only")
-        try:
+        with ExitStack() as running:
+            if netns is not None:
+                running.callback(netns.close)  # last: after the gateway and the engine inside it
             extra = ["--script", str(script_file)] + (["--threads", str(engine_threads)] if engine_threads else [])
-            engine, engine_url = procs.start_engine("tiny", log=root / "engine.log", netns=netns, extra_args=extra)
-        except BaseException:
-            if netns is not None:
-                netns.close()
-            raise
-        try:
-            gateway = procs.start_gateway(engine_url, root / "flows", confdir=root / "conf",
-                                          log=root / "gateway.log", options=gateway_options, netns=netns)
-        except BaseException:
-            procs.stop(engine)
-            if netns is not None:
-                netns.close()
-            raise
-        return cls(root=root, netns=netns, isolation=isolation, engine=engine, gateway=gateway)
+            _, gateway = running.enter_context(procs.engine_and_gateway(
+                root / "flows", confdir=root / "conf", model="tiny", engine_args=extra, engine_log=root / "engine.log",
+                gateway_log=root / "gateway.log", gateway_options=gateway_options, netns=netns))
+            return cls(root=root, netns=netns, isolation=isolation, gateway=gateway, running=running.pop_all())
 
     def stop(self) -> None:
-        self.gateway.stop()
-        procs.stop(self.engine)
-        if self.netns is not None:
-            self.netns.close()
+        """The gateway, then the engine, then the namespace."""
+        self.running.close()
 
     def hookup(self, mode: Mode, session: str, task: str | None = None) -> Hookup:
         return Hookup(mode, session=session, task=task, gateway_proxy=self.gateway.proxy_url,
@@ -99,10 +88,10 @@ class HarnessStack:
             out, err = proc.communicate(timeout=timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
+            procs.kill_group(proc.pid)
             out, err = proc.communicate()
             code, err = -9, err + f"\n[timed out after {timeout:.0f}s]"
-        kill_group(proc.pid)  # helpers it left behind (a one-shot run owns nothing that should outlive it)
+        procs.kill_group(proc.pid)  # helpers it left behind (a one-shot run owns nothing that should outlive it)
         return HarnessRun(argv=argv, returncode=code, stdout=out, stderr=err, wall_s=time.monotonic() - started,
                           session=session, workspace=workspace)
 
@@ -112,11 +101,3 @@ class HarnessStack:
 
         rows = [r for r in read_all(self.gateway.out_dir).to_pylist() if r["session_id"] == session]
         return sorted(rows, key=lambda r: r["seq"])
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL a process group we started, if anything of it is left."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -7,7 +7,7 @@ import contextlib
 import signal
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -31,15 +31,10 @@ def capture_stack(out: Path, *, engine: str | None, model: str, script: Path | N
     if gateway_url:
         yield GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle), engine
         return
-    with ExitStack() as stack:
-        engine_url = engine
-        if engine_url is None:
-            args = ["--script", str(script)] if script else []
-            proc, engine_url = procs.start_engine(model, log=work / "engine.log", extra_args=args)
-            stack.callback(procs.stop, proc)
-        gw = procs.start_gateway(engine_url, out, confdir=work / "mitmproxy", log=work / "gateway.log",
-                                 options=gateway_options)
-        stack.callback(gw.stop)
+    with procs.engine_and_gateway(out, confdir=work / "mitmproxy", engine=engine, model=model,
+                                  engine_args=["--script", str(script)] if script else [],
+                                  engine_log=work / "engine.log", gateway_log=work / "gateway.log",
+                                  gateway_options=gateway_options) as (engine_url, gw):
         yield GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), engine_url
 
 

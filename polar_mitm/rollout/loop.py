@@ -15,17 +15,19 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from polar_mitm import engines, procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
+
+if TYPE_CHECKING:
+    from polar_mitm.rollout.ray_runner import RayPool
 
 
 @dataclass
@@ -94,25 +96,27 @@ class Loop:
         self.progress: LoopProgress = progress or NoProgress()
         self.model_dir: Path | None = None
         self.weight_version = "0"  # of self.model_dir, as the engine numbers it
-        self.engine_proc = None
         self.engine_url = cfg.engine_url
+        self.ray_pool: RayPool | None = None  # with --ray: the node actors, kept for the whole run
 
     # -- stages --------------------------------------------------------------------------------------------------
 
+    def _gateway_options(self) -> dict[str, str]:
+        """Every gateway of the run forces the training temperature and the completion budget."""
+        return {"polar_temperature": str(self.cfg.temperature), "polar_max_tokens": str(self.cfg.max_tokens),
+                **engines.gateway_options(self.engine_url)}
+
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         if self.cfg.ray_address is not None:
-            from polar_mitm.rollout.ray_runner import loop_rollout
-
-            return loop_rollout(self, k)  # one gateway per node, records under iter-K/flows/node-*/
+            return self._ray_rollout(k)  # one gateway per node, records under iter-K/flows/node-*/
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
         it.mkdir(parents=True, exist_ok=True)
         self.progress.stage(k, "rollout", len(self.tasks) * cfg.group_size)
-        options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens),
-                   **engines.gateway_options(self.engine_url)}
-        gw = procs.start_gateway(engines.gateway_backends(self.engine_url, 1)[0], it / "flows", confdir=cfg.run_dir / "mitmproxy",
-                                 log=it / "gateway.log", options=options)
-        try:
+        # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
+        with procs.gateway_running(engines.gateway_backends(self.engine_url, 1)[0], it / "flows",
+                                   confdir=cfg.run_dir / "mitmproxy", log=it / "gateway.log",
+                                   options=self._gateway_options()) as gw:
             rollout = Rollout(self.tasks, HarnessSpec(cfg.harness),
                               GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
                               RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep,
@@ -121,10 +125,26 @@ class Loop:
             import asyncio
 
             summary = asyncio.run(rollout.run())
-        finally:
-            gw.stop()  # compacts the journal: the iteration's records are complete shards now
         write_rewards(summary, it / "rewards.parquet")
         return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
+
+    def _ray_rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
+        """`--ray`: iteration K's rollout on the cluster (the node actors live for the whole run)."""
+        from polar_mitm.rollout.ray_runner import RayPool, write_report
+
+        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        started = time.monotonic()
+        it.mkdir(parents=True, exist_ok=True)
+        if self.ray_pool is None:
+            self.ray_pool = RayPool(cfg.ray_address or "auto", cfg.harness)
+        config = RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep)
+        result = self.ray_pool.rollout(self.tasks, config, out_dir=it / "flows", work_dir=it,
+                                       engine_url=self.engine_url, gateway_options=self._gateway_options())
+        write_rewards(result.summary, it / "rewards.parquet")
+        write_report(result, it / "ray_report.json")
+        if result.interrupted is not None:
+            raise KeyboardInterrupt
+        return result.summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
 
     def _merge(self, k: int, flows: Path, rewards: Path) -> tuple[Any, float]:
         from polar_mitm.reconstruct.merge import merge
@@ -141,6 +161,7 @@ class Loop:
         from polar_mitm.train.data import build_training_data, read_merged
         from polar_mitm.train.grpo_config import PolarGRPOConfig
         from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+        from polar_mitm.train.sync import attach_engine_push
 
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
@@ -166,6 +187,7 @@ class Loop:
 
             peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
         trainer = PolarGRPOTrainer(str(self.model_dir), args=config, train_data=data, peft_config=peft_config)
+        attach_engine_push(trainer)
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # the loop prints its own table; metrics.jsonl has every step
@@ -196,16 +218,17 @@ class Loop:
         cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = resolve_model(cfg.model, seed=cfg.seed)
-        if self.engine_url is not None:  # one engine, SGLang's router, or a comma list (we start the router)
-            self.engine_set = engines.attach(self.engine_url, log=cfg.run_dir / "router.log")
-            self.engine_url = self.engine_set.url
-            self.weight_version = engines.common_weight_version(self.engine_url) or "0"
-        else:
-            args = ["--script", str(cfg.script)] if cfg.script else []
-            self.engine_proc, self.engine_url = procs.start_engine(str(self.model_dir), log=cfg.run_dir / "engine.log",
-                                                                   extra_args=args)
-        results: list[IterationStats] = []
-        try:
+        with ExitStack() as running:
+            # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
+            # the router).
+            engine_url = running.enter_context(procs.engine_running(
+                self.engine_url, model=str(self.model_dir), log=cfg.run_dir / "engine.log",
+                extra_args=["--script", str(cfg.script)] if cfg.script else []))
+            self.engine_url = running.enter_context(engines.attached(engine_url, log=cfg.run_dir / "router.log")).url
+            if cfg.engine_url is not None:
+                self.weight_version = engines.common_weight_version(self.engine_url) or "0"
+            running.callback(self._close_ray_pool)  # first: the node actors stop their gateways
+            results: list[IterationStats] = []
             pending = self._rollout(0)
             for k in range(cfg.iterations):
                 summary, flows, rewards, rollout_s = pending
@@ -244,21 +267,11 @@ class Loop:
                 results.append(self._final_rollout(cfg.iterations))
                 self.on_iteration(results[-1])
             (cfg.run_dir / "loop.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
-        finally:
-            if self.engine_proc is not None:
-                procs.stop(self.engine_proc)
-            if getattr(self, "ray_pool", None) is not None:
-                self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
-            if getattr(self, "engine_set", None) is not None:
-                engines.close(self.engine_set)
         return results
 
-
-def engine_weight_version(url: str) -> str | None:
-    try:
-        return httpx.get(f"{url}/model_info", timeout=5).json().get("weight_version")
-    except httpx.HTTPError:
-        return None
+    def _close_ray_pool(self) -> None:
+        if self.ray_pool is not None:
+            self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
 
 
 def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:

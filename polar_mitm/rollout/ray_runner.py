@@ -30,15 +30,12 @@ import uuid
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polar_mitm import procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
-from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, SessionRun, kill_group
+from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, SessionRun
 from polar_mitm.rollout.tasks import Task
-
-if TYPE_CHECKING:
-    from polar_mitm.rollout.loop import Loop
 
 ROLLOUT_RESOURCE = "polar_rollout"
 
@@ -127,7 +124,7 @@ class StreamingRollout(Rollout):
             if other.stage != "done" and not other.cut:
                 other.cut = True
                 if other.proc is not None and other.stage == "run":
-                    await kill_group(other.proc)
+                    await procs.stop_group(other.proc)
 
     async def close(self) -> None:
         """Drain the pools in stage order (each worker ends on a None), as the local runner does at its end."""
@@ -551,31 +548,6 @@ def write_report(result: RayRolloutResult, path: Path) -> None:
     path.write_text(json.dumps(result.report(), indent=2, default=str))
 
 
-# -- the loop's hook ---------------------------------------------------------------------------------------------
-
-
-def loop_rollout(loop: Loop, k: int) -> tuple[RolloutSummary, Path, Path, float]:
-    """`polar-mitm loop --ray`: iteration K's rollout on the cluster (the actors live for the whole run)."""
-    from polar_mitm import engines
-    from polar_mitm.rollout.runner import write_rewards
-
-    cfg, it = loop.cfg, loop.cfg.run_dir / f"iter-{k}"
-    started = time.monotonic()
-    it.mkdir(parents=True, exist_ok=True)
-    if getattr(loop, "ray_pool", None) is None:
-        loop.ray_pool = RayPool(cfg.ray_address or "auto", cfg.harness)  # type: ignore[attr-defined]
-    options = {"polar_temperature": str(cfg.temperature), "polar_max_tokens": str(cfg.max_tokens),
-               **engines.gateway_options(loop.engine_url)}  # type: ignore[arg-type]
-    config = RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep)
-    result = loop.ray_pool.rollout(loop.tasks, config, out_dir=it / "flows", work_dir=it,  # type: ignore
-                                   engine_url=loop.engine_url, gateway_options=options)
-    write_rewards(result.summary, it / "rewards.parquet")
-    write_report(result, it / "ray_report.json")
-    if result.interrupted is not None:
-        raise KeyboardInterrupt
-    return result.summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
-
-
 # -- `polar-mitm rollout --ray` ----------------------------------------------------------------------------------
 
 
@@ -589,10 +561,8 @@ def ray_rollout_command(tasks: list[Task], harness: str, config: RolloutConfig, 
     from polar_mitm.rollout.runner import write_rewards
 
     with ExitStack() as stack:
-        if engine is None:
-            args = ["--script", str(script)] if script else []
-            proc, engine = procs.start_engine(model, log=work_dir / "engine.log", extra_args=args)
-            stack.callback(procs.stop, proc)
+        engine = stack.enter_context(procs.engine_running(engine, model=model, log=work_dir / "engine.log",
+                                                          extra_args=["--script", str(script)] if script else []))
         engine_set = stack.enter_context(engines.attached(engine, log=work_dir / "router.log"))
         pool = RayPool(address, harness)
         stack.callback(pool.close)

@@ -18,7 +18,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -29,6 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from polar_mitm import procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.tasks import Task
 
@@ -105,7 +105,7 @@ async def run_argv(argv: list[str], cwd: Path, timeout: float, env: dict[str, st
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except (TimeoutError, asyncio.CancelledError):
-        await kill_group(proc)
+        await procs.stop_group(proc)
         raise
     return proc.returncode or 0, out.decode("utf-8", "replace")
 
@@ -117,20 +117,6 @@ def git_clone_argv(source: str) -> list[str]:
     the `ext::` transport (which runs a command) is refused explicitly whatever the user's git config says.
     """
     return ["git", "-c", "protocol.ext.allow=never", "clone", "-q", "--", source, "."]
-
-
-async def kill_group(proc: asyncio.subprocess.Process, grace: float = 2.0) -> None:
-    """SIGTERM the whole process group (harnesses spawn children), then SIGKILL after a grace period."""
-    if proc.returncode is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            await asyncio.wait_for(proc.wait(), grace)
-            return
-        except TimeoutError:
-            continue
 
 
 class Rollout:
@@ -197,10 +183,10 @@ class Rollout:
                 s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
                 s.status = "crashed" if s.exit_code else "ok"
             except TimeoutError:
-                await kill_group(s.proc)
+                await procs.stop_group(s.proc)
                 s.status = "timeout"
             except asyncio.CancelledError:
-                await kill_group(s.proc)  # the rollout is interrupted: the harness must not outlive it
+                await procs.stop_group(s.proc)  # the rollout is interrupted: the harness must not outlive it
                 raise
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
@@ -236,7 +222,7 @@ class Rollout:
     async def _fail(self, s: SessionRun, exc: Exception) -> None:
         """An unexpected error in one session: that session fails (failure reward, reason kept), the rest go on."""
         if s.proc is not None:
-            await kill_group(s.proc)
+            await procs.stop_group(s.proc)
         s.status, s.reward = "error", self.config.failure_reward
         s.eval_output = f"{s.stage}: {type(exc).__name__}: {exc}"
         await self._teardown(s)
@@ -279,7 +265,7 @@ class Rollout:
             if other.stage != "done" and not other.cut:
                 other.cut = True
                 if other.proc is not None and other.stage == "run":
-                    await kill_group(other.proc)
+                    await procs.stop_group(other.proc)
 
     # -- workers -------------------------------------------------------------------------------------------------
 
