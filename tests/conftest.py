@@ -41,10 +41,8 @@ def tiny_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def engine_url(tiny_model_dir, tmp_path_factory):
     """`polar-mitm serve --model tiny` in a child process."""
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc, url = procs.start_engine("tiny", log=log)
-    yield url
-    procs.stop(proc)
+    with procs.engine_running(model="tiny", log=tmp_path_factory.mktemp("engine") / "engine.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -57,20 +55,19 @@ def script_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
     """The tiny engine playing TOOL_SCRIPT: turn 1 a shell tool call, turn 2 a final answer."""
-    log = tmp_path_factory.mktemp("engine-scripted") / "engine.log"
-    proc, url = procs.start_engine("tiny", log=log, extra_args=["--script", str(script_file)])
-    yield url
-    procs.stop(proc)
+    with procs.engine_running(model="tiny", log=tmp_path_factory.mktemp("engine-scripted") / "engine.log",
+                              extra_args=["--script", str(script_file)]) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
 def gateway(scripted_engine_url, tmp_path_factory):
     """mitmdump + addon/polar.py (regular and reverse listeners) in front of the scripted tiny engine."""
     root = tmp_path_factory.mktemp("gateway")
-    gw = procs.start_gateway(scripted_engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log")
-    gw.log = root / "gateway.log"
-    yield gw
-    gw.stop()
+    with procs.gateway_running(scripted_engine_url, root / "flows", confdir=root / "conf",
+                               log=root / "gateway.log") as gw:
+        gw.log = root / "gateway.log"
+        yield gw
 
 
 @pytest.fixture
