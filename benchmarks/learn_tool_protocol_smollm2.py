@@ -186,7 +186,7 @@ def train_iteration(policy: Path, merged_dir: Path, out_dir: Path, args: argpars
     from polar_mitm.train.data import build_training_data, read_merged
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
-    from polar_mitm.train.sync import ENGINE_WEIGHTS_DIR
+    from polar_mitm.train.sync import ENGINE_WEIGHTS_DIR, attach_engine_push
 
     data = build_training_data(read_merged([merged_dir]), group_size=args.group_size)
     # Micro-batches bound memory (each row carries ~49k-wide logits per token); one optimizer step sees
@@ -208,6 +208,7 @@ def train_iteration(policy: Path, merged_dir: Path, out_dir: Path, args: argpars
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
     trainer = PolarGRPOTrainer(str(policy), args=config, train_data=data, peft_config=peft_config)
+    attach_engine_push(trainer)
     trainer.remove_callback(PrinterCallback)  # the curve is the output; metrics.jsonl keeps the rest
     trainer.train()  # EnginePushCallback saves out_dir/engine-weights and POSTs /update_weights_from_disk
     metrics = json.loads((out_dir / config.metrics_file).read_text().splitlines()[-1])
@@ -309,8 +310,8 @@ def main() -> None:
 
     from polar_mitm import procs
     from polar_mitm.engine.model_zoo import resolve_model
+    from polar_mitm.engines import engine_weight_version
     from polar_mitm.reconstruct.merge import merge
-    from polar_mitm.train.sync import engine_weight_version
 
     torch.set_num_threads(args.train_threads)
     transformers.logging.set_verbosity_error()

@@ -1,4 +1,8 @@
-"""Several engines behind SGLang's router (`smg` / `sglang-router`): start it, find its workers, push to every one.
+"""The engines we talk to over HTTP: their weight_version, weight pushes, and several engines behind SGLang's router
+(`smg` / `sglang-router`): start it, find its workers, push to every one.
+
+A weight push is `POST /update_weights_from_disk` (SGLang's endpoint, also served by `polar-mitm serve`). The engine's
+`weight_version` then shows up in every new record, which is how training later measures how stale a rollout is.
 
 `--engine` takes one engine URL, the URL of a running router, or a comma list of engine URLs (then we start the
 router: `smg launch --worker-urls … --policy cache_aware`). The router spreads the harnesses' calls over the
@@ -26,6 +30,10 @@ from polar_mitm import procs
 
 class EngineSetError(RuntimeError):
     """The engines cannot be used as given (router binary missing, router or worker not coming up)."""
+
+
+class EngineSyncError(RuntimeError):
+    """The engine did not take the new weights (unreachable, or it answered success=false)."""
 
 
 @dataclass
@@ -142,6 +150,53 @@ def next_version(versions: dict[str, str | None]) -> str | None:
     return str(max(numbers) + 1) if numbers else None
 
 
+def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | None:
+    """The engine's current `weight_version` (GET /model_info)."""
+    try:
+        response = httpx.get(f"{engine_url.rstrip('/')}/model_info", timeout=timeout)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise EngineSyncError(f"cannot read {engine_url}/model_info: {exc}") from exc
+    return response.json().get("weight_version")
+
+
+def push_weights(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
+                 timeout: float = 600.0) -> str:
+    """Load `model_dir` into the engine(s) of `engine_url`; return the new weight_version.
+
+    `engine_url` may be SGLang's router or a comma list of engines: the router does not forward weight updates, so
+    every worker is pushed and checked (`push_to_workers`; a lagging worker raises, named).
+    """
+    workers = engine_workers(engine_url)
+    if workers != [engine_url.rstrip("/")]:
+        return push_to_workers(workers, model_dir, weight_version=weight_version, timeout=timeout)
+    return push_weights_to_engine(engine_url, model_dir, weight_version=weight_version, timeout=timeout)
+
+
+def push_weights_to_engine(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
+                           timeout: float = 600.0) -> str:
+    """Tell the one engine at `engine_url` to load the checkpoint in `model_dir`; return its new weight_version.
+
+    `model_dir` must be readable by the engine at that path (same machine or a shared filesystem).
+    """
+    body: dict[str, str] = {"model_path": str(Path(model_dir).resolve())}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    try:
+        response = httpx.post(f"{engine_url.rstrip('/')}/update_weights_from_disk", json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise EngineSyncError(f"cannot reach {engine_url}: {exc}") from exc
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {"success": False, "message": response.text[:500]}
+    if response.status_code != 200 or not answer.get("success"):
+        raise EngineSyncError(f"{engine_url} refused the weights in {model_dir}: "
+                              f"HTTP {response.status_code} {answer.get('message', '')}")
+    # SGLang's answer may omit the version: ask for it.
+    return str(answer.get("weight_version") or engine_weight_version(engine_url) or weight_version or "")
+
+
 def push_to_workers(workers: list[str], model_dir: str | Path, *, weight_version: str | None = None,
                     timeout: float = 600.0) -> str:
     """Load `model_dir` into every worker (in parallel), then check each one serves the same new version.
@@ -149,8 +204,6 @@ def push_to_workers(workers: list[str], model_dir: str | Path, *, weight_version
     Raises `EngineSyncError` naming every worker that is down, refused, or reports another version — after the
     others were pushed, so the message also says which workers do hold the new weights.
     """
-    from polar_mitm.train.sync import EngineSyncError, push_weights_to_engine
-
     if weight_version is None:
         weight_version = next_version(worker_versions(workers))
 

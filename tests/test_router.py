@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from polar_mitm import engines, procs
-from polar_mitm.train.sync import EngineSyncError, push_weights
+from polar_mitm.engines import EngineSyncError, push_weights
 
 pytestmark = pytest.mark.slow
 

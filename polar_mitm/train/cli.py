@@ -79,6 +79,7 @@ def grpo_command(
     from polar_mitm.train.data import build_training_data, read_merged
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+    from polar_mitm.train.sync import attach_engine_push
 
     model_dir = resolve_model(model)
     sequences = read_merged(data)
@@ -111,6 +112,7 @@ def grpo_command(
         targets = lora_target_modules if lora_target_modules == "all-linear" else lora_target_modules.split(",")
         peft_config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
     trainer = PolarGRPOTrainer(str(model_dir), args=config, train_data=train_data, peft_config=peft_config)
+    attach_engine_push(trainer)
     trainer.train()
     saved = trainer.save_final()
     if trainer.accelerator.is_main_process:
@@ -136,7 +138,7 @@ def sync_command(
     weight_version: Annotated[str | None, typer.Option(help="Version to report (default: the engine's +1).")] = None,
 ) -> None:
     """Load a checkpoint into a running engine (POST /update_weights_from_disk) and print its new weight_version."""
-    from polar_mitm.train.sync import EngineSyncError, push_weights
+    from polar_mitm.engines import EngineSyncError, push_weights
 
     try:
         version = push_weights(engine, model, weight_version=weight_version)

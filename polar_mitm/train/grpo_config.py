@@ -150,6 +150,7 @@ class PolarGRPOConfig(GRPOConfig):
     save_merged: bool = field(
         default=True, metadata={"help": "With LoRA, also write the merged full model to `<output_dir>/merged`."},
     )
+    # Read by `polar_mitm.train.sync.EnginePushCallback`, which the trainer's caller attaches (`attach_engine_push`).
     push_to_engine: str | None = field(
         default=None,
         metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`): after training (and every "

@@ -82,7 +82,8 @@ class PolarGRPOTrainer(GRPOTrainer):
         args: a `PolarGRPOConfig`.
         train_data: rows from `polar_mitm.train.data.build_training_data` (advantages already computed).
         processing_class: the tokenizer (loaded from `model` when omitted); only its pad id is used.
-        callbacks: extra `TrainerCallback`s.
+        callbacks: extra `TrainerCallback`s. With `args.push_to_engine`, the caller attaches the push
+            (`polar_mitm.train.sync.attach_engine_push(trainer)`).
         peft_config: a PEFT config (e.g. `LoraConfig`) to train adapters instead of all weights.
     """
 
@@ -110,10 +111,6 @@ class PolarGRPOTrainer(GRPOTrainer):
         from polar_mitm.train.metrics import JsonlMetricsCallback
 
         self.add_callback(JsonlMetricsCallback(Path(args.output_dir) / args.metrics_file))
-        if args.push_to_engine:
-            from polar_mitm.train.sync import EnginePushCallback
-
-            self.add_callback(EnginePushCallback(self))
 
     # -- versions --------------------------------------------------------------------------------------------------
 
