@@ -28,11 +28,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
-        engine, url = procs.start_engine("tiny", extra_args=["--script", str(tmp_path / "script.json")])
         flow_file = tmp_path / "sdk_sessions.flow"
-        gw = procs.start_gateway(url, tmp_path / "flows", confdir=tmp_path / "conf",
-                                 options={"save_stream_file": str(flow_file)})
-        try:
+        with procs.engine_and_gateway(tmp_path / "flows", confdir=tmp_path / "conf",
+                                      engine_args=["--script", str(tmp_path / "script.json")],
+                                      gateway_options={"save_stream_file": str(flow_file)}) as (_, gw):
             for provider, driver in DRIVERS.items():
                 for stream in (False, True):
                     session = f"sample-{provider}-{'stream' if stream else 'plain'}"
@@ -40,9 +39,6 @@ def main() -> None:
                     result = driver("Write hello into out.txt, then check it.", api_key="sk-sample-not-a-secret",
                                     base_url=base, stream=stream)
                     print(f"{session}: {result.calls} calls, final={result.final_text!r}")
-        finally:
-            gw.stop()
-            procs.stop(engine)
         shutil.copy(flow_file, out / "sdk_sessions.flow")
         shards = sorted((tmp_path / "flows").glob("records-*.parquet"))
         import pyarrow as pa

@@ -43,11 +43,9 @@ def dead_gateway(tmp_path_factory):
 def small_context_gateway(tmp_path_factory):
     """A gateway in front of an engine whose context is only 64 tokens."""
     root = tmp_path_factory.mktemp("small")
-    eng, url = procs.start_engine("tiny", log=root / "engine.log", extra_args=["--context-length", "64"])
-    gw = procs.start_gateway(url, root / "flows", confdir=root / "conf", log=root / "gw.log")
-    yield gw
-    gw.stop()
-    procs.stop(eng)
+    with procs.engine_and_gateway(root / "flows", confdir=root / "conf", engine_args=["--context-length", "64"],
+                                  engine_log=root / "engine.log", gateway_log=root / "gw.log") as (_, gw):
+        yield gw
 
 
 def sdk_errors(gw, session):

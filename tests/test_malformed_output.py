@@ -38,15 +38,9 @@ def malformed_gateway(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("malformed")
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    engine, url = procs.start_engine("tiny", log=root / "engine.log", extra_args=["--script", str(script)])
-    try:
-        gw = procs.start_gateway(url, root / "flows", confdir=root / "conf", log=root / "gateway.log")
-    except BaseException:
-        procs.stop(engine)
-        raise
-    yield gw
-    gw.stop()
-    procs.stop(engine)
+    with procs.engine_and_gateway(root / "flows", confdir=root / "conf", engine_args=["--script", str(script)],
+                                  engine_log=root / "engine.log", gateway_log=root / "gateway.log") as (_, gw):
+        yield gw
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

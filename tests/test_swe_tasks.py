@@ -312,16 +312,10 @@ def test_codex_applies_the_gold_patch_with_its_shell_tool_through_the_gateway(sw
 def test_the_unscripted_tiny_model_scores_zero_and_its_run_is_recorded(swe_tasks, tmp_path):
     codex_or_skip()
     task = swe_tasks["inflection__ordinal-teens"]
-    engine, url = procs.start_engine("tiny", log=tmp_path / "engine.log", extra_args=["--threads", "1"])
-    try:
-        # A short answer budget: the untrained model's text is noise, and a long one only costs time.
-        gateway = procs.start_gateway(url, tmp_path / "flows", confdir=tmp_path / "conf",
-                                      log=tmp_path / "gateway.log", options={"polar_max_tokens": "48"})
-        try:
-            session, rows, context = rollout_through(gateway, task, tmp_path)
-        finally:
-            gateway.stop()
-    finally:
-        procs.stop(engine)
+    # A short answer budget: the untrained model's text is noise, and a long one only costs time.
+    with procs.engine_and_gateway(tmp_path / "flows", confdir=tmp_path / "conf", engine_args=["--threads", "1"],
+                                  engine_log=tmp_path / "engine.log", gateway_log=tmp_path / "gateway.log",
+                                  gateway_options={"polar_max_tokens": "48"}) as (_, gateway):
+        session, rows, context = rollout_through(gateway, task, tmp_path)
     assert session.status in ("ok", "crashed") and session.reward == 0.0, context
     assert rows and all(r["completion_ids"] for r in rows if r["status_code"] == 200), context
