@@ -41,6 +41,10 @@ class SessionId:
         session = f"/s/{quote(self.session, safe='')}"
         return f"/t/{quote(self.task, safe='')}{session}" if self.task else session
 
+    def base_url(self, gateway_url: str, suffix: str = "") -> str:
+        """The gateway's reverse URL with this path prefix, plus a provider suffix such as `/v1`."""
+        return gateway_url.rstrip("/") + self.path_prefix + suffix
+
     @property
     def proxy_user(self) -> str:
         """`TASK%2FSESSION` or `SESSION`: the user name of the gateway's proxy URL."""

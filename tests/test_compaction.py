@@ -19,7 +19,9 @@ from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import BREAK_COMPACTION, BREAK_NO_PREFIX, build_prefix_merging
 from polar_mitm.reconstruct.turns import TurnRecord, sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA, read_all
+from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 TOOLS = [{"type": "function", "name": "shell", "description": "Run a shell command", "strict": False,
           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]
@@ -33,7 +35,7 @@ def post(base: str, path: str, body: dict) -> dict:
 
 def test_codex_remote_compaction_is_sampled_recorded_and_starts_a_new_chain(gateway, tiny_engine):
     session = f"compact-{uuid.uuid4().hex[:8]}"
-    base = f"{gateway.reverse_url}/s/{session}/v1"
+    base = SessionId(session).base_url(gateway.reverse_url, "/v1")
     items: list = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Write hello"}]}]
     first = post(base, "/responses", {"model": "gpt-5-codex", "input": items, "tools": TOOLS, "store": False})
     calls = [o for o in first["output"] if o["type"] == "function_call"]

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polar_mitm import procs
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 KEY = "sk-polar-robust-SECRET"
 MODEL_PATHS = {
@@ -50,7 +51,7 @@ def small_context_gateway(tmp_path_factory):
 
 def sdk_errors(gw, session):
     """Call each SDK once through `gw` (reverse mode) and return the exception each raised."""
-    prefix = f"{gw.reverse_url}/s/{session}"
+    prefix = SessionId(session).base_url(gw.reverse_url)
     long_text = "word " * 200
     raised = {}
     try:
@@ -100,7 +101,8 @@ def test_context_overflow_is_a_provider_shaped_400(small_context_gateway):
 def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_engine_url, tmp_path):
     out = tmp_path / "flows"
     gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
-    client = openai.OpenAI(api_key=KEY, base_url=f"{gw.reverse_url}/s/durable/v1", max_retries=0)
+    client = openai.OpenAI(api_key=KEY, base_url=SessionId("durable").base_url(gw.reverse_url, "/v1"),
+                           max_retries=0)
     for _ in range(5):
         client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
     gw.proc.send_signal(signal.SIGKILL)
@@ -113,7 +115,8 @@ def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_en
         # The restart compacted the journal into a readable shard, and seq goes on from 5.
         shards = list(out.glob("records-*.parquet"))
         assert len(shards) == 1 and len(read_all(out, include_journal=False)) == 5
-        client = openai.OpenAI(api_key=KEY, base_url=f"{gw2.reverse_url}/s/durable/v1", max_retries=0)
+        client = openai.OpenAI(api_key=KEY, base_url=SessionId("durable").base_url(gw2.reverse_url, "/v1"),
+                               max_retries=0)
         client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}])
         seqs = sorted(r["seq"] for r in read_all(out).to_pylist())
         assert seqs == [0, 1, 2, 3, 4, 5]
@@ -142,7 +145,7 @@ near_valid = st.fixed_dictionaries({
        raw=st.booleans())
 def test_fuzzed_bodies_never_crash_the_gateway(gateway, body, provider, raw):
     payload = json.dumps(body).encode()[:-1] if raw else json.dumps(body).encode()  # raw: broken JSON
-    r = httpx.post(f"{gateway.reverse_url}/s/fuzz{MODEL_PATHS[provider]}", content=payload,
+    r = httpx.post(SessionId("fuzz").base_url(gateway.reverse_url, MODEL_PATHS[provider]), content=payload,
                    headers={"content-type": "application/json", "x-api-key": KEY}, timeout=60)
     assert r.status_code in (200, 400) or r.status_code >= 500 and r.status_code != 500, r.text
     assert isinstance(r.json(), dict | list)
@@ -172,7 +175,8 @@ def test_side_traffic_gets_prompt_provider_shaped_answers(gateway, proxy_env):
 
 
 def test_claude_code_billing_line_does_not_change_the_prompt(gateway):
-    client = anthropic.Anthropic(api_key=KEY, base_url=f"{gateway.reverse_url}/s/billing", max_retries=0)
+    client = anthropic.Anthropic(api_key=KEY, base_url=SessionId("billing").base_url(gateway.reverse_url),
+                                 max_retries=0)
     for cch in ("8f3a1", "77c02"):
         client.messages.create(model="claude", max_tokens=8, messages=[{"role": "user", "content": "hi"}], system=[
             {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.14; cc_entrypoint=cli; cch={cch};"},
@@ -189,7 +193,8 @@ def test_concurrent_sessions_are_never_mixed_up(gateway):
 
     def one(i):
         session = f"conc-{i}-{uuid.uuid4().hex[:6]}"
-        c = openai.OpenAI(api_key=f"polar-{session}", base_url=f"{gateway.reverse_url}/v1", max_retries=0)
+        c = openai.OpenAI(api_key=SessionId(session).api_key, base_url=f"{gateway.reverse_url}/v1",
+                          max_retries=0)
         tools = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}]
         out = c.chat.completions.create(model="gpt", messages=[{"role": "user", "content": f"n={i}"}],
                                         tools=tools)

@@ -11,8 +11,9 @@ import uuid
 
 import pytest
 
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
 from polar_mitm.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.session_ids import SessionId
 
 API_KEY = "sk-polar-test-SECRET-7f3a9c"
 USER_TEXT = "Write hello into out.txt"
@@ -20,7 +21,8 @@ FINAL_TEXT = "Done: out.txt now says hello."
 
 
 def run(provider, gateway, mode, session, task, stream):
-    base = base_url_for(provider, gateway.reverse_url, f"/t/{task}/s/{session}") if mode == "reverse" else None
+    prefix = SessionId(session, task).path_prefix
+    base = base_url_for(provider, gateway.reverse_url, prefix) if mode == "reverse" else None
     result = DRIVERS[provider](USER_TEXT, api_key=API_KEY, base_url=base, stream=stream)
     assert result.calls == 2 and result.tool_commands == ["echo hello > out.txt"]
     return result.final_text

@@ -26,7 +26,9 @@ from google.genai import types as gtypes
 from mitmproxy import io as mitm_io
 
 from polar_mitm import procs
-from polar_mitm.records import read_all
+from polar_mitm.gateway import identity as ident
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 SECRET = "sk-hardening-SECRET-5d1e"
 CHAT = "/v1/chat/completions"
@@ -34,6 +36,12 @@ MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
 GENERATE = "/v1beta/models/gemini-2.5-flash:generateContent"
 COUNT_TOKENS = "/v1/messages/count_tokens"
+# Every credential a client may send, written out here (not read from identity's lists) so that a name dropped
+# there fails here; identity's lists are added in case they grow.
+SECRET_HEADERS = sorted({"authorization", "proxy-authorization", "x-api-key", "x-goog-api-key", "api-key",
+                         "openai-api-key", "anthropic-api-key", "x-stainless-api-key", "cookie"}
+                        | ident.SECRET_HEADERS)
+SECRET_QUERY_KEYS = sorted({"key", "api_key", "apikey", "access_token"} | ident.SECRET_QUERY_KEYS)
 
 
 # ---- a fake engine that can answer nonsense ----------------------------------------------------------------
@@ -162,14 +170,16 @@ def test_malformed_engine_answers_are_502_and_never_break_compaction(fake_engine
     session = f"bad-{uuid.uuid4().hex[:6]}"
     try:
         for variant in BAD_VARIANTS:
-            r = httpx.post(f"{gw.reverse_url}/s/{session}{CHAT}", json=chat_body(f"bad:{variant}"), timeout=30)
+            r = httpx.post(SessionId(session).base_url(gw.reverse_url, CHAT),
+                           json=chat_body(f"bad:{variant}"), timeout=30)
             assert r.status_code == 502, (variant, r.text)
             assert r.json()["error"]["code"] == "engine_error", variant
-        client = anthropic.Anthropic(api_key=SECRET, base_url=f"{gw.reverse_url}/s/{session}", max_retries=0)
+        client = anthropic.Anthropic(api_key=SECRET, base_url=SessionId(session).base_url(gw.reverse_url),
+                                     max_retries=0)
         with pytest.raises(anthropic.APIStatusError) as raised:
             client.messages.create(model="claude", max_tokens=8, messages=[{"role": "user", "content": "bad:id_huge"}])
         assert raised.value.status_code == 500 and raised.value.body["error"]["type"] == "api_error"
-        ok = httpx.post(f"{gw.reverse_url}/s/{session}{CHAT}", json=chat_body("fine"), timeout=30)
+        ok = httpx.post(SessionId(session).base_url(gw.reverse_url, CHAT), json=chat_body("fine"), timeout=30)
         assert ok.status_code == 200
     finally:
         gw.stop()  # a clean stop compacts the journal into a Parquet shard: every row must convert
@@ -181,7 +191,8 @@ def test_malformed_engine_answers_are_502_and_never_break_compaction(fake_engine
     # The gateway starts again over these shards (a bad row once made it refuse to start).
     gw2 = start_gateway(fake_engine_url, tmp_path)
     try:
-        assert httpx.post(f"{gw2.reverse_url}/s/{session}{CHAT}", json=chat_body("again"), timeout=30).is_success
+        assert httpx.post(SessionId(session).base_url(gw2.reverse_url, CHAT), json=chat_body("again"),
+                          timeout=30).is_success
     finally:
         gw2.stop()
 
@@ -198,18 +209,20 @@ def test_secrets_never_reach_the_flow_file_and_odd_failures_are_provider_shaped(
                        headers={"x-api-key": SECRET, "user-agent": b"agent/1.0 \xff\xfe",
                                 "x-polar-session": b"sess-\xffodd"}, timeout=30)
         assert r.status_code == 200 and r.json()["type"] == "message", r.text
-        # Every secret query key and header, on a model call.
-        r = httpx.post(f"{base}/s/secrets{CHAT}?key={SECRET}&api_key={SECRET}&access_token={SECRET}",
-                       json=chat_body("hi"), headers={"authorization": f"Bearer {SECRET}",
-                                                      "x-goog-api-key": SECRET, "api-key": SECRET}, timeout=30)
+        # Every secret query key and header, on a model call (no Basic proxy credential: it would name the
+        # session, which is recorded).
+        query = "&".join(f"{key}={SECRET}" for key in SECRET_QUERY_KEYS)
+        r = httpx.post(SessionId("secrets").base_url(base, f"{CHAT}?{query}"), json=chat_body("hi"),
+                       headers=dict.fromkeys(SECRET_HEADERS, f"Bearer {SECRET}"), timeout=30)
         assert r.status_code == 200, r.text
         # count_tokens with a schema nested deeper than any JSON encoder allows: a client error.
         deep = {"model": "c", "messages": [{"role": "user", "content": "hi"}],
                 "tools": [{"name": "t", "input_schema": nested_schema(300)}]}
-        r = httpx.post(f"{base}/s/secrets{COUNT_TOKENS}", json=deep, headers={"x-api-key": SECRET}, timeout=30)
+        r = httpx.post(SessionId("secrets").base_url(base, COUNT_TOKENS), json=deep,
+                       headers={"x-api-key": SECRET}, timeout=30)
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         # count_tokens when the engine's /tokenize answer lacks `count`: an engine error, in Anthropic's shape.
-        r = httpx.post(f"{base}/s/secrets{COUNT_TOKENS}?key={SECRET}",
+        r = httpx.post(SessionId("secrets").base_url(base, f"{COUNT_TOKENS}?key={SECRET}"),
                        json={"model": "c", "messages": [{"role": "user", "content": "hi"}]},
                        headers={"x-api-key": SECRET, "anthropic-version": "2023-06-01"}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "api_error", r.text
@@ -226,9 +239,8 @@ def test_secrets_never_reach_the_flow_file_and_odd_failures_are_provider_shaped(
         flows = list(mitm_io.FlowReader(f).stream())
     assert len(flows) == 4
     for flow in flows:
-        assert not {"authorization", "x-api-key", "x-goog-api-key", "api-key"} & {k.lower() for k in
-                                                                                   flow.request.headers}
-        assert not {"key", "api_key", "access_token"} & set(flow.request.query.keys())
+        assert not set(SECRET_HEADERS) & {k.lower() for k in flow.request.headers}
+        assert not set(SECRET_QUERY_KEYS) & {k.lower() for k in flow.request.query.keys()}
 
 
 # ---- item 7: a disconnected client cancels its engine call; a default completion cap -----------------------
@@ -243,8 +255,9 @@ def engine_gw(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
 
 def test_a_disconnected_client_cancels_its_engine_call_and_is_recorded_as_abort(engine_gw):
     session = f"gone-{uuid.uuid4().hex[:6]}"
-    url = f"{engine_gw.reverse_url}/s/{session}{CHAT}"
-    warm = httpx.post(f"{engine_gw.reverse_url}/s/warm-{session}{CHAT}", json=chat_body("hi", max_tokens=2),
+    url = SessionId(session).base_url(engine_gw.reverse_url, CHAT)
+    warm = httpx.post(SessionId(f"warm-{session}").base_url(engine_gw.reverse_url, CHAT),
+                      json=chat_body("hi", max_tokens=2),
                       timeout=300)  # one-time costs (tokenizer loads, connection pools) out of the measurement
     assert warm.status_code == 200
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
@@ -274,10 +287,11 @@ def test_gzip_and_zstd_request_bodies_are_decoded(fake_gw):
     body = json.dumps(chat_body("compressed")).encode()
     session = f"enc-{uuid.uuid4().hex[:6]}"
     for encoding, data in (("gzip", gzip.compress(body)), ("zstd", zstandard.compress(body))):
-        r = httpx.post(f"{fake_gw.reverse_url}/s/{session}{CHAT}", content=data,
+        r = httpx.post(SessionId(session).base_url(fake_gw.reverse_url, CHAT), content=data,
                        headers={"content-type": "application/json", "content-encoding": encoding}, timeout=30)
         assert r.status_code == 200, (encoding, r.text)
-    r = httpx.post(f"{fake_gw.reverse_url}/s/{session}{MESSAGES}", content=b"\x1f\x8bnot gzip at all",
+    r = httpx.post(SessionId(session).base_url(fake_gw.reverse_url, MESSAGES),
+                   content=b"\x1f\x8bnot gzip at all",
                    headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     rows = session_rows(fake_gw.out_dir, session)
@@ -289,10 +303,11 @@ def test_gzip_and_zstd_request_bodies_are_decoded(fake_gw):
 
 def test_count_tokens_accepts_bodies_over_64_kib(gateway):
     text = "the quick brown fox jumps over the lazy dog " * 2000  # ~88 KB
-    client = anthropic.Anthropic(api_key=SECRET, base_url=f"{gateway.reverse_url}/s/count", max_retries=0)
+    base_url = SessionId("count").base_url(gateway.reverse_url)
+    client = anthropic.Anthropic(api_key=SECRET, base_url=base_url, max_retries=0)
     count = client.messages.count_tokens(model="claude", messages=[{"role": "user", "content": text}])
     assert count.input_tokens > 10_000
-    google = genai.Client(api_key=SECRET, http_options=gtypes.HttpOptions(base_url=f"{gateway.reverse_url}/s/count"))
+    google = genai.Client(api_key=SECRET, http_options=gtypes.HttpOptions(base_url=base_url))
     assert google.models.count_tokens(model="gemini-2.5-flash", contents=text).total_tokens > 10_000
 
 
@@ -338,7 +353,8 @@ OVERSIZED = [
 
 @pytest.mark.parametrize(("path", "extra"), OVERSIZED)
 def test_oversized_numbers_and_deep_schemas_are_provider_shaped_400(fake_gw, path, extra):
-    r = httpx.post(f"{fake_gw.reverse_url}/s/oversized{path}", json=request_for(path, **extra), timeout=30)
+    r = httpx.post(SessionId("oversized").base_url(fake_gw.reverse_url, path),
+                   json=request_for(path, **extra), timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error.get("type") in ("invalid_request_error", None) and error.get("status", "INVALID_ARGUMENT") == \
@@ -352,14 +368,14 @@ def test_bodies_over_the_size_limit_get_a_provider_shaped_413(fake_engine_url, t
     gw = start_gateway(fake_engine_url, tmp_path, polar_max_body_mb="1")
     big = json.dumps(request_for(MESSAGES, system="x" * (2 << 20))).encode()
     try:
-        r = httpx.post(f"{gw.reverse_url}/s/big{MESSAGES}", content=big,
+        r = httpx.post(SessionId("big").base_url(gw.reverse_url, MESSAGES), content=big,
                        headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
         bomb = gzip.compress(big)  # ~2 KB on the wire, 2 MB decoded
-        r = httpx.post(f"{gw.reverse_url}/s/big{CHAT}", content=bomb,
+        r = httpx.post(SessionId("big").base_url(gw.reverse_url, CHAT), content=bomb,
                        headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
-        r = httpx.post(f"{gw.reverse_url}/s/big{CHAT}", json=chat_body("small"), timeout=60)
+        r = httpx.post(SessionId("big").base_url(gw.reverse_url, CHAT), json=chat_body("small"), timeout=60)
         assert r.status_code == 200
     finally:
         gw.stop()

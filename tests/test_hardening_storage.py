@@ -22,9 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.gateway.journal import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX, QUARANTINE_DIR, RecordWriter
-from polar_mitm.reconstruct.merge import list_sources
-from polar_mitm.records import Record, journal_rows_to_table, read_all
+from polar_mitm.storage.journal import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX, QUARANTINE_DIR, RecordWriter
+from polar_mitm.storage.records import list_sources
+from polar_mitm.records import Record, journal_rows_to_table
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 POLAR = str(Path(sys.executable).with_name("polar-mitm"))
 
@@ -117,7 +119,7 @@ def test_frames_appended_after_a_partial_frame_are_recovered(tmp_path):
 DISK_FULL_CHILD = r"""
 import json, resource, signal, sys
 from datetime import UTC, datetime
-from polar_mitm.gateway.journal import RecordWriter
+from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.records import Record
 
 out, limit = sys.argv[1], int(sys.argv[2])
@@ -180,7 +182,8 @@ def test_gateway_starts_despite_a_truncated_shard_and_a_bad_journal_row(tmp_path
     gw = procs.start_gateway(f"http://127.0.0.1:{procs.free_port()}", out, confdir=tmp_path / "conf",
                              log=tmp_path / "gw.log")
     try:
-        client = openai.OpenAI(api_key="k", base_url=f"{gw.reverse_url}/s/old/v1", max_retries=0)
+        client = openai.OpenAI(api_key="k", base_url=SessionId("old").base_url(gw.reverse_url, "/v1"),
+                               max_retries=0)
         with pytest.raises(openai.InternalServerError):  # no engine: a recorded, provider-shaped 503
             client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
     finally:

@@ -21,7 +21,8 @@ from polar_mitm.conversation import Conversation
 from polar_mitm.gateway.import_flows import import_flows, iter_flows
 from polar_mitm.harness import HARNESSES
 from polar_mitm.harness.policy import THINKING
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows" / "harness"
 RECORDED = [name for name in HARNESSES if (SAMPLES / f"{name}.flow").exists()]
@@ -160,7 +161,8 @@ def test_compaction_turn_with_empty_tools_is_answered_with_text(gateway):
             {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."},
         ],
     }
-    r = httpx.post(f"{gateway.reverse_url}/s/compaction/v1/messages", json=request, timeout=60,
+    r = httpx.post(SessionId("compaction").base_url(gateway.reverse_url, "/v1/messages"), json=request,
+                   timeout=60,
                    headers={"anthropic-version": "2023-06-01", "x-api-key": "k"})
     assert r.status_code == 200 and "event: message_stop" in r.text
     assert "tool_use" not in r.text  # no tools offered: the engine is never asked for a tool call
@@ -203,7 +205,8 @@ def test_websocket_upgrade_is_refused_at_once_so_codex_falls_back_to_https(gatew
     headers = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
                "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==", "authorization": "Bearer polar-ws-check"}
     before = len(read_all(gateway.out_dir))
-    r = httpx.get(f"{gateway.reverse_url}/s/ws-check/v1/responses", headers=headers, timeout=10)
+    r = httpx.get(SessionId("ws-check").base_url(gateway.reverse_url, "/v1/responses"), headers=headers,
+                  timeout=10)
     assert r.status_code == 426
     assert "WebSocket" in r.json()["error"]["message"]
     assert len(read_all(gateway.out_dir)) == before  # not a model call: nothing recorded

@@ -15,8 +15,9 @@ import uuid
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
 from polar_mitm.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.session_ids import SessionId
 
 # case → (what the model writes, what the harness must see as text)
 CASES = {
@@ -48,7 +49,7 @@ def malformed_gateway(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_malformed_model_output_reaches_the_sdk_as_text(malformed_gateway, tiny_engine, case, provider, stream):
     session = f"bad-{case}-{provider}-{uuid.uuid4().hex[:6]}"
-    base = base_url_for(provider, malformed_gateway.reverse_url, f"/s/{session}")
+    base = base_url_for(provider, malformed_gateway.reverse_url, SessionId(session).path_prefix)
     result = DRIVERS[provider](f"case:{case}", api_key="sk-test", base_url=base, stream=stream, max_turns=1)
     written, shown = CASES[case]
     assert result.tool_commands == [] and result.calls == 1  # no call the harness would try to run

@@ -53,6 +53,7 @@ def test_the_forms_are_the_documented_strings():
     assert ids.proxy_url("127.0.0.1:8080") == "http://suite%2Ft%2Fs%201:x@127.0.0.1:8080"
     assert ids.proxy_url("gw:1", "https") == "https://suite%2Ft%2Fs%201:x@gw:1"
     assert ids.api_key == "polar-suite/t/s 1"
+    assert ids.base_url("http://gw:8081/", "/v1") == "http://gw:8081/t/suite%2Ft/s/s%201/v1"
     no_task = SessionId("s1", "")  # an empty task is no task
     assert (no_task.compact, no_task.path_prefix, no_task.proxy_user, no_task.api_key) == (
         "s1", "/s/s1", "s1", "polar-s1")

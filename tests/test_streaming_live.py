@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 API_KEY = "sk-polar-live-test"
 SYSTEM = "You are a coding agent."
@@ -220,7 +221,7 @@ TURNS = {"anthropic": _anthropic, "openai_chat": _openai_chat, "openai_responses
 def _base(provider: str, gw, mode: str, session: str) -> str | None:
     if mode == "proxy":
         return None
-    prefix = f"{gw.reverse_url}/s/{session}"
+    prefix = SessionId(session).base_url(gw.reverse_url)
     return f"{prefix}/v1" if provider.startswith("openai") else prefix
 
 
@@ -331,7 +332,8 @@ def test_anthropic_stream_carries_thinking_text_and_tool_use_blocks(gateways):
     body = {"model": "claude-sonnet-4-6", "max_tokens": 256, "stream": True, "system": SYSTEM,
             "messages": [{"role": "user", "content": USER_TEXT}],
             "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}]}
-    with httpx.stream("POST", f"{gw.reverse_url}/s/blocks-{uuid.uuid4().hex[:6]}/v1/messages", json=body,
+    url = SessionId(f"blocks-{uuid.uuid4().hex[:6]}").base_url(gw.reverse_url, "/v1/messages")
+    with httpx.stream("POST", url, json=body,
                       headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
@@ -348,8 +350,8 @@ def test_first_content_event_arrives_while_the_engine_is_still_generating(slow_g
     body = {"model": "gpt-4.1", "stream": True, "messages": [{"role": "user", "content": USER_TEXT}]}
     running_at_first_content = None
     pieces = []
-    with httpx.stream("POST", f"{slow_gateway.reverse_url}/s/ttfb-{uuid.uuid4().hex[:6]}/v1/chat/completions",
-                      json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as resp:
+    url = SessionId(f"ttfb-{uuid.uuid4().hex[:6]}").base_url(slow_gateway.reverse_url, "/v1/chat/completions")
+    with httpx.stream("POST", url, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as resp:
         request_id = resp.headers["x-polar-request-id"]
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
@@ -372,7 +374,8 @@ def test_client_disconnect_mid_stream_stops_the_engine_and_records_abort(slow_ga
     body = {"model": "claude-sonnet-4-6", "max_tokens": 256, "stream": True, "system": SYSTEM,
             "messages": [{"role": "user", "content": USER_TEXT}],
             "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}]}
-    with httpx.stream("POST", f"{slow_gateway.reverse_url}/s/{session}/v1/messages", json=body,
+    url = SessionId(session).base_url(slow_gateway.reverse_url, "/v1/messages")
+    with httpx.stream("POST", url, json=body,
                       headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60) as resp:
         request_id = resp.headers["x-polar-request-id"]
         for line in resp.iter_lines():
@@ -402,7 +405,7 @@ def test_keepalive_pings_during_a_slow_first_token_are_accepted_by_the_anthropic
 
     body = {"model": "claude-sonnet-4-6", "max_tokens": 64, "stream": True,
             "messages": [{"role": "user", "content": "hi"}]}
-    url = f"{prefill_gateway.reverse_url}/s/ping-{uuid.uuid4().hex[:6]}/v1/messages"
+    url = SessionId(f"ping-{uuid.uuid4().hex[:6]}").base_url(prefill_gateway.reverse_url, "/v1/messages")
     with httpx.stream("POST", url, json=body, headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"},
                       timeout=60) as resp:
         names = [line[7:] for line in resp.iter_lines() if line.startswith("event: ")]

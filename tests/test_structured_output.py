@@ -15,8 +15,9 @@ import jsonschema
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
 from polar_mitm.sdk_agent import base_url_for
+from polar_mitm.session_ids import SessionId
 
 SCHEMA = {"type": "object", "properties": {
     "next_speaker": {"type": "string", "enum": ["user", "model"]},
@@ -90,7 +91,7 @@ CLIENTS = {
 def test_schema_constrained_answer_from_the_unscripted_engine_is_valid_json(free_gateway, client):
     provider, ask = CLIENTS[client]
     session = f"json-{client}-{uuid.uuid4().hex[:6]}"
-    text = ask(base_url_for(provider, free_gateway.reverse_url, f"/s/{session}"))
+    text = ask(base_url_for(provider, free_gateway.reverse_url, SessionId(session).path_prefix))
     jsonschema.validate(json.loads(text), SCHEMA)
 
     rows = [r for r in read_all(free_gateway.out_dir).to_pylist() if r["session_id"] == session]
@@ -138,8 +139,8 @@ def test_constrained_calls_are_left_out_of_the_loss_and_counted(free_gateway, ti
 
     sessions = {f"grammar-{k}-{uuid.uuid4().hex[:6]}": k for k in ("constrained", "free")}
     for session, kind in sessions.items():
-        client = openai.OpenAI(api_key="sk-test", base_url=f"{free_gateway.reverse_url}/t/json-task/s/{session}/v1",
-                               max_retries=0)
+        base_url = SessionId(session, "json-task").base_url(free_gateway.reverse_url, "/v1")
+        client = openai.OpenAI(api_key="sk-test", base_url=base_url, max_retries=0)
         extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "next", "schema": SCHEMA}}}
                  if kind == "constrained" else {"max_tokens": 8})
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], **extra)

@@ -23,7 +23,9 @@ from polar_mitm.gateway.token_chains import ANSWER_DIFFERS, NO_CHAIN, NO_PREFIX,
 from polar_mitm.reconstruct.fidelity import sequence_fidelity
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA, read_all
+from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 THINKING = "I should look before I write anything."
 SCRIPT = {"turns": [
@@ -76,7 +78,8 @@ def gateways(exact_engine_url, tmp_path_factory):
 def client_for(gw: procs.GatewayProcess, session: str):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{gw.reverse_url}/s/{session}/v1", api_key="sk-test", max_retries=0, timeout=120)
+    return OpenAI(base_url=SessionId(session).base_url(gw.reverse_url, "/v1"), api_key="sk-test",
+                  max_retries=0, timeout=120)
 
 
 def assistant_copy(message, *, compact: bool) -> dict[str, Any]:

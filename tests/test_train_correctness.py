@@ -25,8 +25,9 @@ from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
 from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MergedSequence
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
 from polar_mitm.sdk_agent import base_url_for
+from polar_mitm.session_ids import SessionId
 from polar_mitm.train.data import (
     LengthBucketSampler,
     build_training_data,
@@ -52,8 +53,8 @@ def chat_session(gateway, task: str, session: str, sampling: list[dict]) -> None
     request's own sampling fields, e.g. `{"temperature": 0.7}`), each call continuing the previous answer."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url_for("openai_chat", gateway.reverse_url, f"/t/{task}/s/{session}"),
-                           api_key="sk-test", max_retries=0)
+    base_url = base_url_for("openai_chat", gateway.reverse_url, SessionId(session, task).path_prefix)
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
     messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": USER_TEXT}]
     for fields in sampling:
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, **fields)

@@ -22,7 +22,8 @@ import pytest
 from polar_mitm import procs
 from polar_mitm.gateway.engine_info import ENGINE_FILE
 from polar_mitm.gateway.exposure import exposure_warning
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
+from polar_mitm.session_ids import SessionId
 
 BIN = Path(sys.executable).parent
 WARNING = "listening beyond loopback without proxyauth"
@@ -51,7 +52,7 @@ def chat_through_proxy(port: int, ca_bundle: Path, task: str, session: str) -> N
     import httpx
     from openai import OpenAI
 
-    proxy = f"http://{task}%2F{session}:x@127.0.0.1:{port}"
+    proxy = SessionId(session, task).proxy_url(f"127.0.0.1:{port}")
     http_client = httpx.Client(proxy=proxy, verify=ssl.create_default_context(cafile=str(ca_bundle)), timeout=120)
     client = OpenAI(api_key="sk-usage-test", http_client=http_client)
     answer = client.chat.completions.create(model="gpt-4o-mini", max_tokens=12,

@@ -104,7 +104,7 @@ class Hookup:
 
     def base_url(self, suffix: str = "") -> str:
         """The gateway's reverse URL with the session prefix, plus a provider suffix such as `/v1`."""
-        return self.gateway_url.rstrip("/") + self.path_prefix + suffix
+        return self.session_id.base_url(self.gateway_url, suffix)
 
     @property
     def proxy_url(self) -> str:
