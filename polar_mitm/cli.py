@@ -157,10 +157,10 @@ def records_command(
     """List recorded model calls (compacted shards and the live journal)."""
     from rich.table import Table
 
-    from polar_mitm.records import scan_all
+    from polar_mitm.storage.records import scan_records
     from polar_mitm.terminal import markup_safe, plain
 
-    found = scan_all(out)
+    found = scan_records(out)
     for problem in found.problems:  # skipped, one line each naming the file: the rest is still listed
         console.print(f"[yellow]{markup_safe(problem)}[/]", soft_wrap=True)
     rows = found.table.to_pylist()

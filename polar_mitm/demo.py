@@ -161,7 +161,7 @@ def right_choice_probabilities(checkpoint: Path, flows: Path) -> dict[str, float
     """
     from polar_mitm.engine.generation import Engine
     from polar_mitm.engine.script import choice_probabilities
-    from polar_mitm.records import read_all
+    from polar_mitm.storage.records import read_all
 
     engine = Engine(checkpoint, script_path=EXAMPLES / "policy.json")
     assert engine.script is not None

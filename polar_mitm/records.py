@@ -1,21 +1,16 @@
 """The per-request record: one row per model call, defined once (Arrow schema + dataclass) and versioned.
 
 Other tools rely on the column names. Bump RECORD_SCHEMA_VERSION on any change and keep readers tolerant of
-older versions (new nullable columns only).
+older versions (new nullable columns only). No I/O here: records are written and read by `polar_mitm/storage/`.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-
-log = logging.getLogger("polar_mitm.records")
 
 # v2: sampling parameters used (temperature, top_p, top_k, min_p, greedy) and the prompt mode
 # (prompt_mode, spliced_turns, splice_reason). v1 files read with those columns null.
@@ -149,109 +144,3 @@ def journal_rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
         row["finished_at"] = from_micros(row["finished_at"])
         fixed.append(row)
     return pa.Table.from_pylist(fixed, schema=RECORD_SCHEMA)
-
-
-def records_table(rows: list[dict[str, Any]]) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
-    """Journal dicts → (a RECORD_SCHEMA table of the good rows, the rows that cannot be records with why).
-
-    One bad row (a token id beyond int32, a missing field, a string where a number goes) must not keep the
-    others out of a shard, so on failure each row is converted alone to find the bad ones.
-    """
-    try:
-        return journal_rows_to_table(rows), []
-    except Exception:  # which row, and why, is found below
-        pass
-    good: list[pa.Table] = []
-    rejected: list[tuple[dict[str, Any], str]] = []
-    for row in rows:
-        try:
-            good.append(journal_rows_to_table([row]))
-        except Exception as exc:  # any conversion failure makes this one row unusable, nothing more
-            rejected.append((row, f"{type(exc).__name__}: {one_line(exc)}"))
-    return (pa.concat_tables(good) if good else RECORD_SCHEMA.empty_table()), rejected
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one short line (pyarrow's messages run over several)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-def read_shard(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """One records shard with RECORD_SCHEMA (older versions' missing columns read as null)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path, schema=RECORD_SCHEMA, columns=columns)
-
-
-def read_records(path: str) -> pa.Table:
-    """All records under `path` (a directory of Parquet shards or one file; any pyarrow filesystem URI)."""
-    import pyarrow.dataset as ds
-
-    return ds.dataset(path, format="parquet", schema=RECORD_SCHEMA, exclude_invalid_files=False).to_table()
-
-
-def last_seq_by_session(out_dir, on_unreadable: Callable[[Path, str], None] | None = None) -> dict[str, int]:
-    """Highest `seq` per session among existing shards (so numbering continues after a restart).
-
-    An unreadable shard is handed to `on_unreadable(path, reason)` (the gateway quarantines it) or logged, and
-    never stops the count.
-    """
-    tables = []
-    for shard in sorted(Path(out_dir).glob("records-*.parquet")):
-        try:
-            tables.append(read_shard(shard, columns=["session_id", "seq"]))
-        except (OSError, pa.ArrowException) as exc:
-            if on_unreadable is None:
-                log.warning("skipping unreadable shard %s: %s", shard, one_line(exc))
-            else:
-                on_unreadable(shard, one_line(exc))
-    if not tables:
-        return {}
-    table = pa.concat_tables(tables)
-    grouped = table.group_by("session_id").aggregate([("seq", "max")])
-    return dict(zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True))
-
-
-@dataclass
-class RecordsRead:
-    """Records read from a folder, and one line per thing that could not be read (and was skipped)."""
-
-    table: pa.Table
-    problems: list[str]
-
-
-def scan_all(out_dir, *, include_journal: bool = True) -> RecordsRead:
-    """Compacted shards plus, optionally, the live journal's records; unreadable parts are skipped and reported.
-
-    Live journals are read before the shards are listed (see `journal.live_records`), so a compaction running
-    meanwhile can neither hide a record nor show it twice.
-    """
-    from polar_mitm.gateway.journal import live_records
-
-    out = Path(out_dir)
-    if include_journal:
-        shards, journal_rows, problems = live_records(out)
-    else:
-        shards, journal_rows, problems = sorted(out.glob("records-*.parquet")), [], []
-    tables = []
-    for shard in shards:
-        try:
-            tables.append(read_shard(shard))
-        except (OSError, pa.ArrowException) as exc:
-            problems.append(f"{shard}: unreadable shard ({one_line(exc)}) (skipped)")
-    if journal_rows:
-        table, rejected = records_table(journal_rows)
-        tables.append(table)
-        for row, reason in rejected:
-            problems.append(f"{out}/_journal: row of request {str(row.get('request_id'))!r} skipped: {reason}")
-    table = pa.concat_tables(tables) if tables else RECORD_SCHEMA.empty_table()
-    return RecordsRead(table=table, problems=problems)
-
-
-def read_all(out_dir, *, include_journal: bool = True) -> pa.Table:
-    """Compacted shards plus, optionally, records still in the live journal (for tests and live inspection)."""
-    result = scan_all(out_dir, include_journal=include_journal)
-    for problem in result.problems:
-        log.warning("%s", problem)
-    return result.table

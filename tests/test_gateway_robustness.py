@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polar_mitm import procs
-from polar_mitm.storage.records import read_all
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.records import read_all
 
 KEY = "sk-polar-robust-SECRET"
 MODEL_PATHS = {

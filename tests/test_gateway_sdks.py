@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from polar_mitm.storage.records import read_all
 from polar_mitm.sdk_agent import DRIVERS, base_url_for
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.records import read_all
 
 API_KEY = "sk-polar-test-SECRET-7f3a9c"
 USER_TEXT = "Write hello into out.txt"

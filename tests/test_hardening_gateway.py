@@ -27,8 +27,8 @@ from mitmproxy import io as mitm_io
 
 from polar_mitm import procs
 from polar_mitm.gateway import identity as ident
-from polar_mitm.storage.records import read_all
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.records import read_all
 
 SECRET = "sk-hardening-SECRET-5d1e"
 CHAT = "/v1/chat/completions"

@@ -22,11 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.storage.journal import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX, QUARANTINE_DIR, RecordWriter
-from polar_mitm.storage.records import list_sources
 from polar_mitm.records import Record, journal_rows_to_table
-from polar_mitm.storage.records import read_all
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.journal import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX, QUARANTINE_DIR, RecordWriter
+from polar_mitm.storage.records import list_sources, read_all
 
 POLAR = str(Path(sys.executable).with_name("polar-mitm"))
 

@@ -21,8 +21,8 @@ from polar_mitm.conversation import Conversation
 from polar_mitm.gateway.import_flows import import_flows, iter_flows
 from polar_mitm.harness import HARNESSES
 from polar_mitm.harness.policy import THINKING
-from polar_mitm.storage.records import read_all
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.records import read_all
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows" / "harness"
 RECORDED = [name for name in HARNESSES if (SAMPLES / f"{name}.flow").exists()]

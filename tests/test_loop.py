@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.records import read_all
 from polar_mitm.rollout.loop import Loop, LoopConfig
+from polar_mitm.storage.records import read_all
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
 

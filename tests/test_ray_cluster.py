@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import engines, procs
-from polar_mitm.records import read_all
+from polar_mitm.storage.records import read_all
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.storage.records import read_all
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.records import read_all
 
 API_KEY = "sk-polar-live-test"
 SYSTEM = "You are a coding agent."

@@ -21,12 +21,12 @@ from polar_mitm import procs
 from polar_mitm.cli import app
 from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
-from polar_mitm.records import read_all
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, run_shell
 from polar_mitm.rollout.swe import InstanceError, SweOptions, load_instances, write_tasks
 from polar_mitm.rollout.swe_grading import GradingSpec, grade, suite_argv
 from polar_mitm.rollout.tasks import Task, load_tasks
+from polar_mitm.storage.records import read_all
 
 SET = Path(__file__).resolve().parent.parent / "examples" / "swe_tasks"
 INSTANCES = [json.loads(line) for line in (SET / "instances.jsonl").read_text().splitlines()]

@@ -18,12 +18,12 @@ from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
-from polar_mitm.gateway.journal import RecordWriter
 from polar_mitm.gateway.live import LiveAnswer
 from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
-from polar_mitm.records import last_seq_by_session
+from polar_mitm.storage.journal import RecordWriter
+from polar_mitm.storage.records import last_seq_by_session
 
 log = logging.getLogger("polar_mitm.addon")
 

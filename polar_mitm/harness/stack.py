@@ -97,7 +97,7 @@ class HarnessStack:
 
     def records(self, session: str) -> list[dict[str, Any]]:
         """This session's records (compacted shards and the live journal), in call order."""
-        from polar_mitm.records import read_all
+        from polar_mitm.storage.records import read_all
 
         rows = [r for r in read_all(self.gateway.out_dir).to_pylist() if r["session_id"] == session]
         return sorted(rows, key=lambda r: r["seq"])

@@ -11,15 +11,16 @@ from typing import Annotated, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from polar_mitm.reconstruct.merge import SUMMARY_FILE, MergeError, MergeSummary, merge, resolve_path
+from polar_mitm.reconstruct.merge import MergeSummary, merge
 from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
+from polar_mitm.storage.location import StorageError
+from polar_mitm.storage.merged import SUMMARY_FILE, read_merged
 from polar_mitm.terminal import markup_safe, plain, printable
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -72,7 +73,7 @@ def merge_command(
                             eot_token=eot_token, tokenizer=tokenizer, drop_unrewarded=drop_unrewarded, check=check,
                             on_start=lambda total: progress.update(task, total=total),
                             on_progress=lambda n: progress.advance(task, n))
-        except MergeError as exc:
+        except StorageError as exc:  # MergeError, or inputs/output the stores cannot use
             console.print(f"[red]merge failed:[/] {markup_safe(exc)}", soft_wrap=True)
             raise typer.Exit(1) from exc
     for problem in summary.problems:  # one line each, naming the file (skipped, or how it was read)
@@ -136,23 +137,6 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
 
 
 # -- reading merged shards ---------------------------------------------------------------------------------------
-
-
-def read_merged(data: str, columns: list[str] | None = None, filter_expr: Any = None) -> pa.Table:
-    """Merged shards under `data` (folder, file or URI) as one table."""
-    import pyarrow.dataset as ds
-
-    fs, path = resolve_path(data)
-    if fs.get_file_info(path).type == pafs.FileType.Directory:
-        # Only the shards: the folder also holds _summary.json and, after `stats`, a PNG.
-        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-        files = sorted(f.path for f in found if f.type == pafs.FileType.File and f.base_name.endswith(".parquet")
-                       and f.base_name[:1] not in "_.")
-    else:
-        files = [path]
-    if not files:
-        raise MergeError(f"no merged shards under {data}")
-    return ds.dataset(files, format="parquet", filesystem=fs).to_table(columns=columns, filter=filter_expr)
 
 
 def find_sequences(data: str, ident: str) -> pa.Table:
@@ -252,7 +236,7 @@ def show_command(
     """Show merged sequences decoded: context grey, sampled tokens green, turn boundaries marked."""
     try:
         table = find_sequences(data, ident)
-    except (MergeError, FileNotFoundError) as exc:
+    except (StorageError, FileNotFoundError) as exc:
         console.print(f"[red]{markup_safe(exc)}[/]", soft_wrap=True)
         raise typer.Exit(1) from exc
     if table.num_rows == 0:
@@ -301,9 +285,9 @@ def context_exact_of(data: str, records: str | None) -> str:
     """Context-exact sampled tokens of merged `data`: measured against `records`, else merge's saved figure."""
     if records is not None:
         from polar_mitm.reconstruct.fidelity import sequence_fidelity
-        from polar_mitm.records import read_records
+        from polar_mitm.storage.records import read_all
 
-        recorded = read_records(records).select(["request_id", "prompt_ids"])
+        recorded = read_all(records).select(["request_id", "prompt_ids"])
         prompts = {rid: None if ids is None else np.asarray(ids, dtype=np.int32) for rid, ids in zip(
             recorded["request_id"].to_pylist(), recorded["prompt_ids"].to_pylist(), strict=True)}
         merged = read_merged(data, ["input_ids", "loss_mask", "request_ids"])
@@ -354,7 +338,7 @@ def stats_command(
     """Summarise merged sequences: a table, plus a PNG with length and trainable-token histograms."""
     try:
         table = read_merged(data, ["session_id", "input_ids", "loss_mask", "n_turns", "reward", "builder"])
-    except (MergeError, FileNotFoundError) as exc:
+    except (StorageError, FileNotFoundError) as exc:
         console.print(f"[red]{markup_safe(exc)}[/]", soft_wrap=True)
         raise typer.Exit(1) from exc
     if table.num_rows == 0:

@@ -8,13 +8,13 @@ interleaved in it, not by the whole data set:
    sequences (`prefix_merging` or `per_request`), check the invariants, join the reward and hand them to the
    writer, which writes a shard whenever enough tokens are buffered.
 
-Output is deterministic: inputs are read in sorted path order, and each shard holds its sequences sorted by
+Inputs are found and read by the records store (`storage/records.py`), shards written by the merged store
+(`storage/merged.py`). Output is deterministic: inputs are read in sorted path order, and each shard holds its sequences sorted by
 session id then first turn (one shard for moderate inputs, hence fully sorted).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter, defaultdict
@@ -28,9 +28,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
-from polar_mitm.gateway.journal import JOURNAL_DIR, LiveJournals, read_live_journals
 from polar_mitm.reconstruct.fidelity import sequences_fidelity
 from polar_mitm.reconstruct.invariants import check_invariants
 from polar_mitm.reconstruct.per_request import build_per_request
@@ -49,207 +47,16 @@ from polar_mitm.reconstruct.turns import (
     sequences_to_table,
     turns_from_table,
 )
-from polar_mitm.records import one_line, records_table
+from polar_mitm.storage.location import StorageError, one_line, resolve_path
+from polar_mitm.storage.merged import ShardWriter
+from polar_mitm.storage.records import Source, list_sources, table_source
 
 Builder = Callable[..., BuildResult]
 BUILDERS: dict[str, Builder] = {"prefix_merging": build_prefix_merging, "per_request": build_per_request}
 
-# zstd, and dictionaries only where values repeat: token ids span the vocabulary, so a dictionary page
-# overflows and costs time for nothing (measured: ~40% faster writes, reads no slower).
-PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "use_dictionary": [
-    "session_id", "task_id", "builder", "finish_reason", "weight_version_min", "weight_version_max", "loss_mask"]}
-SHARD_PREFIX = "merged-"
-SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers skip it
-REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
-                    "completion_logprobs")
-OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
-                    "greedy", "spliced_turns", "call_kind",
-                    "output_constraint")
 
-
-class MergeError(ValueError):
+class MergeError(StorageError):
     """Input that merge cannot use (no records, a bad rewards file, an unknown builder, …)."""
-
-
-# -- filesystems -------------------------------------------------------------------------------------------------
-
-
-def resolve_path(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and path for a local path (relative is fine) or a URI (s3://, gs://, file://, …)."""
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
-
-
-# -- inputs ------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Source:
-    """One input: a Parquet file on some filesystem, or records held in memory (e.g. a live journal)."""
-
-    name: str
-    num_rows: int
-    columns: tuple[str, ...]
-    filesystem: pafs.FileSystem | None = None
-    table: pa.Table | None = None
-
-    def _open(self) -> pq.ParquetFile:
-        # Opened per pass and closed after: an open reader keeps the file's buffers alive.
-        return pq.ParquetFile(self.name, filesystem=self.filesystem)
-
-    def read(self, columns: Sequence[str]) -> pa.Table:
-        if self.table is not None:
-            return self.table.select(list(columns))
-        try:
-            with self._open() as parquet:
-                return parquet.read(columns=list(columns))
-        except (OSError, pa.ArrowException) as exc:  # e.g. a corrupt data page behind an intact footer
-            raise MergeError(f"{self.name}: unreadable ({one_line(exc)})") from exc
-
-    def batches(self, batch_rows: int) -> Iterator[pa.RecordBatch | pa.Table]:
-        if self.table is not None:
-            for start in range(0, self.table.num_rows, batch_rows):
-                yield self.table.slice(start, batch_rows).select(list(self.columns))
-            return
-        try:
-            with self._open() as parquet:
-                yield from parquet.iter_batches(batch_size=batch_rows, columns=list(self.columns))
-        except (OSError, pa.ArrowException) as exc:
-            raise MergeError(f"{self.name}: unreadable ({one_line(exc)})") from exc
-
-
-def _record_columns(schema: pa.Schema) -> tuple[str, ...] | None:
-    names = set(schema.names)
-    if not set(REQUIRED_COLUMNS) <= names:
-        return None
-    return tuple(n for n in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS) if n in names)
-
-
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
-
-
-def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
-    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and item(t.value_type)
-
-
-def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_floating(t) or pa.types.is_integer(t)
-
-
-# What each column read by merge may be (right names with other types would fail deep inside the builders).
-COLUMN_KINDS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
-    **{name: (_is_text, "text") for name in ("request_id", "session_id", "task_id", "finish_reason",
-                                             "weight_version", "error")},
-    "seq": (pa.types.is_integer, "an integer"),
-    "prompt_ids": (_list_of(pa.types.is_integer), "a list of integers"),
-    "completion_ids": (_list_of(pa.types.is_integer), "a list of integers"),
-    "completion_logprobs": (_list_of(_is_number), "a list of numbers"),
-    "started_at": (lambda t: pa.types.is_timestamp(t) or pa.types.is_integer(t), "a timestamp"),
-}
-
-
-def _type_problem(schema: pa.Schema, columns: Sequence[str]) -> str | None:
-    """Why a file with record column names still cannot be read as records (a column of another type)."""
-    for name in columns:
-        if name not in COLUMN_KINDS:
-            continue
-        accepts, kind = COLUMN_KINDS[name]
-        if not accepts(schema.field(name).type):
-            return f"column {name} is {schema.field(name).type}, expected {kind}"
-    return None
-
-
-def table_source(table: pa.Table, name: str = "<memory>") -> Source:
-    """An in-memory records table as a merge input."""
-    columns = _record_columns(table.schema)
-    if columns is None:
-        raise MergeError(f"{name}: not a records table (needs {', '.join(REQUIRED_COLUMNS)})")
-    problem = _type_problem(table.schema, columns)
-    if problem:
-        raise MergeError(f"{name}: {problem}")
-    return Source(name=name, num_rows=table.num_rows, columns=columns, table=table)
-
-
-@dataclass
-class Inputs:
-    """What `list_sources` found: usable sources, files that are not records, and what it could not read."""
-
-    sources: list[Source]
-    skipped: list[str]  # other Parquet files (e.g. merged shards): skipped, as pyarrow datasets skip foreign files
-    problems: list[str]  # one line each: a file, and why it was skipped or how it was read
-
-
-def _parquet_source(file: str, fs: pafs.FileSystem, inputs: Inputs) -> None:
-    """Add one Parquet file to `inputs`: as a source, a foreign file, or a problem naming what is wrong."""
-    try:
-        with pq.ParquetFile(file, filesystem=fs) as parquet:
-            schema, num_rows = parquet.schema_arrow, parquet.metadata.num_rows
-    except (OSError, pa.ArrowException) as exc:
-        inputs.problems.append(f"{file}: not a readable Parquet file ({one_line(exc)}) (skipped)")
-        return
-    columns = _record_columns(schema)
-    if columns is None:
-        inputs.skipped.append(file)
-        return
-    problem = _type_problem(schema, columns)
-    if problem:
-        inputs.problems.append(f"{file}: {problem} (skipped)")
-        return
-    if "schema_version" not in schema.names:
-        inputs.problems.append(f"{file}: no schema_version column (read as records of version 1)")
-    inputs.sources.append(Source(name=file, num_rows=num_rows, columns=columns, filesystem=fs))
-
-
-def _list_files(uri: str, fs: pafs.FileSystem, path: str, info: pafs.FileInfo) -> list[str]:
-    if info.type != pafs.FileType.Directory:
-        return [path]
-    try:
-        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    except OSError as exc:
-        raise MergeError(f"{uri}: cannot list the folder ({one_line(exc)})") from exc
-    return sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet")
-                  and not any(part[:1] in "_." for part in Path(f.path[len(path):]).parts))
-
-
-def list_sources(inputs: Sequence[str]) -> Inputs:
-    """Every records Parquet file under `inputs` (files or folders, sorted), plus a local live journal.
-
-    Files whose columns are not records (e.g. merged shards) are skipped and named in `skipped`; unreadable files
-    and columns of the wrong type are skipped with a line in `problems`. Names starting with `_` or `.` are
-    skipped, as pyarrow datasets do. A live journal is read *before* its folder is listed, and a journal whose
-    shard is listed is left out, so a compaction running meanwhile neither hides nor doubles a record.
-    """
-    found = Inputs(sources=[], skipped=[], problems=[])
-    for uri in inputs:
-        fs, path = resolve_path(uri)
-        info = fs.get_file_info(path)
-        if info.type == pafs.FileType.NotFound:
-            raise MergeError(f"{uri}: no such file or folder")
-        local_folder = info.type == pafs.FileType.Directory and isinstance(fs, pafs.LocalFileSystem)
-        journals = read_live_journals(path) if local_folder else None  # before the listing: see the docstring
-        files = _list_files(uri, fs, path, info)
-        for file in files:
-            _parquet_source(file, fs, found)
-        if journals is not None:
-            journal = _journal_source(Path(path), journals, files, found)
-            if journal is not None:
-                found.sources.append(journal)
-    return found
-
-
-def _journal_source(folder: Path, journals: LiveJournals, files: list[str], found: Inputs) -> Source | None:
-    """Records still in the gateway's live journal (acknowledged, not yet compacted into one of `files`)."""
-    rows, problems = journals.uncompacted(files)
-    found.problems.extend(problems)
-    if not rows:
-        return None
-    table, rejected = records_table(rows)
-    for row, reason in rejected:
-        found.problems.append(f"{folder / JOURNAL_DIR}: row of request {str(row.get('request_id'))!r} "
-                              f"skipped: {reason}")
-    return table_source(table, str(folder / JOURNAL_DIR)) if table.num_rows else None
 
 
 # -- end-of-turn token -------------------------------------------------------------------------------------------
@@ -455,32 +262,24 @@ class _SessionBuffers:
         self._borrowed.clear()
 
 
-def merge_sources(
-    sources: Sequence[Source],
-    sink: Callable[[list[MergedSequence]], None],
-    *,
-    builder: str = "prefix_merging",
-    eot_token_id: int | None = None,
-    rewards: dict[str, Reward] | None = None,
-    drop_unrewarded: bool = False,
-    check: bool = True,
-    batch_rows: int = 256,
-    flush_tokens: int = 16 << 20,
-    on_progress: Callable[[int], None] | None = None,
-) -> MergeSummary:
-    """Stream `sources` through a builder; `sink` receives sorted groups of finished sequences."""
-    if builder not in BUILDERS:
-        raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
-    if builder == "prefix_merging" and eot_token_id is None:
-        raise MergeError("prefix_merging needs the end-of-turn token id")
-    build = BUILDERS[builder]
-    started = time.perf_counter()
-    summary = MergeSummary(builder=builder, eot_token_id=eot_token_id, inputs=len(sources),
-                           invariants_checked=check)
-    excluded: Counter[str] = Counter()
-    breaks: Counter[str] = Counter()
+@dataclass
+class SessionIndex:
+    """Pass 1's answer: the session of every row (in input order) and the row that completes each session."""
 
-    # Pass 1: session of every row, and the row that completes each session.
+    codes: np.ndarray  # session number of each row
+    last_row: np.ndarray  # by session number: the position of its last row
+
+    @property
+    def records(self) -> int:
+        return len(self.codes)
+
+    @property
+    def sessions(self) -> int:
+        return len(self.last_row)
+
+
+def index_sessions(sources: Sequence[Source]) -> SessionIndex:
+    """Pass 1: read the `session_id` column only, to learn where each session's last record is."""
     session_names: dict[str, int] = {}
     code_parts = []
     for source in sources:
@@ -495,35 +294,69 @@ def merge_sources(
     codes = np.concatenate(code_parts) if code_parts else np.zeros(0, np.int64)
     last_row = np.full(len(session_names), -1, dtype=np.int64)
     np.maximum.at(last_row, codes, np.arange(len(codes)))
-    summary.records, summary.sessions = len(codes), len(session_names)
+    return SessionIndex(codes=codes, last_row=last_row)
 
-    pending: list[MergedSequence] = []
-    pending_tokens = 0
 
-    def flush() -> None:
-        nonlocal pending, pending_tokens
-        if pending:
+def complete_sessions(sources: Sequence[Source], index: SessionIndex, *, batch_rows: int = 256,
+                      on_progress: Callable[[int], None] | None = None) -> Iterator[list[TurnRecord]]:
+    """Pass 2: stream the rows; yield each session's records as soon as its last one has been read.
+
+    A yielded session must be used before the next is asked for: its rows may still point into the batch.
+    """
+    buffers = _SessionBuffers()
+    row = 0
+    for source in sources:
+        for batch in source.batches(batch_rows):
+            for turn in turns_from_table(batch, first_position=row):
+                code = int(index.codes[turn.position])
+                buffers.add(code, turn)
+                if index.last_row[code] == turn.position:
+                    yield buffers.pop(code)
+            buffers.end_batch()
+            row += batch.num_rows
+            if on_progress is not None:
+                on_progress(batch.num_rows)
+    if buffers.turns:
+        raise MergeError(f"{len(buffers.turns)} session(s) were never completed: the input changed while read")
+
+
+class _SessionMerger:
+    """Pass 2's work on each completed session: build, check, join the reward, count; hand finished sequences to
+    `sink` in sorted groups of about `flush_tokens` tokens."""
+
+    def __init__(self, summary: MergeSummary, sink: Callable[[list[MergedSequence]], None], *, build: Builder,
+                 eot_token_id: int | None, rewards: dict[str, Reward] | None, drop_unrewarded: bool, check: bool,
+                 flush_tokens: int) -> None:
+        self.summary, self.sink, self.build, self.eot_token_id = summary, sink, build, eot_token_id
+        self.rewards, self.drop_unrewarded, self.check, self.flush_tokens = rewards, drop_unrewarded, check, flush_tokens
+        self.excluded: Counter[str] = Counter()
+        self.breaks: Counter[str] = Counter()
+        self.pending: list[MergedSequence] = []
+        self.pending_tokens = 0
+
+    def flush(self) -> None:
+        if self.pending:
             # Stable sort: a session's sequences stay in first-turn order.
-            sink(sorted(pending, key=lambda s: s.session_id))
-        pending, pending_tokens = [], 0
+            self.sink(sorted(self.pending, key=lambda s: s.session_id))
+        self.pending, self.pending_tokens = [], 0
 
-    def finish(session_turns: list[TurnRecord]) -> None:
-        nonlocal pending_tokens
+    def add(self, session_turns: list[TurnRecord]) -> None:
+        summary = self.summary
         kept, left_out = prepare_session(session_turns)
-        excluded.update(left_out)
+        self.excluded.update(left_out)
         if not kept:
             return
-        result = build(kept, eot_token_id=eot_token_id)
-        if check:
+        result = self.build(kept, eot_token_id=self.eot_token_id)
+        if self.check:
             check_invariants(session_turns, result.sequences)
-        breaks.update(result.breaks)
-        reward = (rewards or {}).get(kept[0].session_id)
-        if rewards is not None:
+        self.breaks.update(result.breaks)
+        reward = (self.rewards or {}).get(kept[0].session_id)
+        if self.rewards is not None:
             if reward is None:
                 summary.unrewarded_sessions += 1
             else:
                 summary.rewarded_sessions += 1
-        if reward is None and drop_unrewarded:
+        if reward is None and self.drop_unrewarded:
             summary.dropped_unrewarded_sequences += len(result.sequences)
             return
         join_reward(result.sequences, reward)
@@ -535,62 +368,45 @@ def merge_sources(
         for seq in result.sequences:
             summary.total_tokens += len(seq.input_ids)
             summary.trainable_tokens += int(np.count_nonzero(seq.loss_mask))
-            pending_tokens += len(seq.input_ids)
-        pending.extend(result.sequences)
-        if pending_tokens >= flush_tokens:
-            flush()
+            self.pending_tokens += len(seq.input_ids)
+        self.pending.extend(result.sequences)
+        if self.pending_tokens >= self.flush_tokens:
+            self.flush()
 
-    # Pass 2: stream the rows; build each session as soon as its last record has been read.
-    buffers = _SessionBuffers()
-    row = 0
-    for source in sources:
-        for batch in source.batches(batch_rows):
-            for turn in turns_from_table(batch, first_position=row):
-                code = int(codes[turn.position])
-                buffers.add(code, turn)
-                if last_row[code] == turn.position:
-                    finish(buffers.pop(code))
-            buffers.end_batch()
-            row += batch.num_rows
-            if on_progress is not None:
-                on_progress(batch.num_rows)
-    flush()
-    if buffers.turns:
-        raise MergeError(f"{len(buffers.turns)} session(s) were never completed: the input changed while read")
-    summary.excluded = dict(sorted(excluded.items()))
-    summary.breaks = dict(sorted(breaks.items()))
+
+def merge_sources(
+    sources: Sequence[Source],
+    sink: Callable[[list[MergedSequence]], None],
+    *,
+    builder: str = "prefix_merging",
+    eot_token_id: int | None = None,
+    rewards: dict[str, Reward] | None = None,
+    drop_unrewarded: bool = False,
+    check: bool = True,
+    batch_rows: int = 256,
+    flush_tokens: int = 16 << 20,
+    on_progress: Callable[[int], None] | None = None,
+) -> MergeSummary:
+    """Stream `sources` through a builder (the two passes of the module docstring); `sink` receives sorted groups
+    of finished sequences."""
+    if builder not in BUILDERS:
+        raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
+    if builder == "prefix_merging" and eot_token_id is None:
+        raise MergeError("prefix_merging needs the end-of-turn token id")
+    started = time.perf_counter()
+    summary = MergeSummary(builder=builder, eot_token_id=eot_token_id, inputs=len(sources),
+                           invariants_checked=check)
+    index = index_sessions(sources)
+    summary.records, summary.sessions = index.records, index.sessions
+    merger = _SessionMerger(summary, sink, build=BUILDERS[builder], eot_token_id=eot_token_id, rewards=rewards,
+                            drop_unrewarded=drop_unrewarded, check=check, flush_tokens=flush_tokens)
+    for session_turns in complete_sessions(sources, index, batch_rows=batch_rows, on_progress=on_progress):
+        merger.add(session_turns)
+    merger.flush()
+    summary.excluded = dict(sorted(merger.excluded.items()))
+    summary.breaks = dict(sorted(merger.breaks.items()))
     summary.seconds = time.perf_counter() - started
     return summary
-
-
-class ShardWriter:
-    """Writes groups of sequences as `merged-NNNNN.parquet` shards (temp file + rename, never half-written)."""
-
-    def __init__(self, output: str) -> None:
-        self.fs, self.root = resolve_path(output)
-        if self.fs.get_file_info(self.root).type == pafs.FileType.File:
-            raise MergeError(f"output {output}: is a file, not a folder")
-        try:
-            self.fs.create_dir(self.root, recursive=True)
-        except (OSError, pa.ArrowException) as exc:
-            raise MergeError(f"output {output}: cannot create the folder ({one_line(exc)})") from exc
-        # A re-run replaces the previous output instead of mixing with it.
-        for info in self.fs.get_file_info(pafs.FileSelector(self.root)):
-            name = info.base_name
-            if name == SUMMARY_FILE or (name.startswith(SHARD_PREFIX) and name.endswith(".parquet")):
-                self.fs.delete_file(info.path)
-        self.shards: list[str] = []
-
-    def __call__(self, sequences: list[MergedSequence]) -> None:
-        name = f"{SHARD_PREFIX}{len(self.shards):05d}.parquet"
-        temp, final = f"{self.root}/.{name}.tmp", f"{self.root}/{name}"
-        pq.write_table(sequences_to_table(sequences), temp, filesystem=self.fs, **PARQUET_OPTIONS)
-        self.fs.move(temp, final)
-        self.shards.append(final)
-
-    def write_summary(self, summary: MergeSummary) -> None:
-        with self.fs.open_output_stream(f"{self.root}/{SUMMARY_FILE}") as out:
-            out.write(json.dumps(summary.to_json(), indent=2).encode())
 
 
 def merge(
@@ -627,13 +443,13 @@ def merge(
     writer = ShardWriter(output)
     if on_start is not None:
         on_start(sum(s.num_rows for s in sources))
-    summary = merge_sources(sources, writer, builder=builder, eot_token_id=eot_token_id, rewards=reward_table,
+    summary = merge_sources(sources, lambda group: writer.write(sequences_to_table(group)), builder=builder, eot_token_id=eot_token_id, rewards=reward_table,
                             drop_unrewarded=drop_unrewarded, check=check, batch_rows=batch_rows,
                             flush_tokens=flush_tokens, on_progress=on_progress)
     summary.eot_source, summary.shards, summary.skipped_files = eot_source, writer.shards, found.skipped
     summary.problems = found.problems
     summary.seconds = time.perf_counter() - started  # the whole run: listing, end-of-turn detection, merge
-    writer.write_summary(summary)
+    writer.write_summary(summary.to_json())
     return summary
 
 

@@ -420,7 +420,7 @@ class RayRollout:
 
     def _compact_dead(self) -> None:
         """A dead node's gateway may have left its journal: compact it into a shard (where the folder is reachable)."""
-        from polar_mitm.gateway.journal import RecordWriter
+        from polar_mitm.storage.journal import RecordWriter
 
         for node in self.pool.nodes:
             folder = self.node_dir(node)

@@ -1,6 +1,6 @@
 """Merged shards → GRPO training rows: groups by `task_id`, group-relative advantages, exact truncation, batching.
 
-Pure functions on `MergedSequence`s; the only I/O is `read_merged`. Rewards are fixed once recorded, so the group
+Pure functions on `MergedSequence`s; the only I/O is `read_merged` (through the merged store). Rewards are fixed once recorded, so the group
 baseline is computed here over whole groups, before training — not inside a batch, where a group may be split.
 
 A GRPO group is a `task_id`; its members are sessions (one rollout each). A session may span several sequences
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
+from polar_mitm.storage.merged import MergedShards
 
 AdvantageEstimator = Literal["mean_std", "leave_one_out"]
 RewardScaling = Literal["group", "batch", "none"]
@@ -40,29 +40,15 @@ class MergedDataError(ValueError):
 # -- reading ---------------------------------------------------------------------------------------------------------
 
 
-def merged_files(path: str | Path) -> list[Path]:
-    """The Parquet shards under `path` (a directory, searched recursively) or `path` itself."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.parquet") if not p.name.startswith("."))
-    elif path.exists():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"no merged shards at {path}")
-    if not files:
-        raise FileNotFoundError(f"no *.parquet files under {path}")
-    return files
-
-
 def read_merged(paths: str | Path | Sequence[str | Path]) -> list[MergedSequence]:
-    """Read merged shards into `MergedSequence`s, checking each row's invariants."""
+    """Read merged shards (folders, shards or URIs: the merged store's) into `MergedSequence`s, checking each row's
+    invariants; raises FileNotFoundError where there are no shards."""
     if isinstance(paths, str | Path):
         paths = [paths]
     names = {f.name for f in MERGED_SCHEMA}
     sequences: list[MergedSequence] = []
     for root in paths:
-        for file in merged_files(root):
-            table = pq.read_table(file)
+        for file, table in MergedShards.at(root).tables():
             missing = {"input_ids", "loss_mask", "logprobs", "session_id"} - set(table.column_names)
             if missing:
                 raise MergedDataError(f"{file}: not a merged shard (missing columns {sorted(missing)})")
@@ -72,7 +58,7 @@ def read_merged(paths: str | Path | Sequence[str | Path]) -> list[MergedSequence
                     raise MergedDataError(f"{file}: merged schema v{version} is newer than this reader "
                                           f"(v{MERGED_SCHEMA_VERSION})")
                 seq = MergedSequence(**{k: v for k, v in row.items() if k in names})
-                validate_sequence(seq, where=str(file))
+                validate_sequence(seq, where=file)
                 sequences.append(seq)
     return sequences
 

@@ -18,7 +18,7 @@ No acknowledged record may be lost to one bad frame, so:
 
 A shard is named after its journal (`records-<time>-<journal id>.parquet`) and appears before its journal goes, so
 a reader that reads the journals first and the shards second, skipping journals whose shard exists, never misses
-nor doubles a record (`read_live_journals`, `live_records`).
+nor doubles a record (`read_live_journals`, `LiveJournals.uncompacted`; `storage/records.py` reads in that order).
 
 All file work happens on one writer thread; the event loop only enqueues and awaits a future.
 """
@@ -43,7 +43,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from polar_mitm.records import records_table
+from polar_mitm.records import RECORD_SCHEMA, journal_rows_to_table
+from polar_mitm.storage.location import one_line
 
 log = logging.getLogger("polar_mitm.journal")
 
@@ -153,6 +154,26 @@ def journal_id(path: Path) -> str:
     return path.stem.rsplit("-", 1)[-1]
 
 
+def records_table(rows: list[dict[str, Any]]) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
+    """Journal dicts → (a RECORD_SCHEMA table of the good rows, the rows that cannot be records with why).
+
+    One bad row (a token id beyond int32, a missing field, a string where a number goes) must not keep the
+    others out of a shard, so on failure each row is converted alone to find the bad ones.
+    """
+    try:
+        return journal_rows_to_table(rows), []
+    except Exception:  # which row, and why, is found below
+        pass
+    good: list[pa.Table] = []
+    rejected: list[tuple[dict[str, Any], str]] = []
+    for row in rows:
+        try:
+            good.append(journal_rows_to_table([row]))
+        except Exception as exc:  # any conversion failure makes this one row unusable, nothing more
+            rejected.append((row, f"{type(exc).__name__}: {one_line(exc)}"))
+    return (pa.concat_tables(good) if good else RECORD_SCHEMA.empty_table()), rejected
+
+
 @dataclass
 class LiveJournals:
     """The journals of a record folder as read at one moment, before its shards are listed."""
@@ -193,14 +214,6 @@ def read_live_journals(out_dir: str | Path) -> LiveJournals:
         except OSError as exc:
             live.problems.append(f"{journal}: unreadable journal ({exc.strerror or exc}) (skipped)")
     return live
-
-
-def live_records(out_dir: str | Path) -> tuple[list[Path], list[dict[str, Any]], list[str]]:
-    """Shards, rows of journals not compacted yet, and problems: read in an order that cannot miss nor double."""
-    journals = read_live_journals(out_dir)
-    shards = sorted(Path(out_dir).glob(SHARD_GLOB))
-    rows, problems = journals.uncompacted(shards)
-    return shards, rows, problems
 
 
 # -- compaction and quarantine -----------------------------------------------------------------------------------
