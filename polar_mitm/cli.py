@@ -215,9 +215,9 @@ _register_tasks()
 
 
 def _register_train() -> None:
-    from polar_mitm.train.cli import grpo_command, plot_command, sft_command, sync_command
+    from polar_mitm.train.cli import GrpoCommand, grpo_command, plot_command, sft_command, sync_command
 
-    app.command("grpo")(grpo_command)
+    app.command("grpo", cls=GrpoCommand)(grpo_command)
     app.command("sync")(sync_command)
     app.command("plot")(plot_command)
     app.command("sft")(sft_command)

@@ -1,21 +1,163 @@
-"""The training commands: `polar-mitm grpo`, `sync`, `plot`, `sft` (registered on the app in polar_mitm/cli.py)."""
+"""The training commands: `polar-mitm grpo`, `sync`, `plot`, `sft` (registered on the app in polar_mitm/cli.py).
+
+`polar-mitm grpo`'s options are generated from `PolarGRPOConfig` (`GrpoCommand`): every field Polar adds to TRL's
+`GRPOConfig` is an option with the field's own help text, and so are the TRL fields listed in `TRL_OPTIONS`. Only
+what is not a config field (the data, the model, LoRA, how to spell checkpointing and logging) is declared here.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import sys
+import typing
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand
+
+if typing.TYPE_CHECKING:
+    from polar_mitm.train.grpo_config import PolarGRPOConfig
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 
+FIELD_DEFAULT: Any = object()  # a `FieldOption.default` that keeps the field's own
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldOption:
+    """How a config field reads on the command line where that differs from the field: flag, default, help, type."""
+
+    flag: str | None = None  # default: --field-name
+    default: Any = FIELD_DEFAULT
+    help: str | None = None  # default: the field's `metadata["help"]`
+    type: Any = None  # default: the field's annotation
+
+
+# TRL's fields that `polar-mitm grpo` exposes, spelt and defaulted as the command always had them (TRL's own help is
+# written for sampling trainers). TRL's other ~150 fields keep PolarGRPOConfig's defaults: set them from Python.
+TRL_OPTIONS: dict[str, FieldOption] = {
+    "max_steps": FieldOption(help="Optimizer steps (-1: --epochs over the data)."),
+    "num_train_epochs": FieldOption("--epochs", default=1.0, help="Passes over the data when --max-steps is -1."),
+    "learning_rate": FieldOption(help="AdamW learning rate."),
+    "lr_scheduler_type": FieldOption("--lr-scheduler", type=str,
+                                     help="transformers scheduler name (linear, constant, cosine, …)."),
+    "warmup_steps": FieldOption(type=int, help="Linear warm-up steps."),
+    "per_device_train_batch_size": FieldOption("--per-device-batch-size", help="Sequences per device per micro-step."),
+    "gradient_accumulation_steps": FieldOption(help="Micro-steps per optimizer step."),
+    "temperature": FieldOption(),  # PolarGRPOConfig redefines it (default and help)
+    "loss_type": FieldOption(help="dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo | vespo."),
+    "epsilon": FieldOption(help="Lower clip range of the ratio."),
+    "epsilon_high": FieldOption(help="Upper clip range (default: --epsilon)."),
+    "beta": FieldOption(help="KL coefficient to the starting model (0: no reference)."),
+    "scale_rewards": FieldOption(help="mean_std scaling: group | batch | none."),
+    "importance_sampling_level": FieldOption(help="Ratio per token or per sequence (GSPO)."),
+    "num_iterations": FieldOption(help="Optimizer passes over each batch (PPO epochs)."),
+    "bf16": FieldOption(),  # redefined by PolarGRPOConfig
+    "activation_checkpointing": FieldOption(),  # redefined by PolarGRPOConfig
+    "seed": FieldOption(default=0, help="Seed for data order and initialisation."),
+}
+# Polar's own fields are all options; these keep the names the command gave them before they were config fields.
+RENAMED_OPTIONS: dict[str, FieldOption] = {
+    "group_size": FieldOption("--num-generations"),
+    "advantage_estimator": FieldOption("--advantage"),
+}
+TRL_PANEL = "Training (TRL's GRPOConfig)"
+POLAR_PANEL = "Recorded rollouts (PolarGRPOConfig)"
+CONFIG_FIELDS = "polar_config_fields"  # ctx.meta key: the parsed config options, by field name
+
+
+def polar_fields(config_class: type) -> list[dataclasses.Field]:
+    """The fields `config_class` adds to TRL's `GRPOConfig` (redefined TRL fields are TRL's), in declaration order."""
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f for f in dataclasses.fields(config_class) if f.name not in inherited]
+
+
+def config_options(config_class: type, trl_options: dict[str, FieldOption] | None = None,
+                   renamed: dict[str, FieldOption] | None = None) -> list:
+    """The command-line options (click parameters, built by Typer) of a GRPO config dataclass: the TRL fields of
+    `trl_options`, then every field the class adds to TRL's, with the field's default and `metadata["help"]`."""
+    trl_options = TRL_OPTIONS if trl_options is None else trl_options
+    renamed = RENAMED_OPTIONS if renamed is None else renamed
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    types = typing.get_type_hints(config_class)
+    chosen = [(name, option, TRL_PANEL) for name, option in trl_options.items()]
+    chosen += [(f.name, renamed.get(f.name, FieldOption()), POLAR_PANEL) for f in polar_fields(config_class)]
+    parameters = []
+    for name, option, panel in chosen:
+        field = fields[name]
+        help_text = option.help or field.metadata.get("help")
+        if not help_text:
+            raise ValueError(f"{config_class.__name__}.{name} has no metadata['help'] for its command-line option")
+        default = option.default
+        if default is FIELD_DEFAULT:
+            default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+        annotation = option.type or types[name]
+        if default is not None:  # `bool | None = False` is a plain --flag/--no-flag
+            annotation = _without_none(annotation)
+        flags = [option.flag] if option.flag else []
+        if flags and annotation is bool:
+            flags = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
+        parameters.append(inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=default,
+            annotation=Annotated[annotation, typer.Option(*flags, help=help_text, rich_help_panel=panel)]))
+
+    def fields_only(**values: Any) -> None:
+        """Never called: Typer reads its signature."""
+
+    fields_only.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    builder = typer.Typer(add_completion=False)
+    builder.command()(fields_only)
+    return list(typer.main.get_command(builder).params)
+
+
+def _without_none(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]  # noqa: UP007
+    return annotation
+
+
+class GrpoCommand(TyperCommand):
+    """`polar-mitm grpo`: the options `config_options(PolarGRPOConfig)` are added when the command is first parsed
+    or helped, not when the app is built — importing TRL takes seconds that the other commands should not pay. Their
+    values reach the command in `ctx.meta[CONFIG_FIELDS]`."""
+
+    config_params: list | None = None
+
+    def get_params(self, ctx: typer.Context) -> list:
+        if self.config_params is None:
+            from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+            self.config_params = config_options(PolarGRPOConfig)
+            self.params.extend(self.config_params)
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        ctx.meta[CONFIG_FIELDS] = {param.name: ctx.params.pop(param.name) for param in self.config_params or []}
+        return super().invoke(ctx)
+
+
+def grpo_config(fields: dict[str, Any], *, output_dir: Path, save_steps: int, report_to: str) -> PolarGRPOConfig:
+    """The `PolarGRPOConfig` of a `polar-mitm grpo` call: its config options, and the few it spells its own way."""
+    from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+    return PolarGRPOConfig(
+        output_dir=str(output_dir), save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        report_to=[] if report_to == "none" else report_to.split(","), **fields)
+
+
 def grpo_command(
+    ctx: typer.Context,
     data: Annotated[list[Path], typer.Option("--data", help="Merged shards: a directory of *.parquet (repeatable).")],
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")] = (
         Path("runs/grpo")),
@@ -25,86 +167,28 @@ def grpo_command(
     lora_alpha: Annotated[int, typer.Option(help="LoRA alpha.")] = 32,
     lora_target_modules: Annotated[str, typer.Option(help="LoRA target modules (comma list or all-linear).")] = (
         "all-linear"),
-    save_merged: Annotated[bool, typer.Option(help="With --lora, also write the merged model to OUTPUT/merged.")] = (
-        True),
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps (-1: --epochs over the data).")] = -1,
-    epochs: Annotated[float, typer.Option(help="Passes over the data when --max-steps is -1.")] = 1.0,
-    max_length: Annotated[int | None, typer.Option(help="Keep the first L tokens of each sequence.")] = None,
-    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-6,
-    lr_scheduler: Annotated[str, typer.Option(help="transformers scheduler name (linear, constant, cosine, …).")] = (
-        "linear"),
-    warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps.")] = 0,
-    per_device_batch_size: Annotated[int, typer.Option(help="Sequences per device per micro-step.")] = 8,
-    gradient_accumulation_steps: Annotated[int, typer.Option(help="Micro-steps per optimizer step.")] = 1,
-    num_generations: Annotated[int | None, typer.Option(
-        help="Expected sessions per task_id (group size check).")] = None,
-    strict_group_size: Annotated[bool, typer.Option(help="Fail if a group has another size.")] = False,
-    temperature: Annotated[float, typer.Option(
-        help="Sampling temperature of rows that recorded none (v1 data); others are scored at their own.")] = 1.0,
-    keep_truncated_sampling: Annotated[bool, typer.Option(
-        help="Keep greedy and top-p/top-k/min-p-truncated calls in the loss (default: context only, counted).")] = (
-        False),
-    session_weighting: Annotated[bool, typer.Option(
-        help="grpo/sapo: one unit of weight per session, shared by its sequences.")] = True,
-    behaviour_logp_tolerance: Annotated[float, typer.Option(
-        help="Report rows whose mean |recomputed - recorded| logprob exceeds this (nats).")] = 0.1,
-    drop_mismatched_rows: Annotated[bool, typer.Option(
-        help="Leave rows above --behaviour-logp-tolerance out of the loss.")] = False,
-    loss_type: Annotated[str, typer.Option(help="dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo | vespo.")] = (
-        "dapo"),
-    epsilon: Annotated[float, typer.Option(help="Lower clip range of the ratio.")] = 0.2,
-    epsilon_high: Annotated[float | None, typer.Option(help="Upper clip range (default: --epsilon).")] = None,
-    beta: Annotated[float, typer.Option(help="KL coefficient to the starting model (0: no reference).")] = 0.0,
-    advantage: Annotated[str, typer.Option(help="mean_std | leave_one_out.")] = "mean_std",
-    scale_rewards: Annotated[str, typer.Option(help="mean_std scaling: group | batch | none.")] = "group",
-    importance_sampling_level: Annotated[str, typer.Option(help="Ratio per token or per sequence (GSPO).")] = (
-        "token"),
-    num_iterations: Annotated[int, typer.Option(help="Optimizer passes over each batch (PPO epochs).")] = 1,
-    stale_correction: Annotated[str, typer.Option(
-        help="token_truncate | token_mask | sequence_truncate | sequence_mask | none.")] = "token_truncate",
-    stale_is_clip_max: Annotated[float, typer.Option(help="Truncation of the stale-rollout weight.")] = 2.0,
-    policy_weight_version: Annotated[str | None, typer.Option(
-        help="weight_version of --model (default: the newest in the data).")] = None,
-    push_to_engine: Annotated[str | None, typer.Option(help="Engine URL to load the new weights.")] = None,
-    push_every_steps: Annotated[int, typer.Option(help="Also push every N steps (0: only at the end).")] = 0,
-    save_steps: Annotated[int, typer.Option(help="Intermediate checkpoints every N steps (0: none).")] = 0,
-    report_to: Annotated[str, typer.Option(help="tensorboard | none | wandb | … (comma list).")] = "tensorboard",
-    bf16: Annotated[bool, typer.Option(help="bf16 autocast (GPU).")] = False,
-    activation_checkpointing: Annotated[bool, typer.Option(help="Trade compute for memory.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed for data order and initialisation.")] = 0,
+    save_steps: Annotated[int, typer.Option(help="Intermediate checkpoints every N steps (0: none).",
+                                            rich_help_panel=TRL_PANEL)] = 0,
+    report_to: Annotated[str, typer.Option(help="tensorboard | none | wandb | … (comma list).",
+                                           rich_help_panel=TRL_PANEL)] = "tensorboard",
 ) -> None:
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
     from polar_mitm.engine.model_zoo import resolve_model
     from polar_mitm.train.data import build_training_data, read_merged
-    from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
     from polar_mitm.train.sync import attach_engine_push
 
+    fields = ctx.meta[CONFIG_FIELDS]
     model_dir = resolve_model(model)
     sequences = read_merged(data)
-    train_data = build_training_data(sequences, estimator=advantage, scale_rewards=scale_rewards,  # type: ignore[arg-type]
-                                     max_length=max_length, group_size=num_generations,
-                                     keep_truncated_sampling=keep_truncated_sampling)
+    train_data = build_training_data(sequences, estimator=fields["advantage_estimator"],
+                                     scale_rewards=fields["scale_rewards"], max_length=fields["max_length"],
+                                     group_size=fields["group_size"],
+                                     keep_truncated_sampling=fields["keep_truncated_sampling"])
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
-    config = PolarGRPOConfig(
-        output_dir=str(output_dir),
-        max_steps=max_steps, num_train_epochs=epochs, max_length=max_length, learning_rate=learning_rate,
-        lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps, per_device_train_batch_size=per_device_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps, group_size=num_generations,
-        strict_group_size=strict_group_size, temperature=temperature, keep_truncated_sampling=keep_truncated_sampling,
-        session_weighting=session_weighting, behaviour_logp_tolerance=behaviour_logp_tolerance,
-        drop_mismatched_rows=drop_mismatched_rows, loss_type=loss_type, epsilon=epsilon,
-        epsilon_high=epsilon_high, beta=beta, advantage_estimator=advantage, scale_rewards=scale_rewards,
-        importance_sampling_level=importance_sampling_level, num_iterations=num_iterations,
-        stale_correction=stale_correction, stale_is_clip_max=stale_is_clip_max,
-        policy_weight_version=policy_weight_version, push_to_engine=push_to_engine,
-        push_every_steps=push_every_steps, save_merged=save_merged,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to=[] if report_to == "none" else report_to.split(","), bf16=bf16,
-        activation_checkpointing=activation_checkpointing, seed=seed,
-    )
+    config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -127,8 +211,8 @@ def grpo_command(
             console.print(f"[green]{name}[/] → {path}")
         console.print(f"metrics → {output_dir / config.metrics_file} (TensorBoard: {output_dir / 'runs'}); "
                       f"plot with `polar-mitm plot {output_dir}`")
-        if push_to_engine:
-            console.print(f"[green]engine[/] {push_to_engine} now serves weight_version "
+        if config.push_to_engine:
+            console.print(f"[green]engine[/] {config.push_to_engine} now serves weight_version "
                           f"{trainer.policy_weight_version()}")
 
 
