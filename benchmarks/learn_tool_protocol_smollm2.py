@@ -144,7 +144,10 @@ def ask(gateway_url: str, task: ToolTask, session_id: str, max_tokens: int) -> R
     """One chat completion with the tools, as its own gateway session under the task's id."""
     import openai
 
-    with openai.OpenAI(base_url=f"{gateway_url}/t/{task.task_id}/s/{session_id}/v1", api_key="polar",
+    from polar_mitm.session_ids import SessionId
+
+    base_url = SessionId(session_id, task.task_id).base_url(gateway_url, "/v1")
+    with openai.OpenAI(base_url=base_url, api_key="polar",
                        max_retries=0, timeout=600) as client:
         response = client.chat.completions.create(
             model="smollm2", tools=TOOLS, max_tokens=max_tokens,  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from polar_mitm import procs
 from polar_mitm.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.session_ids import SessionId
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = [
@@ -35,7 +36,7 @@ def main() -> None:
             for provider, driver in DRIVERS.items():
                 for stream in (False, True):
                     session = f"sample-{provider}-{'stream' if stream else 'plain'}"
-                    base = base_url_for(provider, gw.reverse_url, f"/t/sample-task/s/{session}")
+                    base = base_url_for(provider, gw.reverse_url, SessionId(session, "sample-task").path_prefix)
                     result = driver("Write hello into out.txt, then check it.", api_key="sk-sample-not-a-secret",
                                     base_url=base, stream=stream)
                     print(f"{session}: {result.calls} calls, final={result.final_text!r}")
