@@ -1,0 +1,216 @@
+"""Long real sessions: each harness, unmodified, runs a scripted session long enough that its own compaction fires.
+
+The scripted tiny engine plays polar_mitm/harness/long_session.py: shell calls with long outputs until the
+harness compacts, a summary for its compaction call, short shell calls after it, a final answer. Each harness's
+own compaction threshold is set low (its config file or environment), or — where a harness compacts only on an
+overflow — the engine's context is made small, so the provider's "too long" error makes it compact and retry.
+
+Checked on the records: the session completed; the compaction call(s) were recorded (`call_kind = "compaction"`);
+merge starts a new chain after each compaction with the reason "compaction"; every answered call is in a merged
+sequence (nothing dropped). A closing table gives calls, compactions, chains, breaks by reason and drops.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.harness import HARNESSES, Harness, Hookup
+from polar_mitm.harness.long_session import FINAL, PHASE_B, b_marker, long_session_script
+from polar_mitm.harness.netns import try_namespace
+from polar_mitm.harness.stack import HarnessStack
+from polar_mitm.reconstruct.merge import merge_table
+from polar_mitm.reconstruct.prefix_merging import BREAK_COMPACTION
+from polar_mitm.reconstruct.turns import sequences_from_table
+from polar_mitm.records import RECORD_SCHEMA
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Run the numbered shell steps one by one until you are told to stop."
+SCRIPT = long_session_script()
+B_STEPS = 5
+GEMINI_TOKEN_LIMIT = 1048576  # tokenLimit() of every Gemini model name in @google/gemini-cli 0.61
+RESULTS: list[dict[str, Any]] = []
+
+
+# -- each harness with its compaction threshold set low ------------------------------------------------------------
+
+
+def merged_json(text: str, extra: dict[str, Any]) -> str:
+    """A JSON config file with `extra` merged in (nested objects merged key by key)."""
+
+    def merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in more.items():
+            out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+        return out
+
+    return json.dumps(merge(json.loads(text), extra), indent=2) + "\n"
+
+
+def tuned(base: Harness, *, json_files: dict[str, dict[str, Any]] | None = None,
+          toml_top: list[str] | None = None, env: dict[str, str] | None = None) -> Harness:
+    """The preset with extra settings in its config files (JSON merged, TOML top-level lines) and environment."""
+
+    class Tuned(type(base)):  # type: ignore[misc, valid-type]
+        def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
+            files = super().config_files(hookup, home)
+            for path, extra in (json_files or {}).items():
+                files[path] = merged_json(files.get(path, "{}"), extra)
+            if toml_top:  # top-level keys go before the first [table]
+                path = ".codex/config.toml"
+                files[path] = "\n".join(toml_top) + "\n" + files[path]
+            return files
+
+        def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:
+            return {**super().provider_env(hookup, home), **(env or {})}
+
+    return Tuned()
+
+
+@dataclass
+class Plan:
+    """How one harness is made to compact in a short session."""
+
+    harness: Harness
+    mode: str  # hook-up mode
+    trigger: str  # in words, for the table and the recipes
+    context_length: int | None = None  # the engine's context (None: the model's own)
+    expect: dict[str, Any] = field(default_factory=dict)
+
+
+def plans() -> dict[str, Plan]:
+    """Thresholds ≈ the harness's own prompt + ~8k tokens: phase A (≈2.1k tokens a step) crosses it after 4-5
+    steps; after the compaction (prompt + summary) the harness is well below it again."""
+    return {
+        # Claude Code: threshold = window − min(max output, 20k) − 13k (its autocompact buffer).
+        "claude-code": Plan(tuned(HARNESSES["claude-code"], env={"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "54000"}),
+                            "proxy", "CLAUDE_CODE_AUTO_COMPACT_WINDOW=54000 (auto-compact at ~21k tokens)"),
+        # Codex: auto-compacts once the last response's total tokens reach the limit. A custom provider
+        # (base-URL mode) compacts locally: a plain /responses call with its compaction prompt.
+        "codex": Plan(tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 16000"]),
+                      "base-url", "config.toml model_auto_compact_token_limit = 16000"),
+        # Gemini CLI: compresses when the last prompt's token count ≥ model.compressionThreshold × tokenLimit.
+        "gemini": Plan(tuned(HARNESSES["gemini"], json_files={".gemini/settings.json": {
+            "model": {"compressionThreshold": 18000 / GEMINI_TOKEN_LIMIT}}}),
+            "base-url", "settings.json model.compressionThreshold = 18000/1048576"),
+        # Qwen Code: auto threshold = min(pct × window, window − 20k − 13k) (pct × window below 33k).
+        "qwen": Plan(tuned(HARNESSES["qwen"], json_files={".qwen/settings.json": {
+            "model": {"generationConfig": {"contextWindowSize": 30000}}, "context": {"autoCompactThreshold": 0.85}}}),
+            "base-url", "settings.json contextWindowSize 30000, context.autoCompactThreshold 0.85 (≈25.5k)"),
+        # opencode: compacts once the last step's tokens ≥ limit.context − limit.output.
+        "opencode": Plan(tuned(HARNESSES["opencode"], json_files={".config/opencode/opencode.json": {
+            "provider": {"polar": {"models": {"polar-model": {"limit": {"context": 19000, "output": 4096}}}}}}}),
+            "base-url", "opencode.json model limit {context: 19000, output: 4096}"),
+        # Pi: the threshold check runs only when the agent ends (after the answer), so a one-shot run compacts
+        # mid-session only on an overflow: the engine's context is small and Pi compacts and retries.
+        "pi": Plan(tuned(HARNESSES["pi"], json_files={".pi/agent/settings.json": {
+            "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 2000}}}),
+            "base-url", "engine --context-length 9000 → overflow error → compact and retry", context_length=9000),
+    }
+
+
+# -- the stack ---------------------------------------------------------------------------------------------------
+
+
+def start_stack(root: Path, script: dict[str, Any], *, context_length: int | None) -> HarnessStack:
+    """The scripted engine (with `--context-length` when given) and the gateway, as HarnessStack.start does."""
+    root.mkdir(parents=True, exist_ok=True)
+    script_file = root / "script.json"
+    script_file.write_text(json.dumps(script, indent=1))
+    engine_args = ["--script", str(script_file)]
+    if context_length:
+        engine_args += ["--context-length", str(context_length)]
+    netns, isolation = try_namespace()
+    with ExitStack() as running:
+        if netns is not None:
+            running.callback(netns.close)  # last: after the gateway and the engine inside it
+        _, gateway = running.enter_context(procs.engine_and_gateway(
+            root / "flows", confdir=root / "conf", model="tiny", engine_args=engine_args,
+            engine_log=root / "engine.log", gateway_log=root / "gateway.log", netns=netns))
+        return HarnessStack(root=root, netns=netns, isolation=isolation, gateway=gateway, running=running.pop_all())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_table(request):
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None or not RESULTS:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("\nlong real sessions with the harness's own compaction:")
+        reporter.write_line(f"{'harness':12} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
+                            f"{'drops':>5} {'wall':>6}  breaks by reason")
+        for r in RESULTS:
+            breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
+            reporter.write_line(f"{r['harness']:12} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
+                                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}")
+
+
+def merge_session(rows: list[dict[str, Any]], eot_id: int) -> tuple[list, dict[str, int], int]:
+    """(merged sequences, breaks by reason, answered calls found in no sequence)."""
+    table, summary = merge_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), eot_token_id=eot_id)
+    sequences = sequences_from_table(table)
+    merged = {rid for seq in sequences for rid in seq.request_ids}
+    answered = {r["request_id"] for r in rows if r["status_code"] == 200 and r["completion_ids"]}
+    return sequences, dict(summary.breaks), len(answered - merged)
+
+
+# -- the test ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HARNESSES))
+def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_engine, name):
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the harness CLIs need it")
+    plan = plans()[name]
+    stack = start_stack(tmp_path_factory.mktemp(f"long-{name}"), SCRIPT, context_length=plan.context_length)
+    try:
+        session = f"long-{name}-{uuid.uuid4().hex[:8]}"
+        work = stack.root / "work"
+        run = stack.run(plan.harness, PROMPT, mode=plan.mode, session=session, task="long-task",
+                        workspace=work, home=stack.root / "home", timeout=420)
+        rows = stack.records(session)
+    finally:
+        stack.stop()
+    eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sequences, breaks, drops = merge_session(rows, eot)
+    kinds = Counter(r["call_kind"] for r in rows)
+    result = {"harness": name, "calls": len(rows), "main": kinds["main"], "compactions": kinds["compaction"],
+              "errors": sum(r["status_code"] != 200 for r in rows), "chains": len(sequences), "drops": drops,
+              "breaks": breaks, "wall_s": run.wall_s}
+    RESULTS.append(result)
+    context = (run.describe() + f"\nlogs: {stack.root}\n{result}\n"
+               + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']:6} "
+                           f"{r['finish_reason']}" for r in rows))
+
+    assert run.returncode == 0, context
+    assert len(rows) >= 12, context
+    assert kinds["compaction"] >= 1, context  # the harness's own compaction fired and was recorded
+    decode = tiny_engine.tokenizer.decode
+    texts = {r["request_id"]: decode(r["completion_ids"], skip_special_tokens=True) for r in rows}
+    # The session went on from the summary: the B steps ran after the (last) compaction, then the final answer.
+    last_compaction = max(r["seq"] for r in rows if r["call_kind"] == "compaction")
+    after = [r for r in rows if r["seq"] > last_compaction and r["call_kind"] == "main"]
+    assert any(PHASE_B in r["messages_json"] for r in after), context
+    assert any(b_marker(B_STEPS) in texts[r["request_id"]] for r in after), context
+    assert any(texts[r["request_id"]] == FINAL for r in after), context
+    # Merge: a new chain after each compaction, named for it; every answered call is in a sequence.
+    assert breaks.get(BREAK_COMPACTION, 0) >= 1, context
+    assert drops == 0, context
+    chain_of = {rid: i for i, seq in enumerate(sequences) for rid in seq.request_ids}
+    before = [r for r in rows if r["seq"] < last_compaction and r["call_kind"] == "main" and r["request_id"]
+              in chain_of]
+    assert before and after, context
+    assert chain_of[before[0]["request_id"]] != chain_of[after[-1]["request_id"]], context
