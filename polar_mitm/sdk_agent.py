@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from polar_mitm.codecs import sdk_base_url
 
 SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 SYSTEM = "You are a coding agent."
@@ -33,6 +36,15 @@ def tool_output(args: dict) -> str:
 ToolRunner = Callable[[dict], str]
 
 
+def _ask(api: Any, stream: bool, final: Callable[[Any], Any], **kwargs: Any) -> Any:
+    """One call of an SDK resource (`client.messages`, `client.responses`): its stream helper read to the end
+    (`final` takes the finished object from it), or a plain `create`."""
+    if stream:
+        with api.stream(**kwargs) as events:
+            return final(events)
+    return api.create(**kwargs)
+
+
 def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
                       max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     import anthropic
@@ -42,12 +54,8 @@ def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream
     messages: list = [{"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
-        kwargs = dict(model="claude-sonnet-4-6", max_tokens=256, messages=messages, tools=tools, system=SYSTEM)
-        if stream:
-            with client.messages.stream(**kwargs) as s:
-                msg = s.get_final_message()
-        else:
-            msg = client.messages.create(**kwargs)
+        msg = _ask(client.messages, stream, lambda events: events.get_final_message(), model="claude-sonnet-4-6",
+                   max_tokens=256, messages=messages, tools=tools, system=SYSTEM)
         calls = [b for b in msg.content if b.type == "tool_use"]
         if not calls:
             return SessionResult("".join(b.text for b in msg.content if b.type == "text"), turn, commands)
@@ -103,12 +111,8 @@ def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None,
     items: list = [{"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
-        kwargs = dict(model="gpt-5-codex", input=items, tools=tools, instructions=SYSTEM, store=False)
-        if stream:
-            with client.responses.stream(**kwargs) as s:
-                resp = s.get_final_response()
-        else:
-            resp = client.responses.create(**kwargs)
+        resp = _ask(client.responses, stream, lambda events: events.get_final_response(), model="gpt-5-codex",
+                    input=items, tools=tools, instructions=SYSTEM, store=False)
         calls = [o for o in resp.output if o.type == "function_call"]
         if not calls:
             return SessionResult(resp.output_text, turn, commands)
@@ -163,7 +167,7 @@ DRIVERS: dict[str, Callable[..., SessionResult]] = {
 
 def base_url_for(provider: str, gateway_url: str, prefix: str) -> str:
     """The SDK base URL that routes `provider` through a reverse gateway with a `/t/TASK/s/SESSION` prefix."""
-    return f"{gateway_url}{prefix}/v1" if provider.startswith("openai") else f"{gateway_url}{prefix}"
+    return sdk_base_url(provider, gateway_url + prefix)
 
 
 def shell_runner(workdir: str, *, timeout: float = 60.0, max_output: int = 4000) -> ToolRunner:

@@ -1,7 +1,9 @@
-"""Provider codecs: one module per API behind one interface (`base.Codec`), picked once by `detect`.
+"""Provider codecs: one module per API behind one interface (`base.Codec`), picked once by this registry.
 
-Detection order (Polar's, made host- and prefix-independent): the request path, then provider headers, then the
-body's shape.
+The gateway, the rollout and the SDK agent ask the registry, never a provider by name: which codec a model call
+is for (`detect`: the request path, then provider headers, then the body's shape — host- and prefix-independent),
+which provider a request that is not a model call belongs to (`provider_for`: its aux endpoints and error shape),
+and where an SDK's base URL points (`sdk_base_url`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,24 @@ CODECS: dict[str, Codec] = {
 }
 CODECS[ResponsesCompactCodec.key] = ResponsesCompactCodec()  # Codex's remote compaction (provider: Responses)
 
-__all__ = ["CODECS", "Codec", "GatewayError", "HttpAnswer", "detect", "by_headers"]
+# Chat Completions: what OpenAI-compatible clients speak, so its shape answers when nothing tells the provider.
+DEFAULT_CODEC: Codec = CODECS["openai_chat"]
+# The API the engine itself serves (SGLang's OpenAI-compatible `/v1/chat/completions`).
+ENGINE_CODEC: Codec = CODECS["openai_chat"]
+
+__all__ = ["CODECS", "DEFAULT_CODEC", "ENGINE_CODEC", "Codec", "GatewayError", "HttpAnswer", "sdk_base_url",
+           "by_headers", "by_host", "by_path", "detect", "is_compaction_path", "provider_for", "websocket_codec"]
+
+
+def by_path(path: str) -> Codec | None:
+    """The codec whose model call `path` is (without host and query), if any."""
+    return next((codec for codec in CODECS.values() if codec.matches(path)), None)
+
+
+def by_host(host: str) -> Codec | None:
+    """The provider API served from `host` (a port is ignored), if it is a known provider host."""
+    name = host.split(":")[0].lower()
+    return next((codec for codec in CODECS.values() if name in codec.hosts), None)
 
 
 def by_headers(headers: dict[str, str]) -> Codec | None:
@@ -34,11 +53,39 @@ def by_headers(headers: dict[str, str]) -> Codec | None:
     return None
 
 
+def provider_for(host: str, headers: dict[str, str], path: str, *, reverse: bool) -> Codec | None:
+    """The provider of a request that is not (known to be) a model call: by its host, its headers, then a
+    count-tokens path. Everything sent to a reverse gateway is for a provider: by the path's shape, else the
+    default. None when nothing tells (regular mode)."""
+    codec = by_host(host) or by_headers(headers)
+    if codec is not None:
+        return codec
+    codec = next((c for c in CODECS.values() if c.count_tokens_path(path)), None)
+    if codec is not None or not reverse:
+        return codec
+    return next((c for c in CODECS.values() if c.owns_path(path)), DEFAULT_CODEC)
+
+
+def websocket_codec() -> Codec:
+    """The API whose clients open a WebSocket first: its error shape answers an upgrade of unknown provider."""
+    return next(codec for codec in CODECS.values() if codec.websocket_first)
+
+
+def is_compaction_path(path: str) -> bool:
+    """Is `path` a remote compaction endpoint (every call there asks for a summary of the conversation)?"""
+    return any(codec.compaction and codec.matches(path) for codec in CODECS.values())
+
+
+def sdk_base_url(provider: str, root: str) -> str:
+    """An SDK's base URL for `provider` when its requests go to `root` (a gateway URL with its session prefix)."""
+    return root + CODECS[provider].base_url_suffix
+
+
 def detect(path: str, headers: dict[str, str], body: Any) -> Codec | None:
     """The codec of a model call, or None when the request is not one."""
-    for codec in CODECS.values():
-        if codec.matches(path):
-            return codec
+    codec = by_path(path)
+    if codec is not None:
+        return codec
     if not isinstance(body, dict):
         return None
     hinted = by_headers(headers)

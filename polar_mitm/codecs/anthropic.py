@@ -17,15 +17,15 @@ from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from polar_mitm.codecs import structured
-from polar_mitm.codecs.base import (
+from polar_mitm.codecs.base import ERROR_STATUS, Codec, GatewayError, HttpAnswer
+from polar_mitm.codecs.common import (
     INT32_MAX,
     INT64_MAX,
-    AuxCodec,
-    Codec,
-    GatewayError,
-    HttpAnswer,
     check_int_range,
+    expect,
+    invalid_request,
     sse_event,
+    stream_pieces,
 )
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
 
@@ -46,25 +46,22 @@ _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn",
                 "error": "end_turn"}
 
-_ERROR = {  # our error kind → (HTTP status, Anthropic error type)
-    "invalid_request": (400, "invalid_request_error"),
-    "context_length": (400, "invalid_request_error"),
-    "not_found": (404, "not_found_error"),
-    "overloaded": (529, "overloaded_error"),
-    "engine_error": (500, "api_error"),
-    "too_large": (413, "request_too_large"),
-    "internal": (500, "api_error"),
-}
+# Anthropic's error type follows the HTTP status.
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
+                529: "overloaded_error"}
+_EXPECTED = "{where}: expected {what}, got {got}"  # Anthropic's wording of a wrongly typed field
 
 _STREAM_CHUNK_CHARS = 16
 _MODEL_CREATED_AT = "1970-01-01T00:00:00Z"  # the API's own convention for an unknown release date
 _MODELS_PATH = re.compile(r"(?:^|/)v1/models(?:/(?P<model_id>[^/]+))?$")
 
 
-class AnthropicCodec(Codec, AuxCodec):
+class AnthropicCodec(Codec):
     """The Anthropic Messages API, as Claude Code and the Anthropic SDKs speak it."""
 
     name: ClassVar[str] = "anthropic"
+    hosts: ClassVar[tuple[str, ...]] = ("api.anthropic.com",)
+    error_status: ClassVar[dict[str, int]] = {**ERROR_STATUS, "overloaded": 529, "engine_error": 500}
 
     # -- routing --------------------------------------------------------------------------------------------------
 
@@ -116,7 +113,8 @@ class AnthropicCodec(Codec, AuxCodec):
 
     def encode_error(self, error: GatewayError) -> HttpAnswer:
         """`{"type": "error", "error": {"type", "message"}, "request_id"}` with the API's status for the kind."""
-        status, error_type = _ERROR.get(error.kind, (500, "api_error"))
+        status = self.status_for(error)
+        error_type = _ERROR_TYPES.get(status, "api_error")
         # Claude Code compacts and retries on exactly this wording: /^prompt is too long: \d+ tokens > \d+ maximum$/
         message = error.worded("prompt is too long: {n} tokens > {limit} maximum")
         payload = {"type": "error", "error": {"type": error_type, "message": message},
@@ -145,16 +143,9 @@ class AnthropicCodec(Codec, AuxCodec):
 # -- decoding ---------------------------------------------------------------------------------------------------------
 
 
-def _invalid(message: str) -> GatewayError:
-    return GatewayError("invalid_request", message)
-
-
 def _expect(value: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
     """`value` if it is a `kind`, else an invalid_request error naming `where`. JSON booleans are not numbers."""
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
-        return value
-    raise _invalid(f"{where}: expected {what}, got {type(value).__name__}")
+    return expect(value, kind, where, what, _EXPECTED)
 
 
 def _optional(body: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -166,10 +157,10 @@ def _decode(body: Any, *, require_max_tokens: bool) -> Conversation:
     body = _expect(body, dict, "body", "a JSON object")
     raw_messages = _expect(body.get("messages"), list, "messages", "a list")
     if not raw_messages:
-        raise _invalid("messages: at least one message is required")
+        raise invalid_request("messages: at least one message is required")
     max_tokens = _optional(body, "max_tokens", int, "an integer")
     if max_tokens is None and require_max_tokens:
-        raise _invalid("max_tokens: field required")
+        raise invalid_request("max_tokens: field required")
     if max_tokens is not None:
         check_int_range(max_tokens, "max_tokens", 1, INT64_MAX)
     top_k = _optional(body, "top_k", int, "an integer")
@@ -211,7 +202,7 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     except OverflowError:  # a huge JSON integer
         number = math.inf
     if not math.isfinite(number):
-        raise _invalid(f"{key}: must be a finite number")
+        raise invalid_request(f"{key}: must be a finite number")
     return number
 
 
@@ -231,7 +222,7 @@ def _decode_thinking(value: Any) -> bool | None:
         return True
     if kind == "disabled":
         return False
-    raise _invalid(f"thinking.type: expected 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+    raise invalid_request(f"thinking.type: expected 'enabled', 'adaptive' or 'disabled', got {kind!r}")
 
 
 def _decode_system(value: Any) -> list[Message]:
@@ -255,7 +246,7 @@ def _decode_system(value: Any) -> list[Message]:
 def _text_block(block: Any, where: str) -> str:
     block = _expect(block, dict, where, "a content block object")
     if block.get("type") != "text":
-        raise _invalid(f"{where}.type: expected 'text', got {block.get('type')!r}")
+        raise invalid_request(f"{where}.type: expected 'text', got {block.get('type')!r}")
     return _expect(block.get("text"), str, f"{where}.text", "a string")
 
 
@@ -263,7 +254,7 @@ def _block_type(block: Any, where: str) -> str:
     block = _expect(block, dict, where, "a content block object")
     kind = _expect(block.get("type"), str, f"{where}.type", "a string")
     if kind in _MEDIA_BLOCKS:
-        raise _invalid(f"{where}: {kind} blocks (images, documents) are not supported by this gateway")
+        raise invalid_request(f"{where}: {kind} blocks (images, documents) are not supported by this gateway")
     return kind
 
 
@@ -271,7 +262,7 @@ def _decode_message(raw: Any, where: str, tool_names: dict[str, str], loaded: se
     raw = _expect(raw, dict, where, "a message object")
     role = raw.get("role")
     if role not in ("user", "assistant", "system"):
-        raise _invalid(f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
+        raise invalid_request(f"{where}.role: expected 'user', 'assistant' or 'system', got {role!r}")
     content = raw.get("content")
     if role == "system":
         # Claude Code ≥ 2.1 sends mid-conversation system messages (environment, per-turn settings) in
@@ -311,7 +302,7 @@ def _decode_assistant(blocks: list[Any], where: str, tool_names: dict[str, str])
             tool_names[call.id] = call.name
             calls.append(call)
         elif kind not in _IGNORED_BLOCKS:
-            raise _invalid(f"{at}.type: unsupported assistant content block {kind!r}")
+            raise invalid_request(f"{at}.type: unsupported assistant content block {kind!r}")
     return Message(role="assistant", content="\n".join(texts), reasoning="\n".join(thoughts) or None,
                    tool_calls=calls)
 
@@ -339,7 +330,7 @@ def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str], load
         elif kind == "tool_result":
             results.append(_decode_tool_result(block, at, tool_names, loaded))
         elif kind not in _IGNORED_BLOCKS:
-            raise _invalid(f"{at}.type: unsupported user content block {kind!r}")
+            raise invalid_request(f"{at}.type: unsupported user content block {kind!r}")
     if texts or not results:
         return [*results, Message(role="user", content="\n".join(texts))]
     return results
@@ -407,7 +398,7 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
         return {"name": _expect(choice.get("name"), str, "tool_choice.name", "a string")}
     if isinstance(kind, str) and kind in _TOOL_CHOICE:
         return _TOOL_CHOICE[kind]
-    raise _invalid(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {kind!r}")
+    raise invalid_request(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {kind!r}")
 
 
 # -- encoding ---------------------------------------------------------------------------------------------------------
@@ -477,18 +468,17 @@ def _block_events(index: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]
     kind = block["type"]
     if kind == "thinking":
         yield _block_start(index, {"type": "thinking", "thinking": "", "signature": ""})
-        for piece in _text_pieces(block["thinking"]):
+        for piece in stream_pieces(block["thinking"], _STREAM_CHUNK_CHARS, at_whitespace=True):
             yield _block_delta(index, {"type": "thinking_delta", "thinking": piece})
         yield _block_delta(index, {"type": "signature_delta", "signature": block["signature"]})
     elif kind == "text":
         yield _block_start(index, {"type": "text", "text": ""})
-        for piece in _text_pieces(block["text"]):
+        for piece in stream_pieces(block["text"], _STREAM_CHUNK_CHARS, at_whitespace=True):
             yield _block_delta(index, {"type": "text_delta", "text": piece})
     else:
         yield _block_start(index, {**block, "input": {}})
         arguments = json.dumps(block["input"], ensure_ascii=False)
-        for start in range(0, len(arguments), _STREAM_CHUNK_CHARS):
-            piece = arguments[start:start + _STREAM_CHUNK_CHARS]
+        for piece in stream_pieces(arguments, _STREAM_CHUNK_CHARS):
             yield _block_delta(index, {"type": "input_json_delta", "partial_json": piece})
     yield {"type": "content_block_stop", "index": index}
 
@@ -499,18 +489,6 @@ def _block_start(index: int, content_block: dict[str, Any]) -> dict[str, Any]:
 
 def _block_delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
     return {"type": "content_block_delta", "index": index, "delta": delta}
-
-
-def _text_pieces(text: str) -> Iterator[str]:
-    """`text` in pieces of at least `_STREAM_CHUNK_CHARS` characters cut after whitespace, so it reads as a stream."""
-    piece = ""
-    for word in re.findall(r"\S*\s*", text):
-        piece += word
-        if len(piece) >= _STREAM_CHUNK_CHARS:
-            yield piece
-            piece = ""
-    if piece:
-        yield piece
 
 
 def _model_info(model_id: str) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """The one interface every provider codec implements, and the typed errors that carry a provider-facing shape.
 
-A codec is pure: bytes/JSON in, JSON/SSE bytes out. It never imports mitmproxy and never does I/O.
+A codec is pure: bytes/JSON in, JSON/SSE bytes out. It never imports mitmproxy and never does I/O. Everything the
+gateway, the rollout and the SDK agent need to know about a provider API is declared here, on its codec class:
+the hosts it is served from, the paths of its model call and auxiliary endpoints, the suffix an SDK's base URL
+carries, its error statuses.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import orjson
-
 from polar_mitm.conversation import Completion, Conversation
 
 ErrorKind = Literal[
@@ -19,18 +20,14 @@ ErrorKind = Literal[
     "context_length",  # prompt longer than the engine's context → 400
     "not_found",  # an endpoint we do not serve → 404
     "overloaded",  # engine unreachable / timed out → Anthropic 529, OpenAI 503, Google 503
-    "engine_error",  # engine answered 5xx or nonsense → 502
+    "engine_error",  # engine answered 5xx or nonsense → 502 (Anthropic, Google: 500)
     "too_large",  # request body over the gateway's size limit → 413
     "internal",  # a gateway bug: still answered in the provider's shape → 500
 ]
 
-# Integer bounds of request fields. Sampling counts (top_k, n, thinking budgets) end up in int32 record columns
-# and engine tensors; a token budget may be any 64-bit value (the gateway caps it before the engine sees it).
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-# JSON nesting a request may have. Real tool schemas are < 20 deep; the JSON encoder stops at 255 levels, and the
-# request is re-nested a few levels deeper in the engine request and the record.
-MAX_JSON_DEPTH = 128
+# The HTTP status of each error kind; a codec overrides those its API answers differently (`Codec.error_status`).
+ERROR_STATUS: dict[str, int] = {"invalid_request": 400, "context_length": 400, "not_found": 404, "overloaded": 503,
+                                "engine_error": 502, "too_large": 413, "internal": 500}
 
 
 class GatewayError(Exception):
@@ -50,45 +47,6 @@ class GatewayError(Exception):
         return self.message
 
 
-def invalid_request(message: str) -> GatewayError:
-    return GatewayError("invalid_request", message)
-
-
-def check_int_range(value: int, where: str, minimum: int, maximum: int) -> int:
-    """`value` if it lies in [minimum, maximum]; otherwise a client error naming the field."""
-    if value < minimum:
-        raise invalid_request(f"{where} must be at least {minimum}")
-    if value > maximum:
-        raise invalid_request(f"{where} must be at most {maximum}")
-    return value
-
-
-def nesting_exceeds(value: Any, limit: int) -> bool:
-    """Is `value` (parsed JSON) nested more than `limit` containers deep? Iterative: deep input is the threat."""
-    if not isinstance(value, dict | list):
-        return False
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, dict | list):
-                stack.append((child, depth + 1))
-    return False
-
-
-def parse_body(raw: bytes) -> Any:
-    """A request body as JSON, or a client error: not JSON, or nested deeper than MAX_JSON_DEPTH."""
-    try:
-        body = orjson.loads(raw)
-    except ValueError as exc:
-        raise invalid_request("the request body is not valid JSON") from exc
-    if nesting_exceeds(body, MAX_JSON_DEPTH):
-        raise invalid_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
-    return body
-
-
 @dataclass
 class HttpAnswer:
     status: int
@@ -102,26 +60,37 @@ class HttpAnswer:
         return cls(status, json.dumps(payload, ensure_ascii=False).encode(), "application/json", headers)
 
 
-def sse_event(data: Any, event: str | None = None) -> bytes:
-    """One Server-Sent Event frame."""
-    head = f"event: {event}\n" if event else ""
-    return (head + "data: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()
-
-
 class Codec:
     """Base class of the provider codecs.
 
     Subclasses set `name` and implement `matches`, `decode_request`, `encode_response`, `encode_stream` and
-    `encode_error`. `stream_requested` tells whether the harness asked for SSE.
+    `encode_error`; the class attributes and the auxiliary-endpoint hooks have defaults for an API without them.
     """
 
     name: ClassVar[str]
+    # Hosts whose traffic is this API's (regular proxy mode: the harness talks to the provider's real host).
+    hosts: ClassVar[tuple[str, ...]] = ()
+    # What an SDK's base URL adds after the gateway's URL (and session prefix) to reach this API.
+    base_url_suffix: ClassVar[str] = ""
+    # Clients of this API open it as a WebSocket first (Codex and the Responses API).
+    websocket_first: ClassVar[bool] = False
+    # Every call of this endpoint asks for a summary of the conversation (a remote compaction endpoint).
+    compaction: ClassVar[bool] = False
+    error_status: ClassVar[dict[str, int]] = ERROR_STATUS
+
+    # -- the model call ----------------------------------------------------------------------------------------
 
     def matches(self, path: str) -> bool:
         """Does this request path (without host and query) belong to this API's model call?"""
         raise NotImplementedError
 
+    def owns_path(self, path: str) -> bool:
+        """Is `path` one of this API's endpoints, model call or not, by its shape alone? Asked for requests to a
+        reverse gateway that no host or header attributes; only an API with distinctive paths says yes."""
+        return False
+
     def stream_requested(self, body: dict[str, Any], path: str, query: dict[str, str]) -> bool:
+        """Did the harness ask for SSE?"""
         return bool(body.get("stream"))
 
     def decode_request(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
@@ -140,9 +109,11 @@ class Codec:
         """The provider's error shape and status for `error`."""
         raise NotImplementedError
 
+    def status_for(self, error: GatewayError) -> int:
+        """The HTTP status this API answers `error` with."""
+        return self.error_status.get(error.kind, 500)
 
-class AuxCodec:
-    """Optional hooks for a provider's auxiliary endpoints, answered locally so harnesses work offline."""
+    # -- auxiliary endpoints, answered locally so harnesses work offline ---------------------------------------
 
     def count_tokens_path(self, path: str) -> bool:
         """Is this the provider's token-counting endpoint (Anthropic count_tokens, Google :countTokens)?"""
@@ -150,7 +121,7 @@ class AuxCodec:
 
     def decode_count_tokens(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
         """The conversation whose tokens to count."""
-        return self.decode_request(body, path, query)  # type: ignore[attr-defined]
+        return self.decode_request(body, path, query)
 
     def encode_count_tokens(self, n_tokens: int) -> dict[str, Any]:
         raise NotImplementedError

@@ -8,7 +8,6 @@ Function calls may come without ids: Gemini matches a result to its call by name
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterator
 from functools import cache
@@ -16,16 +15,18 @@ from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from polar_mitm.codecs import structured
-from polar_mitm.codecs.base import (
+from polar_mitm.codecs.base import ERROR_STATUS, Codec, GatewayError, HttpAnswer
+from polar_mitm.codecs.common import (
     INT32_MAX,
     INT64_MAX,
-    AuxCodec,
-    Codec,
-    ErrorKind,
-    GatewayError,
-    HttpAnswer,
-    check_int_range,
+    finite_number,
+    integer,
+    invalid_request,
+    require_dict,
+    require_list,
+    require_str,
     sse_event,
+    stream_pieces,
 )
 from polar_mitm.conversation import Completion, Conversation, FinishReason, Message, Tool, ToolCall
 
@@ -34,15 +35,9 @@ _CALL_PATH = re.compile(_MODEL + r":(?P<method>generateContent|streamGenerateCon
 _COUNT_PATH = re.compile(_MODEL + r":countTokens$")
 _MODELS_PATH = re.compile(r"/models(?:/(?P<name>[^/:]+))?$")
 
-_ERROR_STATUS: dict[ErrorKind, tuple[int, str]] = {
-    "invalid_request": (400, "INVALID_ARGUMENT"),
-    "context_length": (400, "INVALID_ARGUMENT"),
-    "not_found": (404, "NOT_FOUND"),
-    "overloaded": (503, "UNAVAILABLE"),
-    "engine_error": (500, "INTERNAL"),
-    "too_large": (413, "INVALID_ARGUMENT"),
-    "internal": (500, "INTERNAL"),
-}
+# Google's canonical error status follows the HTTP code.
+_ERROR_STATUS_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT", 500: "INTERNAL",
+                       503: "UNAVAILABLE"}
 _FINISH: dict[FinishReason, str] = {
     "stop": "STOP",
     "tool_calls": "STOP",  # Gemini ends a function-calling turn with STOP, not a dedicated reason
@@ -57,10 +52,13 @@ _MAX_SCHEMA_DEPTH = 64  # a deeper schema is abuse, and would otherwise end in a
 _STREAM_PIECE_CHARS = 80  # text is re-chunked for streaming; Gemini sends pieces of roughly this size
 
 
-class GoogleCodec(Codec, AuxCodec):
-    """The Gemini API (`generativelanguage.googleapis.com`, as Gemini CLI and google-genai speak it)."""
+class GoogleCodec(Codec):
+    """The Gemini API (as Gemini CLI and google-genai speak it)."""
 
     name: ClassVar[str] = "google"
+    # The Gemini API, and Code Assist (Gemini CLI signed in with a Google account).
+    hosts: ClassVar[tuple[str, ...]] = ("generativelanguage.googleapis.com", "cloudcode-pa.googleapis.com")
+    error_status: ClassVar[dict[str, int]] = {**ERROR_STATUS, "engine_error": 500}
     # The engine's real limits are unknown here; harnesses such as Gemini CLI keep their own tables anyway.
     input_token_limit: ClassVar[int] = 1_048_576
     output_token_limit: ClassVar[int] = 65_536
@@ -71,6 +69,10 @@ class GoogleCodec(Codec, AuxCodec):
         """`…/models/{model}:generateContent` or `:streamGenerateContent`, under any prefix."""
         return _CALL_PATH.search(path) is not None
 
+    def owns_path(self, path: str) -> bool:
+        """A `…/models…` path with a method (`:countTokens`) or under `v1beta`: nobody else's API looks so."""
+        return "/models" in path and (":" in path.rsplit("/", 1)[-1] or "v1beta" in path)
+
     def stream_requested(self, body: Any, path: str, query: dict[str, str]) -> bool:
         """Gemini streams by method (`:streamGenerateContent`), never by a body field."""
         found = _CALL_PATH.search(path)
@@ -78,7 +80,7 @@ class GoogleCodec(Codec, AuxCodec):
 
     def decode_request(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
         """A GenerateContentRequest → Conversation; `conv.extra["alt"]` is "sse" or "json" (array stream)."""
-        request = _dict(body, "request")
+        request = require_dict(body, "request")
         found = _CALL_PATH.search(path)
         model = _model_name(found["model"] if found else _opt_str(request, "model"))
         conv = _decode_generate_request(request, model, require_contents=True)
@@ -103,7 +105,8 @@ class GoogleCodec(Codec, AuxCodec):
 
     def encode_error(self, error: GatewayError) -> HttpAnswer:
         """Google's `{"error": {"code", "message", "status"}}` with the matching HTTP status."""
-        code, status = _ERROR_STATUS.get(error.kind, (500, "INTERNAL"))
+        code = self.status_for(error)
+        status = _ERROR_STATUS_NAMES.get(code, "INTERNAL")
         message = error.worded("The input token count ({n}) exceeds the maximum number of tokens allowed ({limit}).")
         return HttpAnswer.json(code, {"error": {"code": code, "message": message, "status": status}})
 
@@ -115,12 +118,12 @@ class GoogleCodec(Codec, AuxCodec):
 
     def decode_count_tokens(self, body: Any, path: str, query: dict[str, str]) -> Conversation:
         """`{contents}` or `{generateContentRequest: {model, contents, systemInstruction, tools}}`."""
-        request = _dict(body, "request")
+        request = require_dict(body, "request")
         found = _COUNT_PATH.search(path)
         model = _model_name(found["model"]) if found else ""
         inner = _get(request, "generateContentRequest")
         if inner is not None:
-            inner = _dict(inner, "generateContentRequest")
+            inner = require_dict(inner, "generateContentRequest")
             return _decode_generate_request(inner, model or _model_name(_opt_str(inner, "model")),
                                             require_contents=False)
         return _decode_generate_request({"contents": _get(request, "contents") or []}, model,
@@ -156,10 +159,6 @@ class GoogleCodec(Codec, AuxCodec):
 # --- decoding ------------------------------------------------------------------------------------------
 
 
-def _invalid(message: str) -> GatewayError:
-    return GatewayError("invalid_request", message)
-
-
 @cache
 def _snake(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
@@ -171,41 +170,24 @@ def _get(obj: dict[str, Any], key: str) -> Any:
     return obj.get(_snake(key)) if value is None else value
 
 
-def _dict(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _invalid(f"{where} must be a JSON object")
-    return value
-
-
 def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _invalid(f"{where} must be a list")
-    return value
+    return require_list(value, where, "a list")
 
 
 def _opt_str(obj: Any, key: str) -> str | None:
     value = _get(obj, key) if isinstance(obj, dict) else None
-    if value is not None and not isinstance(value, str):
-        raise _invalid(f"{key} must be a string")
-    return value
+    return None if value is None else require_str(value, key)
 
 
 def _opt_number(obj: dict[str, Any], key: str) -> float | None:
     value = _get(obj, key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not math.isfinite(value)):
-        raise _invalid(f"generationConfig.{key} must be a finite number")
-    return value
+    return None if value is None else finite_number(value, f"generationConfig.{key}")
 
 
 def _opt_int(obj: dict[str, Any], key: str, minimum: int = -INT32_MAX, maximum: int = INT32_MAX) -> int | None:
     """An integer field within [minimum, maximum] (`1e30` parses as a whole float: out of range, not a crash)."""
     value = _opt_number(obj, key)
-    if value is None:
-        return None
-    if value != int(value):
-        raise _invalid(f"generationConfig.{key} must be an integer")
-    return check_int_range(int(value), f"generationConfig.{key}", minimum, maximum)
+    return None if value is None else integer(value, f"generationConfig.{key}", minimum, maximum)
 
 
 def _model_name(resource: str | None) -> str:
@@ -216,11 +198,11 @@ def _model_name(resource: str | None) -> str:
 
 def _decode_generate_request(body: dict[str, Any], model: str, *, require_contents: bool) -> Conversation:
     if _get(body, "cachedContent") is not None:
-        raise _invalid("cachedContent is not supported: send the full contents")
+        raise invalid_request("cachedContent is not supported: send the full contents")
     contents = _get(body, "contents")
     contents = [] if contents is None else _list(contents, "contents")
     if require_contents and not contents:
-        raise _invalid("contents must not be empty")
+        raise invalid_request("contents must not be empty")
     messages = _system_messages(_get(body, "systemInstruction")) + _content_messages(contents)
     conv = Conversation(messages=messages, model=model, tools=_tools(_get(body, "tools")))
     conv.tool_choice = _tool_choice(_get(body, "toolConfig"))
@@ -233,10 +215,10 @@ def _system_messages(instruction: Any) -> list[Message]:
         return []
     if isinstance(instruction, str):  # not the REST shape, but SDK-style clients send it
         return [Message(role="system", content=instruction)]
-    parts = _list(_get(_dict(instruction, "systemInstruction"), "parts") or [], "systemInstruction.parts")
+    parts = _list(_get(require_dict(instruction, "systemInstruction"), "parts") or [], "systemInstruction.parts")
     texts = []
     for part in parts:
-        part = _dict(part, "systemInstruction.parts[]")
+        part = require_dict(part, "systemInstruction.parts[]")
         _reject_unsupported(part)
         text = _opt_str(part, "text")
         if text is not None:
@@ -273,9 +255,9 @@ def _content_messages(contents: list[Any]) -> list[Message]:
     ids = _CallIds()
     messages: list[Message] = []
     for i, content in enumerate(contents):
-        content = _dict(content, f"contents[{i}]")
+        content = require_dict(content, f"contents[{i}]")
         role = _opt_str(content, "role") or "user"
-        parts = [_dict(p, f"contents[{i}].parts[]") for p in _list(_get(content, "parts") or [], "parts")]
+        parts = [require_dict(p, f"contents[{i}].parts[]") for p in _list(_get(content, "parts") or [], "parts")]
         for part in parts:
             _reject_unsupported(part)
         if role == "model":
@@ -283,14 +265,14 @@ def _content_messages(contents: list[Any]) -> list[Message]:
         elif role in ("user", "function", "tool"):  # "function" is the older role for function results
             messages.extend(_user_turn(parts, ids))
         else:
-            raise _invalid(f"contents[{i}].role must be 'user' or 'model', got {role!r}")
+            raise invalid_request(f"contents[{i}].role must be 'user' or 'model', got {role!r}")
     return messages
 
 
 def _reject_unsupported(part: dict[str, Any]) -> None:
     for key in _UNSUPPORTED_PARTS:
         if _get(part, key) is not None:
-            raise _invalid(f"{key} parts are not supported: this gateway serves a text-only model "
+            raise invalid_request(f"{key} parts are not supported: this gateway serves a text-only model "
                            "(images/files are not supported)")
 
 
@@ -300,7 +282,7 @@ def _model_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
     calls: list[ToolCall] = []
     for part in parts:
         if _get(part, "functionResponse") is not None:
-            raise _invalid("functionResponse parts belong in a user turn, not a model turn")
+            raise invalid_request("functionResponse parts belong in a user turn, not a model turn")
         call = _get(part, "functionCall")
         if call is not None:
             name, args, given = _named_payload(call, "functionCall", "args")
@@ -320,12 +302,12 @@ def _user_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
     texts: list[str] = []
     for part in parts:
         if _get(part, "functionCall") is not None:
-            raise _invalid("functionCall parts belong in a model turn, not a user turn")
+            raise invalid_request("functionCall parts belong in a model turn, not a user turn")
         response = _get(part, "functionResponse")
         if response is not None:
             name, payload, given = _named_payload(response, "functionResponse", "response")
             if _get(response, "parts"):
-                raise _invalid("functionResponse.parts (images/files) are not supported")
+                raise invalid_request("functionResponse.parts (images/files) are not supported")
             results.append(Message(role="tool", name=name, tool_call_id=ids.for_result(name, given),
                                    content=_json(payload)))
         text = _opt_str(part, "text")
@@ -337,12 +319,12 @@ def _user_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
 
 def _named_payload(value: Any, where: str, payload_key: str) -> tuple[str, dict[str, Any], str | None]:
     """(name, args-or-response object, id) of a functionCall / functionResponse."""
-    obj = _dict(value, where)
+    obj = require_dict(value, where)
     name = _opt_str(obj, "name")
     if not name:
-        raise _invalid(f"{where}.name is required")
+        raise invalid_request(f"{where}.name is required")
     payload = _get(obj, payload_key)
-    payload = {} if payload is None else _dict(payload, f"{where}.{payload_key}")
+    payload = {} if payload is None else require_dict(payload, f"{where}.{payload_key}")
     return name, payload, _opt_str(obj, "id")
 
 
@@ -353,45 +335,45 @@ def _json(value: Any) -> str:
 def _tools(value: Any) -> list[Tool]:
     tools: list[Tool] = []
     for entry in _list(value if value is not None else [], "tools"):
-        declarations = _get(_dict(entry, "tools[]"), "functionDeclarations")
+        declarations = _get(require_dict(entry, "tools[]"), "functionDeclarations")
         # Built-in tools (googleSearch, codeExecution, urlContext) have no meaning for our engine.
         for declaration in _list(declarations if declarations is not None else [], "functionDeclarations"):
-            tools.append(_tool(_dict(declaration, "functionDeclarations[]")))
+            tools.append(_tool(require_dict(declaration, "functionDeclarations[]")))
     return tools
 
 
 def _tool(declaration: dict[str, Any]) -> Tool:
     name = _opt_str(declaration, "name")
     if not name:
-        raise _invalid("functionDeclarations[].name is required")
+        raise invalid_request("functionDeclarations[].name is required")
     tool = Tool(name=name, description=_opt_str(declaration, "description") or "")
     json_schema = _get(declaration, "parametersJsonSchema")
     openapi_schema = _get(declaration, "parameters")
     if json_schema is not None:
-        tool.parameters = dict(_dict(json_schema, f"{name}.parametersJsonSchema"))
+        tool.parameters = dict(require_dict(json_schema, f"{name}.parametersJsonSchema"))
     elif openapi_schema is not None:
-        tool.parameters = _json_schema(_dict(openapi_schema, f"{name}.parameters"), depth=0)
+        tool.parameters = _json_schema(require_dict(openapi_schema, f"{name}.parameters"), depth=0)
     return tool
 
 
 def _json_schema(schema: dict[str, Any], depth: int) -> dict[str, Any]:
     """Gemini's OpenAPI-subset Schema (`"type": "OBJECT"`, `nullable`) → JSON Schema (`"type": "object"`)."""
     if depth > _MAX_SCHEMA_DEPTH:
-        raise _invalid("function parameters schema is nested too deeply")
+        raise invalid_request("function parameters schema is nested too deeply")
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "type":
             if not isinstance(value, str):
-                raise _invalid("schema type must be a string")
+                raise invalid_request("schema type must be a string")
             if value.upper() != "TYPE_UNSPECIFIED":
                 out["type"] = value.lower()
         elif key in ("properties",):
-            out[key] = {prop: _json_schema(_dict(sub, f"properties.{prop}"), depth + 1)
-                        for prop, sub in _dict(value, key).items()}
+            out[key] = {prop: _json_schema(require_dict(sub, f"properties.{prop}"), depth + 1)
+                        for prop, sub in require_dict(value, key).items()}
         elif key == "items":
-            out[key] = _json_schema(_dict(value, key), depth + 1)
+            out[key] = _json_schema(require_dict(value, key), depth + 1)
         elif key in ("anyOf", "any_of"):
-            out["anyOf"] = [_json_schema(_dict(sub, "anyOf[]"), depth + 1) for sub in _list(value, key)]
+            out["anyOf"] = [_json_schema(require_dict(sub, "anyOf[]"), depth + 1) for sub in _list(value, key)]
         elif key != "nullable":
             out[key] = value
     if schema.get("nullable") is True and isinstance(out.get("type"), str):
@@ -402,13 +384,13 @@ def _json_schema(schema: dict[str, Any], depth: int) -> dict[str, Any]:
 def _tool_choice(value: Any) -> str | dict[str, Any] | None:
     if value is None:
         return None
-    config = _get(_dict(value, "toolConfig"), "functionCallingConfig")
+    config = _get(require_dict(value, "toolConfig"), "functionCallingConfig")
     if config is None:
         return None
-    config = _dict(config, "functionCallingConfig")
+    config = require_dict(config, "functionCallingConfig")
     mode = (_opt_str(config, "mode") or "AUTO").upper()
     if mode not in _TOOL_CHOICE:
-        raise _invalid(f"functionCallingConfig.mode must be AUTO, ANY or NONE, got {mode!r}")
+        raise invalid_request(f"functionCallingConfig.mode must be AUTO, ANY or NONE, got {mode!r}")
     allowed = _list(_get(config, "allowedFunctionNames") or [], "allowedFunctionNames")
     if mode == "ANY" and len(allowed) == 1 and isinstance(allowed[0], str):
         return {"name": allowed[0]}
@@ -418,17 +400,17 @@ def _tool_choice(value: Any) -> str | dict[str, Any] | None:
 def _apply_generation_config(conv: Conversation, value: Any) -> None:
     if value is None:
         return
-    config = _dict(value, "generationConfig")
+    config = require_dict(value, "generationConfig")
     candidates = _opt_int(config, "candidateCount")
     if candidates is not None and candidates > 1:
-        raise _invalid("candidateCount > 1 is not supported")
+        raise invalid_request("candidateCount > 1 is not supported")
     conv.max_tokens = _opt_int(config, "maxOutputTokens", minimum=1, maximum=INT64_MAX)
     conv.temperature = _opt_number(config, "temperature")
     conv.top_p = _opt_number(config, "topP")
     conv.top_k = _opt_int(config, "topK")
     stops = _list(_get(config, "stopSequences") or [], "stopSequences")
     if not all(isinstance(stop, str) for stop in stops):
-        raise _invalid("generationConfig.stopSequences must be strings")
+        raise invalid_request("generationConfig.stopSequences must be strings")
     conv.stop = list(stops)
     conv.thinking = _thinking(_get(config, "thinkingConfig"))
     conv.response_format = structured.from_google(_get(config, "responseJsonSchema"), _get(config, "responseSchema"),
@@ -439,11 +421,11 @@ def _thinking(value: Any) -> bool | None:
     """Budget 0 turns thinking off; includeThoughts asks to see it; otherwise the model's default."""
     if value is None:
         return None
-    config = _dict(value, "thinkingConfig")
+    config = require_dict(value, "thinkingConfig")
     budget = _opt_int(config, "thinkingBudget")
     include = _get(config, "includeThoughts")
     if include is not None and not isinstance(include, bool):
-        raise _invalid("thinkingConfig.includeThoughts must be a boolean")
+        raise invalid_request("thinkingConfig.includeThoughts must be a boolean")
     if budget == 0:
         return False
     return True if include else None
@@ -494,18 +476,8 @@ def _chunk(conv: Conversation, completion: Completion, parts: list[dict[str, Any
     return response
 
 
-def _pieces(text: str, size: int = _STREAM_PIECE_CHARS) -> list[str]:
-    """`text` cut at whitespace into pieces of about `size` characters; they join back to `text` exactly."""
-    pieces: list[str] = []
-    current = ""
-    for word in re.findall(r"\s*\S+\s*|\s+", text):
-        current += word
-        if len(current) >= size:
-            pieces.append(current)
-            current = ""
-    if current:
-        pieces.append(current)
-    return pieces
+def _pieces(text: str) -> list[str]:
+    return stream_pieces(text, _STREAM_PIECE_CHARS, at_whitespace=True)
 
 
 def _stream_chunks(conv: Conversation, completion: Completion) -> Iterator[dict[str, Any]]:

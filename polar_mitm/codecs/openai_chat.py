@@ -12,26 +12,30 @@ from collections.abc import Iterator
 from typing import Any
 
 from polar_mitm.codecs import structured
-from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
-from polar_mitm.codecs.openai_common import (
-    OpenAIModels,
-    arguments_text,
-    custom_tool_arguments,
-    custom_tool_parameters,
-    id_core,
-    invalid,
-    openai_error_answer,
+from polar_mitm.codecs.common import (
+    INT64_MAX,
+    SSE_DONE,
+    invalid_request,
     optional_bool,
     optional_dict,
     optional_int,
     optional_number,
     optional_str,
-    parse_stop,
-    path_only,
     require_dict,
     require_list,
     require_str,
-    split_text,
+    sse_event,
+    stream_pieces,
+)
+from polar_mitm.codecs.openai_common import (
+    DELTA_CHARS,
+    OpenAICodec,
+    arguments_text,
+    content_text,
+    custom_tool_arguments,
+    custom_tool_parameters,
+    id_core,
+    parse_stop,
     thinking_from_effort,
 )
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
@@ -42,14 +46,14 @@ _EXTRA_KEYS = ("metadata", "user", "n", "parallel_tool_calls", "seed", "response
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio")
 
 
-class OpenAIChatCodec(OpenAIModels, Codec):
-    """Chat Completions ⇄ Conversation."""
+class OpenAIChatCodec(OpenAICodec):
+    """Chat Completions ⇄ Conversation: `…/chat/completions` under any prefix (`/v1`, `/api/v1`, `/s/SESSION/v1`,
+    none)."""
 
     name = "openai_chat"
-
-    def matches(self, path: str) -> bool:
-        """`…/chat/completions` under any prefix (`/v1`, `/api/v1`, `/s/SESSION/v1`, none)."""
-        return path_only(path).endswith("/chat/completions")
+    # OpenAI's own, and the OpenAI-compatible providers harnesses are pointed at (Qwen's DashScope, OpenRouter).
+    hosts = ("api.openai.com", "dashscope.aliyuncs.com", "openrouter.ai")
+    call_path = "/chat/completions"
 
     # ---- request -------------------------------------------------------------------------------------------
 
@@ -58,10 +62,10 @@ class OpenAIChatCodec(OpenAIModels, Codec):
         body = require_dict(body, "request body")
         messages = _decode_messages(require_list(body.get("messages"), "messages"))
         if not messages:
-            raise invalid("messages must not be empty")
+            raise invalid_request("messages must not be empty")
         n = optional_int(body, "n", minimum=1)
         if n is not None and n > 1:
-            raise invalid("n>1 not supported: ask for one choice per request")
+            raise invalid_request("n>1 not supported: ask for one choice per request")
         stream_options = optional_dict(body, "stream_options") or {}
         max_tokens = optional_int(body, "max_completion_tokens", minimum=1, maximum=INT64_MAX)
         if max_tokens is None:
@@ -111,24 +115,20 @@ class OpenAIChatCodec(OpenAIModels, Codec):
             return sse_event({**head, "choices": [choice]})
 
         yield chunk({"role": "assistant", "content": ""})
-        for piece in split_text(completion.reasoning or ""):
+        for piece in stream_pieces(completion.reasoning or "", DELTA_CHARS):
             yield chunk({"reasoning_content": piece})
-        for piece in split_text(completion.content):
+        for piece in stream_pieces(completion.content, DELTA_CHARS):
             yield chunk({"content": piece})
         for index, call in enumerate(completion.tool_calls):
             first = _tool_call_json(call, index)
             first["function"]["arguments"] = ""
             yield chunk({"tool_calls": [{"index": index, **first}]})
-            for piece in split_text(call.arguments):
+            for piece in stream_pieces(call.arguments, DELTA_CHARS):
                 yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
         yield chunk({}, _finish_reason(completion))
         if conv.include_usage:
             yield sse_event({**head, "choices": [], "usage": _usage(completion)})
-        yield b"data: [DONE]\n\n"
-
-    def encode_error(self, error: GatewayError) -> HttpAnswer:
-        """OpenAI's `{"error": {message, type, param, code}}`."""
-        return openai_error_answer(error)
+        yield SSE_DONE
 
 
 # ---- decoding helpers --------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def _decode_messages(raw: list[Any]) -> list[Message]:
             messages.append(Message(role="tool", content=_text(msg.get("content"), f"{where}.content"),
                                     tool_call_id=legacy_call_ids.get(name), name=name))
         else:
-            raise invalid(f"{where}.role must be one of system, developer, user, assistant, tool")
+            raise invalid_request(f"{where}.role must be one of system, developer, user, assistant, tool")
     return messages
 
 
@@ -195,22 +195,7 @@ def _decode_tool_call(raw: Any, where: str, fallback_id: str) -> ToolCall:
 
 def _text(content: Any, where: str) -> str:
     """Message content: a string, null, or a list of parts whose text parts are concatenated."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, raw in enumerate(require_list(content, where)):
-        part = require_dict(raw, f"{where}[{j}]")
-        kind = part.get("type")
-        if kind == "text":
-            texts.append(require_str(part.get("text"), f"{where}[{j}].text"))
-        elif kind == "refusal":
-            texts.append(require_str(part.get("refusal"), f"{where}[{j}].refusal"))
-        elif kind in _UNSUPPORTED_PARTS:
-            raise invalid(f"{where}[{j}]: {kind} content is not supported (images, audio and files are not "
-                          "supported: the model is text-only)")
-        else:
-            raise invalid(f"{where}[{j}].type {kind!r} is not a supported content part type (text only)")
-    return "".join(texts)
+    return content_text(content, where, ("text",), _UNSUPPORTED_PARTS)
 
 
 def _decode_tools(body: dict[str, Any]) -> list[Tool]:
@@ -237,7 +222,7 @@ def _decode_function(raw: Any, where: str) -> Tool:
     function = require_dict(raw, where)
     name = require_str(function.get("name"), f"{where}.name")
     if not name:
-        raise invalid(f"{where}.name must not be empty")
+        raise invalid_request(f"{where}.name must not be empty")
     parameters = optional_dict(function, "parameters", f"{where}.")
     return Tool(name=name, description=optional_str(function, "description", f"{where}.") or "",
                 parameters=parameters if parameters is not None else {"type": "object", "properties": {}})
@@ -248,7 +233,7 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
         return None
     if isinstance(value, str):
         if value not in ("auto", "none", "required"):
-            raise invalid("tool_choice must be auto, none, required or a named function")
+            raise invalid_request("tool_choice must be auto, none, required or a named function")
         return value
     choice = require_dict(value, "tool_choice")
     kind = choice.get("type")
@@ -258,9 +243,9 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if kind == "allowed_tools":
         mode = require_dict(choice.get("allowed_tools"), "tool_choice.allowed_tools").get("mode")
         if mode not in ("auto", "required"):
-            raise invalid("tool_choice.allowed_tools.mode must be auto or required")
+            raise invalid_request("tool_choice.allowed_tools.mode must be auto or required")
         return mode
-    raise invalid("tool_choice.type must be function, custom or allowed_tools")
+    raise invalid_request("tool_choice.type must be function, custom or allowed_tools")
 
 
 def _decode_thinking(body: dict[str, Any]) -> bool | None:

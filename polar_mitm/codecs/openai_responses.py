@@ -18,25 +18,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.codecs import structured
-from polar_mitm.codecs.base import INT64_MAX, Codec, GatewayError, HttpAnswer, sse_event
-from polar_mitm.codecs.openai_common import (
-    OpenAIModels,
-    arguments_text,
-    custom_tool_arguments,
-    custom_tool_parameters,
-    id_core,
-    invalid,
-    openai_error_answer,
+from polar_mitm.codecs.common import (
+    INT64_MAX,
+    invalid_request,
     optional_bool,
     optional_dict,
     optional_int,
     optional_number,
     optional_str,
-    path_only,
     require_dict,
     require_list,
     require_str,
-    split_text,
+    sse_event,
+    stream_pieces,
+)
+from polar_mitm.codecs.openai_common import (
+    DELTA_CHARS,
+    OpenAICodec,
+    arguments_text,
+    content_text,
+    custom_tool_arguments,
+    custom_tool_parameters,
+    id_core,
     thinking_from_effort,
 )
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
@@ -56,14 +59,13 @@ _SUMMARIES = ("auto", "concise", "detailed")
 _VERBOSITIES = ("low", "medium", "high")
 
 
-class OpenAIResponsesCodec(OpenAIModels, Codec):
-    """Responses API ⇄ Conversation."""
+class OpenAIResponsesCodec(OpenAICodec):
+    """Responses API ⇄ Conversation: `…/responses` under any prefix; not `…/responses/{id}` lookups."""
 
     name = "openai_responses"
-
-    def matches(self, path: str) -> bool:
-        """`…/responses` under any prefix; not `…/responses/{id}` lookups."""
-        return path_only(path).endswith("/responses")
+    hosts = ("chatgpt.com",)  # Codex signed in with ChatGPT (`chatgpt.com/backend-api/codex/responses`)
+    call_path = "/responses"
+    websocket_first = True  # Codex opens `wss://…/v1/responses` before falling back to HTTPS
 
     # ---- request -------------------------------------------------------------------------------------------
 
@@ -82,7 +84,7 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
             for i, item in enumerate(require_list(raw_input if raw_input is not None else [], "input")):
                 history.add(item, f"input[{i}]")
         if not history.messages:
-            raise invalid("input must contain at least one message")
+            raise invalid_request("input must contain at least one message")
         tools, echoed_tools = _decode_tools(body.get("tools"))
         extra = _extra_fields(body)
         extra["tools"] = echoed_tools
@@ -120,10 +122,6 @@ class OpenAIResponsesCodec(OpenAIModels, Codec):
             yield from _ITEM_STREAMS[item["type"]](events, index, item)
         yield events.emit(f"response.{final['status']}", response=final)
 
-    def encode_error(self, error: GatewayError) -> HttpAnswer:
-        """OpenAI's `{"error": {message, type, param, code}}`."""
-        return openai_error_answer(error)
-
 
 # ---- decoding helpers --------------------------------------------------------------------------------------
 
@@ -131,11 +129,11 @@ def _reject_server_state(body: dict[str, Any]) -> None:
     """History kept by OpenAI's servers (`store`) cannot be resolved here: the harness must send it all."""
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
-        raise invalid("previous_response_id must be a string")
+        raise invalid_request("previous_response_id must be a string")
     if previous:
-        raise invalid("previous_response_id is not supported; send the full input")
+        raise invalid_request("previous_response_id is not supported; send the full input")
     if body.get("conversation"):
-        raise invalid("conversation is not supported; send the full input")
+        raise invalid_request("conversation is not supported; send the full input")
 
 
 @dataclass
@@ -183,17 +181,17 @@ class _History:
                 self.pending_reasoning = None
                 self.messages.append(Message(role="user", content=summary))
         elif kind == "item_reference":
-            raise invalid(f"{where}: item_reference needs stored responses, which are not supported; "
+            raise invalid_request(f"{where}: item_reference needs stored responses, which are not supported; "
                           "send the full input")
         elif not isinstance(kind, str):
-            raise invalid(f"{where}.type must be a string")
+            raise invalid_request(f"{where}.type must be a string")
         # Other items (hosted-tool calls such as web_search_call, compaction markers…) mean nothing to a
         # local model.
 
     def _message(self, item: dict[str, Any], where: str) -> None:
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise invalid(f"{where}.role must be one of user, assistant, system, developer")
+            raise invalid_request(f"{where}.role must be one of user, assistant, system, developer")
         content = _content_text(item.get("content"), f"{where}.content")
         if role == "assistant":
             self.messages.append(Message(role="assistant", content=content, reasoning=self._take_reasoning()))
@@ -223,28 +221,13 @@ class _History:
 
 def _content_text(content: Any, where: str) -> str:
     """A message's content: a string or a list of text parts, concatenated."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, raw in enumerate(require_list(content, where)):
-        part = require_dict(raw, f"{where}[{j}]")
-        kind = part.get("type")
-        if kind in _TEXT_PARTS:
-            texts.append(require_str(part.get("text"), f"{where}[{j}].text"))
-        elif kind == "refusal":
-            texts.append(require_str(part.get("refusal"), f"{where}[{j}].refusal"))
-        elif kind in _UNSUPPORTED_PARTS:
-            raise invalid(f"{where}[{j}]: {kind} content is not supported (images, audio and files are not "
-                          "supported: the model is text-only)")
-        else:
-            raise invalid(f"{where}[{j}].type {kind!r} is not a supported content part type (text only)")
-    return "".join(texts)
+    return content_text(content, where, _TEXT_PARTS, _UNSUPPORTED_PARTS)
 
 
 def _output_text(output: Any, where: str) -> str:
     """A tool output: a string or a list of content parts."""
     if output is None:
-        raise invalid(f"{where} is required")
+        raise invalid_request(f"{where} is required")
     return _content_text(output, where)
 
 
@@ -279,7 +262,7 @@ def _decode_tools(value: Any) -> tuple[list[Tool], list[dict[str, Any]]]:
             continue
         name = require_str(tool.get("name"), f"{where}.name")
         if not name:
-            raise invalid(f"{where}.name must not be empty")
+            raise invalid_request(f"{where}.name must not be empty")
         description = optional_str(tool, "description", f"{where}.") or ""
         echo: dict[str, Any] = {"type": kind, "name": name, "description": description}
         if kind == "custom":
@@ -311,7 +294,7 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
         return None
     if isinstance(value, str):
         if value not in ("auto", "none", "required"):
-            raise invalid("tool_choice must be auto, none, required or a named tool")
+            raise invalid_request("tool_choice must be auto, none, required or a named tool")
         return value
     choice = require_dict(value, "tool_choice")
     kind = choice.get("type")
@@ -320,10 +303,10 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if kind == "allowed_tools":
         mode = choice.get("mode")
         if mode not in ("auto", "required"):
-            raise invalid("tool_choice.mode must be auto or required")
+            raise invalid_request("tool_choice.mode must be auto or required")
         return mode
     if not isinstance(kind, str):
-        raise invalid("tool_choice.type must be a string")
+        raise invalid_request("tool_choice.type must be a string")
     return "auto"  # forcing a hosted tool: there is none here, let the model choose
 
 
@@ -335,15 +318,15 @@ def _extra_fields(body: dict[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise invalid(f"{key} has the wrong type")
+            raise invalid_request(f"{key} has the wrong type")
         extra[key] = value
     if not all(isinstance(entry, str) for entry in extra.get("include", [])):
-        raise invalid("include must be an array of strings")
+        raise invalid_request("include must be an array of strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.get("metadata", {}).items()):
-        raise invalid("metadata must map strings to strings")
+        raise invalid_request("metadata must map strings to strings")
     for key in ("effort", "summary"):
         if not isinstance(extra.get("reasoning", {}).get(key), str | None):
-            raise invalid(f"reasoning.{key} must be a string")
+            raise invalid_request(f"reasoning.{key} must be a string")
     return extra
 
 
@@ -484,7 +467,7 @@ def _stream_reasoning(events: _EventCounter, index: int, item: dict[str, Any]) -
     for summary_index, part in enumerate(item["summary"]):
         yield events.emit("response.reasoning_summary_part.added", **ids, summary_index=summary_index,
                           part={"type": "summary_text", "text": ""})
-        for piece in split_text(part["text"]):
+        for piece in stream_pieces(part["text"], DELTA_CHARS):
             yield events.emit("response.reasoning_summary_text.delta", **ids, summary_index=summary_index,
                               delta=piece)
         yield events.emit("response.reasoning_summary_text.done", **ids, summary_index=summary_index,
@@ -501,7 +484,7 @@ def _stream_message(events: _EventCounter, index: int, item: dict[str, Any]) -> 
     for content_index, part in enumerate(item["content"]):
         yield events.emit("response.content_part.added", **ids, content_index=content_index,
                           part=_output_text_part(""))
-        for piece in split_text(part["text"]):
+        for piece in stream_pieces(part["text"], DELTA_CHARS):
             yield events.emit("response.output_text.delta", **ids, content_index=content_index, delta=piece,
                               logprobs=[])
         yield events.emit("response.output_text.done", **ids, content_index=content_index, text=part["text"],
@@ -514,7 +497,7 @@ def _stream_function_call(events: _EventCounter, index: int, item: dict[str, Any
     yield events.emit("response.output_item.added", output_index=index,
                       item={**item, "arguments": "", "status": "in_progress"})
     ids = {"item_id": item["id"], "output_index": index}
-    for piece in split_text(item["arguments"]):
+    for piece in stream_pieces(item["arguments"], DELTA_CHARS):
         yield events.emit("response.function_call_arguments.delta", **ids, delta=piece)
     yield events.emit("response.function_call_arguments.done", **ids, arguments=item["arguments"])
     yield events.emit("response.output_item.done", output_index=index, item=item)
@@ -523,7 +506,7 @@ def _stream_function_call(events: _EventCounter, index: int, item: dict[str, Any
 def _stream_custom_tool_call(events: _EventCounter, index: int, item: dict[str, Any]) -> Iterator[bytes]:
     yield events.emit("response.output_item.added", output_index=index, item={**item, "input": ""})
     ids = {"item_id": item["id"], "output_index": index}
-    for piece in split_text(item["input"]):
+    for piece in stream_pieces(item["input"], DELTA_CHARS):
         yield events.emit("response.custom_tool_call_input.delta", **ids, delta=piece)
     yield events.emit("response.custom_tool_call_input.done", **ids, input=item["input"])
     yield events.emit("response.output_item.done", output_index=index, item=item)

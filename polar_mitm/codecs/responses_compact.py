@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from polar_mitm.codecs.openai_common import path_only
 from polar_mitm.codecs.openai_responses import OpenAIResponsesCodec, seal_reasoning
 from polar_mitm.conversation import Completion, Conversation, Message
 
@@ -28,9 +27,10 @@ class ResponsesCompactCodec(OpenAIResponsesCodec):
     """`…/responses/compact`: a Responses request in, a compaction answer out (never streamed)."""
 
     key: ClassVar[str] = "openai_responses_compact"  # its CODECS key; records keep provider "openai_responses"
-
-    def matches(self, path: str) -> bool:
-        return path_only(path).rstrip("/").endswith("/responses/compact")
+    hosts: ClassVar[tuple[str, ...]] = ()  # the Responses codec answers for the host
+    call_path: ClassVar[str] = "/responses/compact"
+    websocket_first: ClassVar[bool] = False
+    compaction: ClassVar[bool] = True
 
     def stream_requested(self, body: dict[str, Any], path: str, query: dict[str, str]) -> bool:
         return False

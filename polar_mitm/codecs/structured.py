@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polar_mitm.codecs.base import invalid_request
+from polar_mitm.codecs.common import invalid_request
 
 ResponseFormat = dict[str, Any]
 

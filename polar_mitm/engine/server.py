@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from polar_mitm.codecs.common import SSE_DONE, sse_event
 from polar_mitm.engine import chat
 from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, TokenStep
 from polar_mitm.engine.parsers import StreamingSplitter
@@ -42,10 +43,6 @@ async def read_json(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise chat.ChatRequestError(f"malformed JSON body: {exc}") from exc
-
-
-def sse(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 @dataclass
@@ -288,23 +285,23 @@ class EngineServer:
 
         calls = []
         try:
-            yield sse(chat.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
+            yield sse_event(chat.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    yield sse({"object": "error", "message": str(item), "type": "InternalServerError",
+                    yield sse_event({"object": "error", "message": str(item), "type": "InternalServerError",
                                "code": 500})
                     break
                 if isinstance(item, Generation):
                     gen = item
                     pieces = parse(decoder.finish(gen), final=True)
                     for payload in self._deltas(pieces, calls):
-                        yield sse(chat.chunk(request_id, model, created, payload))
-                    yield sse(chat.chunk(request_id, model, created, {},
+                        yield sse_event(chat.chunk(request_id, model, created, payload))
+                    yield sse_event(chat.chunk(request_id, model, created, {},
                                          finish_reason=chat.openai_finish_reason(gen, calls),
                                          matched=chat.matched_stop(gen)))
                     if job.include_usage:
-                        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        yield sse_event({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                    "model": model, "choices": [], "usage": chat.usage(gen)})
                     want_in, want_out = job.want_sglext_ids
                     if want_in or want_out:
@@ -314,7 +311,7 @@ class EngineServer:
                         if want_out:
                             ext["output_ids"] = [gen.output_ids]
                         ext["weight_version"] = gen.weight_version
-                        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        yield sse_event({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                    "model": model, "choices": [], "sglext": ext})
                     break
                 step: TokenStep = item
@@ -327,8 +324,9 @@ class EngineServer:
                 if not deltas:
                     deltas = [{"content": ""}] if logprobs else []
                 for i, payload in enumerate(deltas):
-                    yield sse(chat.chunk(request_id, model, created, payload, logprobs=logprobs if i == 0 else None))
-            yield b"data: [DONE]\n\n"
+                    yield sse_event(chat.chunk(request_id, model, created, payload,
+                                               logprobs=logprobs if i == 0 else None))
+            yield SSE_DONE
         finally:
             cancelled.set()  # client gone or stream over: stop decoding
 
@@ -392,17 +390,17 @@ class EngineServer:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    yield sse({"error": {"message": str(item)}})
+                    yield sse_event({"error": {"message": str(item)}})
                     break
                 if isinstance(item, Generation):
-                    yield sse(result(item, item.text, item.output_ids, True))
+                    yield sse_event(result(item, item.text, item.output_ids, True))
                     break
                 partial.output_ids.append(item.token_id)
                 partial.output_logprobs.append(item.logprob)
                 partial.output_top_logprobs.append(item.top_logprobs)
                 text += decoder.push(item.token_id)
-                yield sse(result(partial, text, list(partial.output_ids), False))
-            yield b"data: [DONE]\n\n"
+                yield sse_event(result(partial, text, list(partial.output_ids), False))
+            yield SSE_DONE
         finally:
             cancelled.set()
 

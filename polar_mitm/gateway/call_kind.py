@@ -12,9 +12,8 @@ Merge starts a new chain after a compaction (reason "compaction"), and so does t
 
 from __future__ import annotations
 
+from polar_mitm.codecs import is_compaction_path
 from polar_mitm.conversation import Conversation
-
-COMPACT_PATH_SUFFIX = "/responses/compact"
 
 # (harness, the start of its compaction instruction) — checked in each harness's shipped source.
 COMPACTION_MARKERS = (
@@ -27,13 +26,9 @@ COMPACTION_MARKERS = (
 )
 
 
-def is_compact_path(path: str) -> bool:
-    return path.rstrip("/").endswith(COMPACT_PATH_SUFFIX)
-
-
 def call_kind(conv: Conversation, path: str) -> str:
     """main | side | compaction for one decoded request."""
-    if is_compact_path(path) or _asks_for_compaction(conv):
+    if is_compaction_path(path) or _asks_for_compaction(conv):
         return "compaction"
     return "main" if conv.tools else "side"
 

@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from polar_mitm.codecs import ENGINE_CODEC
 from polar_mitm.conversation import Completion
 from polar_mitm.gateway.identity import scrub_headers
 from polar_mitm.records import RECORD_SCHEMA, Record, journal_rows_to_table
@@ -37,7 +38,8 @@ def iter_flows(paths: Iterable[Path]) -> Iterator[Any]:
 
 def record_from_engine_flow(flow, index: int) -> dict[str, Any] | None:
     """A record from an SGLang chat exchange, or None if the response carries no token ids."""
-    if flow.response is None or not flow.request.path.split("?")[0].endswith("/chat/completions"):
+    path = flow.request.path.split("?")[0]
+    if flow.response is None or not ENGINE_CODEC.matches(path):
         return None
     try:
         request = json.loads(flow.request.get_text() or "")
@@ -51,7 +53,7 @@ def record_from_engine_flow(flow, index: int) -> dict[str, Any] | None:
     record = Record(
         request_id=f"flow_{flow.id}", session_id=headers.get("x-polar-session") or f"flow-{flow.client_conn.id[:12]}",
         task_id=headers.get("x-polar-task"), seq=index, started_at=started, finished_at=finished,
-        provider="openai_chat", path=flow.request.path.split("?")[0], host=flow.request.pretty_host,
+        provider=ENGINE_CODEC.name, path=path, host=flow.request.pretty_host,
         stream=bool(request.get("stream")), model_requested=request.get("model"), model_used=completion.model,
         request_json=json.dumps(request, ensure_ascii=False),
         messages_json=json.dumps(request.get("messages"), ensure_ascii=False),

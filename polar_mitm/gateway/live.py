@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -25,13 +25,11 @@ import orjson
 from polar_mitm.codecs.base import Codec, GatewayError
 from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
 from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
+from polar_mitm.gateway.calls import CallContext, fill_record
 from polar_mitm.gateway.engine_client import sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
 from polar_mitm.gateway.prompts import PromptStep
 from polar_mitm.records import Record
-
-if TYPE_CHECKING:
-    from polar_mitm.gateway.service import Gateway
 
 log = logging.getLogger("polar_mitm.live")
 
@@ -92,10 +90,10 @@ class LiveAnswer:
 class LiveCall:
     """One streamed model call, from the engine request to the durable record."""
 
-    def __init__(self, gateway: Gateway, codec: Codec, conv: Conversation, record: Record, step: PromptStep,
+    def __init__(self, calls: CallContext, codec: Codec, conv: Conversation, record: Record, step: PromptStep,
                  engine_body: bytes, disconnected: asyncio.Event | None, *, keepalive_seconds: float,
                  prompt_tokens: int = 0) -> None:
-        self.gateway, self.codec, self.conv, self.record, self.step = gateway, codec, conv, record, step
+        self.calls, self.codec, self.conv, self.record, self.step = calls, codec, conv, record, step
         self.engine_body, self.disconnected = engine_body, disconnected
         self.keepalive_seconds = keepalive_seconds
         self.prompt_tokens = prompt_tokens
@@ -123,7 +121,7 @@ class LiveCall:
             return await self._failed(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
 
     async def _run(self) -> dict[str, Any]:
-        async with self.gateway.engine.open_stream(self.engine_body) as resp:
+        async with self.calls.engine.open_stream(self.engine_body) as resp:
             reader = asyncio.ensure_future(self._read(resp))
             watcher = asyncio.ensure_future(self._watch())
             try:
@@ -277,23 +275,23 @@ class LiveCall:
         record = self.record
         if problem is None:
             response = await _offload(self._response_json, len(completion.prompt_ids), completion)
-            await self.gateway.prompts.complete(self.step, completion)
+            await self.calls.prompts.complete(self.step, completion)
             record.spliced_turns, record.splice_reason = self.step.spliced_turns, self.step.reason
-            self.gateway._fill_record(record, self.conv, completion, response, 200)
+            fill_record(record, self.conv, completion, response, 200)
         else:
-            self.gateway._abandon(self.step)
+            self.calls.abandon(self.step)
             record.error = f"engine_error: the streamed answer's ids/logprobs do not add up: {problem}"
             record.status_code = 200  # the harness got its answer; only the record is unusable
-        row = self.row = await self.gateway._persist(record)
+        row = self.row = await self.calls.persist(record)
         await self._send(tail + self._encoder().finish(completion))
         await self._end()
         return row
 
     async def _aborted(self) -> dict[str, Any]:
         """The harness left: abort the engine, read its last chunks for the ids so far, record `abort`."""
-        self.gateway._abandon(self.step)
+        self.calls.abandon(self.step)
         try:
-            await self.gateway.engine.abort_request(self.record.request_id)
+            await self.calls.engine.abort_request(self.record.request_id)
         except GatewayError as exc:  # an engine without /abort_request stops when the connection closes
             log.info("abort_request for %s: %s", self.record.request_id, exc.message)
         completion = await self._drain()
@@ -301,13 +299,13 @@ class LiveCall:
         if completion is not None:
             completion.id = self.assembler.id
             completion.meta_json = orjson.dumps(completion.meta_info).decode()
-            self.gateway._fill_record(record, self.conv, completion, None, 499)
+            fill_record(record, self.conv, completion, None, 499)
             sampled = f"after {completion.completion_tokens} sampled tokens (recorded)"
         else:
             sampled = "before its ids could be read"
         record.finish_reason, record.status_code = "abort", 499
         record.error = f"abort: the client disconnected mid-stream; the engine generation was aborted {sampled}"
-        row = self.row = await self.gateway._persist(record)
+        row = self.row = await self.calls.persist(record)
         await self._end()
         return row
 
@@ -337,7 +335,7 @@ class LiveCall:
 
     async def _failed(self, err: GatewayError) -> dict[str, Any]:
         """An error: the provider's error answer (or in-stream error event once committed), recorded."""
-        self.gateway._abandon(self.step)
+        self.calls.abandon(self.step)
         record = self.record
         record.error = f"{err.kind}: {err.message}"
         try:
@@ -352,7 +350,7 @@ class LiveCall:
                 await self.out.send(answer.body)
         except _ClientGone:
             pass
-        row = self.row = await self.gateway._persist(record)
+        row = self.row = await self.calls.persist(record)
         await self._end()
         return row
 
@@ -372,7 +370,7 @@ class LiveCall:
         """SGLang's streamed chunks do not carry the weight version: ask the engine (weights change between RL
         iterations, while no call runs)."""
         try:
-            return await self.gateway.engine.weight_version()
+            return await self.calls.engine.weight_version()
         except GatewayError:
             return None
 

@@ -22,11 +22,13 @@ from typing import Any
 
 import orjson
 
-from polar_mitm.codecs import CODECS, by_headers, detect
-from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer, parse_body
+from polar_mitm.codecs import DEFAULT_CODEC, by_path, detect, provider_for, websocket_codec
+from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
+from polar_mitm.codecs.common import parse_body
 from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
+from polar_mitm.gateway.calls import CallContext, fill_record
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
@@ -35,17 +37,6 @@ from polar_mitm.records import Record
 from polar_mitm.storage.journal import RecordWriter
 
 log = logging.getLogger("polar_mitm.gateway")
-
-PROVIDER_HOSTS = {
-    "api.anthropic.com": "anthropic",
-    "api.openai.com": "openai_chat",
-    "chatgpt.com": "openai_responses",
-    "generativelanguage.googleapis.com": "google",
-    "cloudcode-pa.googleapis.com": "google",
-    "dashscope.aliyuncs.com": "openai_chat",
-    "openrouter.ai": "openai_chat",
-}
-
 
 @dataclass
 class GatewayConfig:
@@ -85,6 +76,7 @@ class Gateway:
                  prompts: PromptBuilder | None = None) -> None:
         self.config, self.engine, self.writer = config, engine, writer
         self.prompts = prompts or PromptBuilder("messages")
+        self.calls = CallContext(engine, self.prompts, writer)
         self._seq: dict[str, itertools.count] = defaultdict(lambda: itertools.count(0))
 
     def seed_sequences(self, last_seq: dict[str, int]) -> None:
@@ -113,7 +105,7 @@ class Gateway:
         if req.headers.get("upgrade", "").lower() == "websocket":
             return self._no_websocket(req, path)
         if req.method == "POST":
-            codec = next((c for c in CODECS.values() if c.matches(path)), None)
+            codec = by_path(path)
             if codec is not None:  # the common case: decided by the path alone, body parsed off the loop
                 return await self._model_call(req, who, path, codec)
         provider = self._provider_for(req, path)
@@ -128,7 +120,7 @@ class Gateway:
             return HttpAnswer(200, b"", "text/plain")
         if provider is None and req.mode == "regular" and self.config.passthrough == "upstream":
             return None
-        shape = provider or CODECS["openai_chat"]
+        shape = provider or DEFAULT_CODEC
         return shape.encode_error(GatewayError(
             "not_found", f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
                          f"serves model APIs (set polar_passthrough=upstream to forward other traffic)"))
@@ -157,28 +149,16 @@ class Gateway:
         Codex opens the Responses API as a WebSocket first (`wss://…/v1/responses`); a 404 makes it retry five
         times with backoff (~6 s) before it falls back to HTTPS, HTTP 426 makes it fall back at once.
         """
-        shape = self._provider_for(req, path) or CODECS["openai_responses"]
+        shape = self._provider_for(req, path) or websocket_codec()
         answer = shape.encode_error(GatewayError(
             "not_found", "polar-mitm: WebSocket transport is not supported; use HTTPS (streaming SSE)"))
         answer.status = 426
         return answer
 
-    def _provider_for(self, req: GatewayRequest, path: str) -> Codec | None:
-        host = req.host.split(":")[0].lower()
-        if host in PROVIDER_HOSTS:
-            return CODECS[PROVIDER_HOSTS[host]]
-        hinted = by_headers(req.headers)
-        if hinted is not None:
-            return hinted
-        for codec in CODECS.values():
-            aux = getattr(codec, "count_tokens_path", None)
-            if aux and aux(path):
-                return codec
-        if req.mode == "reverse":  # everything sent to a reverse gateway is for the provider
-            if "/models" in path and (":" in path.rsplit("/", 1)[-1] or "v1beta" in path):
-                return CODECS["google"]
-            return CODECS["openai_chat"]
-        return None
+    @staticmethod
+    def _provider_for(req: GatewayRequest, path: str) -> Codec | None:
+        """The provider of a request that is not (known to be) a model call; None when nothing tells."""
+        return provider_for(req.host, req.headers, path, reverse=req.mode == "reverse")
 
     # -- auxiliary endpoints -------------------------------------------------------------------------------------
 
@@ -232,10 +212,9 @@ class Gateway:
     def _shape_for(self, req: GatewayRequest, path: str) -> Codec:
         """The provider whose error shape suits `req` (OpenAI's when nothing tells): never raises."""
         try:
-            return (next((c for c in CODECS.values() if c.matches(path)), None) or self._provider_for(req, path)
-                    or CODECS["openai_chat"])
+            return by_path(path) or self._provider_for(req, path) or DEFAULT_CODEC
         except Exception:
-            return CODECS["openai_chat"]
+            return DEFAULT_CODEC
 
     # -- model calls ---------------------------------------------------------------------------------------------
 
@@ -261,7 +240,7 @@ class Gateway:
             if record.call_kind == "compaction":  # its commit marks the session (replay and live alike)
                 self.prompts.mark_compaction(step)
             if live:
-                return LiveAnswer(LiveCall(self, codec, conv, record, step, engine_body, req.disconnected,
+                return LiveAnswer(LiveCall(self.calls, codec, conv, record, step, engine_body, req.disconnected,
                                            keepalive_seconds=self.config.keepalive_seconds,
                                            prompt_tokens=len(engine_request.get("input_ids") or ())))
             raw = await self._ask_engine(engine_body, req.disconnected)
@@ -286,32 +265,11 @@ class Gateway:
             answer = codec.encode_error(err)
             record.error, record.status_code = f"internal: {exc!r}", answer.status
             return with_record(answer, await self._persist(record))
-        self._fill_record(record, conv, completion, response, answer.status)
+        fill_record(record, conv, completion, response, answer.status)
         return with_record(answer, await self._persist(record))
 
-    @staticmethod
-    def _fill_record(record: Record, conv: Conversation, completion: Completion, response: str | None,
-                     status: int) -> None:
-        """A finished call's record: what the engine did (ids, logprobs, finish, sampling) and the answer sent.
-
-        Shared by the answered-whole and the live-streamed paths, so their records cannot drift apart.
-        """
-        record.model_used = completion.model
-        record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids
-        record.completion_logprobs = completion.completion_logprobs
-        record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
-        record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
-        record.response_json = response
-        record.engine_meta_json = completion.meta_json
-        record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
-        record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
-        record.greedy = is_greedy(conv.sampling)
-        record.status_code = status
-
     def _abandon(self, step: PromptStep | None) -> None:
-        """The call failed after its prompt was planned: no chain moves; stop a pending rendering check."""
-        if step is not None:
-            self.prompts.abandon(step)
+        self.calls.abandon(step)
 
     def _new_record(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> Record:
         """The record of a call, as an error until an answer fills it in (takes the session's next seq)."""
@@ -376,11 +334,7 @@ class Gateway:
 
     async def _persist(self, record: Record) -> dict[str, Any]:
         """Append the record durably; return its journal row."""
-        record.finished_at = datetime.now(UTC)
-        row = record.to_journal()
-        # Durable before the harness gets its answer: the writer resolves the future after fsync.
-        await asyncio.wrap_future(self.writer.write(row))
-        return row
+        return await self.calls.persist(record)
 
 
 # What SGLang samples with when a field is absent *and* it runs with `--sampling-defaults openai`. With its
@@ -389,7 +343,6 @@ class Gateway:
 # repetition_penalty is never recorded: it is pinned to neutral so a generation_config value cannot slip in.
 NEUTRAL_SAMPLING: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                                             "repetition_penalty": 1.0}
-GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is argmax
 
 
 def explicit_sampling(request: dict[str, Any]) -> dict[str, Any]:
@@ -398,13 +351,6 @@ def explicit_sampling(request: dict[str, Any]) -> dict[str, Any]:
         if request.get(key) is None:
             request[key] = neutral
     return {key: request[key] for key in NEUTRAL_SAMPLING}
-
-
-def is_greedy(sampling: dict[str, Any]) -> bool:
-    try:
-        return float(sampling["temperature"]) < GREEDY_TEMPERATURE or int(sampling["top_k"]) == 1
-    except (TypeError, ValueError):
-        return False
 
 
 OFFLOAD_BYTES = 32 << 10  # below this, JSON work takes well under a thread hop: do it inline

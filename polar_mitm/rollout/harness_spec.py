@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar_mitm.codecs import sdk_base_url
 from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
 from polar_mitm.rollout.tasks import Task
 from polar_mitm.session_ids import SessionId
@@ -81,7 +82,7 @@ class HarnessSpec:
         prefix = SessionId(session, task.task_id).path_prefix
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
-            base = gw.reverse_url + prefix + ("/v1" if self.value.startswith("openai") else "")
+            base = sdk_base_url(self.value, gw.reverse_url + prefix)
             # `--` ends the options: a prompt that starts with `-` is still the prompt.
             argv = [sys.executable, "-m", "polar_mitm.cli", "agent", "--provider", self.value,
                     "--base-url", base, "--workdir", str(workspace), "--", task.prompt]

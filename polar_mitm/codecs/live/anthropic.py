@@ -19,7 +19,8 @@ from polar_mitm.codecs.anthropic import (
     _tool_input,
     _usage,
 )
-from polar_mitm.codecs.base import GatewayError, sse_event
+from polar_mitm.codecs.base import GatewayError
+from polar_mitm.codecs.common import sse_event
 from polar_mitm.codecs.live.base import Delta, LiveStream, StreamHead
 from polar_mitm.conversation import Completion, Conversation
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from polar_mitm.codecs.base import GatewayError
+from polar_mitm.codecs.common import SSE_KEEPALIVE
 from polar_mitm.conversation import Completion, Conversation, ToolCall
 
 DeltaKind = Literal["reasoning", "text", "tool_call"]
-SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every SSE client skips it, and the idle timer restarts
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from polar_mitm.codecs.base import GatewayError, sse_event
+from polar_mitm.codecs.base import GatewayError
+from polar_mitm.codecs.common import sse_event
 from polar_mitm.codecs.google import GoogleCodec, _call_parts, _chunk
 from polar_mitm.codecs.live.base import Delta, LiveStream, StreamHead
 from polar_mitm.conversation import Completion, Conversation

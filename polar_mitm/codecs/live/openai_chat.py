@@ -9,13 +9,12 @@ import json
 import time
 from typing import Any
 
-from polar_mitm.codecs.base import GatewayError, sse_event
+from polar_mitm.codecs.base import GatewayError
+from polar_mitm.codecs.common import SSE_DONE, sse_event
 from polar_mitm.codecs.live.base import Delta, LiveStream, StreamHead
-from polar_mitm.codecs.openai_chat import _finish_reason, _tool_call_json, _usage
-from polar_mitm.codecs.openai_common import id_core, openai_error_answer
+from polar_mitm.codecs.openai_chat import OpenAIChatCodec, _finish_reason, _tool_call_json, _usage
+from polar_mitm.codecs.openai_common import id_core
 from polar_mitm.conversation import Completion, Conversation
-
-DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIChatLive(LiveStream):
@@ -52,7 +51,7 @@ class OpenAIChatLive(LiveStream):
         out = self._chunk({}, _finish_reason(completion))
         if self.conv.include_usage:
             out += sse_event({**self.chunk_head, "choices": [], "usage": _usage(completion)})
-        return out + DONE
+        return out + SSE_DONE
 
     def fail(self, error: GatewayError) -> bytes:
-        return sse_event(json.loads(openai_error_answer(error).body)) + DONE
+        return sse_event(json.loads(OpenAIChatCodec().encode_error(error).body)) + SSE_DONE

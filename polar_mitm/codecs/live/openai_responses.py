@@ -12,8 +12,9 @@ from typing import Any
 
 from polar_mitm.codecs.base import GatewayError
 from polar_mitm.codecs.live.base import Delta, LiveStream, StreamHead
-from polar_mitm.codecs.openai_common import id_core, openai_error_answer
+from polar_mitm.codecs.openai_common import id_core
 from polar_mitm.codecs.openai_responses import (
+    OpenAIResponsesCodec,
     _custom_input,
     _EventCounter,
     _output_text_part,
@@ -69,7 +70,7 @@ class OpenAIResponsesLive(LiveStream):
         return out + self.events.emit(f"response.{final['status']}", response=final)
 
     def fail(self, error: GatewayError) -> bytes:
-        body = json.loads(openai_error_answer(error).body)["error"]
+        body = json.loads(OpenAIResponsesCodec().encode_error(error).body)["error"]
         return self.events.emit("error", code=body["code"], message=body["message"], param=None)
 
     def _open(self, kind: str) -> bytes:

@@ -1,0 +1,64 @@
+"""What a model call needs from the gateway, whether it is answered whole (service.py) or live (live.py): the
+engine, the sessions' prompt chains, and the durable record. Both paths fill the record with `fill_record`, so their
+records cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.gateway.engine_client import EngineClient
+from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
+from polar_mitm.records import Record
+from polar_mitm.storage.journal import RecordWriter
+
+GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is argmax
+
+
+@dataclass
+class CallContext:
+    """The gateway's shared parts a model call uses."""
+
+    engine: EngineClient
+    prompts: PromptBuilder
+    writer: RecordWriter
+
+    def abandon(self, step: PromptStep | None) -> None:
+        """The call failed after its prompt was planned: no chain moves; stop a pending rendering check."""
+        if step is not None:
+            self.prompts.abandon(step)
+
+    async def persist(self, record: Record) -> dict[str, Any]:
+        """Append the record durably; return its journal row."""
+        record.finished_at = datetime.now(UTC)
+        row = record.to_journal()
+        # Durable before the harness gets its answer: the writer resolves the future after fsync.
+        await asyncio.wrap_future(self.writer.write(row))
+        return row
+
+
+def fill_record(record: Record, conv: Conversation, completion: Completion, response: str | None,
+                status: int) -> None:
+    """A finished call's record: what the engine did (ids, logprobs, finish, sampling) and the answer sent."""
+    record.model_used = completion.model
+    record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids
+    record.completion_logprobs = completion.completion_logprobs
+    record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
+    record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
+    record.response_json = response
+    record.engine_meta_json = completion.meta_json
+    record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
+    record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
+    record.greedy = is_greedy(conv.sampling)
+    record.status_code = status
+
+
+def is_greedy(sampling: dict[str, Any]) -> bool:
+    try:
+        return float(sampling["temperature"]) < GREEDY_TEMPERATURE or int(sampling["top_k"]) == 1
+    except (TypeError, ValueError):
+        return False
