@@ -3,6 +3,9 @@
 TRL's fields keep their meaning wherever they still apply (`loss_type`, `epsilon`, `epsilon_high`, `beta`,
 `scale_rewards`, `importance_sampling_level`, `num_iterations`, …). Fields about generation do not apply: the
 completions were sampled by the engine behind the gateway, and are read from merged shards.
+
+Every field carries its help in `metadata["help"]`: each field added here becomes a `polar-mitm grpo` option with
+that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where its `TRL_OPTIONS` lists them).
 """
 
 from __future__ import annotations
