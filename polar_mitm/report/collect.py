@@ -101,9 +101,12 @@ def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> S
 
 def merged_session_rewards(merged_dir: Path) -> list[dict[str, Any]]:
     """One row per session of the merged shards (session_id, task_id, reward), for sessions with a reward."""
-    import pyarrow.dataset as ds
+    from polar_mitm.storage.merged import read_merged
 
-    table = ds.dataset(str(merged_dir), format="parquet").to_table(columns=["session_id", "task_id", "reward"])
+    try:
+        table = read_merged(merged_dir, columns=["session_id", "task_id", "reward"])
+    except FileNotFoundError:  # a merge that wrote no shard: no sequences, so no rewards
+        return []
     sessions: dict[str, dict[str, Any]] = {}
     for row in table.to_pylist():
         if row["reward"] is not None:
