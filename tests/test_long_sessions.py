@@ -37,7 +37,7 @@ from polar_mitm.records import RECORD_SCHEMA
 pytestmark = pytest.mark.slow
 
 PROMPT = "Run the numbered shell steps one by one until you are told to stop."
-SCRIPT = long_session_script()
+SCRIPT = long_session_script(a_lines=150)
 B_STEPS = 5
 GEMINI_TOKEN_LIMIT = 1048576  # tokenLimit() of every Gemini model name in @google/gemini-cli 0.61
 RESULTS: list[dict[str, Any]] = []
@@ -90,33 +90,36 @@ class Plan:
 
 
 def plans() -> dict[str, Plan]:
-    """Thresholds ≈ the harness's own prompt + ~8k tokens: phase A (≈2.1k tokens a step) crosses it after 4-5
+    """Thresholds ≈ the harness's own prompt + ~4.5k tokens: phase A (≈1.1k tokens a step) crosses it after 4
     steps; after the compaction (prompt + summary) the harness is well below it again."""
     return {
-        # Claude Code: threshold = window − min(max output, 20k) − 13k (its autocompact buffer).
-        "claude-code": Plan(tuned(HARNESSES["claude-code"], env={"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "54000"}),
-                            "proxy", "CLAUDE_CODE_AUTO_COMPACT_WINDOW=54000 (auto-compact at ~21k tokens)"),
+        # Claude Code: threshold = min(effective window × pct, effective window − 13k), effective window = window −
+        # min(max output, 20k); the window env var is floored at 100k, the percentage is not.
+        "claude-code": Plan(tuned(HARNESSES["claude-code"], env={"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
+                                                                 "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "20"}),
+                            "proxy", "CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000 + CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=20 "
+                            "(auto-compact at 16k tokens)"),
         # Codex: auto-compacts once the last response's total tokens reach the limit. A custom provider
         # (base-URL mode) compacts locally: a plain /responses call with its compaction prompt.
-        "codex": Plan(tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 16000"]),
-                      "base-url", "config.toml model_auto_compact_token_limit = 16000"),
+        "codex": Plan(tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 12500"]),
+                      "base-url", "config.toml model_auto_compact_token_limit = 12500"),
         # Gemini CLI: compresses when the last prompt's token count ≥ model.compressionThreshold × tokenLimit.
         "gemini": Plan(tuned(HARNESSES["gemini"], json_files={".gemini/settings.json": {
-            "model": {"compressionThreshold": 18000 / GEMINI_TOKEN_LIMIT}}}),
-            "base-url", "settings.json model.compressionThreshold = 18000/1048576"),
+            "model": {"compressionThreshold": 14500 / GEMINI_TOKEN_LIMIT}}}),
+            "base-url", "settings.json model.compressionThreshold = 14500/1048576"),
         # Qwen Code: auto threshold = min(pct × window, window − 20k − 13k) (pct × window below 33k).
         "qwen": Plan(tuned(HARNESSES["qwen"], json_files={".qwen/settings.json": {
-            "model": {"generationConfig": {"contextWindowSize": 30000}}, "context": {"autoCompactThreshold": 0.85}}}),
-            "base-url", "settings.json contextWindowSize 30000, context.autoCompactThreshold 0.85 (≈25.5k)"),
+            "model": {"generationConfig": {"contextWindowSize": 25000}}, "context": {"autoCompactThreshold": 0.86}}}),
+            "base-url", "settings.json contextWindowSize 25000, context.autoCompactThreshold 0.86 (21.5k)"),
         # opencode: compacts once the last step's tokens ≥ limit.context − limit.output.
         "opencode": Plan(tuned(HARNESSES["opencode"], json_files={".config/opencode/opencode.json": {
-            "provider": {"polar": {"models": {"polar-model": {"limit": {"context": 19000, "output": 4096}}}}}}}),
-            "base-url", "opencode.json model limit {context: 19000, output: 4096}"),
+            "provider": {"polar": {"models": {"polar-model": {"limit": {"context": 15700, "output": 4096}}}}}}}),
+            "base-url", "opencode.json model limit {context: 15700, output: 4096}"),
         # Pi: the threshold check runs only when the agent ends (after the answer), so a one-shot run compacts
         # mid-session only on an overflow: the engine's context is small and Pi compacts and retries.
         "pi": Plan(tuned(HARNESSES["pi"], json_files={".pi/agent/settings.json": {
             "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 2000}}}),
-            "base-url", "engine --context-length 9000 → overflow error → compact and retry", context_length=9000),
+            "base-url", "engine --context-length 6000 → overflow error → compact and retry", context_length=6000),
     }
 
 
