@@ -86,7 +86,9 @@ class Plan:
     mode: str  # hook-up mode
     trigger: str  # in words, for the table and the recipes
     context_length: int | None = None  # the engine's context (None: the model's own)
-    expect: dict[str, Any] = field(default_factory=dict)
+    script: dict[str, Any] = field(default_factory=lambda: SCRIPT)
+    b_steps: int = B_STEPS  # shell calls after the compaction
+    resume: list[str] | None = None  # a harness that compacts only between prompts: args of a second prompt
 
 
 def plans() -> dict[str, Plan]:
@@ -103,10 +105,15 @@ def plans() -> dict[str, Plan]:
         # (base-URL mode) compacts locally: a plain /responses call with its compaction prompt.
         "codex": Plan(tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 12500"]),
                       "base-url", "config.toml model_auto_compact_token_limit = 12500"),
-        # Gemini CLI: compresses when the last prompt's token count ≥ model.compressionThreshold × tokenLimit.
+        # Gemini CLI: compresses when the last prompt's token count ≥ model.compressionThreshold × tokenLimit, but
+        # only history before a user message that is not a tool result (findCompressSplitPoint): inside one
+        # prompt's tool loop there is none, so it compresses when a second prompt resumes the session (`-r
+        # latest`), where the count is its estimate of the resumed history (~chars/4: ~3k tokens here).
         "gemini": Plan(tuned(HARNESSES["gemini"], json_files={".gemini/settings.json": {
-            "model": {"compressionThreshold": 14500 / GEMINI_TOKEN_LIMIT}}}),
-            "base-url", "settings.json model.compressionThreshold = 14500/1048576"),
+            "model": {"compressionThreshold": 1500 / GEMINI_TOKEN_LIMIT}}}),
+            "base-url", "settings.json model.compressionThreshold = 1500/1048576; second prompt with -r latest",
+            script=long_session_script(a_steps=8, b_steps=0, a_lines=150, a_final="Phase A is done."),
+            b_steps=0, resume=["-r", "latest"]),
         # Qwen Code: auto threshold = min(pct × window, window − 20k − 13k) (pct × window below 33k).
         "qwen": Plan(tuned(HARNESSES["qwen"], json_files={".qwen/settings.json": {
             "model": {"generationConfig": {"contextWindowSize": 25000}}, "context": {"autoCompactThreshold": 0.86}}}),
@@ -178,12 +185,18 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
     plan = plans()[name]
-    stack = start_stack(tmp_path_factory.mktemp(f"long-{name}"), SCRIPT, context_length=plan.context_length)
+    stack = start_stack(tmp_path_factory.mktemp(f"long-{name}"), plan.script, context_length=plan.context_length)
     try:
         session = f"long-{name}-{uuid.uuid4().hex[:8]}"
         work = stack.root / "work"
         run = stack.run(plan.harness, PROMPT, mode=plan.mode, session=session, task="long-task",
                         workspace=work, home=stack.root / "home", timeout=420)
+        if plan.resume is not None and run.returncode == 0:
+            first_wall = run.wall_s
+            run = stack.run(plan.harness, "Continue with the next steps.", mode=plan.mode, session=session,
+                            task="long-task", workspace=work, home=stack.root / "home", timeout=300,
+                            args=plan.resume)
+            run.wall_s += first_wall
         rows = stack.records(session)
     finally:
         stack.stop()
@@ -207,7 +220,8 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     last_compaction = max(r["seq"] for r in rows if r["call_kind"] == "compaction")
     after = [r for r in rows if r["seq"] > last_compaction and r["call_kind"] == "main"]
     assert any(PHASE_B in r["messages_json"] for r in after), context
-    assert any(b_marker(B_STEPS) in texts[r["request_id"]] for r in after), context
+    if plan.b_steps:
+        assert any(b_marker(plan.b_steps) in texts[r["request_id"]] for r in after), context
     assert any(texts[r["request_id"]] == FINAL for r in after), context
     # Merge: a new chain after each compaction, named for it; every answered call is in a sequence.
     assert breaks.get(BREAK_COMPACTION, 0) >= 1, context
@@ -217,3 +231,64 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
               in chain_of]
     assert before and after, context
     assert chain_of[before[0]["request_id"]] != chain_of[after[-1]["request_id"]], context
+
+
+# -- Claude Code with a subagent ---------------------------------------------------------------------------------
+
+SUBAGENT_TASK = "Run the subagent step and report back."
+SUBAGENT_SCRIPT = {
+    "turns": [{"text": "I will hand this to a subagent.", "tool_call": {
+        "name": ["Agent", "Task"], "arguments": {
+            "description": "Run the subagent step", "prompt": SUBAGENT_TASK, "subagent_type": "general-purpose",
+            "run_in_background": False}}}],
+    "side": "Subagent step",
+    "replies": [
+        # main thread, once the Agent tool's result (the subagent's answer) is back
+        {"when": "SUBAGENT-DONE", "text": FINAL},
+        # the subagent, after its shell call
+        {"when": "SUBAGENT-STEP", "text": "SUBAGENT-DONE: the step ran."},
+        # the subagent's first call: its task is its user message
+        {"when": SUBAGENT_TASK, "text": "Running the step.", "tool_call": {
+            "name": ["Bash"], "arguments": {"command": "echo SUBAGENT-STEP", "description": "Run the step"}}},
+    ],
+}
+
+
+def first_user_text(row: dict[str, Any]) -> str:
+    user = next((m for m in json.loads(row["messages_json"]) if m["role"] == "user"), None)
+    return json.dumps(user["content"]) if user else ""
+
+
+def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_factory, tiny_engine):
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the harness CLIs need it")
+    stack = start_stack(tmp_path_factory.mktemp("subagent"), SUBAGENT_SCRIPT, context_length=None)
+    try:
+        session = f"subagent-{uuid.uuid4().hex[:8]}"
+        run = stack.run(HARNESSES["claude-code"], "Have a subagent run the step.", mode="proxy", session=session,
+                        task="subagent-task", workspace=stack.root / "work", home=stack.root / "home", timeout=300)
+        rows = stack.records(session)  # the subagent's calls are found by the parent's session id
+    finally:
+        stack.stop()
+    context = run.describe() + "\n" + "\n".join(
+        f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['finish_reason']} {first_user_text(r)[:80]}"
+        for r in rows)
+    assert run.returncode == 0, context
+    eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sequences, breaks, drops = merge_session(rows, eot)
+    main = [r for r in rows if r["call_kind"] == "main" and "subagent run the step" in first_user_text(r)]
+    sub = [r for r in rows if r["call_kind"] == "main" and SUBAGENT_TASK in first_user_text(r)
+           and r not in main]
+    kinds = Counter(r["call_kind"] for r in rows)
+    RESULTS.append({"harness": "claude+agent", "calls": len(rows), "main": kinds["main"],
+                    "compactions": kinds["compaction"], "errors": sum(r["status_code"] != 200 for r in rows),
+                    "chains": len(sequences), "drops": drops, "breaks": breaks, "wall_s": run.wall_s})
+    assert len(main) >= 2 and len(sub) >= 2, context
+    assert all(r["session_id"] == session and r["task_id"] == "subagent-task" for r in sub)
+    texts = [tiny_engine.tokenizer.decode(r["completion_ids"], skip_special_tokens=True) for r in main]
+    assert texts[-1] == FINAL, context  # the main thread finished after the subagent's answer came back
+    chain_of = {rid: i for i, seq in enumerate(sequences) for rid in seq.request_ids}
+    main_chains = {chain_of[r["request_id"]] for r in main}
+    sub_chains = {chain_of[r["request_id"]] for r in sub}
+    assert len(main_chains) == 1 and len(sub_chains) == 1 and main_chains != sub_chains, (main_chains, sub_chains)
+    assert drops == 0, context
