@@ -125,7 +125,7 @@ def plans() -> dict[str, Plan]:
         # Pi: the threshold check runs only when the agent ends (after the answer), so a one-shot run compacts
         # mid-session only on an overflow: the engine's context is small and Pi compacts and retries.
         "pi": Plan(tuned(HARNESSES["pi"], json_files={".pi/agent/settings.json": {
-            "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 2000}}}),
+            "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 400}}}),
             "base-url", "engine --context-length 6000 → overflow error → compact and retry", context_length=6000),
     }
 
@@ -208,7 +208,7 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
               "breaks": breaks, "wall_s": run.wall_s}
     RESULTS.append(result)
     context = (run.describe() + f"\nlogs: {stack.root}\n{result}\n"
-               + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']:6} "
+               + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} "
                            f"{r['finish_reason']}" for r in rows))
 
     assert run.returncode == 0, context
