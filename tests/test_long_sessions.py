@@ -165,7 +165,8 @@ def report_table(request):
         for r in RESULTS:
             breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
             reporter.write_line(f"{r['harness']:12} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
-                                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}")
+                                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
+                                + (f"  → {r['reaction']}" if "reaction" in r else ""))
 
 
 def merge_session(rows: list[dict[str, Any]], eot_id: int) -> tuple[list, dict[str, int], int]:
@@ -292,3 +293,53 @@ def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_fact
     sub_chains = {chain_of[r["request_id"]] for r in sub}
     assert len(main_chains) == 1 and len(sub_chains) == 1 and main_chains != sub_chains, (main_chains, sub_chains)
     assert drops == 0, context
+
+
+# -- context overflow: each harness's reaction to the provider's own "too long" error ----------------------------
+
+# The engine's context: the harness's first prompt (measured here, engine tokens) + ~3.5k, so phase A overflows
+# it after three steps. The harness presets are the plain ones (no compaction settings).
+OVERFLOW_CONTEXT = {"claude-code": 15200, "codex": 10800, "gemini": 12900, "qwen": 20600, "opencode": 10600}
+OVERFLOW_MODE = {"claude-code": "proxy", "codex": "base-url", "gemini": "base-url", "qwen": "base-url",
+                 "opencode": "base-url"}
+# What each harness does, observed (Pi: see its long session above — it compacts and retries once).
+OVERFLOW_REACTION = {
+    "claude-code": "compacts and retries",
+    "codex": "compacts and retries",
+    "gemini": "stops with the error",
+    "qwen": "compacts and retries",
+    "opencode": "compacts and retries",
+}
+
+
+@pytest.mark.parametrize("name", list(OVERFLOW_CONTEXT))
+def test_context_overflow_reaction(tmp_path_factory, tiny_engine, name):
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the harness CLIs need it")
+    stack = start_stack(tmp_path_factory.mktemp(f"overflow-{name}"), SCRIPT, context_length=OVERFLOW_CONTEXT[name])
+    try:
+        session = f"overflow-{name}-{uuid.uuid4().hex[:8]}"
+        run = stack.run(HARNESSES[name], PROMPT, mode=OVERFLOW_MODE[name], session=session, task="overflow-task",
+                        workspace=stack.root / "work", home=stack.root / "home", timeout=300)
+        rows = stack.records(session)
+    finally:
+        stack.stop()
+    errors = [r for r in rows if r["status_code"] != 200]
+    context = run.describe() + "\n" + "\n".join(
+        f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} {r['finish_reason']} "
+        f"{(r['error'] or '')[:90]}" for r in rows)
+    assert errors, context  # the engine's context was overflowed
+    assert all("context length" in (r["error"] or "") for r in errors), context
+    first_error = min(r["seq"] for r in errors)
+    compacted = any(r["call_kind"] == "compaction" and r["seq"] > first_error for r in rows)
+    retried = any(r["call_kind"] == "main" and r["status_code"] == 200 and r["seq"] > first_error for r in rows)
+    reaction = ("compacts and retries" if compacted and retried else "compacts" if compacted
+                else "retries without compacting" if retried else "stops with the error")
+    eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sequences, breaks, drops = merge_session(rows, eot)
+    kinds = Counter(r["call_kind"] for r in rows)
+    RESULTS.append({"harness": f"{name} (overflow)", "calls": len(rows), "main": kinds["main"],
+                    "compactions": kinds["compaction"], "errors": len(errors), "chains": len(sequences),
+                    "drops": drops, "breaks": breaks, "wall_s": run.wall_s, "reaction": reaction})
+    assert drops == 0, context
+    assert reaction == OVERFLOW_REACTION[name], context
