@@ -8,6 +8,10 @@ overflow — the engine's context is made small, so the provider's "too long" er
 Checked on the records: the session completed; the compaction call(s) were recorded (`call_kind = "compaction"`);
 merge starts a new chain after each compaction with the reason "compaction"; every answered call is in a merged
 sequence (nothing dropped). A closing table gives calls, compactions, chains, breaks by reason and drops.
+
+Also: Claude Code with a subagent (its own chain, the parent's session id); each harness's reaction when a prompt
+overflows the engine's context (compacts and retries, or stops); Codex's remote compaction v2 in proxy mode, which
+the gateway does not serve yet (strict xfail). recipes/<harness>.md say what these runs showed.
 """
 
 from __future__ import annotations
@@ -160,11 +164,11 @@ def report_table(request):
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line("\nlong real sessions with the harness's own compaction:")
-        reporter.write_line(f"{'harness':12} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
+        reporter.write_line(f"{'harness':22} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
                             f"{'drops':>5} {'wall':>6}  breaks by reason")
         for r in RESULTS:
             breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
-            reporter.write_line(f"{r['harness']:12} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
+            reporter.write_line(f"{r['harness']:22} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
                                 f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
                                 + (f"  → {r['reaction']}" if "reaction" in r else ""))
 
