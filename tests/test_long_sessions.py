@@ -301,11 +301,12 @@ def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_fact
 
 # -- context overflow: each harness's reaction to the provider's own "too long" error ----------------------------
 
-# The engine's context: the harness's first prompt (measured here, engine tokens) + ~3.5k, so phase A overflows
+# The engine's context: the harness's first prompt (measured here, engine tokens) + ~3k, so phase A overflows
 # it after three steps. The harness presets are the plain ones (no compaction settings).
-OVERFLOW_CONTEXT = {"claude-code": 15200, "codex": 10800, "gemini": 12900, "qwen": 20600, "opencode": 10600}
+OVERFLOW_CONTEXT = {"claude-code": 14900, "codex": 10800, "gemini": 12900, "qwen": 20300, "opencode": 10200}
 OVERFLOW_MODE = {"claude-code": "proxy", "codex": "base-url", "gemini": "base-url", "qwen": "base-url",
                  "opencode": "base-url"}
+OVERFLOW_SCRIPT = long_session_script(a_lines=150, b_steps=1)  # one call after the compaction is enough here
 # What each harness does, observed (Pi: see its long session above — it compacts and retries once).
 OVERFLOW_REACTION = {
     "claude-code": "compacts and retries",
@@ -320,7 +321,8 @@ OVERFLOW_REACTION = {
 def test_context_overflow_reaction(tmp_path_factory, tiny_engine, name):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
-    stack = start_stack(tmp_path_factory.mktemp(f"overflow-{name}"), SCRIPT, context_length=OVERFLOW_CONTEXT[name])
+    stack = start_stack(tmp_path_factory.mktemp(f"overflow-{name}"), OVERFLOW_SCRIPT,
+                        context_length=OVERFLOW_CONTEXT[name])
     try:
         session = f"overflow-{name}-{uuid.uuid4().hex[:8]}"
         run = stack.run(HARNESSES[name], PROMPT, mode=OVERFLOW_MODE[name], session=session, task="overflow-task",
