@@ -98,6 +98,7 @@ def test_context_overflow_is_a_provider_shaped_400(small_context_gateway):
     assert isinstance(raised["google"], gerrors.ClientError) and raised["google"].status == "INVALID_ARGUMENT"
 
 
+@pytest.mark.slow
 def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_engine_url, tmp_path):
     out = tmp_path / "flows"
     gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")

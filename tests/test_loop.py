@@ -14,6 +14,7 @@ from polar_mitm.storage.records import read_all
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [0, 1], ids=["sequential", "overlap"])
 def test_loop_iterations_train_push_and_record_new_weight_versions(tmp_path, overlap):
     cfg = LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=tmp_path / "run", iterations=2, group_size=2,

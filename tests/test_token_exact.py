@@ -268,6 +268,7 @@ def test_compaction_and_interleaved_threads_get_their_own_chains(gateways, eot_i
     assert fidelity_share(sequences, records) == 1.0
 
 
+@pytest.mark.slow
 def test_gateway_restart_opens_a_new_chain_cleanly(exact_engine_url, tmp_path, eot_id):
     session = f"restart-{uuid.uuid4().hex[:8]}"
     gw = start_gateway(exact_engine_url, tmp_path, polar_prompt_mode="tokens")
@@ -288,6 +289,7 @@ def test_gateway_restart_opens_a_new_chain_cleanly(exact_engine_url, tmp_path, e
     assert fidelity_share(sequences, records) == 1.0
 
 
+@pytest.mark.slow
 def test_a_renderer_that_disagrees_with_the_engine_falls_back_to_messages(exact_engine_url, tiny_model_dir,
                                                                            tmp_path):
     """The gateway never trusts its own rendering: a tokenizer whose template differs is caught on call 1."""

@@ -93,6 +93,7 @@ def test_chatml_parse_renders_back_to_the_same_ids(tiny_engine):
     assert list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)) == ids
 
 
+@pytest.mark.slow
 def test_sft_trainer_takes_both_exports_directly(sequences, tiny_engine, tiny_model_dir, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
