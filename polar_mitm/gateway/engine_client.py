@@ -16,6 +16,11 @@ import orjson
 
 from polar_mitm.codecs.base import GatewayError
 
+# uvicorn (SGLang's server and ours) closes an idle keep-alive connection after 5 s; aiohttp would keep it 15 s, and a
+# call sent on a connection the engine is closing fails with ServerDisconnectedError before the engine read it. Idle
+# connections are dropped first on our side, and such a call is sent once more on a fresh connection.
+KEEPALIVE_SECONDS = 4.0
+
 
 class EngineClient:
     """A pooled async HTTP client; maps engine failures to typed GatewayErrors."""
@@ -32,7 +37,8 @@ class EngineClient:
         # Created lazily: an aiohttp session belongs to the event loop that first uses it.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300,
+                                               keepalive_timeout=KEEPALIVE_SECONDS),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5.0),
                 trust_env=False,  # never route engine traffic through the harness's HTTPS_PROXY (ourselves)
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
@@ -45,10 +51,16 @@ class EngineClient:
 
     async def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         try:
-            async with self._client().request(method, self.base_url + path, data=body,
-                                               headers={"content-type": "application/json"}) as resp:
-                raw = await resp.read()
-                status = resp.status
+            for attempt in (1, 2):
+                try:
+                    async with self._client().request(method, self.base_url + path, data=body,
+                                                       headers={"content-type": "application/json"}) as resp:
+                        raw = await resp.read()
+                        status = resp.status
+                    break
+                except aiohttp.ServerDisconnectedError:
+                    if attempt == 2:
+                        raise
         except TimeoutError as exc:
             raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -64,8 +76,12 @@ class EngineClient:
         Leaving the context early closes the connection, which SGLang and `polar-mitm serve` both take as an abort.
         """
         try:
-            resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
-                                             headers={"content-type": "application/json"})
+            try:
+                resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
+                                                 headers={"content-type": "application/json"})
+            except aiohttp.ServerDisconnectedError:  # a closing keep-alive connection: once more on a fresh one
+                resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
+                                                 headers={"content-type": "application/json"})
         except TimeoutError as exc:
             raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
