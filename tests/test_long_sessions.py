@@ -20,7 +20,6 @@ import json
 import shutil
 import uuid
 from collections import Counter
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from polar_mitm import procs
 from polar_mitm.harness import HARNESSES, Harness, Hookup
 from polar_mitm.harness.long_session import FINAL, PHASE_B, b_marker, long_session_script
-from polar_mitm.harness.netns import try_namespace
 from polar_mitm.harness.stack import HarnessStack
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import BREAK_COMPACTION
@@ -138,21 +135,9 @@ def plans() -> dict[str, Plan]:
 
 
 def start_stack(root: Path, script: dict[str, Any], *, context_length: int | None) -> HarnessStack:
-    """The scripted engine (with `--context-length` when given) and the gateway, as HarnessStack.start does."""
-    root.mkdir(parents=True, exist_ok=True)
-    script_file = root / "script.json"
-    script_file.write_text(json.dumps(script, indent=1))
-    engine_args = ["--script", str(script_file)]
-    if context_length:
-        engine_args += ["--context-length", str(context_length)]
-    netns, isolation = try_namespace()
-    with ExitStack() as running:
-        if netns is not None:
-            running.callback(netns.close)  # last: after the gateway and the engine inside it
-        _, gateway = running.enter_context(procs.engine_and_gateway(
-            root / "flows", confdir=root / "conf", model="tiny", engine_args=engine_args,
-            engine_log=root / "engine.log", gateway_log=root / "gateway.log", netns=netns))
-        return HarnessStack(root=root, netns=netns, isolation=isolation, gateway=gateway, running=running.pop_all())
+    """The scripted engine (with `--context-length` when given) and the gateway."""
+    return HarnessStack.start(root, script,
+                              engine_args=["--context-length", str(context_length)] if context_length else None)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -48,7 +48,8 @@ class HarnessStack:
 
     @classmethod
     def start(cls, root: Path, script: dict[str, Any], *, isolate: bool = True,
-              gateway_options: dict[str, str] | None = None, engine_threads: int | None = None) -> HarnessStack:
+              gateway_options: dict[str, str] | None = None, engine_threads: int | None = None,
+              engine_args: list[str] | None = None) -> HarnessStack:
         root.mkdir(parents=True, exist_ok=True)
         script_file = root / "script.json"
         script_file.write_text(json.dumps(script, indent=1))
@@ -57,6 +58,7 @@ class HarnessStack:
             if netns is not None:
                 running.callback(netns.close)  # last: after the gateway and the engine inside it
             extra = ["--script", str(script_file)] + (["--threads", str(engine_threads)] if engine_threads else [])
+            extra += engine_args or []
             _, gateway = running.enter_context(procs.engine_and_gateway(
                 root / "flows", confdir=root / "conf", model="tiny", engine_args=extra, engine_log=root / "engine.log",
                 gateway_log=root / "gateway.log", gateway_options=gateway_options, netns=netns))
