@@ -11,7 +11,7 @@ Used by the tests, by `scripts/record_sample_flows.py`, and as the built-in `sdk
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,19 @@ def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream
     return SessionResult("", max_turns, commands)
 
 
+def join_chat_stream(chunks: Iterable[Any]) -> tuple[str, list[dict[str, str]]]:
+    """A streamed Chat Completions answer put back together: its text and its tool calls (id, name, arguments)."""
+    content, calls = "", {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+    return content, list(calls.values())
+
+
 def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
                         max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
     import openai
@@ -77,18 +90,11 @@ def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stre
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
         if stream:
-            content, acc = "", {}
-            for chunk in client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools,
-                                                        stream=True, stream_options={"include_usage": True}):
-                for choice in chunk.choices:
-                    content += choice.delta.content or ""
-                    for tc in choice.delta.tool_calls or []:
-                        entry = acc.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
-                        entry["name"] += tc.function.name or ""
-                        entry["arguments"] += tc.function.arguments or ""
+            content, calls = join_chat_stream(client.chat.completions.create(
+                model="gpt-4.1", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}))
             message = openai.types.chat.ChatCompletionMessage(role="assistant", content=content or None, tool_calls=[
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in acc.values()] or None)
+                for c in calls] or None)
         else:
             message = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
         if not message.tool_calls:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from polar_mitm import procs
+from polar_mitm.sdk_agent import join_chat_stream
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -140,17 +141,11 @@ def _openai_chat(base: str | None, history: list, stream: bool) -> Turn:
     messages = history or [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TEXT}]
     events: list[str] = []
     if stream:
-        content, acc = "", {}
-        for chunk in client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools, stream=True,
-                                                    stream_options={"include_usage": True}):
-            events.append("usage" if chunk.usage else "chunk")
-            for choice in chunk.choices:
-                content += choice.delta.content or ""
-                for tc in choice.delta.tool_calls or []:
-                    entry = acc.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
-                    entry["name"] += tc.function.name or ""
-                    entry["arguments"] += tc.function.arguments or ""
-        calls = [(c["id"], c["name"], c["arguments"]) for c in acc.values()]
+        chunks = list(client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools, stream=True,
+                                                     stream_options={"include_usage": True}))
+        events = ["usage" if chunk.usage else "chunk" for chunk in chunks]
+        content, joined = join_chat_stream(chunks)
+        calls = [(c["id"], c["name"], c["arguments"]) for c in joined]
     else:
         message = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
         content = message.content or ""
