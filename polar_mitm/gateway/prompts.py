@@ -74,8 +74,13 @@ class PromptBuilder:
         """Load the engine's tokenizer now (tokens mode) instead of on the first call; None when not available."""
         return await self._renderer() if self.mode == "tokens" else None
 
-    async def prepare(self, session_id: str, conv: Conversation, request: dict[str, Any]) -> tuple[PromptStep, bytes]:
-        """Decide the prompt of one call; returns the step and the engine request body (JSON bytes)."""
+    async def prepare(self, session_id: str, conv: Conversation, request: dict[str, Any],
+                      call_kind: str | None = None) -> tuple[PromptStep, bytes]:
+        """Decide the prompt of one call; returns the step and the engine request body (JSON bytes).
+
+        `call_kind` (the record's): a compaction's commit marks the session; the next main call that opens a chain
+        is recorded as its consequence (compaction_label.py).
+        """
         if self.mode == "messages":
             return PromptStep(mode="messages"), await _dumps(request)
         renderer = await self._renderer()
@@ -86,7 +91,7 @@ class PromptBuilder:
 
         def plan_and_dump() -> tuple[Plan, bytes]:
             text = renderer.render(request)
-            plan = chains.plan(session_id, text, conv.messages, renderer.encode)
+            plan = chains.plan(session_id, text, conv.messages, renderer.encode, call_kind)
             if plan.input_ids is not None:
                 request["input_ids"] = plan.input_ids  # messages stay: the engine's parsers still need them
             return plan, orjson.dumps(request)
@@ -117,12 +122,6 @@ class PromptBuilder:
                         step.plan.session_id)
             return
         await asyncio.to_thread(self._chains.commit, step.plan, completion)
-
-    @staticmethod
-    def mark_compaction(step: PromptStep) -> None:
-        """This call is a compaction: once committed, the session's next new chain is recorded as caused by it."""
-        if step.plan is not None:
-            step.plan.compaction = True
 
     def abandon(self, step: PromptStep) -> None:
         """The engine call failed: nothing to commit; stop a pending rendering check."""

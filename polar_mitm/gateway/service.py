@@ -235,10 +235,9 @@ class Gateway:
             if live:  # the engine streams too; the harness gets tokens as they are sampled
                 live_engine_request(engine_request, record.request_id)
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
-            step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request)
+            # (a compaction's commit marks the session for the next main call's new chain, replay and live alike)
+            step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request, record.call_kind)
             record.prompt_mode, record.splice_reason = step.mode, step.reason
-            if record.call_kind == "compaction":  # its commit marks the session (replay and live alike)
-                self.prompts.mark_compaction(step)
             if live:
                 return LiveAnswer(LiveCall(self.calls, codec, conv, record, step, engine_body, req.disconnected,
                                            keepalive_seconds=self.config.keepalive_seconds,

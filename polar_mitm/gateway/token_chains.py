@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from polar_mitm import compaction_label
 from polar_mitm.conversation import Completion, Message, ToolCall
 
 # Why a call did not extend a chain (recorded as `splice_reason`).
@@ -43,7 +44,7 @@ RETRY = "same prompt as a chain tip (retry): re-sent that call's exact prompt"
 ANSWER_DIFFERS = "the harness's previous assistant turn differs from what was sampled"
 RENDERER_MISMATCH = "the gateway's rendering differs from the engine's: session falls back to messages mode"
 SESSION_FALLBACK = "session in messages mode (renderer mismatch earlier)"
-COMPACTION = "compaction"  # the history was replaced by a compaction summary (merge counts it the same way)
+COMPACTION = compaction_label.COMPACTION  # a main call's new chain after a compaction (merge counts it the same way)
 
 MAX_CHAINS_PER_SESSION = 16
 
@@ -81,7 +82,7 @@ class Plan:
     # too); None = no chain logic applied (the session is in messages mode).
     spliced_turns: int | None = 0
     reason: str | None = None  # why no splice (None: extended a chain)
-    compaction: bool = False  # the call is a compaction (record call_kind): the next new chain is its consequence
+    call_kind: str | None = None  # the record's call_kind: who takes a compaction's label (compaction_label.py)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class _Session:
     chains: list[Chain] = field(default_factory=list)
     fallback: bool = False  # the renderer disagreed with the engine: messages mode for good
     clock: int = 0
-    compacted: bool = False  # a compaction call since the last new chain: the next new chain is its consequence
+    compacted: bool = False  # a compaction's label is pending: the next main call opening a chain takes it
 
 
 class TokenChains:
@@ -104,9 +105,15 @@ class TokenChains:
 
     # -- before the engine call --------------------------------------------------------------------------------
 
-    def plan(self, session_id: str, text: str, messages: list[Message], encode) -> Plan:
-        """Route a call to a chain and build its prompt ids (`encode` tokenizes the tail text)."""
+    def plan(self, session_id: str, text: str, messages: list[Message], encode,
+             call_kind: str | None = None) -> Plan:
+        """Route a call to a chain and build its prompt ids (`encode` tokenizes the tail text).
+
+        `call_kind` (main | side | compaction, gateway/call_kind.py) decides which new chain after a compaction
+        is recorded as its consequence; None behaves as a main call.
+        """
         plan = self._plan(session_id, text, messages, encode)
+        plan.call_kind = call_kind
         if plan.input_ids is None or plan.chain is None:
             with self._lock:
                 self._compaction_reason(plan)
@@ -151,10 +158,10 @@ class TokenChains:
         return plan
 
     def _compaction_reason(self, plan: Plan) -> None:
-        """Name a new chain after a compaction, as merge does (retries are not new threads)."""
+        """Name a main call's new chain after a compaction, as merge does (retries are not new threads)."""
         session = self._sessions.get(plan.session_id)
-        if session is not None and session.compacted and plan.spliced_turns == 0 and plan.reason != NO_CHAIN:
-            plan.reason = COMPACTION
+        if session is not None and plan.spliced_turns == 0 and plan.reason not in (None, NO_CHAIN):
+            plan.reason = compaction_label.new_chain_reason(session.compacted, plan.call_kind, plan.reason)
 
     def _route(self, session: _Session, text: str) -> Chain | None:
         best: Chain | None = None
@@ -193,7 +200,6 @@ class TokenChains:
                 chain.turns, chain.stamp = turns, session.clock
                 self._size += chain.size()
             else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
-                session.compacted = session.compacted and plan.retry
                 chain = Chain(tip_text=plan.text, n_messages=plan.n_messages, engine_prompt=prompt,
                               sampled=sampled, answer=answer, closed=closed, turns=turns, stamp=session.clock)
                 session.chains.append(chain)
@@ -201,8 +207,8 @@ class TokenChains:
             for other in session.chains:  # the harness went on from this sample: its twins were discarded
                 if other is not chain and other.tip_text == chain.tip_text and not plan.retry:
                     other.retired = True
-            if plan.compaction:
-                session.compacted = True
+            session.compacted = compaction_label.pending_after(session.compacted, plan.call_kind,
+                                                               opened=not extend and not plan.retry)
             self._trim(session)
             self._evict()
 

@@ -17,8 +17,9 @@ token is kept in the context. A call that cannot be spliced onto any chain start
 stopped the chain and dropped the rest of the session. A call whose record says the gateway opened a new chain
 there (tokens mode, `spliced_turns == 0`: the harness's history did not continue any sampled stream) starts a new
 one too, so merge and gateway agree on every sequence. After a compaction call (record `call_kind ==
-"compaction"`: the harness summarised its history to go on from the summary), the next call that starts a
-sequence counts under the reason "compaction", in merge and in the gateway's `splice_reason` alike.
+"compaction"`: the harness summarised its history to go on from the summary), the next *main* call that starts a
+sequence (not a retry) counts under the reason "compaction", in merge and in the gateway's `splice_reason` alike;
+side calls and further compaction calls in between keep their own reasons (one rule: `compaction_label.py`).
 
 Routing cost: one vectorised pass over each prompt (prefix hashes), an O(1) hash check per open chain (no
 token comparison except with the chosen chain), and a search for the end-of-turn token in the new tail only —
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polar_mitm.compaction_label import COMPACTION, new_chain_reason, pending_after
 from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, weight_version_range
 
@@ -43,7 +45,7 @@ BREAK_NO_PREFIX = "no prefix match"  # history rewritten (compaction, stripped t
 BREAK_SAME_PROMPT = "same prompt as a chain tip"  # a retry or resample of a prompt already answered
 BREAK_NO_EOT = "no end-of-turn after tip"  # the prompt grew, but not by a closed assistant turn
 BREAK_GATEWAY = "gateway opened a new chain"  # tokens mode: the harness's history did not continue a stream
-BREAK_COMPACTION = "compaction"  # the history was replaced by a compaction summary (the call before compacted)
+BREAK_COMPACTION = COMPACTION  # the history was replaced by a compaction summary (see compaction_label.py)
 
 # End-of-turn tokens of common chat templates, by token text (ChatML first: the gateway's engines use it).
 KNOWN_EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -171,7 +173,7 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
         raise ValueError("prefix_merging needs the end-of-turn token id (see --eot-token / --tokenizer)")
     table = _ChainTable()
     breaks: Counter[str] = Counter()
-    compacted = False  # a compaction call since the last new sequence: the next new one is its consequence
+    compacted = False  # a compaction's label is pending: the next main call opening a sequence takes it
     for step, turn in enumerate(turns, start=1):
         prompt, sampled = turn.prompt_ids, turn.completion_ids
         assert prompt is not None and sampled is not None
@@ -188,11 +190,10 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
                 reason = BREAK_SAME_PROMPT if len(prompt) == len(chain.tip) else BREAK_NO_EOT
         elif table.chains:
             reason = BREAK_NO_PREFIX
+        opened = reason is not None and reason != BREAK_SAME_PROMPT  # a new thread (a retry forks its tip)
         if reason is not None:
-            breaks[BREAK_COMPACTION if compacted and reason != BREAK_SAME_PROMPT else reason] += 1
-            compacted = False
-        if turn.call_kind == "compaction":
-            compacted = True
+            breaks[new_chain_reason(compacted, turn.call_kind, reason) if opened else reason] += 1
+        compacted = pending_after(compacted, turn.call_kind, opened=opened)
         if slot is not None and start is not None:
             table.retire_twins(slot)
             chain = table.chains[slot]
