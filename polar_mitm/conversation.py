@@ -88,6 +88,9 @@ class Conversation:
     # Structured output, as SGLang's chat `response_format` (codecs/structured.py); None = free text.
     response_format: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # provider-specific echoes (metadata, store, ...)
+    # The harness asks for a summary of its history to go on from (a remote compaction request): call_kind
+    # "compaction", whatever the path; the codec answers in its compaction shape.
+    compaction: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # what the engine was sent (set by the gateway)
 
     def messages_json(self) -> list[dict[str, Any]]:

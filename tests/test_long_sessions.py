@@ -10,8 +10,9 @@ merge starts a new chain after each compaction with the reason "compaction"; eve
 sequence (nothing dropped). A closing table gives calls, compactions, chains, breaks by reason and drops.
 
 Also: Claude Code with a subagent (its own chain, the parent's session id); each harness's reaction when a prompt
-overflows the engine's context (compacts and retries, or stops); Codex's remote compaction v2 in proxy mode, which
-the gateway does not serve yet (strict xfail). recipes/<harness>.md say what these runs showed.
+overflows the engine's context (compacts and retries, or stops); Codex's remote compaction v2 in proxy mode (a
+`/responses` call ending with a `compaction_trigger` item, answered with one compaction item). recipes/<harness>.md
+say what these runs showed.
 """
 
 from __future__ import annotations
@@ -339,11 +340,6 @@ def test_context_overflow_reaction(tmp_path_factory, tiny_engine, name):
 # -- Codex's remote compaction, proxy mode ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Codex 0.171 with its built-in OpenAI provider compacts through 'responses_compaction_v2': a streamed POST "
-    "/v1/responses whose last input item is {'type': 'compaction_trigger'}, expecting exactly one output item of "
-    "type 'compaction'. The gateway answers it as a normal turn (call_kind 'main', a message + function_call), "
-    "and Codex fails: 'remote compaction v2 expected exactly one compaction output item, got 0 from 2'."))
 def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
@@ -355,5 +351,21 @@ def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine)
         rows = stack.records(session)
     finally:
         stack.stop()
-    assert run.returncode == 0, run.describe()
-    assert any(r["call_kind"] == "compaction" for r in rows)
+    context = (run.describe() + "\n" + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} "
+                                                  f"{r['stream']} {r['path']}" for r in rows))
+    assert run.returncode == 0, context
+    compactions = [r for r in rows if r["call_kind"] == "compaction"]
+    assert compactions, context
+    # v2: a streamed /responses call whose input ends with a compaction_trigger item, answered with one compaction
+    # item; the session goes on from the summary (the B steps, then the final answer), in a new chain.
+    assert all(r["path"].endswith("/responses") and r["stream"] for r in compactions), context
+    assert all(json.loads(r["request_json"])["input"][-1]["type"] == "compaction_trigger" for r in compactions)
+    assert all([item["type"] for item in json.loads(r["response_json"])["output"]] == ["compaction"]
+               for r in compactions), context
+    last_compaction = max(r["seq"] for r in compactions)
+    after = [r for r in rows if r["seq"] > last_compaction and r["call_kind"] == "main"]
+    assert any(PHASE_B in r["messages_json"] for r in after), context
+    texts = [tiny_engine.tokenizer.decode(r["completion_ids"], skip_special_tokens=True) for r in after]
+    assert any(b_marker(B_STEPS) in text for text in texts) and FINAL in texts, context
+    _, breaks, drops = merge_session(rows, tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert breaks.get(BREAK_COMPACTION, 0) >= 1 and drops == 0, context

@@ -6,6 +6,13 @@ are folded back into chat turns. Answers are a `Response` object, or the typed e
 Reasoning round trip: with `include: ["reasoning.encrypted_content"]` (what Codex sends) the reasoning item
 carries the exact reasoning text in `encrypted_content` (base64, not encrypted: nothing here is secret), so
 the next request restores the very text the model wrote even if the harness trims summaries.
+
+Remote compaction v2 (what Codex does with OpenAI's own provider, i.e. in proxy mode): a normal, streamed
+Responses call whose input ends with a `{"type": "compaction_trigger"}` item asks for a summary of the thread
+instead of a turn. It is answered like `…/responses/compact` (responses_compact.py): the thread plus our compaction
+instruction, no tools, sampled and recorded as a compaction (`Conversation.compaction`); the answer holds exactly
+one output item, `{"type": "compaction", "encrypted_content": <the sealed summary>}`, which later calls send back
+and which decodes to the summary's text.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ from polar_mitm.codecs.openai_common import (
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
 
 _SEALED_PREFIX = "polar-mitm.v1."
+# Our compaction instruction (OpenAI's own is not public); the same task Codex's local compaction gives the model.
+COMPACT_INSTRUCTION = ("You are performing a CONTEXT CHECKPOINT COMPACTION. Summarise the conversation so far "
+                       "for another model that will resume the task: the goal, what was done, what is left.")
+COMPACTION_TRIGGER = "compaction_trigger"  # the input item that makes a Responses call a compaction (v2)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 # Request settings kept in `Conversation.extra` (for the record and the Response echo), with their JSON types.
@@ -78,18 +89,21 @@ class OpenAIResponsesCodec(OpenAICodec):
         if instructions:
             history.messages.append(Message(role="system", content=instructions))
         raw_input = body.get("input")
+        compaction = False
         if isinstance(raw_input, str):
             history.messages.append(Message(role="user", content=raw_input))
         else:
-            for i, item in enumerate(require_list(raw_input if raw_input is not None else [], "input")):
+            items = require_list(raw_input if raw_input is not None else [], "input")
+            for i, item in enumerate(items):
                 history.add(item, f"input[{i}]")
+            compaction = bool(items) and isinstance(items[-1], dict) and items[-1].get("type") == COMPACTION_TRIGGER
         if not history.messages:
             raise invalid_request("input must contain at least one message")
         tools, echoed_tools = _decode_tools(body.get("tools"))
         extra = _extra_fields(body)
         extra["tools"] = echoed_tools
         extra["custom_tools"] = [tool["name"] for tool in echoed_tools if tool["type"] == "custom"]
-        return Conversation(
+        conv = Conversation(
             messages=history.messages,
             model=optional_str(body, "model") or "",
             tools=tools,
@@ -103,6 +117,10 @@ class OpenAIResponsesCodec(OpenAICodec):
             extra=extra,
             response_format=structured.from_responses_text(body.get("text")),
         )
+        if compaction:  # remote compaction v2: the thread + our instruction, answered as free text with no tools
+            conv.messages.append(Message(role="user", content=COMPACT_INSTRUCTION))
+            conv.tool_choice, conv.response_format, conv.compaction = "none", None, True
+        return conv
 
     # ---- answers -------------------------------------------------------------------------------------------
 
@@ -185,8 +203,8 @@ class _History:
                           "send the full input")
         elif not isinstance(kind, str):
             raise invalid_request(f"{where}.type must be a string")
-        # Other items (hosted-tool calls such as web_search_call, compaction markers…) mean nothing to a
-        # local model.
+        # Other items (hosted-tool calls such as web_search_call, a compaction_trigger — which, last, makes the
+        # call a compaction: decode_request) mean nothing to a local model.
 
     def _message(self, item: dict[str, Any], where: str) -> None:
         role = item.get("role")
@@ -398,8 +416,17 @@ def _tool_choice_echo(conv: Conversation) -> str | dict[str, Any]:
     return choice or "auto"
 
 
+def compaction_item(completion: Completion, core: str) -> dict[str, Any]:
+    """The answer to a compaction request: the summary the engine sampled, sealed as the compaction's content."""
+    summary = completion.content or completion.reasoning or ""
+    return {"id": f"cmp_{core}", "type": "compaction", "encrypted_content": seal_reasoning(summary)}
+
+
 def _output_items(conv: Conversation, completion: Completion, core: str) -> list[dict[str, Any]]:
-    """Reasoning, then the message, then the tool calls: the order the model wrote them."""
+    """Reasoning, then the message, then the tool calls: the order the model wrote them (a compaction request:
+    the compaction item alone)."""
+    if conv.compaction:
+        return [compaction_item(completion, core)]
     items: list[dict[str, Any]] = []
     if completion.reasoning:
         reasoning: dict[str, Any] = {"id": f"rs_{core}", "type": "reasoning",
@@ -512,9 +539,27 @@ def _stream_custom_tool_call(events: _EventCounter, index: int, item: dict[str, 
     yield events.emit("response.output_item.done", output_index=index, item=item)
 
 
+def compaction_added(events: _EventCounter, index: int, item_id: str) -> bytes:
+    """A compaction item opens empty: its sealed summary comes only with output_item.done."""
+    return events.emit("response.output_item.added", output_index=index,
+                       item={"id": item_id, "type": "compaction", "encrypted_content": ""})
+
+
+def compaction_compacting(events: _EventCounter, index: int, item_id: str) -> bytes:
+    """Summary content was sampled (the event carries none of it)."""
+    return events.emit("response.compaction.compacting", item_id=item_id, output_index=index)
+
+
+def _stream_compaction(events: _EventCounter, index: int, item: dict[str, Any]) -> Iterator[bytes]:
+    yield compaction_added(events, index, item["id"])
+    yield compaction_compacting(events, index, item["id"])
+    yield events.emit("response.output_item.done", output_index=index, item=item)
+
+
 _ITEM_STREAMS = {
     "reasoning": _stream_reasoning,
     "message": _stream_message,
     "function_call": _stream_function_call,
     "custom_tool_call": _stream_custom_tool_call,
+    "compaction": _stream_compaction,
 }

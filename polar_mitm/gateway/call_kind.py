@@ -1,8 +1,10 @@
 """What a model call is, as far as the gateway can tell from the request alone (record column `call_kind`).
 
-- `compaction`: the harness asks for a summary of its own history, to continue from it. Told by the endpoint
-  (Codex's remote `…/responses/compact`) or by the harness's own compaction instruction in the prompt — fixed
-  text in the pinned harness versions (package.json), listed below with where it comes from.
+- `compaction`: the harness asks for a summary of its own history, to continue from it. Told by the codec
+  (`Conversation.compaction`: Codex's remote compaction — `…/responses/compact`, or a Responses call whose input
+  ends with a `compaction_trigger` item), by a remote compaction endpoint, or by the harness's own compaction
+  instruction in the prompt — fixed text in the pinned harness versions (package.json), listed below with where it
+  comes from.
 - `side`: no tools offered — titles, routing classifiers, next-speaker and loop checks, summaries of tool output.
   No harness runs its agent loop without tools.
 - `main`: everything else (the agent loop, a subagent's loop).
@@ -30,7 +32,7 @@ COMPACTION_MARKERS = (
 
 def call_kind(conv: Conversation, path: str) -> str:
     """main | side | compaction for one decoded request."""
-    if is_compaction_path(path) or _asks_for_compaction(conv):
+    if conv.compaction or is_compaction_path(path) or _asks_for_compaction(conv):
         return "compaction"
     return "main" if conv.tools else "side"
 

@@ -3,6 +3,10 @@ response.completed (or .incomplete when the token budget ran out) carrying the w
 
 Reasoning deltas stream into a reasoning item's summary text; text deltas into a message item; each tool call is
 one whole function_call (or custom_tool_call) item. Items keep the ids the JSON answer gives them.
+
+A compaction request (remote compaction v2: `Conversation.compaction`) answers one compaction item: added (empty)
+at the first delta, a response.compaction.compacting event (no content) for each delta, done with the sealed summary
+at the end, then response.completed. The summary's text never streams.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from polar_mitm.codecs.openai_responses import (
     _response,
     _stream_custom_tool_call,
     _stream_function_call,
+    compaction_added,
+    compaction_compacting,
     seal_reasoning,
 )
 from polar_mitm.conversation import Completion, Conversation
@@ -47,6 +53,8 @@ class OpenAIResponsesLive(LiveStream):
                 + self.events.emit("response.in_progress", response=started))
 
     def delta(self, delta: Delta) -> bytes:
+        if self.conv.compaction:  # the summary goes out whole, sealed, at the end
+            return self._compaction_open() + compaction_compacting(self.events, 0, f"cmp_{self.core}")
         if delta.kind == "tool_call":
             return self._close("completed") + self._call(delta)
         kind = "reasoning" if delta.kind == "reasoning" else "message"
@@ -61,6 +69,11 @@ class OpenAIResponsesLive(LiveStream):
                                       logprobs=[])
 
     def finish(self, completion: Completion) -> bytes:
+        if self.conv.compaction:
+            final = _response(self.conv, completion, self.core)  # its output: the compaction item alone
+            out = self._compaction_open() + self.events.emit("response.output_item.done", output_index=0,
+                                                             item=final["output"][0])
+            return out + self.events.emit(f"response.{final['status']}", response=final)
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         out = self._close(status)
         if not any(item["type"] == "message" for item in self.items) and not self.calls:
@@ -72,6 +85,13 @@ class OpenAIResponsesLive(LiveStream):
     def fail(self, error: GatewayError) -> bytes:
         body = json.loads(OpenAIResponsesCodec().encode_error(error).body)["error"]
         return self.events.emit("error", code=body["code"], message=body["message"], param=None)
+
+    def _compaction_open(self) -> bytes:
+        """The compaction item's output_item.added, the first time only."""
+        if self.items:
+            return b""
+        self.items.append({"id": f"cmp_{self.core}", "type": "compaction"})
+        return compaction_added(self.events, 0, f"cmp_{self.core}")
 
     def _open(self, kind: str) -> bytes:
         n_same = sum(item["type"] == kind for item in self.items)
