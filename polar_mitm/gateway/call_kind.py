@@ -9,7 +9,8 @@
   No harness runs its agent loop without tools.
 - `main`: everything else (the agent loop, a subagent's loop).
 
-Merge starts a new chain after a compaction (reason "compaction"), and so does the gateway's token-exact mode.
+After a compaction, the next `main` call that opens a new chain gets the reason "compaction", in merge and in the
+gateway's token-exact chains alike (`polar_mitm/compaction_label.py`); side calls and further compaction calls do not.
 """
 
 from __future__ import annotations
