@@ -125,10 +125,12 @@ def plans() -> dict[str, Plan]:
             "provider": {"polar": {"models": {"polar-model": {"limit": {"context": 15700, "output": 4096}}}}}}}),
             "base-url", "opencode.json model limit {context: 15700, output: 4096}"),
         # Pi: the threshold check runs only when the agent ends (after the answer), so a one-shot run compacts
-        # mid-session only on an overflow: the engine's context is small and Pi compacts and retries.
+        # mid-session only on an overflow: the engine's context is small and Pi compacts and retries. Each step adds
+        # ~1140 prompt tokens (4786 → 5926 at the 4th/5th call, ± a few dozen with the machine's paths): 5600 leaves
+        # the 4th call ~740 tokens of room and puts the 5th clearly over (6000 left it 0-70 tokens: a cut answer).
         "pi": Plan(tuned(HARNESSES["pi"], json_files={".pi/agent/settings.json": {
             "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 400}}}),
-            "base-url", "engine --context-length 6000 → overflow error → compact and retry", context_length=6000),
+            "base-url", "engine --context-length 5600 → overflow error → compact and retry", context_length=5600),
     }
 
 
