@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # v2: sampling parameters used (temperature, top_p, top_k, min_p, greedy) and the prompt mode
 # (prompt_mode, spliced_turns, splice_reason). v1 files read with those columns null.
@@ -135,12 +136,61 @@ def from_micros(us: int) -> datetime:
     return datetime.fromtimestamp(us / 1_000_000, tz=UTC)
 
 
+class RecordError(ValueError):
+    """A journal row that is not a record: a required field missing or null, or a value of the wrong type."""
+
+
+def _fits(given: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether values Python gave as `given` may become `wanted` (no float truncated to an int, no text parsed)."""
+    if pa.types.is_null(given):
+        return True
+    if pa.types.is_list(wanted):
+        return pa.types.is_list(given) and _fits(given.value_type, wanted.value_type)
+    if pa.types.is_integer(wanted) or pa.types.is_timestamp(wanted):  # timestamps are epoch microseconds
+        return pa.types.is_integer(given)
+    if pa.types.is_floating(wanted):
+        return pa.types.is_integer(given) or pa.types.is_floating(given)
+    return given == wanted  # string, bool
+
+
+def _column(field: pa.Field, values: list[Any]) -> pa.Array:
+    """One RECORD_SCHEMA column from the journal's values, checked strictly; raises RecordError naming the field."""
+    try:
+        given = pa.array(values)  # the types the values have, before anything is converted
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise RecordError(f"{field.name}: {_first_line(exc)}: {_shown(values)}") from exc
+    if not _fits(given.type, field.type):
+        raise RecordError(f"{field.name} is {given.type}, expected {field.type}: {_shown(values)}")
+    if not field.nullable and given.null_count:
+        raise RecordError(f"{field.name} is missing or null (a required field)")
+    if pa.types.is_list(given.type) and pc.list_flatten(given).null_count:
+        raise RecordError(f"{field.name} holds a null")
+    try:
+        return given.cast(field.type)  # a safe cast: a value out of the column's range raises
+    except (pa.ArrowException, OverflowError) as exc:
+        raise RecordError(f"{field.name}: {_first_line(exc)}") from exc
+
+
+def _shown(values: list[Any]) -> str:
+    """The offending value for a message (a journal row is converted alone to find which is bad), cut short."""
+    shown = repr(values[0] if len(values) == 1 else values)
+    return shown[:60] + "…" if len(shown) > 60 else shown
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def journal_rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Journal dicts → an Arrow table with RECORD_SCHEMA (timestamps converted back)."""
-    fixed = []
+    """Journal dicts → an Arrow table with RECORD_SCHEMA (timestamps from epoch microseconds).
+
+    Strict, because a shard must be writable and readable by every consumer: a required field missing or null,
+    a value of another type (a float seq, a string id list, a bool status) or out of range raises RecordError.
+    Keys that are not record fields are ignored.
+    """
     for row in rows:
-        row = dict(row)
-        row["started_at"] = from_micros(row["started_at"])
-        row["finished_at"] = from_micros(row["finished_at"])
-        fixed.append(row)
-    return pa.Table.from_pylist(fixed, schema=RECORD_SCHEMA)
+        if not isinstance(row, dict):
+            raise RecordError(f"not a record: a JSON {type(row).__name__}, not an object")
+    arrays = [_column(field, [row.get(field.name) for row in rows]) for field in RECORD_SCHEMA]
+    return pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA)

@@ -7,6 +7,8 @@ gateway (mitmdump + addon) where startup is what breaks.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 import threading
@@ -24,7 +26,15 @@ import pytest
 from polar_mitm import procs
 from polar_mitm.records import Record, journal_rows_to_table
 from polar_mitm.session_ids import SessionId
-from polar_mitm.storage.journal import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX, QUARANTINE_DIR, RecordWriter
+from polar_mitm.storage.journal import (
+    FILE_HEADER,
+    FRAME_HEADER,
+    JOURNAL_DIR,
+    JOURNAL_SUFFIX,
+    QUARANTINE_DIR,
+    RecordWriter,
+    encode_frame,
+)
 from polar_mitm.storage.records import list_sources, read_all
 
 POLAR = str(Path(sys.executable).with_name("polar-mitm"))
@@ -196,6 +206,87 @@ def test_gateway_starts_despite_a_truncated_shard_and_a_bad_journal_row(tmp_path
     assert seqs == [0, 1, 2, 3, 5, 6]  # the good rows compacted, and numbering went on after them
     reason = (out / QUARANTINE_DIR / "records-0002.parquet.reason").read_text()
     assert "records-0002.parquet" in reason and "unreadable" in reason
+
+
+def framed_journal(path: Path, rows: list[dict]) -> Path:
+    """A journal in the current on-disk format, as a gateway killed with -9 leaves it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(FILE_HEADER + b"".join(encode_frame(orjson.dumps(row)) for row in rows))
+    return path
+
+
+def chat(gw: procs.GatewayProcess, session: str) -> str:
+    """One chat call through the gateway's reverse listener; the sampled text."""
+    client = openai.OpenAI(api_key="k", base_url=SessionId(session).base_url(gw.reverse_url, "/v1"),
+                           max_retries=0)
+    answer = client.chat.completions.create(model="gpt", max_tokens=4,
+                                            messages=[{"role": "user", "content": "hi"}])
+    return answer.choices[0].message.content or ""
+
+
+def test_gateway_starts_and_quarantines_journal_rows_missing_required_fields(tmp_path, engine_url):
+    out = tmp_path / "flows"
+    no_version = {k: v for k, v in record(2, "old").items() if k != "schema_version"}
+    framed_journal(out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
+                   [record(0, "old"), record(1, "old", session_id=None), no_version, record(3, "old")])
+    log = tmp_path / "gw.log"
+    for _ in range(2):  # and again: a bad row once kept every later start from serving
+        with procs.gateway_running(engine_url, out, confdir=tmp_path / "conf", log=log) as gw:
+            chat(gw, "old")
+            assert gw.proc.poll() is None
+    rows = read_all(out, include_journal=False).to_pylist()
+    assert sorted(r["seq"] for r in rows if r["session_id"] == "old") == [0, 3, 4, 5]  # numbering went on
+    bad = [json.loads(line) for p in (out / QUARANTINE_DIR).glob("*.rows.jsonl") for line in p.read_text().splitlines()]
+    assert sorted(b["row"]["seq"] for b in bad) == [1, 2]
+    reasons = {b["row"]["seq"]: b["reason"] for b in bad}
+    assert "session_id" in reasons[1] and "schema_version" in reasons[2], reasons
+    assert not list((out / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}"))
+
+
+def start_gateway_with_file_size_limit(backend: str, out: Path, tmp_path: Path, limit: int,
+                                       rotate_seconds: int) -> procs.GatewayProcess:
+    """The gateway (reverse listener only) in a process that cannot write a file past `limit` bytes: EFBIG,
+    what a full disk is to the writer (CPython ignores SIGXFSZ, so the write fails instead of killing it)."""
+    port = procs.free_port()
+    cmd = [str(Path(sys.executable).with_name("mitmdump")), "-s", str(procs.addon_path()),
+           "--mode", f"reverse:http://127.0.0.1:9@{port}", "--set", f"confdir={tmp_path / 'conf'}",
+           "--set", f"polar_backend={backend}", "--set", f"polar_out={out}",
+           "--set", f"polar_rotate_seconds={rotate_seconds}"]
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    with open(tmp_path / "gw.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_file_size)
+    try:
+        procs.wait_port(port, proc=proc)
+    except BaseException:
+        procs.stop(proc)
+        raise
+    return procs.GatewayProcess(proc, port, port, tmp_path / "conf", out)
+
+
+def test_a_failed_compaction_at_startup_does_not_stop_serving_and_is_retried(tmp_path, engine_url):
+    out = tmp_path / "flows"
+    # Left behind by kill -9: records too big to compact while the disk is "full" (a 64 KiB file-size limit).
+    big = [record(i, "old", request_json=os.urandom(30_000).hex()) for i in range(4)]
+    journal = framed_journal(out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}", big)
+    gw = start_gateway_with_file_size_limit(engine_url, out, tmp_path, 64 << 10, rotate_seconds=1)
+    try:
+        chat(gw, "old")  # served and recorded while the old journal cannot be compacted
+        assert journal.exists() and not list(out.glob("records-*-1.parquet"))
+        assert "will be retried" in (tmp_path / "gw.log").read_text()
+        resource.prlimit(gw.proc.pid, resource.RLIMIT_FSIZE, resource.getrlimit(resource.RLIMIT_FSIZE))
+        deadline = time.monotonic() + 30
+        while journal.exists() and time.monotonic() < deadline:  # space is back: the writer retries by itself
+            time.sleep(0.2)
+        assert not journal.exists() and list(out.glob("records-*-1.parquet"))
+        assert gw.proc.poll() is None
+    finally:
+        gw.stop()
+    rows = read_all(out, include_journal=False).to_pylist()
+    assert sorted(r["seq"] for r in rows) == [0, 1, 2, 3, 4]  # numbering went on past the uncompacted journal
+    assert {f"old-r{i}" for i in range(4)} < {r["request_id"] for r in rows}
 
 
 def test_records_and_merge_do_not_crash_on_a_bad_journal_row(tmp_path):

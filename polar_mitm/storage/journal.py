@@ -14,7 +14,11 @@ No acknowledged record may be lost to one bad frame, so:
 - after a failed write the writer never appends to that journal again (its tail may hold a partial frame): the
   next record opens a new journal;
 - a journal is deleted only when every byte of it became a record; otherwise it moves to `<out>/_quarantine/`
-  with a `.reason` file giving the byte offsets, and rows that cannot be shard rows go to a `.rows.jsonl` there.
+  with a `.reason` file giving the byte offsets, and rows that cannot be shard rows (checked strictly against the
+  record schema: a null `session_id` would otherwise fail the shard write, every time) go to a `.rows.jsonl` there;
+- a compaction that fails (a full disk) never stops the gateway, at startup either: the journal stays, and is
+  compacted again at the next rotation or `rotate_seconds` later, whichever comes first. Nothing here logs at
+  ERROR level while starting, since mitmproxy exits on an error logged during startup.
 
 A shard is named after its journal (`records-<time>-<journal id>.parquet`) and appears before its journal goes, so
 a reader that reads the journals first and the shards second, skipping journals whose shard exists, never misses
@@ -266,10 +270,14 @@ def _write_shard(journal: Path, out_dir: Path, table: pa.Table) -> Path:
     stamp = table.column("started_at")[0].as_py().strftime("%Y%m%dT%H%M%S")
     shard = out_dir / f"records-{stamp}-{journal_id(journal)}.parquet"
     tmp = out_dir / f".{shard.name}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, shard)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, shard)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial temp file would only take space the retry needs
+        raise
     fsync_dir(out_dir)
     return shard
 
@@ -312,6 +320,7 @@ class RecordWriter:
         self._fd: int | None = None
         self._journal: Path | None = None
         self._closed: list[Path] = []  # closed journals not compacted yet (a failed write or compaction)
+        self._compacted_at = 0.0  # when compaction last ran (a failed one is retried `rotate_seconds` later)
         self._opened_at = 0.0
         self._size = 0
         self.shards_written: list[Path] = []
@@ -319,7 +328,11 @@ class RecordWriter:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Recover journals a crash left behind, then start the writer thread."""
+        """Recover journals a crash left behind, then start the writer thread.
+
+        Bad rows and a failed compaction never raise here (the gateway must serve): bad rows are quarantined,
+        and a journal that could not be compacted is kept and retried by the writer thread.
+        """
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         for leftover in sorted(self.journal_dir.glob(f"*{JOURNAL_SUFFIX}")):
             if not leftover.is_file():
@@ -339,8 +352,15 @@ class RecordWriter:
         self._thread = None
 
     def quarantine_shard(self, shard: Path, reason: str) -> None:
-        """Move an unreadable shard aside (so the gateway keeps serving) with the reason beside it."""
-        quarantine(shard, self.out_dir, f"unreadable shard: {reason}")
+        """Move an unreadable shard aside (so the gateway keeps serving) with the reason beside it.
+
+        If it cannot be moved (a full disk), it stays where it is: readers skip it with a line naming it.
+        """
+        try:
+            quarantine(shard, self.out_dir, f"unreadable shard: {reason}")
+        except OSError as exc:
+            log.warning("unreadable shard %s (%s) could not be quarantined (%s); left in place", shard, reason,
+                        one_line(exc))
 
     # -- API -----------------------------------------------------------------------------------------------------
 
@@ -378,23 +398,31 @@ class RecordWriter:
             self._journal = None
 
     def _compact_closed(self) -> None:
+        self._compacted_at = time.monotonic()
         for journal in list(self._closed):
             try:
                 shard = compact_journal(journal, self.out_dir)
-            except FileNotFoundError:
-                log.warning("journal %s vanished before compaction", journal)
-            except Exception:  # e.g. the disk is full: the journal stays and is retried at the next rotation
-                log.exception("compaction of %s failed; it will be retried", journal)
+            except Exception as exc:  # e.g. the disk is full: the journal stays, its records readable from it
+                if isinstance(exc, FileNotFoundError) and not journal.exists():
+                    log.warning("journal %s vanished before compaction", journal)
+                    self._closed.remove(journal)
+                    continue
+                # A warning, not an error: mitmproxy exits on an error logged during startup.
+                log.warning("compaction of %s failed (%s: %s); it will be retried in %.0f s or at the next "
+                            "rotation", journal, type(exc).__name__, one_line(exc), self.rotate_seconds,
+                            exc_info=True)
                 continue
-            else:
-                if shard:
-                    self.shards_written.append(shard)
-                log.info("compacted journal %s → %s", journal.name, shard)
+            if shard:
+                self.shards_written.append(shard)
+            log.info("compacted journal %s → %s", journal.name, shard)
             self._closed.remove(journal)
 
     def _rotate(self) -> None:
         self._close_journal()
         self._compact_closed()
+
+    def _retry_due(self) -> bool:
+        return bool(self._closed) and time.monotonic() - self._compacted_at >= self.rotate_seconds
 
     def _due(self, stopping: bool) -> bool:
         if self._fd is None:
@@ -409,6 +437,8 @@ class RecordWriter:
             except queue.Empty:
                 if self._due(False):
                     self._rotate()
+                elif self._retry_due():
+                    self._compact_closed()
                 continue
             batch = [first]
             while True:  # group commit: everything queued so far shares one fsync

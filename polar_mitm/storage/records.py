@@ -239,22 +239,32 @@ def read_all(location: str | Path, *, include_journal: bool = True) -> pa.Table:
 
 def last_seq_by_session(out_dir: str | Path,
                         on_unreadable: Callable[[Path, str], None] | None = None) -> dict[str, int]:
-    """Highest `seq` per session among the gateway's shards in `out_dir` (so numbering continues after a restart).
+    """Highest `seq` per session among the gateway's shards and uncompacted journals in `out_dir` (so numbering
+    continues after a restart, also past a journal whose compaction failed and is still to be retried).
 
     An unreadable shard is handed to `on_unreadable(path, reason)` (the gateway quarantines it) or logged, and
-    never stops the count.
+    never stops the count; nor does a journal row without a text `session_id` and an integer `seq`.
     """
-    tables = []
-    for shard in sorted(Path(out_dir).glob(SHARD_GLOB)):
+    journals = read_live_journals(out_dir)  # before the shards are listed: see LiveJournals.uncompacted
+    shards = sorted(Path(out_dir).glob(SHARD_GLOB))
+    last: dict[str, int] = {}
+    for shard in shards:
         try:
-            tables.append(pq.read_table(shard, schema=RECORD_SCHEMA, columns=["session_id", "seq"]))
+            table = pq.read_table(shard, schema=RECORD_SCHEMA, columns=["session_id", "seq"])
         except (OSError, pa.ArrowException) as exc:
             if on_unreadable is None:
                 log.warning("skipping unreadable shard %s: %s", shard, one_line(exc))
             else:
                 on_unreadable(shard, one_line(exc))
-    if not tables:
-        return {}
-    table = pa.concat_tables(tables)
-    grouped = table.group_by("session_id").aggregate([("seq", "max")])
-    return dict(zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True))
+            continue
+        grouped = table.group_by("session_id").aggregate([("seq", "max")])
+        for session, seq in zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True):
+            _count(last, session, seq)
+    for row in journals.uncompacted(shards)[0]:
+        _count(last, row.get("session_id"), row.get("seq"))
+    return last
+
+
+def _count(last: dict[str, int], session: object, seq: object) -> None:
+    if isinstance(session, str) and type(seq) is int:
+        last[session] = max(seq, last.get(session, seq))
