@@ -141,12 +141,24 @@ def import_flows_command(
     flows: Annotated[list[Path], typer.Argument(help="mitmproxy flow files (`mitmdump -w`).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Record directory.")] = Path("flows"),
 ) -> None:
-    """Turn recorded flows whose responses carry token ids into records."""
-    from polar_mitm.gateway.import_flows import import_flows
+    """Turn recorded flows whose responses carry token ids into records.
 
-    shard, counts = import_flows(flows, out)
+    A file cut short (mitmdump killed) or a flow whose record does not validate is named on stderr, one line
+    each, and everything readable is still imported. Exit code 1 when something was not imported and nothing
+    was; 0 otherwise (with those lines as warnings).
+    """
+    from polar_mitm.gateway.import_flows import import_flow_files
+    from polar_mitm.terminal import markup_safe, printable
+
+    result = import_flow_files(flows, out)
+    for problem in result.problems:
+        typer.echo(f"warning: {printable(problem)}", err=True)
+    counts = result.counts
+    not_imported = f", {len(result.problems)} not imported (see above)" if result.problems else ""
     console.print(f"records: {counts['gateway']} from gateway flows, {counts['engine']} from engine flows, "
-                  f"{counts['skipped']} flows skipped → {shard}")
+                  f"{counts['skipped']} flows skipped{not_imported} → {markup_safe(result.shard)}")
+    if result.problems and result.shard is None:
+        raise typer.Exit(1)
 
 
 @app.command("records")

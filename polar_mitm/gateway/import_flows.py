@@ -6,13 +6,20 @@ Two kinds of flows carry token ids:
 - flows captured between a client and an SGLang engine (e.g. `mitmdump --mode reverse:http://ENGINE -w FILE`)
   whose responses carry `prompt_token_ids`/`response_token_ids`: the record is rebuilt from request + response.
 Anything else is skipped and counted.
+
+A flow file is often what a killed mitmdump left: cut at an arbitrary byte. Every flow before the cut is imported,
+and so is every good record when one flow's `polar_record` is not a record; what was not imported is named, one
+line each (`FlowImport.problems`), never hidden behind a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,17 +30,77 @@ import pyarrow.parquet as pq
 from polar_mitm.codecs import ENGINE_CODEC
 from polar_mitm.conversation import Completion
 from polar_mitm.gateway.identity import scrub_headers
-from polar_mitm.records import RECORD_SCHEMA, Record, journal_rows_to_table
+from polar_mitm.records import Record
+from polar_mitm.storage.journal import records_table
+from polar_mitm.storage.location import one_line
 
 
-def iter_flows(paths: Iterable[Path]) -> Iterator[Any]:
-    from mitmproxy import http, io
+class FlowFileError(ValueError):
+    """A flow file that cannot be read to its end (cut, corrupt, or not there)."""
 
-    for path in paths:
+
+@dataclass
+class FlowImport:
+    """What an import did: the shard written (None: no records), counts by outcome, what was not imported."""
+
+    shard: Path | None
+    counts: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)  # one line each: a file or flow, and why
+
+
+_LENGTH_PREFIX = re.compile(rb"(\d*)(:?)")
+
+
+def _why_unreadable(path: Path, offset: int, flows: int, exc: Exception) -> str:
+    """One line for a flow file that stops reading at `offset`: cut (kill -9 of mitmdump), or corrupt there."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(offset)
+        prefix = _LENGTH_PREFIX.match(f.read(13))
+    assert prefix is not None  # the pattern matches the empty string
+    digits, colon = prefix.groups()
+    if not colon:  # cut inside the length prefix, or no length prefix at all
+        cut = len(digits) == size - offset
+    else:  # `<length>:<payload><type>`: cut when the file ends before the type byte
+        cut = bool(digits) and offset + len(digits) + 1 + int(digits) + 1 > size
+    if cut:
+        return (f"{path}: file truncated after {flows} flows (an incomplete flow from byte {offset} to the end at "
+                f"{size}); the rest was not imported")
+    return (f"{path}: unreadable after {flows} flows (corrupt data at byte {offset} of {size}: {one_line(exc)}); "
+            f"the rest was not imported")
+
+
+def read_flow_file(path: Path, problems: list[str] | None = None) -> Iterator[tuple[int, Any]]:
+    """(position in the file from 1, flow) of each HTTP flow of one `mitmdump -w` file, up to where it stops.
+
+    Where it stops early (cut, corrupt, unreadable), a line naming the file, the number of flows read and the
+    byte offset goes to `problems`; without `problems`, FlowFileError is raised with that line.
+    """
+    from mitmproxy import exceptions, http, io
+
+    flows, offset = 0, 0
+    try:
         with open(path, "rb") as f:
             for flow in io.FlowReader(f).stream():
+                flows, offset = flows + 1, f.tell()
                 if isinstance(flow, http.HTTPFlow):
-                    yield flow
+                    yield flows, flow
+    except exceptions.FlowReadException as exc:
+        line = _why_unreadable(path, offset, flows, exc)
+    except OSError as exc:
+        line = f"{path}: cannot be read ({exc.strerror or exc}); not imported"
+    else:
+        return
+    if problems is None:
+        raise FlowFileError(line)
+    problems.append(line)
+
+
+def iter_flows(paths: Iterable[Path], problems: list[str] | None = None) -> Iterator[Any]:
+    """The HTTP flows of every file in `paths` (see `read_flow_file` for files that stop early)."""
+    for path in paths:
+        for _, flow in read_flow_file(Path(path), problems):
+            yield flow
 
 
 def record_from_engine_flow(flow, index: int) -> dict[str, Any] | None:
@@ -67,23 +134,55 @@ def record_from_engine_flow(flow, index: int) -> dict[str, Any] | None:
     return record.to_journal()
 
 
-def import_flows(paths: list[Path], out_dir: Path) -> tuple[Path | None, Counter]:
-    """Write one Parquet shard of the records found in `paths`; return it and counts by outcome."""
-    counts: Counter = Counter()
+def import_flow_files(paths: list[Path], out_dir: Path) -> FlowImport:
+    """Write one Parquet shard of every record found in `paths`; name each file or flow that was not imported.
+
+    Counts: `gateway` and `engine` records imported, `skipped` flows that carry no record, `rejected` flows whose
+    record does not validate. A cut or corrupt file yields the flows before the damage.
+    """
+    result = FlowImport(shard=None)
     rows: list[dict[str, Any]] = []
-    for index, flow in enumerate(iter_flows(paths)):
-        row = flow.metadata.get("polar_record")
-        if row is not None:
-            counts["gateway"] += 1
-        else:
-            row = record_from_engine_flow(flow, index)
-            counts["engine" if row else "skipped"] += 1
-        if row is not None:
+    origin: dict[int, tuple[str, str]] = {}  # id(row) → (its kind, the flow that carried it)
+    index = 0  # across files: an engine flow's seq
+    for path in paths:
+        for position, flow in read_flow_file(Path(path), result.problems):
+            row, kind = flow.metadata.get("polar_record"), "gateway"
+            if row is None:
+                row, kind = record_from_engine_flow(flow, index), "engine"
+            index += 1
+            if row is None:
+                result.counts["skipped"] += 1
+                continue
+            result.counts[kind] += 1
             rows.append(row)
-    if not rows:
-        return None, counts
-    table: pa.Table = journal_rows_to_table(rows).cast(RECORD_SCHEMA)
+            origin[id(row)] = (kind, f"{path}: flow {position} (id {flow.id})")
+    table, rejected = records_table(rows)
+    for row, reason in rejected:
+        kind, which = origin[id(row)]
+        result.counts[kind] -= 1
+        result.counts["rejected"] += 1
+        what = "its polar_record" if kind == "gateway" else "the record rebuilt from it"
+        result.problems.append(f"{which}: {what} does not validate ({reason}); not imported")
+    if table.num_rows:
+        result.shard = _write_shard(table, out_dir, paths[0].stem)
+    return result
+
+
+def _write_shard(table: pa.Table, out_dir: Path, name: str) -> Path:
+    """Atomically: a reader never sees half a shard, and a failed import leaves no partial file behind."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shard = out_dir / f"records-imported-{paths[0].stem}.parquet"
-    pq.write_table(table, shard, compression="zstd")
-    return shard, counts
+    shard = out_dir / f"records-imported-{name}.parquet"
+    tmp = out_dir / f".{shard.name}.tmp"
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, shard)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return shard
+
+
+def import_flows(paths: list[Path], out_dir: Path) -> tuple[Path | None, Counter]:
+    """`import_flow_files` for callers that want the shard and the counts only (what was not imported is still
+    counted: `rejected`; a file that stops early is not)."""
+    result = import_flow_files(paths, out_dir)
+    return result.shard, result.counts
