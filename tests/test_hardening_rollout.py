@@ -1,11 +1,15 @@
 """Rollout hardening (issue 18, items 4 and 13): no shell injection through ids, prompts or git URLs; INIT failures
-fail the session; bad task lines are rejected at load; rewards of finished sessions are always written."""
+fail the session; bad task lines are rejected at load; rewards of finished sessions are always written. Follow-up
+(hardening items 4 and 11b): placeholders where bash evaluates a value whatever its quoting are refused, and so are
+git transport helpers (`fd::`, `ext::`) as a workspace source."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -239,3 +243,101 @@ def test_the_harness_hookup_refuses_control_characters_in_ids():
         with pytest.raises(HarnessError, match="control"):
             Hookup("base-url", **bad)
     assert Hookup("base-url", session="$(x);`y`", task="suite/a b").identity == "suite/a b/$(x);`y`"
+
+
+# -- follow-up: placeholders where bash evaluates the value; git transport helpers ---------------------------------
+
+HOSTILE_ID = "a[$(touch PWNED)]"  # bash runs the subscript's command wherever it evaluates this as a name
+EVALUATING_TEMPLATES = [
+    ("echo $(( {task} ))", "$((...))"),
+    ("(( {task} ))", "((...))"),
+    ("[[ {task} -eq 1 ]]", "[[ ... ]]"),
+    ("echo ${{a[{task}]}}", "${...}"),
+    ("let x={task}", "`let`"),
+    ("declare -i x={task}", "-i"),
+    ("declare -i x; x={task}", "declare -i"),
+    ("echo $[ {task} ]", "$[...]"),
+    ("a[{task}]=1", "subscript"),
+    ("read {task} < /dev/null", "`read`"),
+    ("printf -v {task} x", "`printf -v`"),
+    ("[ -v {task} ]", "`[ -v`"),
+    ("declare {task}=1", "`declare`"),
+]
+
+
+@pytest.mark.parametrize(("template", "context"), EVALUATING_TEMPLATES)
+def test_placeholders_that_bash_evaluates_are_refused_whatever_their_quoting(tmp_path, template, context):
+    from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError
+
+    # Why: the value shell-quoted, as a placeholder outside quotes is, still runs the command in this context.
+    quoted = template.format(task=shlex.quote(HOSTILE_ID))
+    subprocess.run(["bash", "-c", quoted], cwd=tmp_path, capture_output=True, timeout=10)
+    assert markers(tmp_path), f"bash did not evaluate {quoted!r}: not an evaluating context"
+    with pytest.raises(TemplateError) as refused:
+        ShellTemplate(template)
+    assert "{task}" in str(refused.value) and context in str(refused.value), refused.value
+    assert "bash evaluates the value" in str(refused.value)
+
+
+def test_an_evaluating_template_is_refused_by_rollout_before_any_session(gateway, tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [task(HOSTILE_ID)])
+    done = rollout_cli(tasks, "cmd:if (( {task} )); then :; fi; echo hi > out.txt", gateway, tmp_path / "run",
+                       "--keep-workspaces")
+    assert markers(tmp_path) == []
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: --harness") and "((...))" in line
+
+
+@pytest.mark.parametrize("template", [
+    "printf '%s\\n' {task}",
+    "[ {task} = x ] || printf '%s\\n' {task}",
+    'echo "$((1 + 2))" > /dev/null; printf "%s\\n" "{task}"',
+    "(( n = 2 )); [[ $n -eq 2 ]] && printf '%s\\n' {task}",
+    "export X={task}; printf '%s\\n' \"$X\"",
+    "arr=(1 2); a[0]=3; printf '%s\\n' \"${{arr[1]}}\" > /dev/null; printf '%s\\n' {task}",
+    "printf '%s\\n' ${{UNSET:-{task}}}",
+])
+def test_ordinary_templates_next_to_arithmetic_still_pass_the_value_literally(tmp_path, template):
+    from polar_mitm.rollout.shell_template import ShellTemplate
+
+    rendered = ShellTemplate(template).render({"task": HOSTILE_ID})
+    done = subprocess.run(["bash", "-c", rendered], cwd=tmp_path, capture_output=True, text=True, timeout=10)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == HOSTILE_ID + "\n" and markers(tmp_path) == []
+
+
+@pytest.mark.parametrize(("source", "problem"), [
+    ("fd::3", "transport helper 'fd'"),
+    ("ext::sh -c touch% PWNED1", "transport helper 'ext'"),
+    ("::x", "transport helper ''"),
+    ("hg::https://example.com/repo", "transport helper 'hg'"),
+    ("foo://example.com/repo", "scheme 'foo'"),
+])
+def test_git_transport_helpers_are_refused_when_the_task_file_loads(tmp_path, source, problem):
+    path = write_tasks(tmp_path / "tasks.jsonl", [task("fine"), task("helper", workspace={"git": source})])
+    started = time.monotonic()
+    with pytest.raises(TaskFileError, match=rf"tasks.jsonl:2: workspace.git .*{re.escape(problem)}"):
+        load_tasks(path)
+    assert time.monotonic() - started < 5
+    assert markers(tmp_path) == []
+
+
+def test_local_paths_and_plain_urls_still_load_and_a_local_path_clones(tmp_path):
+    from polar_mitm.rollout.runner import git_clone_argv
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README").write_text("hello\n")
+    subprocess.run(["git", "-C", str(repo), "add", "README"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
+                   check=True)
+    sources = [str(repo), f"file://{repo}", "https://github.com/o/r.git", "ssh://git@host/o/r.git",
+               "git://host/o/r.git", "git@github.com:o/r.git", "relative/dir"]
+    path = write_tasks(tmp_path / "tasks.jsonl", [task(f"t{k}", workspace={"git": s}) for k, s in enumerate(sources)])
+    assert [t.workspace_git for t in load_tasks(path)] == sources
+    for k, source in enumerate(sources[:2]):
+        clone = tmp_path / f"clone{k}"
+        clone.mkdir()
+        subprocess.run(git_clone_argv(source), cwd=clone, check=True, capture_output=True, timeout=60)
+        assert (clone / "README").read_text() == "hello\n"

@@ -14,6 +14,8 @@ shell-quoted; inside '…', "…" or $'…' the quote is closed, the quoted valu
 value is also in the environment (POLAR_PROMPT, POLAR_WORKSPACE, POLAR_SESSION, POLAR_TASK, POLAR_INDEX,
 POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_CA_BUNDLE): write "$POLAR_PROMPT" there instead. A value handed to a second
 shell (`bash -c {prompt}`, `ssh host {prompt}`, `eval`) is parsed again — pass it through the environment instead.
+Where bash evaluates a value whatever its quoting (arithmetic, array subscripts, `[[ … ]]`, `let`, `declare -i`,
+variable names for `read`/`printf -v`/`test -v`) the template is refused too; there no variable is safer.
 """
 
 from __future__ import annotations

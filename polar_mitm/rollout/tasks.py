@@ -7,8 +7,9 @@
      "timeouts": {"init": 60, "run": 300, "eval": 60}}                     # seconds
 
 `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A relative `workspace.dir`
-is resolved against the task file's folder; `workspace.git` clones a repository (local path or URL) instead — git
-gets it as one argument, never through a shell.
+is resolved against the task file's folder; `workspace.git` clones a repository (local path, scp-like address, or a
+file/http(s)/ssh/git URL; transport helpers such as `ext::` are refused) instead — git gets it as one argument,
+never through a shell.
 
 Task ids: any text except empty, '/', '.', '..', control or separator characters (NUL, ESC, newlines, DEL, U+2028…)
 and more than 200 bytes — see `polar_mitm.harness.base.id_problem`. Shell syntax in an id is harmless: every place an
@@ -18,11 +19,16 @@ id reaches a shell quotes it. A bad line is rejected at load with its line numbe
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from polar_mitm.harness.base import id_problem
+
+GIT_URL_SCHEMES = ("file", "http", "https", "ssh", "git", "git+ssh", "ssh+git")  # transports git itself speaks
+GIT_HELPER = re.compile(r"([A-Za-z0-9+.-]*)::")  # git's own test (transport.c): NAME:: selects a remote helper
+GIT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class TaskFileError(ValueError):
@@ -109,12 +115,24 @@ def _commands(value: Any, name: str) -> list[str]:
 
 
 def _git_source(value: Any) -> str | None:
-    """A repository to clone; passed to git as one argument after `--`, so it cannot become an option."""
+    """A repository to clone; passed to git as one argument after `--`, so it cannot become an option.
+
+    Only plain transports are accepted: a local path, scp-like `user@host:path`, or a URL whose scheme git handles
+    itself (GIT_URL_SCHEMES). git reads `NAME::ADDRESS` (and a URL of any other scheme) as "run the remote helper
+    git-remote-NAME": `ext::CMD` runs a command, `fd::3` talks over a file descriptor and waits forever.
+    """
     if value is None:
         return None
     source = _text(value, "workspace.git")
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in source):
         raise ValueError(f"workspace.git cannot contain control characters: {source!r}")
+    if (helper := GIT_HELPER.match(source)) is not None:
+        raise ValueError(f"workspace.git {source!r} names the git transport helper {helper.group(1)!r}::; "
+                         f"use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL")
+    scheme = GIT_URL.match(source)
+    if scheme is not None and scheme.group(1).lower() not in GIT_URL_SCHEMES:
+        raise ValueError(f"workspace.git {source!r}: git would hand the scheme {scheme.group(1)!r} to a remote "
+                         f"helper; use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL")
     return source
 
 
