@@ -2,7 +2,9 @@
 
 Everything is real: git clones the bundle and hides the later history, INIT builds each task's venv (uv), the
 project's own pytest suite runs, swebench parses and grades its log; the harness tests run the real Codex CLI
-through the real gateway against the tiny engine (scripted, then unscripted).
+through the real gateway against the tiny engine (scripted, then unscripted). Hostile instances and workspaces
+(hardening item 2): test_patch paths that leave the repository, symlinks out of the workspace, a changed grading
+spec or venv — grading deletes nothing outside the workspace and grades with nothing the agent changed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -319,3 +322,152 @@ def test_the_unscripted_tiny_model_scores_zero_and_its_run_is_recorded(swe_tasks
         session, rows, context = rollout_through(gateway, task, tmp_path)
     assert session.status in ("ok", "crashed") and session.reward == 0.0, context
     assert rows and all(r["completion_ids"] for r in rows if r["status_code"] == 200), context
+
+
+# -- hostile test patches and workspaces: grading touches nothing outside the workspace ----------------------------
+
+def creating(path: str, source: str = "/dev/null") -> str:
+    """A test_patch that creates the file `path` (as the diff names it, b/ prefix included)."""
+    return f"--- {source}\n+++ {path}\n@@ -0,0 +1,2 @@\n+def test_new():\n+    pass\n"
+
+
+ESCAPING_PATCHES = [
+    (creating("b//etc/polar-victim"), "'/etc/polar-victim' is absolute"),
+    (creating("b/../../../polar-victim"), "'../../../polar-victim' has a '..' component"),
+    ("--- a/../../x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+b\n", "'../../x.py' has a '..' component"),
+    (creating("b/.git/hooks/post-checkout"), "'.git/hooks/post-checkout' is inside .git"),
+    (creating("b/tests/a\u0000b.py"), "contains a NUL character"),
+]
+
+
+@pytest.mark.parametrize(("test_patch", "message"), ESCAPING_PATCHES)
+def test_an_instance_whose_test_patch_leaves_the_repository_is_refused_by_tasks_swe(tmp_path, test_patch, message):
+    rows = [dict(INSTANCES[0]), {**INSTANCES[1], "test_patch": test_patch}]
+    path = write_instances(tmp_path / "hostile.jsonl", rows)
+    out = tmp_path / "tasks.jsonl"
+    result = CliRunner().invoke(app, ["tasks", "swe", str(path), "-o", str(out), "--repos", str(SET)])
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert f"hostile.jsonl:2: instance {INSTANCES[1]['instance_id']!r}: field test_patch: path" in result.output
+    assert message in result.output, result.output
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def small_workspace(root: Path) -> tuple[Path, str]:
+    """A workspace as INIT leaves it: a repository whose base commit holds tests/test_a.py."""
+    workspace = root / "ws"
+    (workspace / "tests").mkdir(parents=True)
+    (workspace / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    git(workspace, "init", "-q")
+    git(workspace, "add", ".")
+    git(workspace, "commit", "-qm", "base")
+    return workspace, git(workspace, "rev-parse", "HEAD")
+
+
+def grade_with_the_grader(workspace: Path, base_commit: str, test_patch: str, root: Path) -> str:
+    """`python -m polar_mitm.rollout.swe_grading grade SPEC SHA256` in the workspace, as the eval command runs it."""
+    spec = GradingSpec(instance_id="hostile__x-1", base_commit=base_commit, test_patch=test_patch,
+                       fail_to_pass=["tests/test_new.py::test_new"], pass_to_pass=[], env_dir=str(root / "env"))
+    digest = spec.save(root / "spec.json")
+    done = subprocess.run([sys.executable, "-m", "polar_mitm.rollout.swe_grading", "grade", str(root / "spec.json"),
+                           digest], cwd=workspace, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.rstrip().splitlines()[-1] == "reward: 0", done.stdout + done.stderr
+    return done.stdout
+
+
+def sentinel(outside: Path, name: str, directory: bool = False) -> Path:
+    """A file (or a folder holding one) outside the workspace that grading must leave alone."""
+    path = outside / name
+    if directory:
+        path.mkdir(parents=True)
+        (path / "keep.txt").write_text("keep\n")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("keep\n")
+    return path
+
+
+def survived(path: Path) -> bool:
+    return (path / "keep.txt" if path.is_dir() else path).read_text() == "keep\n"
+
+
+@pytest.mark.parametrize("directory", [False, True], ids=["file", "folder"])
+@pytest.mark.parametrize("form", ["absolute", "dotdot"])
+def test_a_hand_written_spec_naming_paths_outside_the_workspace_deletes_nothing(tmp_path, form, directory):
+    workspace, base = small_workspace(tmp_path)
+    victim = sentinel(tmp_path / "outside", "victim", directory)
+    named = f"b/{victim}" if form == "absolute" else "b/../outside/victim"
+    out = grade_with_the_grader(workspace, base, creating(named), tmp_path)
+    assert survived(victim), out
+    assert "GRADING_ERROR" in out and ("is absolute" in out or "'..'" in out), out
+
+
+@pytest.mark.parametrize("layout", ["test dir linked out", "parent of a test dir linked out",
+                                    "base test file's dir linked out"])
+def test_a_workspace_symlink_out_of_the_workspace_is_never_followed_by_grading(tmp_path, layout):
+    workspace, base = small_workspace(tmp_path)
+    outside = tmp_path / "outside"
+    if layout == "test dir linked out":  # the patch creates tests/victim; the agent made tests/ a link out
+        victim, test_patch = sentinel(outside, "victim"), creating("b/tests/victim")
+        shutil.rmtree(workspace / "tests")
+        (workspace / "tests").symlink_to(outside)
+    elif layout == "parent of a test dir linked out":  # tests/data/victim, with tests/data → outside/ (a folder)
+        victim, test_patch = sentinel(outside, "victim", directory=True), creating("b/tests/data/victim")
+        (workspace / "tests" / "data").symlink_to(outside)
+    else:  # a file of the base commit, its folder a link to a copy outside
+        victim = sentinel(outside, "test_a.py")
+        test_patch = "--- a/tests/test_a.py\n+++ b/tests/test_a.py\n@@ -1,2 +1,2 @@\n def test_a():\n-    pass\n+    pass  # \n"
+        shutil.rmtree(workspace / "tests")
+        (workspace / "tests").symlink_to(outside)
+    out = grade_with_the_grader(workspace, base, test_patch, tmp_path)
+    assert survived(victim), out
+    assert "escapes the workspace" in out and "GRADING_ERROR" in out, out
+
+
+def test_a_test_file_that_is_a_symlink_is_removed_as_a_link_and_its_target_kept(tmp_path):
+    workspace, base = small_workspace(tmp_path)
+    victim = sentinel(tmp_path / "outside", "victim", directory=True)
+    (workspace / "tests" / "test_new.py").symlink_to(victim)
+    out = grade_with_the_grader(workspace, base, creating("b/tests/test_new.py"), tmp_path)
+    assert survived(victim), out
+    new = workspace / "tests" / "test_new.py"
+    assert not new.is_symlink() and new.read_text() == "def test_new():\n    pass\n"  # the patch applied
+    assert "environment" in out  # then grading stopped: this spec has no venv
+
+
+def test_a_grading_spec_changed_after_tasks_swe_is_refused(swe_tasks, tmp_path):
+    task = swe_tasks["inflection__pluralize-sh"]
+    workspace = asyncio.run(prepared_workspace(task, tmp_path / "ws"))
+    spec_path = Path(task.meta["swe"]["spec"])
+    original = spec_path.read_bytes()
+    changed = json.loads(original)
+    changed["test_command"] = f"touch {tmp_path / 'PWNED-spec'}; {changed['test_command']}"
+    try:
+        spec_path.chmod(0o644)  # read-only stops accidents only: the agent is the same user
+        spec_path.write_text(json.dumps(changed))
+        code, out = asyncio.run(run_shell(task.eval_command, workspace, 120))
+    finally:
+        spec_path.write_bytes(original)
+        spec_path.chmod(0o444)
+    assert not (tmp_path / "PWNED-spec").exists(), out
+    assert code == 0 and "changed since `polar-mitm tasks swe` wrote it" in out, out
+    assert out.rstrip().splitlines()[-1] == "reward: 0"
+
+
+def test_a_venv_changed_after_init_is_refused_by_grading_and_rebuilt_by_the_next_init(swe_tasks, tmp_path):
+    task = swe_tasks["inflection__pluralize-sh"]
+    workspace = asyncio.run(prepared_workspace(task, tmp_path / "a"))
+    env = Path(spec_of(task).env_dir)
+    [site_packages] = env.glob("lib/python*/site-packages")
+    # An agent's leftover: code that every later test run in this venv would execute.
+    (site_packages / "polar_cheat.pth").write_text(f"import pathlib; pathlib.Path({str(tmp_path)!r}, 'PWNED').touch()\n")
+    code, out = asyncio.run(run_shell(task.eval_command, workspace, 120))
+    assert not (tmp_path / "PWNED").exists(), out
+    assert code == 0 and "changed since INIT built it" in out and "GRADING_ERROR" in out, out
+    asyncio.run(prepared_workspace(task, tmp_path / "b"))  # the next INIT of the task rebuilds it
+    assert not (site_packages / "polar_cheat.pth").exists()
+    code, out = asyncio.run(run_shell(task.eval_command, tmp_path / "b", 120))
+    assert "RESOLVED_NO" in out and not (tmp_path / "PWNED").exists(), out

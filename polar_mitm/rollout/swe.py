@@ -12,7 +12,9 @@ becomes one task of the rollout's task file (polar_mitm/rollout/tasks.py):
                `test_patch`, runs the tests, grades them with swebench's parser and grading rules → reward
 
 What grading needs but the agent must not see (test_patch, the test lists) goes to one JSON spec per task in
-`<tasks>.swe/`, next to the task file.
+`<tasks>.swe/`, next to the task file, outside every workspace; the task's commands carry its sha256, so grading
+refuses a spec changed after this wrote it (see swe_grading's docstring for what else grading checks). Every path
+`test_patch` names must be a plain path inside the repository: an absolute, `..` or `.git` path fails the load.
 """
 
 from __future__ import annotations
@@ -278,23 +280,24 @@ def env_dir_name(instance_id: str) -> str:
     return f"{readable}-{hashlib.sha256(instance_id.encode()).hexdigest()[:8]}"
 
 
-def instance_task(instance: Instance, options: SweOptions, spec_path: Path) -> dict[str, Any]:
-    """The task-file object of one instance (tasks.py format)."""
+def instance_task(instance: Instance, options: SweOptions, spec_path: Path, spec_sha256: str) -> dict[str, Any]:
+    """The task-file object of one instance (tasks.py format); its commands pin the spec by its sha256."""
     grader = f"{shlex.quote(sys.executable)} -m polar_mitm.rollout.swe_grading"
+    spec_arguments = f"{shlex.quote(str(spec_path))} {spec_sha256}"
     org, name = instance.repo.split("/")
     fields = {"problem_statement": instance.problem_statement, "repo": instance.repo,
               "instance_id": instance.instance_id, "base_commit": instance.base_commit,
               "hints_text": instance.extra.get("hints_text") or "", "version": instance.extra.get("version") or ""}
     setup = [*checkout_commands(instance.base_commit, options.keep_history),
-             f"{grader} env {shlex.quote(str(spec_path))}"]
+             f"{grader} env {spec_arguments}"]
     return {
         "task_id": instance.instance_id,
         "prompt": options.prompt_template.format(**fields),
         "workspace": {"git": repository_source(instance, options), "setup": setup},
-        "eval": {"command": f"{grader} grade {shlex.quote(str(spec_path))}", "reward": "stdout"},
+        "eval": {"command": f"{grader} grade {spec_arguments}", "reward": "stdout"},
         "timeouts": options.timeouts,
         "swe": {"instance_id": instance.instance_id, "repo": instance.repo, "org": org, "name": name,
-                "base_commit": instance.base_commit, "spec": str(spec_path)},
+                "base_commit": instance.base_commit, "spec": str(spec_path), "spec_sha256": spec_sha256},
     }
 
 
@@ -308,7 +311,7 @@ def write_tasks(instances: list[Instance], options: SweOptions, out: Path) -> li
     tasks = []
     for instance in instances:
         spec_path = spec_dir / f"{env_dir_name(instance.instance_id)}.json"
-        grading_spec(instance, options, env_root).save(spec_path)
-        tasks.append(instance_task(instance, options, spec_path))
+        digest = grading_spec(instance, options, env_root).save(spec_path)
+        tasks.append(instance_task(instance, options, spec_path, digest))
     out.write_text("".join(json.dumps(task) + "\n" for task in tasks), encoding="utf-8")
     return tasks

@@ -1,7 +1,7 @@
 """Grading of SWE-bench-format tasks, run by the rollout's INIT (`env`) and POST-RUN (`grade`) stages:
 
-    python -m polar_mitm.rollout.swe_grading env SPEC     # once per task: its venv (or its image), reused
-    python -m polar_mitm.rollout.swe_grading grade SPEC   # in the workspace after the run; prints `reward: R` last
+    python -m polar_mitm.rollout.swe_grading env SPEC SHA256     # once per task: its venv (or its image), reused
+    python -m polar_mitm.rollout.swe_grading grade SPEC SHA256   # in the workspace after the run; `reward: R` last
 
 `grade` follows SWE-bench's evaluation script: the files that `test_patch` touches are restored to `base_commit`
 (whatever the agent did to them), `test_patch` is applied, the test command runs on the test files of the patch in
@@ -14,12 +14,27 @@ catches a log claiming passes the run did not have), `get_eval_tests_report`, `g
 The environment: a venv per task (`env_dir`, created once under a file lock by the first INIT of the task, then
 reused by its other sessions), or the instance's Docker/Apptainer image with the workspace mounted at
 `container_workdir` (SWE-bench's images: /testbed with a `testbed` conda env).
+
+What the agent can reach: it runs as the same user as grading, so nothing outside its workspace is out of its reach
+by permissions alone (files made read-only here stop accidents, not an agent that runs chmod). So grading trusts
+nothing the agent could have changed unless it can check it:
+- the workspace: every path grading deletes or restores is resolved first and refused when it leaves the
+  workspace (`workspace_entry`); a symlink at a test path is removed as a link, never followed;
+- the spec (outside the workspace, in `<tasks>.swe/`) is pinned by its sha256 on the command line: the task file
+  holds the digest and the rollout read the task file before any agent ran, so a spec changed since
+  `polar-mitm tasks swe` wrote it is refused rather than graded with (it names the test command and the venv);
+- the venv (outside the workspace, `<tasks>.swe/envs/` by default) is shared by the task's sessions, so an agent
+  could change it for the sessions after it. It cannot be pinned the same way (INIT builds it, possibly on another
+  machine, after the task file is written), so INIT records a digest of every file and link in it and grading
+  refuses a venv that no longer matches (INIT rebuilds one); an agent that rewrote the venv *and* the record would
+  pass, which only running agents as another user or in a container (`--image`) rules out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -30,10 +45,14 @@ import sys
 import tempfile
 import types
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 READY_MARK = ".polar-env-ready"
+
+
+class GradingError(RuntimeError):
+    """Grading refused: a path escaping the workspace, a grading spec or environment changed since it was made."""
 
 
 @dataclass
@@ -56,12 +75,23 @@ class GradingSpec:
     container_workdir: str = "/testbed"
     container_setup: str = ""
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1), encoding="utf-8")
+    def save(self, path: Path) -> str:
+        """Write the spec read-only (replacing any older one); returns its sha256, which the task file keeps."""
+        data = json.dumps(asdict(self), indent=1).encode("utf-8")
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+            handle.write(data)
+        os.chmod(handle.name, 0o444)
+        os.replace(handle.name, path)
+        return hashlib.sha256(data).hexdigest()
 
     @classmethod
-    def load(cls, path: Path) -> GradingSpec:
-        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+    def load(cls, path: Path, sha256: str | None = None) -> GradingSpec:
+        """The spec at `path`; with `sha256`, a GradingError unless the file is exactly the one written."""
+        data = Path(path).read_bytes()
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+            raise GradingError(f"the grading spec {path} changed since `polar-mitm tasks swe` wrote it "
+                               f"(sha256 {hashlib.sha256(data).hexdigest()[:12]}…, expected {sha256[:12]}…)")
+        return cls(**json.loads(data.decode("utf-8")))
 
 
 @dataclass
@@ -117,7 +147,12 @@ def log_parser(name: str) -> Any:
 
 
 def patched_files(patch: str) -> list[str]:
-    """The files a diff touches (paths in the repository), parsed with unidiff as swebench does."""
+    """The files a diff touches (paths in the repository), parsed with unidiff as swebench does.
+
+    Every path the diff names (old and new side) must be a plain path inside the repository (`path_problem`):
+    grading deletes and restores these paths, so `/etc/x`, `../x` or `.git/hooks/x` are refused here, when the
+    instance is loaded, and again by grading itself.
+    """
     from unidiff import PatchSet
     from unidiff.errors import UnidiffParseError
 
@@ -127,11 +162,41 @@ def patched_files(patch: str) -> list[str]:
         raise ValueError(f"not a unified diff: {exc}") from None
     files = []
     for patched_file in patched:
+        for named in (patched_file.source_file, patched_file.target_file):
+            if named != "/dev/null" and (problem := path_problem(_repository_path(named))) is not None:
+                raise ValueError(f"path {_repository_path(named)!r} {problem}")
         path = patched_file.source_file if patched_file.is_removed_file else patched_file.target_file
-        files.append(path[2:] if path.startswith(("a/", "b/")) else path)
+        files.append(_repository_path(path))
     if not files:
         raise ValueError("the diff touches no file")
     return files
+
+
+def _repository_path(named: str) -> str:
+    """A diff's file name without its `a/` or `b/` prefix."""
+    return named[2:] if named.startswith(("a/", "b/")) else named
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` is not a plain relative path inside a repository's work tree, or None when it is."""
+    if not path:
+        return "is empty"
+    if "\0" in path:
+        return "contains a NUL character"
+    if path.startswith('"'):
+        return "is C-quoted (git's escapes could hide '..'); quoted paths are not supported"
+    if path.startswith("/"):
+        return "is absolute: it escapes the repository"
+    parts = path.split("/")
+    if ".." in parts:
+        return "has a '..' component: it escapes the repository"
+    if any(part in ("", ".") for part in parts):
+        return "has an empty or '.' component"
+    if any(part.lower() == ".git" for part in parts):
+        return "is inside .git"
+    if path.startswith("-"):
+        return "starts with '-' (the test command would read it as an option)"
+    return None
 
 
 def suite_directives(spec: GradingSpec) -> list[str]:
@@ -151,12 +216,55 @@ def prepare_env(spec: GradingSpec) -> str:
     env.parent.mkdir(parents=True, exist_ok=True)
     with open(env.with_name(env.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one INIT builds it; the others of the same task wait, then reuse it
-        if (env / READY_MARK).exists():
+        changes = env_changes(env) if (env / READY_MARK).exists() else None
+        if (env / READY_MARK).exists() and changes is None:
             return f"reusing {env}"
-        shutil.rmtree(env, ignore_errors=True)  # a half-built one from an interrupted INIT
+        done = f"rebuilt {env}: {changes}" if changes else f"created {env}"
+        shutil.rmtree(env, ignore_errors=True)  # a half-built one from an interrupted INIT, or a changed one
         _build_venv(env, spec)
-        (env / READY_MARK).write_text(json.dumps(spec.requirements))
-    return f"created {env}"
+        _seal_env(env, spec)
+    return done
+
+
+def env_digest(env: Path) -> str:
+    """sha256 over every file (content, executable bit), link (target) and directory of a venv, in path order."""
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(env):  # does not follow links: a linked directory is listed as a link
+        dirs.sort()
+        for name in sorted([*dirs, *files]):
+            path = Path(folder) / name
+            relative = path.relative_to(env).as_posix()
+            if relative == READY_MARK:
+                continue
+            if path.is_symlink():
+                entry = f"L {relative} -> {os.readlink(path)}"
+            elif path.is_dir():
+                entry = f"D {relative}"
+            else:
+                with open(path, "rb") as handle:
+                    content = hashlib.file_digest(handle, "sha256").hexdigest()
+                entry = f"F {relative} {os.access(path, os.X_OK):d} {content}"
+            digest.update(entry.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def _seal_env(env: Path, spec: GradingSpec) -> None:
+    """After a build: its files read-only (directories stay writable, so `rm -rf` works), its digest recorded."""
+    for folder, _, files in os.walk(env):
+        for name in files:
+            path = Path(folder) / name
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & ~0o222)
+    (env / READY_MARK).write_text(json.dumps({"requirements": spec.requirements, "sha256": env_digest(env)}))
+
+
+def env_changes(env: Path) -> str | None:
+    """None when the venv is as INIT built it; else what differs, in words."""
+    try:
+        recorded = json.loads((env / READY_MARK).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{env / READY_MARK} is missing or has no digest"
+    return None if env_digest(env) == recorded else "its files changed since INIT built it"
 
 
 def _build_venv(env: Path, spec: GradingSpec) -> None:
@@ -193,6 +301,17 @@ def _check(argv: list[str]) -> None:
         raise RuntimeError(f"`{shlex.join(argv)}` failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
 
 
+def check_env(spec: GradingSpec, workspace: Path) -> None:
+    """A GradingError unless the task's venv lies outside the workspace and is as INIT built it."""
+    if spec.image:
+        return  # the tests run in the image; the workspace is all the container gets
+    env = Path(spec.env_dir).resolve()
+    if env.is_relative_to(workspace.resolve()):
+        raise GradingError(f"the task's environment {env} is inside the workspace, where the agent could change it")
+    if (changes := env_changes(env)) is not None:
+        raise GradingError(f"the task's environment {env}: {changes}; the next INIT of the task rebuilds it")
+
+
 def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
     """The test run: the command on the patch's test files, in the venv or in the instance's container."""
     command = " ".join([spec.test_command, *map(shlex.quote, suite_directives(spec))])
@@ -215,20 +334,47 @@ def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str,
 # -- grading ---------------------------------------------------------------------------------------------------------
 
 
+def workspace_entry(workspace: Path, path: str) -> Path:
+    """Where `path` (from test_patch) lies in the workspace, its directories' symlinks resolved, the entry not.
+
+    Why: the agent owns the workspace and may have made a test directory (or one above it) a symlink to elsewhere;
+    grading deletes and restores these paths, so a path whose directory resolves outside the workspace (or into
+    its .git) is refused with a GradingError. The entry itself is returned unresolved: a symlink there is removed
+    as a link, never followed.
+    """
+    if (problem := path_problem(path)) is not None:
+        raise GradingError(f"test_patch path {path!r} {problem}")
+    root = workspace.resolve()
+    parent = (root / path).parent.resolve()
+    if not parent.is_relative_to(root):
+        raise GradingError(f"test_patch path {path!r} escapes the workspace: its directory resolves to {parent} "
+                           f"(a symlink in the workspace points outside it)")
+    if parent.relative_to(root).parts[:1] == (".git",):
+        raise GradingError(f"test_patch path {path!r} resolves into the workspace's .git ({parent})")
+    return parent / PurePosixPath(path).name
+
+
 def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | None:
-    """Put the test files back as they were at `base_commit`, then apply `test_patch`; None, or why it failed."""
-    for path in patched_files(spec.test_patch):
-        in_base = subprocess.run(["git", "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace,
+    """Put the test files back as they were at `base_commit`, then apply `test_patch`; None, or why it failed.
+
+    Every path is checked by `workspace_entry` before anything is touched; a GradingError means nothing was.
+    """
+    try:
+        paths = patched_files(spec.test_patch)
+    except ValueError as exc:
+        raise GradingError(f"test_patch: {exc}") from None
+    entries = [workspace_entry(workspace, path) for path in paths]
+    git = ["git", "--literal-pathspecs"]  # a test file named `*` or `:(top)x` is that file, not a pattern
+    for path, entry in zip(paths, entries, strict=True):
+        in_base = subprocess.run([*git, "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace,
                                  capture_output=True).returncode == 0
-        if in_base:
-            subprocess.run(["git", "checkout", "-q", spec.base_commit, "--", path], cwd=workspace, check=True,
+        if in_base:  # git replaces a symlink in the way by the file; it does not write through it
+            subprocess.run([*git, "checkout", "-q", spec.base_commit, "--", path], cwd=workspace, check=True,
                            capture_output=True)
-        else:  # a file the patch creates: whatever the agent put there goes
-            target = workspace / path
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink(missing_ok=True)
+        elif entry.is_dir() and not entry.is_symlink():  # a file the patch creates: whatever the agent put there goes
+            shutil.rmtree(entry)  # rmtree does not follow symlinks inside the directory
+        else:
+            entry.unlink(missing_ok=True)
     applied = subprocess.run(["git", "apply", "-v", "-"], cwd=workspace, input=spec.test_patch, text=True,
                              capture_output=True)
     return None if applied.returncode == 0 else f"test_patch does not apply: {applied.stderr.strip()[-500:]}"
@@ -242,6 +388,7 @@ def grade(spec: GradingSpec, workspace: Path) -> Grade:
     if problem is not None:
         print(problem)
         return Grade(0.0, constants.APPLY_PATCH_FAIL)
+    check_env(spec, workspace)
     argv, env = suite_argv(spec, workspace)
     run = subprocess.run(argv, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -281,12 +428,17 @@ def _logs_eval(spec: GradingSpec, log: str) -> tuple[dict[str, str], bool]:
 def main(argv: list[str] | None = None) -> int:
     """`env SPEC` or `grade SPEC` (in the workspace); `grade` always ends with a `reward:` line."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("env", "grade"):
-        print("usage: python -m polar_mitm.rollout.swe_grading {env|grade} SPEC", file=sys.stderr)
+    if len(args) not in (2, 3) or args[0] not in ("env", "grade"):
+        print("usage: python -m polar_mitm.rollout.swe_grading {env|grade} SPEC [SHA256]", file=sys.stderr)
         return 2
-    spec = GradingSpec.load(Path(args[1]))
+    sha256 = args[2] if len(args) == 3 else None
     if args[0] == "env":
-        print(prepare_env(spec))
+        print(prepare_env(GradingSpec.load(Path(args[1]), sha256)))
+        return 0
+    try:
+        spec = GradingSpec.load(Path(args[1]), sha256)
+    except Exception as exc:  # noqa: BLE001 — an unusable spec is a zero reward too
+        print(f"grading failed: {type(exc).__name__}: {exc}\nreward: 0", flush=True)
         return 0
     try:
         result = grade(spec, Path.cwd())
