@@ -258,7 +258,12 @@ def _content_messages(contents: list[Any]) -> list[Message]:
         content = require_dict(content, f"contents[{i}]")
         role = _opt_str(content, "role") or "user"
         parts = [require_dict(p, f"contents[{i}].parts[]") for p in _list(_get(content, "parts") or [], "parts")]
-        for part in parts:
+        if not parts:  # as Google answers: a turn holds at least one part, and a part holds data
+            raise invalid_request(f"contents[{i}].parts must not be empty")
+        for j, part in enumerate(parts):
+            if not part:
+                raise invalid_request(f"contents[{i}].parts[{j}] must hold data (text, functionCall, "
+                                      "functionResponse)")
             _reject_unsupported(part)
         if role == "model":
             messages.extend(_model_turn(parts, ids))
@@ -266,6 +271,8 @@ def _content_messages(contents: list[Any]) -> list[Message]:
             messages.extend(_user_turn(parts, ids))
         else:
             raise invalid_request(f"contents[{i}].role must be 'user' or 'model', got {role!r}")
+    if contents and not messages:
+        raise invalid_request("contents hold no text, function call or function response to answer")
     return messages
 
 

@@ -57,13 +57,20 @@ def _decode_one(data: bytes, coding: str, limit: int) -> bytes:
 
 
 def _zlib(data: bytes, wbits: int, limit: int) -> bytes:
-    decoder = zlib.decompressobj(wbits)
-    out = decoder.decompress(data, limit + 1)
-    if len(out) > limit or decoder.unconsumed_tail:
-        raise too_large(limit)
-    if not decoder.eof:
-        raise zlib.error("truncated stream")
-    return out
+    """zlib/deflate/gzip within `limit`; a gzip body may hold several members (RFC 1952), decoded one after the
+    other as `gzip -d` does (`cat a.gz b.gz`, or a client that compresses per chunk)."""
+    out = bytearray()
+    rest = data
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        out += decoder.decompress(rest, limit + 1 - len(out))
+        if len(out) > limit or decoder.unconsumed_tail:
+            raise too_large(limit)
+        if not decoder.eof:
+            raise zlib.error("truncated stream")
+        rest = decoder.unused_data
+        if not rest or wbits & 16 == 0:  # only gzip chains members; zlib/deflate end at their stream's end
+            return bytes(out)
 
 
 def _zstd(data: bytes, limit: int) -> bytes:

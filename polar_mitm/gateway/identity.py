@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from polar_mitm import session_ids
 from polar_mitm.session_ids import SessionId
@@ -111,6 +112,48 @@ def scrub_headers(headers: dict[str, str]) -> dict[str, str]:
 def scrub_query(query: dict[str, str]) -> dict[str, str]:
     """Query parameters without credentials (safe to record or log)."""
     return {k: v for k, v in query.items() if k.lower() not in SECRET_QUERY_KEYS}
+
+
+@dataclass
+class Credentials:
+    """The credential headers and query parameters taken off a request (see `take_credentials`)."""
+
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    query: list[tuple[str, str]] = field(default_factory=list)
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+
+def take_credentials(headers: Any, query: Any) -> Credentials:
+    """Remove every credential from a mitmproxy request's `headers` and `query` (multidicts) and return them.
+
+    The first thing done with a request, so no later failure can leave a secret in the flow; identity reads them
+    back from the returned value, and a request forwarded upstream gets them back (`restore_credentials`).
+    """
+    taken = Credentials(headers=[(k, v) for k, v in _pairs(headers) if k.lower() in SECRET_HEADERS],
+                        query=[(k, v) for k, v in _pairs(query) if k.lower() in SECRET_QUERY_KEYS])
+    if taken.headers or taken.query:
+        scrub_credentials(headers, query)
+    return taken
+
+
+def _pairs(mapping: Any) -> list[tuple[str, str]]:
+    """Every (name, value) of a mitmproxy multidict (repeated names too) or a plain mapping."""
+    try:
+        return list(mapping.items(multi=True))
+    except TypeError:
+        return list(mapping.items())
+
+
+def restore_credentials(headers: Any, query: Any, taken: Credentials | None) -> None:
+    """Put taken credentials back on a request that is forwarded to the real provider."""
+    if taken is None:
+        return
+    for name, value in taken.headers:
+        headers.add(name, value)
+    for key, value in taken.query:
+        query.add(key, value)
 
 
 def scrub_credentials(headers: MutableMapping[str, str], query: MutableMapping[str, str]) -> None:

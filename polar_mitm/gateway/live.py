@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -26,6 +27,7 @@ from polar_mitm.codecs.base import Codec, GatewayError
 from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
 from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
 from polar_mitm.gateway.calls import CallContext, fill_record
+from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.engine_client import sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
 from polar_mitm.gateway.prompts import PromptStep
@@ -77,6 +79,11 @@ class LiveAnswer:
     def __init__(self, call: LiveCall) -> None:
         self.call = call
         self.request_id = call.record.request_id
+        self._on_end: list[Callable[[], None]] = []
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the call has ended (recorded), however it ended."""
+        self._on_end.append(callback)
 
     @property
     def row(self) -> dict[str, Any] | None:
@@ -84,7 +91,15 @@ class LiveAnswer:
         return self.call.row
 
     async def run(self, out: Responder) -> None:
-        await self.call.run(out)
+        try:
+            await self.call.run(out)
+        finally:
+            for callback in self._on_end:
+                callback()
+
+    def stop(self, reason: str) -> None:
+        """End the call now (its stream reset, the gateway shutting down): recorded `abort` with `reason`."""
+        self.call.stop(reason)
 
 
 class LiveCall:
@@ -106,6 +121,7 @@ class LiveCall:
         self.visible = False  # text or a tool call reached the harness (harness_safe's all-reasoning rule)
         self.offered = {tool.name for tool in conv.tools}
         self.row: dict[str, Any] | None = None
+        self.stop_reason: str | None = None  # set by `stop`; else the disconnect event's reason
 
     # -- the whole call ----------------------------------------------------------------------------------------
 
@@ -115,10 +131,24 @@ class LiveCall:
         try:
             return await self._run()
         except GatewayError as err:
-            return await self._failed(err)
+            return await self._after_error(err)
         except Exception as exc:  # a gateway bug: the harness still gets its provider's error shape
             log.exception("unexpected error in a live stream")
-            return await self._failed(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
+            return await self._after_error(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
+
+    def stop(self, reason: str) -> None:
+        """Abort the call as if its client had left, recording `reason`."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.queue.put_nowait(GONE)
+
+    async def _after_error(self, err: GatewayError) -> dict[str, Any]:
+        """The error answer and its record — unless the record is already written (one record per call)."""
+        if self.row is not None:
+            log.error("live stream %s failed after its record was written: %s", self.record.request_id, err.message)
+            await self._end()
+            return self.row
+        return await self._failed(err)
 
     async def _run(self) -> dict[str, Any]:
         async with self.calls.engine.open_stream(self.engine_body) as resp:
@@ -259,6 +289,8 @@ class LiveCall:
 
     async def _finished(self) -> dict[str, Any]:
         """The engine finished: validate, record durably, then send the closing events."""
+        if not self.begun:  # not one chunk: there is no answer to close, only an error to give
+            raise GatewayError("engine_error", "the engine's stream ended without any event")
         tail = self._encode(self.assembler.finish())
         try:
             completion = await _offload(self.assembler.completion, len(self.assembler.input_ids or ()))
@@ -304,7 +336,8 @@ class LiveCall:
         else:
             sampled = "before its ids could be read"
         record.finish_reason, record.status_code = "abort", 499
-        record.error = f"abort: the client disconnected mid-stream; the engine generation was aborted {sampled}"
+        reason = self.stop_reason or reason_of(self.disconnected)
+        record.error = f"abort: {reason} mid-stream; the engine generation was aborted {sampled}"
         row = self.row = await self.calls.persist(record)
         await self._end()
         return row

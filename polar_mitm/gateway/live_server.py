@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Protocol
 
 from aiohttp import web
 
-from polar_mitm.gateway.live import LiveAnswer
+from polar_mitm.gateway.cancel import STREAM_RESET
+from polar_mitm.gateway.live import Responder
 
 log = logging.getLogger("polar_mitm.live_server")
 
@@ -34,7 +36,8 @@ class WebResponder:
         await self.response.prepare(self.request)
 
     async def send(self, data: bytes) -> None:
-        assert self.response is not None
+        if self.response is None:
+            raise RuntimeError("live answer: bytes sent before the status line")
         await self.response.write(data)
 
     async def end(self) -> None:
@@ -55,14 +58,27 @@ class GoneResponder:
         return None
 
 
+class Hosted(Protocol):
+    """What the live server runs: a live answer, or a whole call deferred to it (`mitm_addon.DeferredCall`)."""
+
+    async def run(self, out: Responder) -> None: ...
+
+    def stop(self, reason: str) -> None: ...
+
+
 class LiveServer:
-    """Holds live answers until mitmproxy fetches them (`register` → `path_for`), then runs each one."""
+    """Holds answers until mitmproxy fetches them (`register` → `PATH_PREFIX + token`), then runs each one.
+
+    Each answer runs in a task of its own, shielded from the request handler: when the hop's connection goes (the
+    harness left, or reset its HTTP/2 stream, which mitmproxy turns into a closed upstream connection) aiohttp
+    cancels the handler, the answer is told to stop, and its task still records the call.
+    """
 
     def __init__(self) -> None:
-        self._pending: dict[str, LiveAnswer] = {}
+        self._pending: dict[str, Hosted] = {}
+        self._running: dict[asyncio.Task, Hosted] = {}
         self._runner: web.ServerRunner | None = None
         self._starting: asyncio.Task | None = None  # the one start; every caller awaits it
-        self._tasks: set[asyncio.Task] = set()
         self.port = 0
 
     async def start(self) -> None:
@@ -74,13 +90,15 @@ class LiveServer:
         await asyncio.shield(self._starting)
 
     async def _start(self) -> None:
-        self._runner = web.ServerRunner(web.Server(self._handle), access_log=None)
+        # auto_decompress off: a body read over the hop is decoded by the gateway, within its size limit.
+        server = web.Server(self._handle, handler_cancellation=True, auto_decompress=False)
+        self._runner = web.ServerRunner(server, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
-    def register(self, answer: LiveAnswer) -> str:
+    def register(self, answer: Hosted) -> str:
         """A token for `answer`; mitmproxy fetches it at `PATH_PREFIX + token`."""
         token = uuid.uuid4().hex
         self._pending[token] = answer
@@ -90,19 +108,50 @@ class LiveServer:
         """The flow died before mitmproxy fetched the answer: run it against a gone client (recorded `abort`)."""
         answer = self._pending.pop(token, None)
         if answer is not None:
-            task = asyncio.get_running_loop().create_task(answer.run(GoneResponder()))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(answer, GoneResponder())
+
+    def _spawn(self, answer: Hosted, out: Responder) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(answer.run(out))
+        self._running[task] = answer
+        task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._running.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a live answer failed", exc_info=task.exception())
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         answer = self._pending.pop(request.path.removeprefix(PATH_PREFIX), None)
         if answer is None:
             return web.Response(status=404, text="polar-mitm: no such live answer")
         responder = WebResponder(request)
-        await answer.run(responder)
+        task = self._spawn(answer, responder)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:  # the hop's connection closed: the answer stops, its task records it
+            answer.stop(STREAM_RESET)
+            raise
         if responder.response is None:  # the client left before anything was sent
             return web.Response(status=499)
         return responder.response
+
+    @property
+    def busy(self) -> int:
+        """Answers waiting to be fetched or running."""
+        return len(self._pending) + len(self._running)
+
+    async def wait(self, timeout: float) -> None:
+        """Until every running answer is done, or `timeout` seconds."""
+        if self._running and timeout > 0:
+            await asyncio.wait(list(self._running), timeout=timeout)
+
+    def stop_all(self, reason: str) -> None:
+        """Stop every answer: the fetched ones abort, the unfetched ones run against a gone client."""
+        for token in list(self._pending):
+            self.abandon(token)
+        for answer in list(self._running.values()):
+            answer.stop(reason)
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from mitmproxy import ctx, http
+from mitmproxy.exceptions import OptionsError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
+from polar_mitm.codecs import DEFAULT_CODEC, by_path
+from polar_mitm.codecs.base import GatewayError, HttpAnswer
 from polar_mitm.gateway import identity as ident
+from polar_mitm.gateway import log_redaction
+from polar_mitm.gateway.cancel import SHUTDOWN, CallCancel
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
-from polar_mitm.gateway.live import LiveAnswer
+from polar_mitm.gateway.live import ABORT_DRAIN_SECONDS, LiveAnswer, Responder
 from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
@@ -30,29 +36,85 @@ log = logging.getLogger("polar_mitm.addon")
 # Default completion budget per call (polar_max_tokens): long enough for any real agent turn (a large file written
 # in one tool call), short enough that a degenerate sample cannot hold the engine for its whole context.
 DEFAULT_MAX_TOKENS = 8192
+WRITER_OPTIONS = frozenset({"polar_out", "polar_rotate_mb", "polar_rotate_seconds", "polar_fsync"})
 
 
-def optional_float(value: str | None, name: str) -> float | None:
+def optional_float(value: str | None, name: str, *, minimum: float | None = None) -> float | None:
+    """A float option given as text (`--set` cannot parse float options); OptionsError names the option."""
     if value in (None, ""):
         return None
     try:
-        return float(value)  # type: ignore[arg-type]
+        number = float(value)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise ValueError(f"{name} must be a number, got {value!r}") from exc
+        raise OptionsError(f"{name} must be a number, got {value!r}") from exc
+    if number != number or (minimum is not None and number < minimum):
+        raise OptionsError(f"{name} must be a number ≥ {minimum}, got {value!r}")
+    return number
+
+
+def stop_process(message: str) -> NoReturn:
+    """The addon cannot run as configured: one line on stderr, and the proxy stops before it serves anything.
+
+    A SystemExit, not an exception mitmproxy would log and carry on past: a proxy whose addon is not in charge
+    forwards every request to the real provider (fail open).
+    """
+    print(f"polar-mitm: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_deferred_options(options: Any) -> None:
+    """Apply the `--set polar_…` values mitmproxy deferred until our options exist, or stop the process.
+
+    mitmproxy applies them right after `load`, in the script loader's task, where an error (an option given
+    twice, a value that is not an int) is lost: the addon is then registered but never called, and the proxy
+    forwards everything upstream. Applying them here, with mitmproxy's own parser, turns that into a stop.
+    """
+    ours = {name: value for name, value in options.deferred.items() if name.startswith("polar_")}
+    for name in ours:
+        del options.deferred[name]
+    for name, value in ours.items():
+        if name not in options:
+            stop_process(f"unknown option {name} (see README's gateway options)")
+        try:
+            raw = getattr(value, "val", value)
+            parsed = options._parse_setval(options._options[name], raw) if isinstance(raw, list) else raw
+            choices = options._options[name].choices
+            if choices and parsed not in choices:
+                raise OptionsError(f"{name} must be one of {', '.join(choices)}, got {parsed!r}")
+            options.update(**{name: parsed})
+        except OptionsError as exc:
+            if isinstance(raw, list) and len(raw) > 1:
+                stop_process(f"{name} is set {len(raw)} times ({', '.join(map(repr, raw))}); set it once")
+            stop_process(f"cannot apply --set {name}={raw[0] if isinstance(raw, list) and raw else raw}: {exc}")
+
+
+def error_answer(status: int, message: str) -> http.Response:
+    """A provider-neutral (OpenAI-shaped) error for a request the gateway cannot hand to its codecs."""
+    answer = DEFAULT_CODEC.encode_error(GatewayError("internal", message))
+    return http.Response.make(status, answer.body, {"content-type": answer.content_type})
 
 
 class PolarGateway:
-    """Answers model calls from the engine, records them under `polar_out`, handles the rest per passthrough."""
+    """Answers model calls from the engine, records them under `polar_out`, handles the rest per passthrough.
+
+    Fails closed: a request is forwarded upstream only when the gateway decided so (`polar_passthrough=upstream`,
+    regular mode, not a model call); any other state — not configured, shutting down, a bug — answers an error.
+    """
 
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         self.writer: RecordWriter | None = None
         self.engine: EngineClient | None = None
         self.prompts: PromptBuilder | None = None
+        self.is_running = False  # past startup: a bad option is refused (rolled back) rather than fatal
+        self.closing = False
         self._proxy_users: dict[str, str] = {}
-        self._disconnects: dict[str, asyncio.Event] = {}  # client connection id → set when it closes
+        self._connections: dict[str, set[str]] = {}  # client connection id → ids of its flows in a model call
+        self._calls: dict[str, CallCancel] = {}  # flow id → the cancel of its call (while the call runs)
+        self._credentials: dict[str, ident.Credentials] = {}  # flow id → what requestheaders took off it
+        self._handling: set[asyncio.Task] = set()  # calls answered inline (not via the live server)
         self.live = LiveServer()  # sends live-streamed answers, which mitmproxy streams on (live_server.py)
-        self._live_flows: dict[str, tuple[str, dict[str, Any], LiveAnswer]] = {}  # flow id → (token, request, answer)
+        self._live_flows: dict[str, tuple[str, dict[str, Any], Any]] = {}  # flow id → (token, request, answer)
         self._engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json once the engine answers
 
     def load(self, loader) -> None:
@@ -90,32 +152,48 @@ class PolarGateway:
         loader.add_option("polar_keepalive_seconds", str, "10",  # a str: `--set` cannot parse float options
                           "Live streams: send the provider's keep-alive (Anthropic ping, SSE comment) after this "
                           "many seconds of silence, so harness idle timeouts do not fire (0 = never).")
+        loader.add_option("polar_shutdown_grace_seconds", str, "10",
+                          "On SIGTERM, how long calls in flight may run on to their end; then they are aborted and "
+                          "recorded `abort` with what was sampled, and the gateway exits.")
+        check_deferred_options(loader.master.options)
+        log_redaction.install()
+
+    # -- configuration: parse and check everything first, then apply (mitmproxy's option contract) -------------
 
     def configure(self, updated: set[str]) -> None:
+        """Raises OptionsError before changing anything (mitmproxy then rolls the change back); at startup, when
+        there is nothing to roll back to, a bad option stops the process instead."""
+        try:
+            config = self._parse_config(ctx.options)
+        except OptionsError as exc:
+            if not self.is_running:
+                stop_process(str(exc))
+            raise
         opts = ctx.options
-        if self.writer is None or {"polar_out", "polar_rotate_mb", "polar_rotate_seconds", "polar_fsync"} & updated:
-            if self.writer is not None:
-                self.writer.close()
+        if self.writer is None or WRITER_OPTIONS & updated:
             out = Path(opts.polar_out)
-            self.writer = RecordWriter(out, rotate_bytes=opts.polar_rotate_mb << 20,
-                                       rotate_seconds=opts.polar_rotate_seconds, fsync=opts.polar_fsync)
-            self.writer.start()
+            previous_writer = self.writer
+            if previous_writer is not None and previous_writer.out_dir.resolve() == out.resolve():
+                previous_writer.close()  # one writer per journal folder
+                previous_writer = None
+            writer = RecordWriter(out, rotate_bytes=opts.polar_rotate_mb << 20,
+                                  rotate_seconds=opts.polar_rotate_seconds, fsync=opts.polar_fsync)
+            try:
+                writer.start()
+            except OSError as exc:
+                message = f"polar_out={opts.polar_out!r} cannot hold records: {exc}"
+                if not self.is_running:
+                    stop_process(message)
+                raise OptionsError(message) from exc
+            if previous_writer is not None:
+                previous_writer.close()
+            self.writer = writer
             # An unreadable shard is moved aside with its reason; it must never keep the gateway from serving.
             last_seq = last_seq_by_session(out, on_unreadable=self.writer.quarantine_shard)
         else:
             last_seq = None
         if self.engine is None or {"polar_backend", "polar_engine_timeout"} & updated:
             self.engine = EngineClient(opts.polar_backend, timeout=opts.polar_engine_timeout)
-        config = GatewayConfig(
-            passthrough=opts.polar_passthrough,
-            temperature=optional_float(opts.polar_temperature, "polar_temperature"),
-            top_p=optional_float(opts.polar_top_p, "polar_top_p"),
-            max_tokens=opts.polar_max_tokens or None,
-            extra_models=[m.strip() for m in opts.polar_models.split(",") if m.strip()],
-            max_body_bytes=opts.polar_max_body_mb << 20,
-            stream=opts.polar_stream,
-            keepalive_seconds=optional_float(opts.polar_keepalive_seconds, "polar_keepalive_seconds") or 0.0,
-        )
         previous = self.gateway
         if self.prompts is None or {"polar_prompt_mode", "polar_tokenizer", "polar_backend"} & updated:
             self.prompts = PromptBuilder(opts.polar_prompt_mode, tokenizer=opts.polar_tokenizer,
@@ -126,7 +204,32 @@ class PolarGateway:
         elif last_seq:
             self.gateway.seed_sequences(last_seq)
 
+    @staticmethod
+    def _parse_config(opts: Any) -> GatewayConfig:
+        """The gateway's configuration from the options; OptionsError naming the first bad one."""
+        for name, choices in (("polar_passthrough", ("block", "upstream")), ("polar_prompt_mode", ("tokens", "messages")),
+                              ("polar_stream", ("live", "replay"))):
+            if getattr(opts, name) not in choices:
+                raise OptionsError(f"{name} must be one of {', '.join(choices)}, got {getattr(opts, name)!r}")
+        for name in ("polar_max_tokens", "polar_engine_timeout", "polar_rotate_mb", "polar_rotate_seconds",
+                     "polar_max_body_mb"):
+            if getattr(opts, name) < 0:
+                raise OptionsError(f"{name} must be ≥ 0, got {getattr(opts, name)}")
+        optional_float(opts.polar_shutdown_grace_seconds, "polar_shutdown_grace_seconds", minimum=0)
+        return GatewayConfig(
+            passthrough=opts.polar_passthrough,
+            temperature=optional_float(opts.polar_temperature, "polar_temperature", minimum=0),
+            top_p=optional_float(opts.polar_top_p, "polar_top_p", minimum=0),
+            max_tokens=opts.polar_max_tokens or None,
+            extra_models=[m.strip() for m in opts.polar_models.split(",") if m.strip()],
+            max_body_bytes=opts.polar_max_body_mb << 20,
+            stream=opts.polar_stream,
+            keepalive_seconds=optional_float(opts.polar_keepalive_seconds, "polar_keepalive_seconds",
+                                             minimum=0) or 0.0,
+        )
+
     def running(self) -> None:
+        self.is_running = True
         # Never dial the real provider when a tunnel opens: model calls are answered here.
         if ctx.options.polar_passthrough == "block" and ctx.options.connection_strategy != "lazy":
             ctx.options.update(connection_strategy="lazy")
@@ -140,6 +243,8 @@ class PolarGateway:
             self._engine_task = asyncio.get_running_loop().create_task(record_engine(
                 Path(ctx.options.polar_out), ctx.options.polar_backend, self.engine.model_info, self.prompts.warm))
 
+    # -- a flow's life -------------------------------------------------------------------------------------------
+
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Regular mode: remember the proxy user (our session carrier) of this client connection."""
         user = self._user_of(flow)
@@ -147,59 +252,140 @@ class PolarGateway:
             self._proxy_users[flow.client_conn.id] = user
         flow.request.headers.pop("Proxy-Authorization", None)
 
-    def client_disconnected(self, client) -> None:
-        """Forget the connection; cancel its model calls still waiting for the engine (they are recorded `abort`)."""
-        self._proxy_users.pop(client.id, None)
-        event = self._disconnects.pop(client.id, None)
-        if event is not None:
-            event.set()
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """Credentials leave the flow as soon as its headers are here: a request that never completes (a short
+        or malformed body) reaches `error` and `mitmdump -w` files without `request` ever running.
 
-    def _disconnect_event(self, client) -> asyncio.Event:
-        """The event `client_disconnected` sets for this client connection."""
-        event = self._disconnects.get(client.id)
-        if event is None:
-            event = self._disconnects[client.id] = asyncio.Event()
-            if client.timestamp_end is not None:  # already gone before its request reached us
-                event.set()
-        return event
-
-    def _user_of(self, flow: http.HTTPFlow) -> str | None:
-        auth = flow.metadata.get("proxyauth")  # set when mitmproxy's own proxyauth option is on
-        if auth:
-            return auth[0] or None
-        return ident.proxy_user(flow.request.headers.get("Proxy-Authorization"))
+        A body the gateway would buffer past its limit is not buffered: a `Content-Length` over the limit is
+        refused now (the body is read and dropped as it comes), and a chunked body is read by the loopback hop,
+        which stops at the limit. Both answer the provider's 413 and are recorded.
+        """
+        credentials = self._credentials[flow.id] = ident.take_credentials(flow.request.headers,
+                                                                          flow.request.query)
+        if self.gateway is None or self.closing or flow.response is not None:
+            return  # `request` answers it
+        length, chunked = body_framing(flow.request.headers)
+        too_large = length is not None and length > self.gateway.config.max_body_bytes
+        if not (too_large or chunked):
+            return
+        req = self._gateway_request(flow, credentials)
+        if not self._answered_here(req):
+            return  # may be forwarded: mitmproxy reads it whole, `request` decides
+        del self._credentials[flow.id]
+        req.body_too_large = too_large
+        await self._go_live(flow, DeferredCall(self, req, read_body=not too_large), keep_body=not too_large)
+        if too_large:
+            flow.request.stream = drop_body
+        else:
+            flow.request.stream = True
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or self.gateway is None:
+        """Fail closed: whatever goes wrong here, the flow gets an answer and never goes upstream unasked."""
+        if flow.response is not None:
             return
-        req = self._gateway_request(flow)
-        # Credentials never go further (not into `mitmdump -w` files, not into logs): removed before any handling,
-        # so no failure can leave them in the flow. Only a flow that may be forwarded keeps them until it is not.
-        if not (req.mode == "regular" and self.gateway.config.passthrough == "upstream"):
-            ident.scrub_credentials(flow.request.headers, flow.request.query)
-        answer = await self.gateway.handle(req)  # never raises: failures come back provider-shaped
-        if answer is None:
-            return  # passthrough upstream: the real provider needs the credentials
-        ident.scrub_credentials(flow.request.headers, flow.request.query)
+        try:
+            await self._request(flow)
+        except Exception as exc:  # a gateway bug must not let the request through to the real provider
+            log.exception("unexpected error on %s %s", flow.request.method, flow.request.path)
+            flow.response = error_answer(500, f"polar-mitm internal error: {exc!r}")
+        finally:
+            if flow.response is None and flow.id not in self._live_flows and not self._forwarding(flow):
+                flow.response = error_answer(502, "polar-mitm: this request has no answer (refused)")
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
+        if flow.id in self._live_flows:  # sent to the loopback hop at its headers (requestheaders)
+            return
+        credentials = self._credentials.pop(flow.id, None) or ident.take_credentials(flow.request.headers,
+                                                                                       flow.request.query)
+        if self.gateway is None:
+            flow.response = error_answer(503, "polar-mitm: the gateway is not configured; nothing is forwarded")
+            return
+        if self.closing:
+            flow.response = error_answer(503, "polar-mitm: the gateway is shutting down")
+            return
+        req = self._gateway_request(flow, credentials)
+        if flow.request.is_http2 and self._is_model_call(req):
+            # HTTP/2: a stream reset is invisible to this hook while it runs; behind the loopback hop it
+            # closes the hop, which cancels the call (live_server.py).
+            await self._go_live(flow, DeferredCall(self, req))
+            return
+        answer = await self._handle(flow, req)
+        if answer is None:  # passthrough upstream: the real provider needs the credentials
+            ident.restore_credentials(flow.request.headers, flow.request.query, credentials)
+            flow.metadata["polar_forward"] = True
+            return
         if isinstance(answer, LiveAnswer):
             await self._go_live(flow, answer)
             return
-        headers_out: dict[str, Any] = {"content-type": answer.content_type, **(answer.headers or {})}
-        flow.response = http.Response.make(answer.status, answer.body, headers_out)
+        flow.response = make_response(answer)
         if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
             flow.metadata.update(answer.meta)
 
-    async def _go_live(self, flow: http.HTTPFlow, answer: LiveAnswer) -> None:
+    @staticmethod
+    def _forwarding(flow: http.HTTPFlow) -> bool:
+        return bool(flow.metadata.get("polar_forward"))
+
+    @staticmethod
+    def _is_model_call(req: GatewayRequest) -> bool:
+        return req.method == "POST" and by_path(ident.strip_path_prefix(req.path)[0]) is not None
+
+    def _answered_here(self, req: GatewayRequest) -> bool:
+        """Whether the gateway answers `req` whatever its body (it is never forwarded upstream)."""
+        forwarding = req.mode == "regular" and self.gateway is not None and self.gateway.config.passthrough == "upstream"
+        return not forwarding or self._is_model_call(req)
+
+    async def _handle(self, flow: http.HTTPFlow, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
+        """`gateway.handle` as a tracked task, so shutdown can wait for it and cancel it per call."""
+        task = asyncio.ensure_future(self.handle_call(flow.id, flow.client_conn, req))
+        self._handling.add(task)
+        task.add_done_callback(self._handling.discard)
+        return await asyncio.shield(task)
+
+    async def handle_call(self, flow_id: str, client: Any, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
+        """Run one call with its own cancel, set when its connection closes, its stream resets or at shutdown."""
+        cancel = req.disconnected = CallCancel()
+        connection = client.id
+        if client.timestamp_end is not None:  # already gone before its request reached us
+            cancel.cancel()
+        self._calls[flow_id] = cancel
+        self._connections.setdefault(connection, set()).add(flow_id)
+        try:
+            answer = await self.gateway.handle(req) if self.gateway is not None else None
+        finally:
+            self._calls.pop(flow_id, None)
+            flows = self._connections.get(connection)
+            if flows is not None:
+                flows.discard(flow_id)
+        if isinstance(answer, LiveAnswer):  # it runs on: its cancel stays reachable until it ends
+            self._calls[flow_id] = cancel
+            self._connections.setdefault(connection, set()).add(flow_id)
+            answer.on_end(lambda: self._end_call(flow_id, connection))
+        return answer
+
+    def _end_call(self, flow_id: str, connection: str) -> None:
+        self._calls.pop(flow_id, None)
+        flows = self._connections.get(connection)
+        if flows is not None:
+            flows.discard(flow_id)
+
+    async def _go_live(self, flow: http.HTTPFlow, answer: LiveAnswer | DeferredCall, *,
+                       keep_body: bool = False) -> None:
         """Send the flow to the live server, which writes the answer as it is generated (see live_server.py)."""
         await self.live.start()
         token = self.live.register(answer)
         req = flow.request
         self._live_flows[flow.id] = (token, {"scheme": req.scheme, "host": req.host, "port": req.port,
                                              "path": req.path, "headers": req.headers.copy(),
-                                             "raw_content": req.raw_content}, answer)
+                                             "raw_content": req.raw_content,
+                                             "http_version": req.http_version}, answer)
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.live.port
         req.path = PATH_PREFIX + token
-        # The answer is already planned: no need to copy the prompt over loopback.
+        if req.is_http2 or req.is_http3:  # the hop speaks HTTP/1.1, which wants a Host header
+            req.http_version = "HTTP/1.1"
+            req.headers["host"] = f"127.0.0.1:{self.live.port}"
+        if keep_body:  # the hop reads the body itself (chunked, bounded)
+            return
+        # The answer is already planned (or refused): no need to copy the prompt over loopback.
         for name in ("content-encoding", "transfer-encoding"):
             req.headers.pop(name, None)
         req.headers["content-length"] = "0"
@@ -211,6 +397,7 @@ class PolarGateway:
             flow.response.stream = True
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._credentials.pop(flow.id, None)
         live = self._live_flows.pop(flow.id, None)
         if live is not None:
             _token, original, answer = live
@@ -220,11 +407,21 @@ class PolarGateway:
 
     def error(self, flow: http.HTTPFlow) -> None:
         """A live flow that failed before its answer was fetched still gets its call run (and recorded)."""
+        self._credentials.pop(flow.id, None)
+        ident.scrub_credentials(flow.request.headers, flow.request.query)
         live = self._live_flows.pop(flow.id, None)
         if live is not None:
             token, original, _answer = live
             self.live.abandon(token)
             self._restore(flow, original)
+
+    def client_disconnected(self, client) -> None:
+        """Forget the connection; cancel its model calls still running (they are recorded `abort`)."""
+        self._proxy_users.pop(client.id, None)
+        for flow_id in self._connections.pop(client.id, set()):
+            cancel = self._calls.get(flow_id)
+            if cancel is not None:
+                cancel.cancel()
 
     @staticmethod
     def _restore(flow: http.HTTPFlow, original: dict[str, Any]) -> None:
@@ -234,38 +431,148 @@ class PolarGateway:
                                                     original["path"])
         req.headers = original["headers"]
         req.raw_content = original["raw_content"]
+        req.http_version = original["http_version"]
 
-    def _gateway_request(self, flow: http.HTTPFlow) -> GatewayRequest:
-        """The flow as the gateway sees it: credentials still in (identity reads `polar-…` keys), text made UTF-8.
+    def _user_of(self, flow: http.HTTPFlow, credentials: ident.Credentials | None = None) -> str | None:
+        auth = flow.metadata.get("proxyauth")  # set when mitmproxy's own proxyauth option is on
+        if auth:
+            return auth[0] or None
+        header = flow.request.headers.get("Proxy-Authorization")
+        if header is None and credentials is not None:
+            header = credentials.header("proxy-authorization")
+        return ident.proxy_user(header)
+
+    def _gateway_request(self, flow: http.HTTPFlow, credentials: ident.Credentials) -> GatewayRequest:
+        """The flow as the gateway sees it: credentials put back in (identity reads `polar-…` keys), text made
+        UTF-8.
 
         Header and path bytes that are not UTF-8 reach us as lone surrogates, which no JSON encoder or Parquet
         column accepts: they become U+FFFD here, once.
         """
         safe = ident.safe_text
-        user = self._user_of(flow) or self._proxy_users.get(flow.client_conn.id)
+        user = self._user_of(flow, credentials) or self._proxy_users.get(flow.client_conn.id)
+        headers = {safe(k).lower(): safe(v) for k, v in [*flow.request.headers.items(), *credentials.headers]}
+        query = {safe(k): safe(v) for k, v in [*flow.request.query.items(), *credentials.query]}
         return GatewayRequest(
             method=safe(flow.request.method),
             host=safe(flow.request.pretty_host),
             path=safe(flow.request.path.split("?", 1)[0]),
-            query={safe(k): safe(v) for k, v in flow.request.query.items()},
-            headers={safe(k).lower(): safe(v) for k, v in flow.request.headers.items()},
+            query=query,
+            headers=headers,
             body=flow.request.raw_content or b"",
             content_encoding=safe(flow.request.headers.get("content-encoding", "")),
             mode="reverse" if isinstance(flow.client_conn.proxy_mode, ReverseMode) else "regular",
             proxy_user=safe(user) if user else None,
             connection_id=flow.client_conn.id[:12],
-            disconnected=self._disconnect_event(flow.client_conn),
         )
 
-    def done(self) -> None:
+    # -- shutdown ------------------------------------------------------------------------------------------------
+
+    async def done(self) -> None:
+        """SIGTERM: calls in flight run on for the grace period, then are aborted and recorded; then exit."""
+        self.closing = True
         if self._engine_task is not None:
             self._engine_task.cancel()
+        grace = optional_float(ctx.options.polar_shutdown_grace_seconds, "polar_shutdown_grace_seconds") or 0.0
+        await self._wait_calls(grace)
+        if self._handling or self.live.busy:
+            log.warning("shutting down: aborting %d call(s) still running after %.0f s of grace",
+                        len(self._handling) + self.live.busy, grace)
+            for cancel in list(self._calls.values()):
+                cancel.cancel(SHUTDOWN)
+            self.live.stop_all(SHUTDOWN)
+            await self._wait_calls(ABORT_DRAIN_SECONDS + 2)
         if self.writer is not None:
             self.writer.close()
         if self.engine is not None:
-            try:
-                loop = asyncio.get_running_loop()
-                loop.create_task(self.engine.aclose())
-                loop.create_task(self.live.close())
-            except RuntimeError:
-                pass
+            await self.engine.aclose()
+        await self.live.close()
+
+    async def _wait_calls(self, timeout: float) -> None:
+        """Until no call runs (inline or live), or `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self._handling or self.live.busy) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def body_framing(headers: Any) -> tuple[int | None, bool]:
+    """(Content-Length if valid, whether the body is chunked) of a request's headers."""
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+    try:
+        length = int(headers.get("content-length", ""))
+    except ValueError:
+        length = None
+    return (None if chunked or length is None or length < 0 else length), chunked
+
+
+def drop_body(chunk: bytes) -> list[bytes]:
+    """A refused body, read as it arrives and never kept (mitmproxy's `request.stream` callable)."""
+    return []
+
+
+def make_response(answer: HttpAnswer) -> http.Response:
+    headers_out: dict[str, Any] = {"content-type": answer.content_type, **(answer.headers or {})}
+    return http.Response.make(answer.status, answer.body, headers_out)
+
+
+class DeferredCall:
+    """A whole model call run behind the loopback hop (HTTP/2 flows), so a reset of its stream cancels it.
+
+    mitmproxy pauses an HTTP/2 stream while an addon hook runs, and queues the stream's reset until the hook
+    returns: a call answered inside `request` runs to its end for a client long gone. Behind the hop, mitmproxy
+    is waiting on a server instead, and a reset closes that server connection.
+    """
+
+    def __init__(self, addon: PolarGateway, req: GatewayRequest, *, read_body: bool = False) -> None:
+        self.addon, self.req, self.read_body = addon, req, read_body
+        self.cancel = CallCancel()
+        self.live: LiveAnswer | None = None
+        self.row: dict[str, Any] | None = None
+
+    def stop(self, reason: str) -> None:
+        self.cancel.cancel(reason)
+        if self.live is not None:
+            self.live.stop(reason)
+
+    async def run(self, out: Responder) -> None:
+        if self.read_body:
+            request = getattr(out, "request", None)
+            if request is None:  # the client left before the hop was reached: nothing to read
+                self.req.disconnected = self.cancel
+                self.cancel.cancel()
+            else:
+                await self._read_body(request)
+        if self.addon.gateway is None:
+            answer: HttpAnswer | LiveAnswer | None = None
+        else:
+            self.req.disconnected = self.cancel
+            answer = await self.addon.gateway.handle(self.req)
+        if isinstance(answer, LiveAnswer):
+            self.live = answer
+            if self.cancel.is_set():
+                answer.stop(self.cancel.reason)
+            await answer.run(out)
+            self.row = answer.row
+            return
+        if answer is None:  # cannot be forwarded from behind the hop: refused, as any unanswerable request
+            answer = DEFAULT_CODEC.encode_error(GatewayError("internal", "polar-mitm: this request has no answer"))
+        self.row = (answer.meta or {}).get("polar_record")
+        try:
+            await out.begin(answer.status, answer.content_type, answer.headers or {})
+            await out.send(answer.body)
+            await out.end()
+        except (ConnectionError, OSError, RuntimeError):
+            pass  # the client is gone; the call is recorded already
+
+    async def _read_body(self, request: Any) -> None:
+        """The body as it arrives over the hop, up to the gateway's limit (past it: refused, rest not read)."""
+        limit = self.addon.gateway.config.max_body_bytes if self.addon.gateway is not None else 0
+        body = bytearray()
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                self.req.body_too_large = True
+                body.clear()
+                break
+        self.req.body = bytes(body)

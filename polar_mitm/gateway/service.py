@@ -29,6 +29,7 @@ from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.gateway.calls import CallContext, fill_record
+from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
@@ -63,6 +64,7 @@ class GatewayRequest:
     connection_id: str
     content_encoding: str = ""  # of `body`; decoded by the gateway, off the event loop
     disconnected: asyncio.Event | None = None  # set when the harness's connection closes
+    body_too_large: bool = False  # refused at its headers (Content-Length) or as it arrived; `body` is not all
 
 
 class ClientDisconnected(Exception):
@@ -136,7 +138,7 @@ class Gateway:
     async def _body(self, req: GatewayRequest) -> bytes:
         """The request body, content encoding decoded (once), within the size limit; else a GatewayError."""
         limit = self.config.max_body_bytes
-        if len(req.body) > limit:
+        if req.body_too_large or len(req.body) > limit:
             raise too_large(limit)
         if req.content_encoding and req.content_encoding.lower() != "identity":
             req.body = await offload(decode_content, len(req.body), req.body, req.content_encoding, limit)
@@ -249,7 +251,7 @@ class Gateway:
         except ClientDisconnected:
             self._abandon(step)
             record.finish_reason, record.status_code = "abort", 499
-            record.error = "abort: the client disconnected before the answer; the engine call was cancelled"
+            record.error = f"abort: {reason_of(req.disconnected)} before the answer; the engine call was cancelled"
             return with_record(HttpAnswer(499, b"", "text/plain"), await self._persist(record))
         except GatewayError as err:
             self._abandon(step)
