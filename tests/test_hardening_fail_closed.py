@@ -331,7 +331,12 @@ def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_
                          f"Content-Length: {size}\r\n\r\n".encode())
             started = time.monotonic()
             sock.settimeout(10)
-            head = sock.recv(65536)  # the answer comes before a byte of the body was sent
+            head = b""
+            while b"request_too_large" not in head:  # the answer comes before a byte of the body was sent
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                head += chunk
             answered = time.monotonic() - started
             chunk = b"x" * (1 << 20)
             try:
@@ -341,7 +346,7 @@ def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_
                 pass  # the gateway may close once it answered
         status_line, _, rest = head.partition(b"\r\n")
         assert b" 413 " in status_line, head[:300]
-        assert b"request_too_large" in rest or b"request_too_large" in head, head[:500]
+        assert b"request_too_large" in rest, head[:500]
         # A chunked body of no stated length is cut off at the limit as it arrives.
         def chunks() -> Iterator[bytes]:
             for _ in range(64):

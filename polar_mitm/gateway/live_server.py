@@ -16,7 +16,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from polar_mitm.gateway.cancel import STREAM_RESET
+from polar_mitm.gateway.cancel import CLIENT_GONE, STREAM_RESET
 from polar_mitm.gateway.live import Responder
 
 log = logging.getLogger("polar_mitm.live_server")
@@ -104,10 +104,12 @@ class LiveServer:
         self._pending[token] = answer
         return token
 
-    def abandon(self, token: str) -> None:
-        """The flow died before mitmproxy fetched the answer: run it against a gone client (recorded `abort`)."""
+    def abandon(self, token: str, reason: str = CLIENT_GONE) -> None:
+        """The flow died before mitmproxy fetched the answer: run it stopped, against a gone client (recorded
+        `abort`)."""
         answer = self._pending.pop(token, None)
         if answer is not None:
+            answer.stop(reason)
             self._spawn(answer, GoneResponder())
 
     def _spawn(self, answer: Hosted, out: Responder) -> asyncio.Task:
@@ -149,7 +151,7 @@ class LiveServer:
     def stop_all(self, reason: str) -> None:
         """Stop every answer: the fetched ones abort, the unfetched ones run against a gone client."""
         for token in list(self._pending):
-            self.abandon(token)
+            self.abandon(token, reason)
         for answer in list(self._running.values()):
             answer.stop(reason)
 

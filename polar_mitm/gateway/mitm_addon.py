@@ -559,7 +559,8 @@ class DeferredCall:
             answer = DEFAULT_CODEC.encode_error(GatewayError("internal", "polar-mitm: this request has no answer"))
         self.row = (answer.meta or {}).get("polar_record")
         try:
-            await out.begin(answer.status, answer.content_type, answer.headers or {})
+            await out.begin(answer.status, answer.content_type,
+                            {**(answer.headers or {}), "content-length": str(len(answer.body))})
             await out.send(answer.body)
             await out.end()
         except (ConnectionError, OSError, RuntimeError):
