@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polar_mitm.records import RECORD_SCHEMA  # noqa: E402
+from polar_mitm.storage.records import RECORD_SCHEMA  # noqa: E402
 
 IM_START, EOT, NL, SYSTEM, USER, ASSISTANT = 151644, 151645, 198, 8948, 872, 77091
 VOCAB = 151_643  # ordinary tokens: ids below the specials

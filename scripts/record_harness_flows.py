@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from polar_mitm.harness import HARNESSES
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.harness.stack import HarnessStack
-from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import RECORD_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "sample_flows" / "harness"

@@ -28,9 +28,8 @@ from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import BREAK_COMPACTION, BREAK_NO_PREFIX, build_prefix_merging
 from polar_mitm.reconstruct.turns import TurnRecord, sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA
 from polar_mitm.session_ids import SessionId
-from polar_mitm.storage.records import read_all
+from polar_mitm.storage.records import RECORD_SCHEMA, read_all
 
 TOOLS = [{"type": "function", "name": "shell", "description": "Run a shell command", "strict": False,
           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]

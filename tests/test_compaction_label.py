@@ -24,7 +24,7 @@ from polar_mitm.reconstruct.prefix_merging import (
     build_prefix_merging,
 )
 from polar_mitm.reconstruct.turns import TurnRecord
-from polar_mitm.records import RECORD_SCHEMA, Record
+from polar_mitm.storage.records import RECORD_SCHEMA, Record
 
 EOT = 9
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

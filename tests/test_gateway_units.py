@@ -10,9 +10,9 @@ import pytest
 
 from polar_mitm.codecs import detect
 from polar_mitm.gateway import identity
-from polar_mitm.records import RECORD_SCHEMA, Record
-from polar_mitm.storage.journal import JOURNAL_DIR, RecordWriter, compact_journal, read_journal
-from polar_mitm.storage.records import read_all
+from polar_mitm.storage.journal import RecordWriter, compact_journal
+from polar_mitm.storage.journal_format import JOURNAL_DIR, read_journal
+from polar_mitm.storage.records import RECORD_SCHEMA, Record, read_all
 
 
 @pytest.mark.parametrize(("path", "headers", "body", "expected"), [

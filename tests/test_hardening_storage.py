@@ -24,18 +24,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.records import Record, journal_rows_to_table
 from polar_mitm.session_ids import SessionId
-from polar_mitm.storage.journal import (
+from polar_mitm.storage.journal import QUARANTINE_DIR, RecordWriter
+from polar_mitm.storage.journal_format import (
     FILE_HEADER,
     FRAME_HEADER,
     JOURNAL_DIR,
     JOURNAL_SUFFIX,
-    QUARANTINE_DIR,
-    RecordWriter,
     encode_frame,
 )
-from polar_mitm.storage.records import list_sources, read_all
+from polar_mitm.storage.records import Record, journal_rows_to_table, list_sources, read_all
 
 POLAR = str(Path(sys.executable).with_name("polar-mitm"))
 
@@ -129,7 +127,7 @@ DISK_FULL_CHILD = r"""
 import json, resource, signal, sys
 from datetime import UTC, datetime
 from polar_mitm.storage.journal import RecordWriter
-from polar_mitm.records import Record
+from polar_mitm.storage.records import Record
 
 out, limit = sys.argv[1], int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us

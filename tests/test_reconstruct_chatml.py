@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import RECORD_SCHEMA
 
 TOOLS = [{"type": "function", "function": {
     "name": "shell", "description": "Run a shell command",

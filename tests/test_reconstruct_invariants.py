@@ -11,7 +11,7 @@ import pytest
 from polar_mitm.reconstruct.invariants import InvariantError, check_invariants
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import RECORD_SCHEMA
 
 IM_START, EOT, NL, USER, ASSISTANT = 151644, 151645, 198, 872, 77091
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -29,7 +29,7 @@ from polar_mitm.reconstruct.prefix_merging import (
     polar_routing,
 )
 from polar_mitm.reconstruct.turns import prepare_session, turns_from_table
-from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import RECORD_SCHEMA
 
 IM_START, EOT, NL = 151644, 151645, 198
 SYSTEM, USER, ASSISTANT = 8948, 872, 77091

@@ -134,7 +134,7 @@ def test_constrained_calls_are_left_out_of_the_loss_and_counted(free_gateway, ti
 
     from polar_mitm.reconstruct.merge import merge_table
     from polar_mitm.reconstruct.turns import sequences_from_table
-    from polar_mitm.records import RECORD_SCHEMA
+    from polar_mitm.storage.records import RECORD_SCHEMA
     from polar_mitm.train.data import build_training_data
 
     sessions = {f"grammar-{k}-{uuid.uuid4().hex[:6]}": k for k in ("constrained", "free")}

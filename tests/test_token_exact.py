@@ -23,9 +23,8 @@ from polar_mitm.gateway.token_chains import ANSWER_DIFFERS, NO_CHAIN, NO_PREFIX,
 from polar_mitm.reconstruct.fidelity import sequence_fidelity
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA
 from polar_mitm.session_ids import SessionId
-from polar_mitm.storage.records import read_all
+from polar_mitm.storage.records import RECORD_SCHEMA, read_all
 
 THINKING = "I should look before I write anything."
 SCRIPT = {"turns": [

@@ -23,7 +23,7 @@ from polar_mitm.harness.stack import HarnessStack
 from polar_mitm.reconstruct.fidelity import sequence_fidelity
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.records import RECORD_SCHEMA
+from polar_mitm.storage.records import RECORD_SCHEMA
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,8 @@ import pyarrow.parquet as pq
 from polar_mitm.codecs import ENGINE_CODEC
 from polar_mitm.conversation import Completion
 from polar_mitm.gateway.identity import scrub_headers
-from polar_mitm.records import Record
-from polar_mitm.storage.journal import records_table
 from polar_mitm.storage.location import one_line
+from polar_mitm.storage.records import Record, records_table
 
 
 class FlowFileError(ValueError):

@@ -31,7 +31,7 @@ from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.engine_client import sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
 from polar_mitm.gateway.prompts import PromptStep
-from polar_mitm.records import Record
+from polar_mitm.storage.records import Record
 
 log = logging.getLogger("polar_mitm.live")
 

@@ -34,8 +34,8 @@ from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
-from polar_mitm.records import Record
 from polar_mitm.storage.journal import RecordWriter
+from polar_mitm.storage.records import Record
 
 log = logging.getLogger("polar_mitm.gateway")
 

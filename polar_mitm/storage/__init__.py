@@ -1,10 +1,11 @@
-"""Where records and merged shards live: local paths and pyarrow filesystem URIs alike.
+"""Every on-disk contract, and where it lives: local paths and pyarrow filesystem URIs alike.
+
+Each contract keeps its schema, typed row, validation, writer and reader together; the other packages
+(gateway, reconstruct, rollout, train, report) depend on these modules for data, never on each other.
 
 - `location`: a path or URI as a pyarrow filesystem and path; the Parquet files under a folder (the one folder walk).
-- `journal`: how the records store is written: the durable journal, its compaction into shards, the quarantine.
-- `records`: how the records store is read: shards plus the live journal, by one reader.
-- `merged`: the merged store: merged shards written and read.
-
-The data contracts themselves are elsewhere: the record in `polar_mitm/records.py`, the merged sequence in
-`polar_mitm/reconstruct/schema.py`.
+- `records`: the per-request record (RECORD_SCHEMA, `Record`, strict journal-row conversion) and the one reader of
+  the records store (shards plus the live journal).
+- `journal`: how records are written: the durable journal, its compaction into shards, the quarantine.
+- `journal_format`: the journal's frames and file names, shared by the writer and the reader.
 """
