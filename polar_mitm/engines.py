@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -89,11 +90,18 @@ def model_info(url: str, *, timeout: float = 10.0) -> dict:
     raise EngineSetError(f"{url} answers neither /model_info nor /get_model_info")
 
 
+def weight_version_of(info: Any) -> str | None:
+    """The `weight_version` of a `/model_info` answer, as text (None when it has none). Every reader of an engine's
+    version — the gateway's per-call read (gateway/engine_client.py), the weight pushes here — goes through this."""
+    version = info.get("weight_version") if isinstance(info, dict) else None
+    return None if version is None else str(version)
+
+
 def worker_versions(workers: list[str], *, timeout: float = 10.0) -> dict[str, str | None]:
     """Each worker's `weight_version` (None: the worker did not answer)."""
     def version(url: str) -> str | None:
         try:
-            return str(model_info(url, timeout=timeout).get("weight_version"))
+            return weight_version_of(model_info(url, timeout=timeout))
         except (EngineSetError, ValueError):
             return None
 
@@ -157,7 +165,7 @@ def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | No
         response.raise_for_status()
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot read {engine_url}/model_info: {exc}") from exc
-    return response.json().get("weight_version")
+    return weight_version_of(response.json())
 
 
 def push_weights(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,

@@ -20,6 +20,7 @@ import torch
 
 from polar_mitm.engine.constraints import ConstraintSpec, GrammarCompiler, spec_from_params
 from polar_mitm.engine.sampling import SamplingParams
+from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
 
 PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
 
@@ -178,8 +179,7 @@ class Engine:
                 self._prefill(prompt_ids[:-1], cache)
             tail = torch.tensor([[prompt_ids[-1], *completion_ids[:-1]]], dtype=torch.long)
             logits = self.model(input_ids=tail, **{self._cache_kw: cache}, use_cache=True).logits[0].float()
-        t = temperature if temperature > 1e-5 else 1.0
-        logp = torch.log_softmax(logits / t, dim=-1)
+        logp = torch.log_softmax(logits / scoring_temperature(temperature), dim=-1)
         return logp.gather(1, torch.tensor(completion_ids).unsqueeze(1)).squeeze(1).tolist()
 
     # -- generation ----------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ class Engine:
         """
         from polar_mitm.engine.script import choice_probabilities
 
-        temperature = 1.0 if params.greedy else params.temperature
+        temperature = GREEDY_SCORING_TEMPERATURE if params.greedy else params.temperature
         token_logprobs = []
         for ids in candidates:
             full = torch.tensor([prompt_ids + ids[:-1]], dtype=torch.long)
@@ -285,7 +285,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
                 top_logprobs_num: int, forced_id: int | None = None) -> TokenStep:
-        temperature = 1.0 if params.greedy else params.temperature
+        temperature = GREEDY_SCORING_TEMPERATURE if params.greedy else params.temperature
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if forced_id is not None:  # scripted policy: the token is given, its logprob is still the model's
             token = forced_id

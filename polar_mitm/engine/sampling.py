@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from polar_mitm.greedy import is_greedy
+
 # Every key SGLang's `sampling_params` accepts; anything else is a 400, as on SGLang.
 SGLANG_SAMPLING_KEYS = frozenset({
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
@@ -81,5 +83,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # SGLang treats temperature 0 as greedy with logprobs from the untempered distribution.
-        return self.temperature < 1e-5 or self.top_k == 1
+        """Argmax decoding, with logprobs of the untempered distribution (as SGLang)."""
+        return is_greedy(self.temperature, self.top_k)

@@ -13,10 +13,9 @@ from typing import Any
 from polar_mitm.conversation import Completion, Conversation
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
+from polar_mitm.greedy import GREEDY_TEMPERATURE
+from polar_mitm.records import Record
 from polar_mitm.storage.journal import RecordWriter
-from polar_mitm.storage.records import Record
-
-GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: below it, sampling is argmax
 
 
 @dataclass

@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from polar_mitm.codecs.base import GatewayError
+from polar_mitm.engines import weight_version_of
 
 # uvicorn (SGLang's server and ours) closes an idle keep-alive connection after 5 s; aiohttp would keep it 15 s, and a
 # call sent on a connection the engine is closing fails with ServerDisconnectedError before the engine read it. Idle
@@ -104,10 +105,9 @@ class EngineClient:
         """The engine's current weight version, asked now (SGLang's streamed chunks do not carry it)."""
         raw = await self._request("GET", "/model_info")
         try:
-            version = orjson.loads(raw).get("weight_version")
-        except (ValueError, AttributeError):
+            return weight_version_of(orjson.loads(raw))
+        except ValueError:
             return None
-        return None if version is None else str(version)
 
     async def chat(self, body: bytes) -> bytes:
         """POST /v1/chat/completions; returns the raw JSON bytes (parsed off the event loop by the caller)."""

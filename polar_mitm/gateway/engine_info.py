@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("polar_mitm.engine_info")
+log = logging.getLogger(__name__)
 
 ENGINE_FILE = "_engine.json"
 # /model_info fields worth keeping (SGLang's and the embedded engine's names).

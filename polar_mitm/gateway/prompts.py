@@ -20,7 +20,7 @@ from polar_mitm.conversation import Completion, Conversation
 from polar_mitm.gateway.renderer import PromptRenderer, RendererError, RendererLoader
 from polar_mitm.gateway.token_chains import NO_CHAIN, RENDERER_MISMATCH, Plan, TokenChains
 
-log = logging.getLogger("polar_mitm.prompts")
+log = logging.getLogger(__name__)
 
 PROMPT_MODES = ("tokens", "messages")
 

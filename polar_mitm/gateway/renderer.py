@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("polar_mitm.renderer")
+log = logging.getLogger(__name__)
 
 
 class RendererError(RuntimeError):

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, is_greedy
 from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
 from polar_mitm.storage.merged import MergedShards
 
@@ -211,10 +212,6 @@ def truncate(seq: MergedSequence, max_length: int | None) -> MergedSequence | No
 
 # -- sampling parameters per turn -----------------------------------------------------------------------------------
 
-GREEDY_TEMPERATURE = 1e-5  # below it engines take the argmax (SGLang, the embedded engine)
-# Engines record a greedy call's logprobs from the untempered distribution (SGLang; the embedded engine does the same),
-# so a kept greedy turn is scored at T = 1.
-GREEDY_SCORING_TEMPERATURE = 1.0
 EXCLUDED_GREEDY = "greedy"
 EXCLUDED_TRUNCATED = "truncated"
 EXCLUDED_CONSTRAINED = "constrained"
@@ -250,12 +247,12 @@ def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
     turns = []
     for k, start in enumerate(starts):
         t = temperatures[k]
-        is_greedy = bool(greedy[k]) or (t is not None and t < GREEDY_TEMPERATURE) or top_k[k] == 1
+        greedy_turn = bool(greedy[k]) or is_greedy(t, top_k[k])
         truncated = ((top_p[k] is not None and top_p[k] < 1.0) or (top_k[k] is not None and top_k[k] > 0)
                      or (min_p[k] is not None and min_p[k] > 0.0))
-        excluded = (EXCLUDED_GREEDY if is_greedy else EXCLUDED_TRUNCATED if truncated
+        excluded = (EXCLUDED_GREEDY if greedy_turn else EXCLUDED_TRUNCATED if truncated
                     else EXCLUDED_CONSTRAINED if constrained[k] else None)
-        scoring = GREEDY_SCORING_TEMPERATURE if is_greedy else (None if t is None else float(t))
+        scoring = GREEDY_SCORING_TEMPERATURE if greedy_turn else (None if t is None else float(t))
         turns.append(TurnSampling(start=int(start), temperature=scoring, excluded=excluded))
     return turns
 
