@@ -14,8 +14,8 @@ from polar_mitm.conversation import Completion, Conversation
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
 from polar_mitm.greedy import GREEDY_TEMPERATURE
-from polar_mitm.records import Record
 from polar_mitm.storage.journal import RecordWriter
+from polar_mitm.storage.records import Record
 
 
 @dataclass
