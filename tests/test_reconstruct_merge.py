@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from polar_mitm.cli import app
 from polar_mitm.reconstruct.merge import MergeError, load_rewards, merge
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA
 from polar_mitm.storage.journal_format import FRAME_HEADER, JOURNAL_DIR, JOURNAL_SUFFIX
+from polar_mitm.storage.merged import MERGED_SCHEMA
 from polar_mitm.storage.records import RECORD_SCHEMA, Record
 
 IM_START, EOT, NL, SYSTEM, USER, ASSISTANT = 151644, 151645, 198, 8948, 872, 77091

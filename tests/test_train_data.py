@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MergedSequence
+from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.train.data import (
     LengthBucketSampler,
     MergedDataError,

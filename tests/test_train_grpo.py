@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from polar_mitm import procs
 from polar_mitm.cli import app
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MergedSequence
+from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer

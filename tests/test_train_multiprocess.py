@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from polar_mitm.engine.generation import Engine
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA
+from polar_mitm.storage.merged import MERGED_SCHEMA
 from polar_mitm.train.toy import make_toy_task, sample_rollouts
 
 pytestmark = pytest.mark.slow

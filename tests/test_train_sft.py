@@ -9,7 +9,7 @@ from datasets import load_from_disk
 from typer.testing import CliRunner
 
 from polar_mitm.cli import app
-from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.storage.merged import MergedSequence
 from polar_mitm.train.sft import IGNORE_INDEX, chatml_messages, export_sft
 
 TOOLS = [{"type": "function", "function": {
@@ -118,7 +118,7 @@ def test_sft_command_prints_the_acceptance_table(sequences, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from polar_mitm.reconstruct.schema import MERGED_SCHEMA
+    from polar_mitm.storage.merged import MERGED_SCHEMA
 
     (tmp_path / "merged").mkdir()
     pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences], schema=MERGED_SCHEMA),

@@ -17,10 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from polar_mitm.reconstruct.merge import MergeSummary, merge
-from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
 from polar_mitm.storage.location import StorageError
-from polar_mitm.storage.merged import SUMMARY_FILE, read_merged
+from polar_mitm.storage.merged import SUMMARY_FILE, MergedSequence, read_merged
 from polar_mitm.terminal import markup_safe, plain, printable
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too

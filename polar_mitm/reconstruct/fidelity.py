@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.storage.merged import MergedSequence
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
-from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import TurnRecord, prepare_session, sequences_from_table, turns_from_table
+from polar_mitm.storage.merged import MergedSequence
 
 
 class InvariantError(ValueError):

@@ -37,7 +37,6 @@ from polar_mitm.reconstruct.prefix_merging import (
     eot_from_last_tokens,
     eot_from_tokenizer,
 )
-from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import (
     BuildResult,
     ListColumn,
@@ -48,7 +47,7 @@ from polar_mitm.reconstruct.turns import (
     turns_from_table,
 )
 from polar_mitm.storage.location import StorageError, one_line, resolve_path
-from polar_mitm.storage.merged import ShardWriter
+from polar_mitm.storage.merged import MergedSequence, ShardWriter
 from polar_mitm.storage.records import Source, list_sources, table_source
 
 Builder = Callable[..., BuildResult]

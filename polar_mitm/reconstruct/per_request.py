@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns
+from polar_mitm.storage.merged import MergedSequence
 
 BUILDER_NAME = "per_request"
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from polar_mitm.compaction_label import COMPACTION, new_chain_reason, pending_after
-from polar_mitm.reconstruct.schema import MergedSequence
 from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, weight_version_range
+from polar_mitm.storage.merged import MergedSequence
 
 BUILDER_NAME = "prefix_merging"
 

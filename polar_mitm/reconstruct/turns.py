@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from polar_mitm.reconstruct.schema import (
+from polar_mitm.storage.merged import (
     MERGED_SCHEMA,
     MERGED_SCHEMA_VERSION,
     SAMPLING_FIELDS,

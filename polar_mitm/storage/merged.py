@@ -1,20 +1,163 @@
-"""The merged store: `merged-NNNNN.parquet` shards (MERGED_SCHEMA rows) and `_summary.json`, written by
-`polar-mitm merge` and read by `show`, `stats` and the trainers — local paths and pyarrow filesystem URIs alike."""
+"""The merged sequence — one row per training sequence — and the merged store that writes and reads it.
+
+The contract, defined once and versioned: `MERGED_SCHEMA` (Arrow) and `MergedSequence` (the typed row), with the
+checks every reader makes (`validate_sequence`). Produced by `polar-mitm merge` (per_request or prefix_merging),
+consumed by `polar-mitm grpo` and `polar-mitm sft`.
+Invariants: `loss_mask[i] == 1` exactly where `input_ids[i]` is a token the model sampled, and there `logprobs[i]`
+is the behaviour logprob recorded when it was sampled; everywhere else `logprobs[i] == 0.0`.
+
+v2 adds the sampling parameters of each merged call ("turn"), one list element per turn, with `turn_starts` (where
+each turn's sampled ids begin in `input_ids`) mapping them onto tokens: turn k covers its sampled ids at
+`turn_starts[k]` onward. Per turn rather than per token (a few numbers per call, not per token) and without
+splitting sequences at a change (chains stay as merged; the trainer scales each token's logits by its own
+turn's temperature). A null list (v1 files) or a null element (v1 records) means "unknown".
+
+The store: `merged-NNNNN.parquet` shards (MERGED_SCHEMA rows) and `_summary.json`, written by `polar-mitm merge` and
+read by `show`, `stats` and the trainers — local paths and pyarrow filesystem URIs alike. `read_merged` reads them
+as one Arrow table; `MergedShards.sequences` as checked `MergedSequence`s.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from polar_mitm.storage.location import Location, StorageError, one_line, resolve_path
+
+# -- the contract ------------------------------------------------------------------------------------------------
+
+# v2: per-turn sampling parameters (turn_starts, turn_temperature, turn_top_p, turn_top_k, turn_min_p, turn_greedy).
+# v1 files read with those columns null. v3: turn_constrained (the call's output was grammar-constrained: its recorded
+# logprobs are of the constrained, renormalised distribution); v2 files read it null.
+MERGED_SCHEMA_VERSION = 3
+
+MERGED_SCHEMA = pa.schema([
+    pa.field("schema_version", pa.int16(), nullable=False),
+    pa.field("sequence_id", pa.string(), nullable=False),
+    pa.field("session_id", pa.string(), nullable=False),
+    pa.field("task_id", pa.string()),
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("prompt_len", pa.int32(), nullable=False),  # tokens before the first sampled token
+    pa.field("request_ids", pa.list_(pa.string()), nullable=False),  # the records merged, in order
+    pa.field("n_turns", pa.int32(), nullable=False),
+    pa.field("weight_version_min", pa.string()),
+    pa.field("weight_version_max", pa.string()),
+    pa.field("reward", pa.float64()),  # null until rewards are joined
+    pa.field("builder", pa.string(), nullable=False),  # per_request | prefix_merging
+    pa.field("finish_reason", pa.string()),  # of the last turn
+    # v2 — per turn (in request_ids order): where its sampled ids start, and the sampling parameters the engine used
+    # (from the records; behaviour logprobs are log_softmax(logits / temperature), before any truncation).
+    pa.field("turn_starts", pa.list_(pa.int32())),
+    pa.field("turn_temperature", pa.list_(pa.float32())),
+    pa.field("turn_top_p", pa.list_(pa.float32())),
+    pa.field("turn_top_k", pa.list_(pa.int32())),  # -1 = off
+    pa.field("turn_min_p", pa.list_(pa.float32())),
+    pa.field("turn_greedy", pa.list_(pa.bool_())),
+    pa.field("turn_constrained", pa.list_(pa.bool_())),
+], metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)})
+
+
+@dataclass
+class MergedSequence:
+    sequence_id: str
+    session_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    request_ids: list[str]
+    n_turns: int
+    builder: str
+    task_id: str | None = None
+    weight_version_min: str | None = None
+    weight_version_max: str | None = None
+    reward: float | None = None
+    finish_reason: str | None = None
+    turn_starts: list[int] | None = None
+    turn_temperature: list[float | None] | None = None
+    turn_top_p: list[float | None] | None = None
+    turn_top_k: list[int | None] | None = None
+    turn_min_p: list[float | None] | None = None
+    turn_greedy: list[bool | None] | None = None
+    turn_constrained: list[bool | None] | None = None
+    schema_version: int = MERGED_SCHEMA_VERSION
+    extra: dict = field(default_factory=dict, repr=False)  # not persisted
+
+    def to_row(self) -> dict:
+        row = {f: getattr(self, f) for f in MERGED_SCHEMA.names}
+        return row
+
+
+# The sampling parameters a record carries (records.RECORD_SCHEMA v2) and their per-turn merged columns.
+SAMPLING_FIELDS = {"temperature": "turn_temperature", "top_p": "turn_top_p", "top_k": "turn_top_k",
+                   "min_p": "turn_min_p", "greedy": "turn_greedy"}
+
+
+class MergedDataError(ValueError):
+    """Merged shards that break MERGED_SCHEMA's invariants (and so cannot be trained on safely)."""
+
+
+def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
+    """Raise `MergedDataError` unless ids, mask and logprobs align and the logprobs are usable as ratios."""
+    at = f"{where}: sequence {seq.sequence_id}" if where else f"sequence {seq.sequence_id}"
+    n = len(seq.input_ids)
+    if not (len(seq.loss_mask) == len(seq.logprobs) == n):
+        raise MergedDataError(f"{at}: input_ids/loss_mask/logprobs lengths differ "
+                              f"({n}/{len(seq.loss_mask)}/{len(seq.logprobs)})")
+    if not 1 <= seq.prompt_len <= n:
+        raise MergedDataError(f"{at}: prompt_len={seq.prompt_len} outside [1, {n}]")
+    if any(seq.loss_mask[: seq.prompt_len]):
+        raise MergedDataError(f"{at}: a sampled token (loss_mask 1) inside the prompt (prompt_len={seq.prompt_len})")
+    mask = np.asarray(seq.loss_mask)
+    logprobs = np.asarray(seq.logprobs, dtype=np.float64)
+    bad_mask = np.flatnonzero((mask != 0) & (mask != 1))
+    if bad_mask.size:
+        i = int(bad_mask[0])
+        raise MergedDataError(f"{at}: loss_mask[{i}]={seq.loss_mask[i]} is not 0/1")
+    if seq.turn_starts is not None:
+        starts = list(seq.turn_starts)
+        if starts != sorted(starts) or not all(seq.prompt_len <= s < n for s in starts):
+            raise MergedDataError(f"{at}: turn_starts {starts[:8]} not increasing within [prompt_len, {n})")
+        for name in ("turn_temperature", "turn_top_p", "turn_top_k", "turn_min_p", "turn_greedy", "turn_constrained"):
+            values = getattr(seq, name)
+            if values is not None and len(values) != len(starts):
+                raise MergedDataError(f"{at}: {name} has {len(values)} values for {len(starts)} turns")
+    sampled = mask == 1
+    bad_logprob = np.flatnonzero(sampled & ~(np.isfinite(logprobs) & (logprobs <= 1e-6)))
+    if bad_logprob.size:
+        i = int(bad_logprob[0])
+        raise MergedDataError(f"{at}: logprob[{i}]={seq.logprobs[i]} is not a finite log-probability")
+
+
+def sequences_in(table: pa.Table, where: str) -> Iterator[MergedSequence]:
+    """A merged shard's rows as checked `MergedSequence`s; raises `MergedDataError` naming `where` (the file)."""
+    missing = {"input_ids", "loss_mask", "logprobs", "session_id"} - set(table.column_names)
+    if missing:
+        raise MergedDataError(f"{where}: not a merged shard (missing columns {sorted(missing)})")
+    names = {f.name for f in MERGED_SCHEMA}
+    for row in table.to_pylist():
+        version = row.get("schema_version") or MERGED_SCHEMA_VERSION
+        if version > MERGED_SCHEMA_VERSION:
+            raise MergedDataError(f"{where}: merged schema v{version} is newer than this reader "
+                                  f"(v{MERGED_SCHEMA_VERSION})")
+        seq = MergedSequence(**{k: v for k, v in row.items() if k in names})
+        validate_sequence(seq, where=where)
+        yield seq
+
+
+# -- the store ---------------------------------------------------------------------------------------------------
+
 
 # zstd, and dictionaries only where values repeat: token ids span the vocabulary, so a dictionary page
 # overflows and costs time for nothing (measured: ~40% faster writes, reads no slower).
@@ -81,6 +224,11 @@ class MergedShards:
         """Each shard whole, with its name (for errors that name the file)."""
         for file in self.files:
             yield file, MergedShards(self.filesystem, [file]).table()
+
+    def sequences(self) -> Iterator[MergedSequence]:
+        """Every row, shard by shard, as a checked `MergedSequence` (raises `MergedDataError` naming the shard)."""
+        for file, table in self.tables():
+            yield from sequences_in(table, file)
 
 
 def read_merged(location: str | Path, columns: list[str] | None = None, filter_expr: Any = None) -> pa.Table:

@@ -25,8 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, is_greedy
-from polar_mitm.reconstruct.schema import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence
-from polar_mitm.storage.merged import MergedShards
+from polar_mitm.storage.merged import MERGED_SCHEMA, MERGED_SCHEMA_VERSION, MergedSequence, MergedShards
 
 AdvantageEstimator = Literal["mean_std", "leave_one_out"]
 RewardScaling = Literal["group", "batch", "none"]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.storage.merged import MergedSequence
 from polar_mitm.train.data import session_rewards
 
 IGNORE_INDEX = -100  # the label transformers' losses skip

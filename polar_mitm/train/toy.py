@@ -22,7 +22,7 @@ import torch
 
 from polar_mitm.engine.generation import Engine
 from polar_mitm.engine.sampling import SamplingParams
-from polar_mitm.reconstruct.schema import MergedSequence
+from polar_mitm.storage.merged import MergedSequence
 
 TOY_PROMPTS = ("Write a haiku about the sea.", "List three prime numbers.", "Name a colour.",
                "Say hello in French.", "What is 2 + 2?", "Describe a cat.")
