@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up the environment (idempotent) and run the whole test suite. README command (2); CI runs this.
+# Set up the environment (idempotent), lint (ruff check) and run the whole test suite. README command (2);
+# CI runs this.
 #   bash scripts/test.sh              everything (what .ci/run does)
 #   bash scripts/test.sh --fast ...   local work: skips the tests marked `slow` (real harness CLIs, training,
 #                                     the RL loop, Ray, the browser) and the browser setup; other args go to pytest
@@ -12,6 +13,7 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
 if (( fast )); then
   exec .venv/bin/python -m pytest -q -ra -m "not slow" "$@"
 fi

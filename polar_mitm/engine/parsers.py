@@ -13,8 +13,6 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-TOOL_CALL_PARSERS = ("qwen25", "none")
-REASONING_PARSERS = ("qwen3", "none")
 
 
 @dataclass
@@ -119,7 +117,6 @@ class StreamingSplitter:
         self.reasoning = reasoning_parser != "none"
         self.mode = "start"  # start → (reasoning →) content ⇄ tool
         self.buffer = ""
-        self.seen_text = False
 
     def feed(self, piece: str, *, final: bool = False) -> list[tuple[str, object]]:
         self.buffer += piece

@@ -109,11 +109,6 @@ def scrub_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in SECRET_HEADERS}
 
 
-def scrub_query(query: dict[str, str]) -> dict[str, str]:
-    """Query parameters without credentials (safe to record or log)."""
-    return {k: v for k, v in query.items() if k.lower() not in SECRET_QUERY_KEYS}
-
-
 @dataclass
 class Credentials:
     """The credential headers and query parameters taken off a request (see `take_credentials`)."""

@@ -23,9 +23,6 @@ from polar_mitm.storage.merged import (
     MergedSequence,
 )
 
-# Finish reasons whose records never become training data (their ids are partial or absent).
-EXCLUDED_FINISH_REASONS = ("error", "abort")
-
 # Why a record was left out of every sequence; merge reports these counts.
 EXCLUDED_ERROR = "error"
 EXCLUDED_ABORT = "abort"
@@ -33,6 +30,9 @@ EXCLUDED_DUPLICATE = "duplicate"
 EXCLUDED_NO_PROMPT = "missing prompt ids"
 EXCLUDED_NO_COMPLETION = "empty completion"
 EXCLUDED_BAD_LOGPROBS = "logprobs missing or misaligned"
+# Finish reasons whose records never become training data (their ids are partial or absent), with the reason merge
+# reports for each.
+EXCLUDED_FINISH_REASONS = {"error": EXCLUDED_ERROR, "abort": EXCLUDED_ABORT}
 
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
@@ -81,10 +81,8 @@ class TurnRecord:
 
 def exclusion_reason(turn: TurnRecord) -> str | None:
     """Why `turn` cannot be trained on (None when it can). Never treats missing ids as empty ones."""
-    if turn.finish_reason == "error":
-        return EXCLUDED_ERROR
-    if turn.finish_reason == "abort":
-        return EXCLUDED_ABORT
+    if turn.finish_reason in EXCLUDED_FINISH_REASONS:
+        return EXCLUDED_FINISH_REASONS[turn.finish_reason]
     if turn.prompt_ids is None or len(turn.prompt_ids) == 0:
         return EXCLUDED_NO_PROMPT
     # A call that sampled nothing has nothing to train; leaving it out also keeps every turn's mask-1 run

@@ -90,8 +90,6 @@ RECORD_SCHEMA = pa.schema([
     pa.field("output_constraint", pa.string()),
 ], metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)})
 
-FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
-
 
 @dataclass
 class Record:
