@@ -15,7 +15,6 @@ session id then first turn (one shard for moderate inputs, hence fully sorted).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -24,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 
 from polar_mitm.reconstruct.fidelity import sequences_fidelity
 from polar_mitm.reconstruct.invariants import check_invariants
@@ -46,9 +43,10 @@ from polar_mitm.reconstruct.turns import (
     sequences_to_table,
     turns_from_table,
 )
-from polar_mitm.storage.location import StorageError, one_line, resolve_path
+from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.merged import MergedSequence, ShardWriter
 from polar_mitm.storage.records import Source, list_sources, table_source
+from polar_mitm.storage.rewards import Reward, RewardsError, read_rewards
 
 Builder = Callable[..., BuildResult]
 BUILDERS: dict[str, Builder] = {"prefix_merging": build_prefix_merging, "per_request": build_per_request}
@@ -131,61 +129,13 @@ def recorded_eot(inputs: Sequence[str]) -> tuple[int, str] | None:
 # -- rewards -----------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Reward:
-    reward: float
-    task_id: str | None = None
-
-
 def load_rewards(uri: str) -> dict[str, Reward]:
-    """Rewards by session id from JSONL (one object per line) or Parquet: `session_id`, `reward`, opt. `task_id`.
-
-    Other columns (e.g. `polar-mitm rollout`'s status and timings) are ignored; a null reward leaves the session
-    unrewarded.
-    """
-    fs, path = resolve_path(uri)
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise MergeError(f"rewards {uri}: no such file")
-    if info.type == pafs.FileType.Directory or path.endswith((".parquet", ".pq")):
-        import pyarrow.dataset as ds
-
-        try:
-            rows = ds.dataset(path, format="parquet", filesystem=fs).to_table().to_pylist()
-        except (OSError, pa.ArrowException) as exc:
-            raise MergeError(f"rewards {uri}: not a readable Parquet file ({one_line(exc)})") from exc
-        where = [f"row {i + 1}" for i in range(len(rows))]
-    else:
-        try:
-            with fs.open_input_stream(path) as stream:
-                lines = stream.read().decode("utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise MergeError(f"rewards {uri}: not UTF-8 text (byte {exc.start}); expected JSONL") from exc
-        except OSError as exc:
-            raise MergeError(f"rewards {uri}: cannot be read ({one_line(exc)})") from exc
-        rows, where = [], []
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    rows.append(orjson.loads(line))
-                except orjson.JSONDecodeError as exc:
-                    raise MergeError(f"rewards {uri} line {number}: not JSON ({exc})") from exc
-                where.append(f"line {number}")
-    rewards: dict[str, Reward] = {}
-    for row, at in zip(rows, where, strict=True):
-        session_id, value, task_id = (row.get(k) if isinstance(row, dict) else None
-                                      for k in ("session_id", "reward", "task_id"))
-        if not isinstance(session_id, str) or not session_id:
-            raise MergeError(f"rewards {uri} {at}: needs a string session_id")
-        if value is None:  # e.g. a rollout cut before it was scored: the session stays unrewarded
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise MergeError(f"rewards {uri} {at}: reward must be a finite number, got {value!r}")
-        entry = Reward(float(value), None if task_id is None else str(task_id))
-        if rewards.get(session_id, entry) != entry:
-            raise MergeError(f"rewards {uri} {at}: session {session_id!r} has two different rewards")
-        rewards[session_id] = entry
-    return rewards
+    """The rewards file at `uri` by session id (`storage/rewards.py` reads it); a file merge cannot use is a
+    MergeError."""
+    try:
+        return read_rewards(uri)
+    except RewardsError as exc:
+        raise MergeError(str(exc)) from exc
 
 
 def join_reward(sequences: list[MergedSequence], reward: Reward | None) -> None:

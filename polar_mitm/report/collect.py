@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
+from polar_mitm.storage.rewards import read_rewards_table
 
 ENGINE_SIDECAR = "_engine.json"  # written by the gateway next to its records (see polar_mitm/gateway/engine_info.py)
 
@@ -91,7 +91,7 @@ def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> S
         stage.merge_summary = json.loads((stage.merged_dir / "_summary.json").read_text())
     rewards = root / "rewards.parquet"
     if rewards.exists():
-        stage.rewards = pq.read_table(rewards, columns=["session_id", "task_id", "reward", "status"]).to_pylist()
+        stage.rewards = read_rewards_table(rewards, ["session_id", "task_id", "reward", "status"]).to_pylist()
     elif stage.merged_dir is not None:  # a merge directory alone: the rewards joined into its sequences
         stage.rewards = merged_session_rewards(stage.merged_dir)
     flows = root / "flows"

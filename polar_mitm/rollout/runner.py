@@ -26,18 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from polar_mitm import procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.tasks import Task
+from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
 
-REWARDS_SCHEMA = pa.schema([
-    ("session_id", pa.string()), ("task_id", pa.string()), ("sample_index", pa.int32()),
-    ("reward", pa.float64()), ("status", pa.string()), ("exit_code", pa.int32()),
-    ("init_seconds", pa.float64()), ("run_seconds", pa.float64()), ("eval_seconds", pa.float64()),
-    ("eval_output", pa.string()),
-])
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -82,11 +76,12 @@ class RolloutSummary:
     run_utilisation: float  # busy RUN-worker time / (workers × span of the RUN phase)
 
     def table(self) -> pa.Table:
-        return pa.Table.from_pylist([{
-            "session_id": s.session_id, "task_id": s.task.task_id, "sample_index": s.index, "reward": s.reward,
-            "status": s.status, "exit_code": s.exit_code, "init_seconds": s.seconds("init"),
-            "run_seconds": s.seconds("run"), "eval_seconds": s.seconds("post"), "eval_output": s.eval_output[-2000:],
-        } for s in self.sessions], schema=REWARDS_SCHEMA)
+        """The rewards file's rows (storage/rewards.py), one per session."""
+        return rewards_table(RewardRow(
+            session_id=s.session_id, task_id=s.task.task_id, sample_index=s.index, reward=s.reward,
+            status=s.status, exit_code=s.exit_code, init_seconds=s.seconds("init"),
+            run_seconds=s.seconds("run"), eval_seconds=s.seconds("post"), eval_output=s.eval_output[-2000:],
+        ) for s in self.sessions)
 
 
 async def run_shell(command: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -373,11 +368,4 @@ class Rollout:
 
 def write_rewards(summary: RolloutSummary, path: Path) -> None:
     """Rewards (and per-session status) as Parquet, or JSONL when the path ends in .jsonl."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = summary.table()
-    if path.suffix == ".jsonl":
-        import json
-
-        path.write_text("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
-    else:
-        pq.write_table(table, path)
+    write_rewards_table(summary.table(), path)

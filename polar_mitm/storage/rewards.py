@@ -1,0 +1,129 @@
+"""A rollout's rewards file: one row per harness session (its reward, status and timings), written by
+`polar-mitm rollout` / `loop` and read by `polar-mitm merge --rewards` (to join rewards into sequences) and the report.
+
+The contract: `REWARDS_SCHEMA` (Arrow) and `RewardRow` (the typed row); written as Parquet, or JSONL when the path
+ends in `.jsonl`. The reader for merge takes any file with `session_id`, `reward` and, optionally, `task_id` columns
+(JSONL or Parquet, local or a pyarrow filesystem URI), since rewards may come from elsewhere than a rollout; other
+columns are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from polar_mitm.storage.location import StorageError, one_line, resolve_path
+
+REWARDS_SCHEMA = pa.schema([
+    ("session_id", pa.string()), ("task_id", pa.string()), ("sample_index", pa.int32()),
+    ("reward", pa.float64()), ("status", pa.string()), ("exit_code", pa.int32()),
+    ("init_seconds", pa.float64()), ("run_seconds", pa.float64()), ("eval_seconds", pa.float64()),
+    ("eval_output", pa.string()),
+])
+
+
+@dataclass
+class RewardRow:
+    """One harness session of a rollout, as its rewards file holds it (fields in REWARDS_SCHEMA's order)."""
+
+    session_id: str
+    task_id: str | None
+    sample_index: int
+    reward: float | None
+    status: str
+    exit_code: int | None
+    init_seconds: float | None
+    run_seconds: float | None
+    eval_seconds: float | None
+    eval_output: str
+
+
+def rewards_table(rows: Iterable[RewardRow]) -> pa.Table:
+    """Reward rows → a REWARDS_SCHEMA table."""
+    return pa.Table.from_pylist([asdict(row) for row in rows], schema=REWARDS_SCHEMA)
+
+
+def write_rewards_table(table: pa.Table, path: Path) -> None:
+    """A rewards table as Parquet, or JSONL when the path ends in .jsonl."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in table.to_pylist()))
+    else:
+        pq.write_table(table, path)
+
+
+def read_rewards_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A rollout's rewards Parquet file as a table (`columns` only, when given)."""
+    return pq.read_table(path, columns=columns)
+
+
+# -- rewards by session, for merge -------------------------------------------------------------------------------
+
+
+class RewardsError(StorageError):
+    """A rewards file that cannot be used: missing, unreadable, or a row without a session or a finite reward."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    reward: float
+    task_id: str | None = None
+
+
+def read_rewards(uri: str) -> dict[str, Reward]:
+    """Rewards by session id from JSONL (one object per line) or Parquet: `session_id`, `reward`, opt. `task_id`.
+
+    Other columns (e.g. `polar-mitm rollout`'s status and timings) are ignored; a null reward leaves the session
+    unrewarded.
+    """
+    fs, path = resolve_path(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise RewardsError(f"rewards {uri}: no such file")
+    if info.type == pafs.FileType.Directory or path.endswith((".parquet", ".pq")):
+        import pyarrow.dataset as ds
+
+        try:
+            rows = ds.dataset(path, format="parquet", filesystem=fs).to_table().to_pylist()
+        except (OSError, pa.ArrowException) as exc:
+            raise RewardsError(f"rewards {uri}: not a readable Parquet file ({one_line(exc)})") from exc
+        where = [f"row {i + 1}" for i in range(len(rows))]
+    else:
+        try:
+            with fs.open_input_stream(path) as stream:
+                lines = stream.read().decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise RewardsError(f"rewards {uri}: not UTF-8 text (byte {exc.start}); expected JSONL") from exc
+        except OSError as exc:
+            raise RewardsError(f"rewards {uri}: cannot be read ({one_line(exc)})") from exc
+        rows, where = [], []
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    rows.append(orjson.loads(line))
+                except orjson.JSONDecodeError as exc:
+                    raise RewardsError(f"rewards {uri} line {number}: not JSON ({exc})") from exc
+                where.append(f"line {number}")
+    rewards: dict[str, Reward] = {}
+    for row, at in zip(rows, where, strict=True):
+        session_id, value, task_id = (row.get(k) if isinstance(row, dict) else None
+                                      for k in ("session_id", "reward", "task_id"))
+        if not isinstance(session_id, str) or not session_id:
+            raise RewardsError(f"rewards {uri} {at}: needs a string session_id")
+        if value is None:  # e.g. a rollout cut before it was scored: the session stays unrewarded
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise RewardsError(f"rewards {uri} {at}: reward must be a finite number, got {value!r}")
+        entry = Reward(float(value), None if task_id is None else str(task_id))
+        if rewards.get(session_id, entry) != entry:
+            raise RewardsError(f"rewards {uri} {at}: session {session_id!r} has two different rewards")
+        rewards[session_id] = entry
+    return rewards
