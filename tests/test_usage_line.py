@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.gateway.engine_info import ENGINE_FILE
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.session_ids import SessionId
+from polar_mitm.storage.engine_info import ENGINE_FILE
 from polar_mitm.storage.records import read_all
 
 BIN = Path(sys.executable).parent

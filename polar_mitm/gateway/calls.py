@@ -17,6 +17,9 @@ from polar_mitm.greedy import GREEDY_TEMPERATURE
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import Record
 
+OFFLOAD_BYTES = 32 << 10  # below this, JSON work takes well under a thread hop: do it inline
+ID_BYTES = 4  # a token id's share of a payload's size (records store ids as int32)
+
 
 @dataclass
 class CallContext:
@@ -54,6 +57,14 @@ def fill_record(record: Record, conv: Conversation, completion: Completion, resp
     record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
     record.greedy = is_greedy(conv.sampling)
     record.status_code = status
+
+
+async def offload(fn, size: int, *args):
+    """Run `fn` in a worker thread when its payload (`size` bytes; ids count `ID_BYTES` each) is large, so big
+    prompts never stall the event loop."""
+    if size < OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def is_greedy(sampling: dict[str, Any]) -> bool:

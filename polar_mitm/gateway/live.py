@@ -26,17 +26,16 @@ import orjson
 from polar_mitm.codecs.base import Codec, GatewayError
 from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
 from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
-from polar_mitm.gateway.calls import CallContext, fill_record
+from polar_mitm.gateway.calls import ID_BYTES, CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.engine_client import sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
 from polar_mitm.gateway.prompts import PromptStep
 from polar_mitm.storage.records import Record
 
-log = logging.getLogger("polar_mitm.live")
+log = logging.getLogger(__name__)
 
 ABORT_DRAIN_SECONDS = 10.0  # after an abort, how long to wait for the engine's last chunk (the ids so far)
-LARGE_JSON = 32 << 10  # engine chunks above this (the sglext ids of a long prompt) are parsed off the event loop
 
 
 class Responder(Protocol):
@@ -171,7 +170,7 @@ class LiveCall:
             async for _event, data in sse_frames(resp):
                 if data == b"[DONE]":
                     break
-                chunk = orjson.loads(data) if len(data) < LARGE_JSON else await asyncio.to_thread(orjson.loads, data)
+                chunk = await offload(orjson.loads, len(data), data)  # the sglext ids of a long prompt: off the loop
                 self.queue.put_nowait(chunk)
             self.queue.put_nowait(END)
         except ValueError as exc:
@@ -266,24 +265,17 @@ class LiveCall:
 
     def _checked(self, deltas: list[Delta]) -> list[Delta]:
         """Tool calls the harness cannot run (a tool it does not offer, arguments that are not a JSON object) go
-        out as the text the model wrote, as the non-streamed path's `harness_safe` does."""
+        out as the text the model wrote: `harness_safe`'s rule, the non-streamed path's, applied call by call."""
         checked = []
         for delta in deltas:
-            if delta.kind == "tool_call" and delta.call is not None and not self._runnable(delta.call):
-                shown = _call_as_text(delta.call)
-                delta = Delta("text", ("\n" + shown) if self.visible else shown)
+            if delta.kind == "tool_call" and delta.call is not None:
+                shown = unrunnable_as_text(delta.call, self.offered)
+                if shown is not None:
+                    delta = Delta("text", ("\n" + shown) if self.visible else shown)
             if delta.kind != "reasoning":
                 self.visible = True
             checked.append(delta)
         return checked
-
-    def _runnable(self, call: ToolCall) -> bool:
-        if call.name not in self.offered:
-            return False
-        try:
-            return isinstance(orjson.loads(call.arguments or "{}"), dict)
-        except ValueError:
-            return False
 
     # -- the three endings -------------------------------------------------------------------------------------
 
@@ -293,7 +285,7 @@ class LiveCall:
             raise GatewayError("engine_error", "the engine's stream ended without any event")
         tail = self._encode(self.assembler.finish())
         try:
-            completion = await _offload(self.assembler.completion, len(self.assembler.input_ids or ()))
+            completion = await offload(self.assembler.completion, len(self.assembler.input_ids or ()) * ID_BYTES)
             problem = None
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             completion, problem = self.assembler.display(), str(exc)
@@ -306,7 +298,7 @@ class LiveCall:
             tail += self._encoder().delta(Delta("text", completion.content))
         record = self.record
         if problem is None:
-            response = await _offload(self._response_json, len(completion.prompt_ids), completion)
+            response = await offload(self._response_json, len(completion.prompt_ids) * ID_BYTES, completion)
             await self.calls.prompts.complete(self.step, completion)
             record.spliced_turns, record.splice_reason = self.step.spliced_turns, self.step.reason
             fill_record(record, self.conv, completion, response, 200)
@@ -408,14 +400,9 @@ class LiveCall:
             return None
 
 
-def _call_as_text(call: ToolCall) -> str:
-    """A call the harness cannot run, in the model's own `<tool_call>` notation."""
-    name = orjson.dumps(call.name).decode()
-    return f'<tool_call>\n{{"name": {name}, "arguments": {call.arguments or "{}"}}}\n</tool_call>'
-
-
-async def _offload(fn, size: int, *args):
-    """Run `fn` in a worker thread when its payload (ids) is large, so long prompts never stall the event loop."""
-    if size < 8192:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+def unrunnable_as_text(call: ToolCall, offered: set[str]) -> str | None:
+    """The text `harness_safe` shows in place of `call` when the harness cannot run it; None when it can."""
+    alone = Completion(id="", model="", content="", reasoning=None, tool_calls=[call], finish_reason="tool_calls",
+                       prompt_ids=[], completion_ids=[], completion_logprobs=[])
+    harness_safe(alone, offered)
+    return None if alone.tool_calls else alone.content

@@ -1,7 +1,8 @@
 """The mitmproxy addon: options, hooks, and the hand-off to `Gateway` (the only module that imports mitmproxy).
 
 Works in regular mode (harness sets HTTPS_PROXY and trusts mitmproxy's CA) and reverse mode (harness base URL
-points here). Options are declared in `load` and set with `--set name=value`.
+points here). Options are declared once, in `GatewayOptions` (gateway/options.py): `load` adds them, `configure`
+parses them all into one before applying any, and they are set with `--set name=value`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
@@ -26,30 +27,17 @@ from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.gateway.live import ABORT_DRAIN_SECONDS, LiveAnswer, Responder
 from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
+from polar_mitm.gateway.options import PREFIX, GatewayOptions, OptionError, mitmproxy_options, parse_options
 from polar_mitm.gateway.prompts import PromptBuilder
-from polar_mitm.gateway.service import Gateway, GatewayConfig, GatewayRequest
+from polar_mitm.gateway.service import Gateway, GatewayRequest
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import last_seq_by_session
 
-log = logging.getLogger("polar_mitm.addon")
+log = logging.getLogger(__name__)
 
-# Default completion budget per call (polar_max_tokens): long enough for any real agent turn (a large file written
-# in one tool call), short enough that a degenerate sample cannot hold the engine for its whole context.
-DEFAULT_MAX_TOKENS = 8192
-WRITER_OPTIONS = frozenset({"polar_out", "polar_rotate_mb", "polar_rotate_seconds", "polar_fsync"})
-
-
-def optional_float(value: str | None, name: str, *, minimum: float | None = None) -> float | None:
-    """A float option given as text (`--set` cannot parse float options); OptionsError names the option."""
-    if value in (None, ""):
-        return None
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise OptionsError(f"{name} must be a number, got {value!r}") from exc
-    if number != number or (minimum is not None and number < minimum):
-        raise OptionsError(f"{name} must be a number ≥ {minimum}, got {value!r}")
-    return number
+WRITER_OPTIONS = ("out", "rotate_mb", "rotate_seconds", "fsync")  # GatewayOptions fields the writer is made from
+ENGINE_OPTIONS = ("backend", "engine_timeout")
+PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend")
 
 
 def stop_process(message: str) -> NoReturn:
@@ -69,23 +57,33 @@ def check_deferred_options(options: Any) -> None:
     twice, a value that is not an int) is lost: the addon is then registered but never called, and the proxy
     forwards everything upstream. Applying them here, with mitmproxy's own parser, turns that into a stop.
     """
-    ours = {name: value for name, value in options.deferred.items() if name.startswith("polar_")}
+    ours = {name: value for name, value in options.deferred.items() if name.startswith(PREFIX)}
     for name in ours:
         del options.deferred[name]
     for name, value in ours.items():
         if name not in options:
             stop_process(f"unknown option {name} (see README's gateway options)")
+        texts = deferred_texts(value)
         try:
-            raw = getattr(value, "val", value)
-            parsed = options._parse_setval(options._options[name], raw) if isinstance(raw, list) else raw
-            choices = options._options[name].choices
-            if choices and parsed not in choices:
-                raise OptionsError(f"{name} must be one of {', '.join(choices)}, got {parsed!r}")
-            options.update(**{name: parsed})
+            if texts is None:  # deferred as a value (an options file, Python), not as `--set` text
+                options.update(**{name: value})
+            else:  # `options.set` is what `--set` and the `set` command use: mitmproxy's parser, then update
+                options.set(*([f"{name}={text}" for text in texts] or [name]))
         except OptionsError as exc:
-            if isinstance(raw, list) and len(raw) > 1:
-                stop_process(f"{name} is set {len(raw)} times ({', '.join(map(repr, raw))}); set it once")
-            stop_process(f"cannot apply --set {name}={raw[0] if isinstance(raw, list) and raw else raw}: {exc}")
+            if texts is not None and len(texts) > 1:
+                stop_process(f"{name} is set {len(texts)} times ({', '.join(map(repr, texts))}); set it once")
+            shown = value if texts is None else (texts[0] if texts else "")
+            stop_process(f"cannot apply --set {name}={shown}: {exc}")
+
+
+def deferred_texts(value: Any) -> list[str] | None:
+    """The `--set` texts of a deferred option; None when it was deferred as a value.
+
+    The one place that knows how mitmproxy keeps deferred `--set` texts: an object with the texts as `val`
+    (optmanager's `_UnconvertedStrings`), which mitmproxy exposes no public name for.
+    """
+    texts = getattr(value, "val", None)
+    return list(texts) if isinstance(texts, list) else None
 
 
 def error_answer(status: int, message: str) -> http.Response:
@@ -102,6 +100,7 @@ class PolarGateway:
     """
 
     def __init__(self) -> None:
+        self.options: GatewayOptions | None = None  # the options applied (parsed and checked)
         self.gateway: Gateway | None = None
         self.writer: RecordWriter | None = None
         self.engine: EngineClient | None = None
@@ -118,115 +117,65 @@ class PolarGateway:
         self._engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json once the engine answers
 
     def load(self, loader) -> None:
-        loader.add_option("polar_backend", str, "http://127.0.0.1:30000",
-                          "Engine base URL (SGLang or `polar-mitm serve`).")
-        loader.add_option("polar_out", str, "flows", "Directory (created if missing) for the Parquet records.")
-        loader.add_option("polar_passthrough", str, "block",
-                          "Non-model traffic: `block` (answer locally with a clear 404) or `upstream` (forward).",
-                          choices=["block", "upstream"])
-        loader.add_option("polar_temperature", Optional[str], None,  # noqa: UP045 (mitmproxy typespec)
-                          "Force this sampling temperature on every call (RL wants the trainer's temperature).")
-        loader.add_option("polar_top_p", Optional[str], None,  # noqa: UP045
-                          "Force this top_p on every call.")
-        loader.add_option("polar_max_tokens", int, DEFAULT_MAX_TOKENS,
-                          "Cap each call's completion tokens, whatever the harness asks (0 = no cap). Bounds a "
-                          "degenerate RL sample; harnesses that send no max_tokens (Codex) get this budget.")
-        loader.add_option("polar_engine_timeout", int, 600, "Seconds to wait for the engine per call.")
-        loader.add_option("polar_rotate_mb", int, 64, "Compact the journal into a Parquet shard at this size.")
-        loader.add_option("polar_rotate_seconds", int, 300, "… or at this age.")
-        loader.add_option("polar_fsync", bool, True,
-                          "fsync each record before answering (off: a crash may lose the last ~1 s of records).")
-        loader.add_option("polar_models", str, "", "Extra model ids (comma-separated) for model listings.")
-        loader.add_option("polar_max_body_mb", int, 64,
-                          "Largest request body in MiB, compressed or decoded; larger ones get a provider-shaped 413.")
-        loader.add_option("polar_prompt_mode", str, "tokens",
-                          "`tokens`: send the engine the session's exact token stream + the new tail (every sampled "
-                          "token trained in the context it was sampled in); `messages`: the engine renders the "
-                          "harness's messages.", choices=["tokens", "messages"])
-        loader.add_option("polar_tokenizer", str, "",
-                          "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path).")
-        loader.add_option("polar_stream", str, "live",
-                          "Streamed calls: `live` (the engine streams; the harness gets events as tokens are sampled) "
-                          "or `replay` (answer whole from the engine, then replay it as SSE; for engines that cannot "
-                          "stream ids).", choices=["live", "replay"])
-        loader.add_option("polar_keepalive_seconds", str, "10",  # a str: `--set` cannot parse float options
-                          "Live streams: send the provider's keep-alive (Anthropic ping, SSE comment) after this "
-                          "many seconds of silence, so harness idle timeouts do not fire (0 = never).")
-        loader.add_option("polar_shutdown_grace_seconds", str, "10",
-                          "On SIGTERM, how long calls in flight may run on to their end; then they are aborted and "
-                          "recorded `abort` with what was sampled, and the gateway exits.")
+        for option in mitmproxy_options():
+            loader.add_option(option.name, option.typespec, option.default, option.help,
+                              choices=list(option.choices) if option.choices else None)
         check_deferred_options(loader.master.options)
         log_redaction.install()
 
     # -- configuration: parse and check everything first, then apply (mitmproxy's option contract) -------------
 
     def configure(self, updated: set[str]) -> None:
-        """Raises OptionsError before changing anything (mitmproxy then rolls the change back); at startup, when
-        there is nothing to roll back to, a bad option stops the process instead."""
+        """Parse every option into `GatewayOptions` and build what changed, raising OptionsError before anything
+        is replaced (mitmproxy then rolls the change back, and calls this again with the old values, which changes
+        nothing); at startup, when there is nothing to roll back to, a bad option stops the process instead."""
         try:
-            config = self._parse_config(ctx.options)
-        except OptionsError as exc:
-            if not self.is_running:
-                stop_process(str(exc))
-            raise
-        opts = ctx.options
-        if self.writer is None or WRITER_OPTIONS & updated:
-            out = Path(opts.polar_out)
-            previous_writer = self.writer
-            if previous_writer is not None and previous_writer.out_dir.resolve() == out.resolve():
-                previous_writer.close()  # one writer per journal folder
-                previous_writer = None
-            writer = RecordWriter(out, rotate_bytes=opts.polar_rotate_mb << 20,
-                                  rotate_seconds=opts.polar_rotate_seconds, fsync=opts.polar_fsync)
-            try:
-                writer.start()
-            except OSError as exc:
-                message = f"polar_out={opts.polar_out!r} cannot hold records: {exc}"
-                if not self.is_running:
-                    stop_process(message)
-                raise OptionsError(message) from exc
-            if previous_writer is not None:
-                previous_writer.close()
-            self.writer = writer
-            # An unreadable shard is moved aside with its reason; it must never keep the gateway from serving.
-            last_seq = last_seq_by_session(out, on_unreadable=self.writer.quarantine_shard)
-        else:
-            last_seq = None
-        if self.engine is None or {"polar_backend", "polar_engine_timeout"} & updated:
-            self.engine = EngineClient(opts.polar_backend, timeout=opts.polar_engine_timeout)
-        previous = self.gateway
-        if self.prompts is None or {"polar_prompt_mode", "polar_tokenizer", "polar_backend"} & updated:
-            self.prompts = PromptBuilder(opts.polar_prompt_mode, tokenizer=opts.polar_tokenizer,
-                                         model_info=self.engine.model_info)
-        self.gateway = Gateway(config, self.engine, self.writer, self.prompts)
-        if previous is not None and last_seq is None:
-            self.gateway._seq = previous._seq  # keep numbering across option changes
+            options = parse_options(ctx.options)
+        except OptionError as exc:
+            self._refuse(str(exc))
+        previous = self.options
+        if options == previous:
+            return
+        changed = {f for f in GatewayOptions.__dataclass_fields__
+                   if previous is None or getattr(options, f) != getattr(previous, f)}
+        writer, last_seq = self.writer, None
+        if writer is None or changed & set(WRITER_OPTIONS):
+            writer, last_seq = self._new_writer(options)
+        engine = self.engine
+        if engine is None or changed & set(ENGINE_OPTIONS):
+            engine = EngineClient(options.backend, timeout=options.engine_timeout)
+        prompts = self.prompts
+        if prompts is None or changed & set(PROMPT_OPTIONS):
+            prompts = PromptBuilder(options.prompt_mode, tokenizer=options.tokenizer, model_info=engine.model_info)
+        gateway = Gateway(options, engine, writer, prompts)
+        if last_seq is None and self.gateway is not None:
+            gateway.continue_numbering(self.gateway)  # the same records folder: its numbering goes on
         elif last_seq:
-            self.gateway.seed_sequences(last_seq)
+            gateway.seed_sequences(last_seq)
+        self.options, self.writer, self.engine, self.prompts, self.gateway = options, writer, engine, prompts, gateway
 
-    @staticmethod
-    def _parse_config(opts: Any) -> GatewayConfig:
-        """The gateway's configuration from the options; OptionsError naming the first bad one."""
-        for name, choices in (("polar_passthrough", ("block", "upstream")), ("polar_prompt_mode", ("tokens", "messages")),
-                              ("polar_stream", ("live", "replay"))):
-            if getattr(opts, name) not in choices:
-                raise OptionsError(f"{name} must be one of {', '.join(choices)}, got {getattr(opts, name)!r}")
-        for name in ("polar_max_tokens", "polar_engine_timeout", "polar_rotate_mb", "polar_rotate_seconds",
-                     "polar_max_body_mb"):
-            if getattr(opts, name) < 0:
-                raise OptionsError(f"{name} must be ≥ 0, got {getattr(opts, name)}")
-        optional_float(opts.polar_shutdown_grace_seconds, "polar_shutdown_grace_seconds", minimum=0)
-        return GatewayConfig(
-            passthrough=opts.polar_passthrough,
-            temperature=optional_float(opts.polar_temperature, "polar_temperature", minimum=0),
-            top_p=optional_float(opts.polar_top_p, "polar_top_p", minimum=0),
-            max_tokens=opts.polar_max_tokens or None,
-            extra_models=[m.strip() for m in opts.polar_models.split(",") if m.strip()],
-            max_body_bytes=opts.polar_max_body_mb << 20,
-            stream=opts.polar_stream,
-            keepalive_seconds=optional_float(opts.polar_keepalive_seconds, "polar_keepalive_seconds",
-                                             minimum=0) or 0.0,
-        )
+    def _refuse(self, message: str) -> NoReturn:
+        if not self.is_running:
+            stop_process(message)
+        raise OptionsError(message)
+
+    def _new_writer(self, options: GatewayOptions) -> tuple[RecordWriter, dict[str, int]]:
+        """The journal writer for `options`, started, and the last seq of each session already in its folder."""
+        out = Path(options.out)
+        previous = self.writer
+        if previous is not None and previous.out_dir.resolve() == out.resolve():
+            previous.close()  # one writer per journal folder
+            previous = None
+        writer = RecordWriter(out, rotate_bytes=options.rotate_mb << 20, rotate_seconds=options.rotate_seconds,
+                              fsync=options.fsync)
+        try:
+            writer.start()
+        except OSError as exc:
+            self._refuse(f"{PREFIX}out={options.out!r} cannot hold records: {exc}")
+        if previous is not None:
+            previous.close()
+        # An unreadable shard is moved aside with its reason; it must never keep the gateway from serving.
+        return writer, last_seq_by_session(out, on_unreadable=writer.quarantine_shard)
 
     def running(self) -> None:
         self.is_running = True
@@ -473,7 +422,7 @@ class PolarGateway:
         self.closing = True
         if self._engine_task is not None:
             self._engine_task.cancel()
-        grace = optional_float(ctx.options.polar_shutdown_grace_seconds, "polar_shutdown_grace_seconds") or 0.0
+        grace = self.options.shutdown_grace_seconds if self.options is not None else 0.0
         await self._wait_calls(grace)
         if self._handling or self.live.busy:
             log.warning("shutting down: aborting %d call(s) still running after %.0f s of grace",

@@ -16,7 +16,7 @@ import itertools
 import logging
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,27 +28,17 @@ from polar_mitm.codecs.common import parse_body
 from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
-from polar_mitm.gateway.calls import CallContext, fill_record
+from polar_mitm.gateway.calls import CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
+from polar_mitm.gateway.options import GatewayOptions
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import Record
 
-log = logging.getLogger("polar_mitm.gateway")
-
-@dataclass
-class GatewayConfig:
-    passthrough: str = "block"  # block | upstream: what happens to traffic that is not a model call
-    temperature: float | None = None  # overrides what the harness asked for (RL wants a fixed temperature)
-    top_p: float | None = None
-    max_tokens: int | None = None  # caps the harness's max_tokens
-    extra_models: list[str] = field(default_factory=list)
-    max_body_bytes: int = 64 << 20  # larger request bodies (raw or decoded) get a 413
-    stream: str = "live"  # live: stream from the engine as it samples (gateway/live.py) | replay: answer, then SSE
-    keepalive_seconds: float = 10.0  # live streams: a keep-alive after this much silence (0 = never)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,7 +64,7 @@ class ClientDisconnected(Exception):
 class Gateway:
     """Answers model calls from the engine and records them; answers or blocks everything else."""
 
-    def __init__(self, config: GatewayConfig, engine: EngineClient, writer: RecordWriter,
+    def __init__(self, config: GatewayOptions, engine: EngineClient, writer: RecordWriter,
                  prompts: PromptBuilder | None = None) -> None:
         self.config, self.engine, self.writer = config, engine, writer
         self.prompts = prompts or PromptBuilder("messages")
@@ -85,6 +75,10 @@ class Gateway:
         """Continue per-session numbering after a restart."""
         for session, seq in last_seq.items():
             self._seq[session] = itertools.count(seq + 1)
+
+    def continue_numbering(self, previous: Gateway) -> None:
+        """Number sessions on from where `previous` is (the gateway it replaces, same records folder)."""
+        self._seq = previous._seq
 
     # -- entry point ---------------------------------------------------------------------------------------------
 
@@ -189,7 +183,7 @@ class Gateway:
         except GatewayError as err:
             return codec.encode_error(err)
         tail = path.rstrip("/").rsplit("/", 1)[-1]
-        ids = [tail] if tail not in ("models",) else [served, *self.config.extra_models]
+        ids = [tail] if tail not in ("models",) else [served, *self.config.models]
         return HttpAnswer.json(200, codec.encode_models(ids, path))
 
     async def _internal_error(self, req: GatewayRequest, exc: Exception) -> HttpAnswer:
@@ -310,8 +304,9 @@ class Gateway:
         if conv.stream is False:
             conv.stream = codec.stream_requested(body, path, query)
         overrides: dict[str, Any] = {"temperature": self.config.temperature, "top_p": self.config.top_p}
-        if self.config.max_tokens is not None:
-            overrides["max_tokens"] = min(conv.max_tokens or self.config.max_tokens, self.config.max_tokens)
+        cap = self.config.completion_cap
+        if cap is not None:
+            overrides["max_tokens"] = min(conv.max_tokens or cap, cap)
         request = conv.to_engine_request(overrides=overrides)
         conv.sampling = explicit_sampling(request)
         return conv, request
@@ -352,16 +347,6 @@ def explicit_sampling(request: dict[str, Any]) -> dict[str, Any]:
         if request.get(key) is None:
             request[key] = neutral
     return {key: request[key] for key in NEUTRAL_SAMPLING}
-
-
-OFFLOAD_BYTES = 32 << 10  # below this, JSON work takes well under a thread hop: do it inline
-
-
-async def offload(fn, size: int, *args):
-    """Run `fn` in a worker thread when its payload is large, so big prompts never stall the event loop."""
-    if size < OFFLOAD_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def with_record(answer: HttpAnswer, row: dict[str, Any]) -> HttpAnswer:

@@ -43,6 +43,7 @@ from polar_mitm.reconstruct.turns import (
     sequences_to_table,
     turns_from_table,
 )
+from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.merged import MergedSequence, ShardWriter
 from polar_mitm.storage.records import Source, list_sources, table_source
@@ -105,8 +106,6 @@ def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[
 def recorded_eot(inputs: Sequence[str]) -> tuple[int, str] | None:
     """The end-of-turn id the gateway recorded for these inputs' engine: its renderer's id, else the recorded
     tokenizer's (when that path can be loaded here); None when no input has a usable `_engine.json`."""
-    from polar_mitm.gateway.engine_info import ENGINE_FILE, read_engine_file
-
     found: dict[int, str] = {}
     for directory in inputs:
         info = read_engine_file(directory)

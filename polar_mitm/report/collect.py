@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.rewards import read_rewards_table
-
-ENGINE_SIDECAR = "_engine.json"  # written by the gateway next to its records (see polar_mitm/gateway/engine_info.py)
 
 
 @dataclass
@@ -95,7 +94,7 @@ def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> S
     elif stage.merged_dir is not None:  # a merge directory alone: the rewards joined into its sequences
         stage.rewards = merged_session_rewards(stage.merged_dir)
     flows = root / "flows"
-    stage.flows_dir = flows if flows.is_dir() else (root if (root / ENGINE_SIDECAR).exists() else None)
+    stage.flows_dir = flows if flows.is_dir() else (root if (root / ENGINE_FILE).exists() else None)
     return stage
 
 
@@ -151,6 +150,7 @@ def reward_summary(stage: Stage) -> tuple[float, float] | None:
 def engine_info(run: RunData) -> dict[str, Any] | None:
     """The engine description the gateway recorded next to the records (model, tokenizer path, end-of-turn id)."""
     for stage in run.stages:
-        if stage.flows_dir is not None and (stage.flows_dir / ENGINE_SIDECAR).exists():
-            return json.loads((stage.flows_dir / ENGINE_SIDECAR).read_text())
+        info = read_engine_file(str(stage.flows_dir)) if stage.flows_dir is not None else None
+        if info is not None:
+            return info
     return None

@@ -8,4 +8,7 @@ Each contract keeps its schema, typed row, validation, writer and reader togethe
   the records store (shards plus the live journal).
 - `journal`: how records are written: the durable journal, its compaction into shards, the quarantine.
 - `journal_format`: the journal's frames and file names, shared by the writer and the reader.
+- `merged`: the merged sequence (MERGED_SCHEMA, `MergedSequence`, its checks) and the merged store's shards.
+- `rewards`: a rollout's rewards file (REWARDS_SCHEMA, `RewardRow`), its writer, and the rewards merge joins.
+- `engine_info`: `_engine.json`, the description of the engine the records came from.
 """
