@@ -19,7 +19,7 @@ from aiohttp import web
 from polar_mitm.gateway.cancel import CLIENT_GONE, STREAM_RESET
 from polar_mitm.gateway.live import Responder
 
-log = logging.getLogger("polar_mitm.live_server")
+log = logging.getLogger(__name__)
 
 PATH_PREFIX = "/polar-live/"
 
