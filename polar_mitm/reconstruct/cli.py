@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.reconstruct.merge import MergeSummary, merge
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
 from polar_mitm.storage.location import StorageError
@@ -29,11 +29,6 @@ SAMPLED_STYLE = "bold green"
 TURN_STYLE = "bold magenta"
 
 
-class BuilderName(StrEnum):
-    prefix_merging = "prefix_merging"
-    per_request = "per_request"
-
-
 # -- merge -------------------------------------------------------------------------------------------------------
 
 
@@ -42,7 +37,7 @@ def merge_command(
         help="Record shards: folders or files, local or any pyarrow filesystem URI (s3://, gs://, …).",
         show_default="flows/")] = None,
     output: Annotated[str, typer.Option("--output", "-o", help="Where to write merged shards.")] = "merged/",
-    builder: Annotated[BuilderName, typer.Option(help="How records become sequences.")] = BuilderName.prefix_merging,
+    builder: Annotated[BuilderName, typer.Option(help=BuilderName.__doc__)] = BuilderName.prefix_merging,
     rewards: Annotated[str | None, typer.Option(
         help="JSONL or Parquet with session_id, reward (optional task_id).")] = None,
     eot_token: Annotated[str | None, typer.Option(

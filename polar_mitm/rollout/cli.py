@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 import time
@@ -16,12 +17,23 @@ from rich.console import Console
 from rich.live import Live
 
 from polar_mitm import procs
+from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
+from polar_mitm.rollout.loop import LoopConfig
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, TaskFileError, load_tasks
 from polar_mitm.rollout.view import render, summary_table
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
+
+# `rollout`'s options that are RolloutConfig fields (their defaults are the config's; a test checks the rest).
+ROLLOUT_FIELDS = ("group_size", "concurrency", "keep", "ready_buffer", "init_workers", "post_workers",
+                  "failure_reward", "keep_workspaces")
+
+
+def help_of(config: type, name: str) -> str:
+    """A config field's help (`metadata["help"]`), for the command-line option that sets it."""
+    return {f.name: f for f in dataclasses.fields(config)}[name].metadata["help"]
 
 
 @contextmanager
@@ -101,34 +113,38 @@ def run_rollout(tasks: list[Task], harness: HarnessSpec, config: RolloutConfig, 
 def rollout_command(
     tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
     harness: Annotated[str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")] = "sdk:openai_chat",
-    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = 4,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = (
+        RolloutConfig.group_size),
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = (
+        RolloutConfig.concurrency),
     out: Annotated[Path, typer.Option(help="Record directory (the gateway's polar_out).")] = Path("flows"),
     rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path("rewards.parquet"),
-    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
-    ready_buffer: Annotated[int, typer.Option(help="Prewarmed workspaces (0 = none).")] = 4,
-    init_workers: Annotated[int, typer.Option(help="INIT workers.")] = 2,
-    post_workers: Annotated[int, typer.Option(help="POST-RUN (evaluation) workers.")] = 2,
-    failure_reward: Annotated[float, typer.Option(help="Reward of timed-out/crashed sessions.")] = 0.0,
+    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = (
+        RolloutConfig.keep),
+    ready_buffer: Annotated[int, typer.Option(help="Prewarmed workspaces (0 = none).")] = RolloutConfig.ready_buffer,
+    init_workers: Annotated[int, typer.Option(help="INIT workers.")] = RolloutConfig.init_workers,
+    post_workers: Annotated[int, typer.Option(help="POST-RUN (evaluation) workers.")] = RolloutConfig.post_workers,
+    failure_reward: Annotated[float, typer.Option(help="Reward of timed-out/crashed sessions.")] = (
+        RolloutConfig.failure_reward),
     engine: Annotated[str | None, typer.Option(help="Engine URL to use (default: start one).")] = None,
     model: Annotated[str, typer.Option(help="Model for a started engine.")] = "tiny",
     script: Annotated[Path | None, typer.Option(help="Scripted policy for a started engine (tests/demo).")] = None,
     gateway_url: Annotated[str | None, typer.Option(help="Attach to a running gateway (reverse URL).")] = None,
     gateway_proxy: Annotated[str | None, typer.Option(help="… and its HTTPS_PROXY listener.")] = None,
     work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path("runs/rollout"),
-    keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = False,
+    keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = (
+        RolloutConfig.keep_workspaces),
     ray: Annotated[str | None, typer.Option(
         "--ray", help="Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
                       "OUT/node-NAME/.")] = None,
     max_attempts: Annotated[int, typer.Option(help="--ray: runs of a session whose node died.")] = 2,
 ) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
+    given = locals()  # the options, by name (before any other local)
     task_list, harness_spec = load_inputs(tasks, harness)
     work_dir.mkdir(parents=True, exist_ok=True)
-    config = RolloutConfig(group_size=group_size, concurrency=concurrency, init_workers=init_workers,
-                           post_workers=post_workers, ready_buffer=ready_buffer, keep=keep,
-                           failure_reward=failure_reward, workspace_root=work_dir / "workspaces",
-                           keep_workspaces=keep_workspaces, log_dir=work_dir / "logs")
+    config = RolloutConfig(**{name: given[name] for name in ROLLOUT_FIELDS}, workspace_root=work_dir / "workspaces",
+                           log_dir=work_dir / "logs")
     if ray is not None:
         ray_rollout(task_list, harness, config, ray, out=out, rewards=rewards, engine=engine, model=model,
                     script=script, work_dir=work_dir, max_attempts=max_attempts)
@@ -182,33 +198,37 @@ def iteration_table(results):
 
 
 def loop_command(
-    tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
-    run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help="Everything of the run goes here.")] = Path(
+    tasks: Annotated[Path, typer.Argument(help=help_of(LoopConfig, "tasks"))],
+    run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
         "runs/loop"),
-    iterations: Annotated[int, typer.Option("--iterations", "-n", help="RL iterations.")] = 2,
-    harness: Annotated[str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")] = "sdk:openai_chat",
-    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = 4,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = 4,
-    model: Annotated[str, typer.Option(help="Starting model: tiny | smollm2 | PATH.")] = "tiny",
-    script: Annotated[Path | None, typer.Option(help="Scripted policy for the embedded engine.")] = None,
-    engine: Annotated[str | None, typer.Option(help="Attach to this engine (SGLang) instead of starting one.")] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (forced) = training temperature.")] = 1.0,
-    max_tokens: Annotated[int, typer.Option(help="Completion budget per model call.")] = 256,
-    learning_rate: Annotated[float, typer.Option(help="Learning rate.")] = 5e-3,
-    batch_size: Annotated[int, typer.Option(help="Sequences per training micro-batch.")] = 4,
-    epochs: Annotated[float, typer.Option(help="Passes over each iteration's sequences.")] = 1.0,
-    lora: Annotated[bool, typer.Option(help="Train LoRA adapters (merged copy pushed to the engine).")] = False,
-    builder: Annotated[str, typer.Option(help="prefix_merging | per_request.")] = "prefix_merging",
-    overlap: Annotated[int, typer.Option(help="1: next rollouts run while the trainer trains.")] = 0,
-    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = None,
-    ray: Annotated[str | None, typer.Option(
-        "--ray", help="Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node.")] = None,
-    train_processes: Annotated[int, typer.Option(
-        help="GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same global "
-             "batch.")] = 1,
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help=help_of(LoopConfig, "iterations"))] = (
+        LoopConfig.iterations),
+    harness: Annotated[str, typer.Option(help=help_of(LoopConfig, "harness"))] = LoopConfig.harness,
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help=help_of(LoopConfig, "group_size"))] = (
+        LoopConfig.group_size),
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))] = (
+        LoopConfig.concurrency),
+    model: Annotated[str, typer.Option(help=help_of(LoopConfig, "model"))] = LoopConfig.model,
+    script: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "script"))] = LoopConfig.script,
+    engine: Annotated[str | None, typer.Option(help=help_of(LoopConfig, "engine_url"))] = LoopConfig.engine_url,
+    temperature: Annotated[float, typer.Option(help=help_of(LoopConfig, "temperature"))] = LoopConfig.temperature,
+    max_tokens: Annotated[int, typer.Option(help=help_of(LoopConfig, "max_tokens"))] = LoopConfig.max_tokens,
+    learning_rate: Annotated[float, typer.Option(help=help_of(LoopConfig, "learning_rate"))] = (
+        LoopConfig.learning_rate),
+    batch_size: Annotated[int, typer.Option(help=help_of(LoopConfig, "per_device_batch_size"))] = (
+        LoopConfig.per_device_batch_size),
+    epochs: Annotated[float, typer.Option(help=help_of(LoopConfig, "epochs"))] = LoopConfig.epochs,
+    lora: Annotated[bool, typer.Option(help=help_of(LoopConfig, "lora"))] = LoopConfig.lora,
+    builder: Annotated[BuilderName, typer.Option(help=help_of(LoopConfig, "builder"))] = LoopConfig.builder,
+    overlap: Annotated[int, typer.Option(help=help_of(LoopConfig, "overlap"))] = LoopConfig.overlap,
+    keep: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "keep"))] = LoopConfig.keep,
+    ray: Annotated[str | None, typer.Option("--ray", help=help_of(LoopConfig, "ray_address"))] = (
+        LoopConfig.ray_address),
+    train_processes: Annotated[int, typer.Option(help=help_of(LoopConfig, "train_processes"))] = (
+        LoopConfig.train_processes),
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
-    from polar_mitm.rollout.loop import Loop, LoopConfig
+    from polar_mitm.rollout.loop import Loop
 
     cfg = LoopConfig(tasks=tasks, run_dir=run_dir, harness=harness, iterations=iterations, group_size=group_size,
                      concurrency=concurrency, model=model, script=script, engine_url=engine,

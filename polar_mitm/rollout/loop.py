@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_mitm import engines, procs
+from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
@@ -30,32 +31,44 @@ if TYPE_CHECKING:
     from polar_mitm.rollout.ray_runner import RayPool
 
 
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
 @dataclass
 class LoopConfig:
-    tasks: Path
-    run_dir: Path
-    harness: str = "sdk:openai_chat"
-    iterations: int = 2
-    group_size: int = 4
-    concurrency: int = 4
-    model: str = "tiny"
-    script: Path | None = None  # scripted policy for the embedded engine (demo/tests)
-    engine_url: str | None = None  # attach to a running engine instead of starting one
-    temperature: float = 1.0  # sampling temperature, forced on every call and used by the trainer
-    max_tokens: int = 256
-    learning_rate: float = 5e-3
-    per_device_batch_size: int = 4
-    epochs: float = 1.0
-    lora: bool = False
-    loss_type: str = "dapo"
-    builder: str = "prefix_merging"
-    overlap: int = 0  # 1: next rollouts run while the trainer trains
-    keep: int | None = None  # straggler cut
+    """The RL loop's settings; each field with a `help` is a `polar-mitm loop` option (rollout/cli.py)."""
+
+    tasks: Path = field(metadata=_help("Task file (JSONL)."))
+    run_dir: Path = field(metadata=_help("Everything of the run goes here."))
+    harness: str = field(default="sdk:openai_chat", metadata=_help("sdk:PROVIDER | cmd:TEMPLATE | preset name."))
+    iterations: int = field(default=2, metadata=_help("RL iterations."))
+    group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
+    concurrency: int = field(default=4, metadata=_help("Harness sessions at once."))
+    model: str = field(default="tiny", metadata=_help("Starting model: tiny | smollm2 | PATH."))
+    script: Path | None = field(default=None, metadata=_help("Scripted policy for the embedded engine."))
+    engine_url: str | None = field(default=None,
+                                   metadata=_help("Attach to this engine (SGLang) instead of starting one."))
+    temperature: float = field(default=1.0,
+                               metadata=_help("Sampling temperature (forced) = training temperature."))
+    max_tokens: int = field(default=256, metadata=_help("Completion budget per model call."))
+    learning_rate: float = field(default=5e-3, metadata=_help("Learning rate."))
+    per_device_batch_size: int = field(default=4, metadata=_help("Sequences per training micro-batch."))
+    epochs: float = field(default=1.0, metadata=_help("Passes over each iteration's sequences."))
+    lora: bool = field(default=False, metadata=_help("Train LoRA adapters (merged copy pushed to the engine)."))
+    loss_type: str = "dapo"  # not an option: `polar-mitm grpo --loss-type` names them
+    builder: BuilderName = field(default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or ""))
+    overlap: int = field(default=0, metadata=_help("1: next rollouts run while the trainer trains."))
+    keep: int | None = field(default=None, metadata=_help("Straggler cut: stop a group once K sessions are done."))
     seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
-    ray_address: str | None = None  # rollouts on this Ray cluster ("auto", "HOST:PORT"); None: on this machine
-    # >1: the GRPO step runs as N data-parallel processes (`accelerate launch` on GPUs, torchrun + gloo on CPU),
-    # the same `polar-mitm grpo` command recipes/training.md describes; the global batch stays the same.
-    train_processes: int = 1
+    ray_address: str | None = field(
+        default=None,
+        metadata=_help("Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node."))
+    # the same `polar-mitm grpo` command recipes/training.md describes, launched N times
+    train_processes: int = field(
+        default=1,
+        metadata=_help("GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same "
+                       "global batch."))
     final_rollout: bool = False  # after the last training, one more rollout (no training): the trained policy's reward
 
 
