@@ -149,7 +149,8 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
     from transformers import PrinterCallback
 
     from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.train.data import build_training_data, length_buckets, padding_fraction, read_merged
+    from polar_mitm.train.batching import length_buckets, padding_fraction
+    from polar_mitm.train.data import build_training_data, load_sequences
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 
@@ -159,7 +160,7 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
     # Known and harmless here (CPU run, TRL's own calls); they would bury the figures.
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    data = build_training_data(read_merged(merged))
+    data = build_training_data(load_sequences(merged))
     lengths = data.lengths()
     # The trainer's own batches (LengthBucketSampler): their order is shuffled, their contents are these.
     batches = length_buckets(lengths, batch_size, shuffle=False)

@@ -186,12 +186,12 @@ def train_iteration(policy: Path, merged_dir: Path, out_dir: Path, args: argpars
     import torch
     from transformers import PrinterCallback
 
-    from polar_mitm.train.data import build_training_data, read_merged
+    from polar_mitm.train.data import build_training_data, load_sequences
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
     from polar_mitm.train.sync import ENGINE_WEIGHTS_DIR, attach_engine_push
 
-    data = build_training_data(read_merged([merged_dir]), group_size=args.group_size)
+    data = build_training_data(load_sequences([merged_dir]), group_size=args.group_size)
     # Micro-batches bound memory (each row carries ~49k-wide logits per token); one optimizer step sees
     # `per_step` rows through gradient accumulation.
     per_step = max(1, len(data.rows) // args.steps_per_iteration)

@@ -28,14 +28,8 @@ from polar_mitm.sdk_agent import base_url_for
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.storage.records import read_all
-from polar_mitm.train.data import (
-    LengthBucketSampler,
-    build_training_data,
-    collate,
-    length_buckets,
-    padding_sources,
-    read_merged,
-)
+from polar_mitm.train.batching import LengthBucketSampler, collate, length_buckets, padding_sources
+from polar_mitm.train.data import build_training_data, load_sequences
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 
@@ -279,7 +273,7 @@ def test_v1_merged_files_read_with_unknown_temperature_scored_at_the_global_one(
     v1_fields = [f for f in MERGED_SCHEMA if not f.name.startswith("turn_")]
     row = {f.name: getattr(seq, f.name) for f in v1_fields} | {"schema_version": 1}
     pq.write_table(pa.Table.from_pylist([row], schema=pa.schema(v1_fields)), tmp_path / "v1.parquet")
-    (old,) = read_merged(tmp_path)
+    (old,) = load_sequences(tmp_path)
     assert old.turn_temperature is None and old.turn_starts is None
     data = build_training_data([old])
     assert data.stats.unknown_temperature_sequences == 1 and data.stats.temperatures == {"unknown": 1}

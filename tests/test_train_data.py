@@ -9,20 +9,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
-from polar_mitm.train.data import (
+from polar_mitm.storage.merged import MERGED_SCHEMA, MergedDataError, MergedSequence
+from polar_mitm.train.advantages import group_advantages
+from polar_mitm.train.batching import (
     LengthBucketSampler,
-    MergedDataError,
-    build_training_data,
     collate,
-    group_advantages,
     length_buckets,
     padding_fraction,
     padding_sources,
-    read_merged,
-    truncate,
-    version_distance,
 )
+from polar_mitm.train.data import build_training_data, load_sequences, truncate
+from polar_mitm.train.stats import version_distance
 
 
 def seq(session: str, task: str | None, reward: float | None, *, prompt: int = 3, sampled: int = 2,
@@ -113,17 +110,17 @@ def test_reading_rejects_rows_that_break_the_merged_invariants(tmp_path, corrupt
     corrupt(bad)
     pq.write_table(pa.Table.from_pylist([bad.to_row()], schema=MERGED_SCHEMA), tmp_path / "bad.parquet")
     with pytest.raises(MergedDataError, match=message):
-        read_merged(tmp_path)
+        load_sequences(tmp_path)
 
 
-def test_read_merged_round_trips_a_directory_of_shards(tmp_path):
+def test_load_sequences_round_trips_a_directory_of_shards(tmp_path):
     sequences = [seq(f"s{i}", "t", float(i)) for i in range(5)]
     (tmp_path / "sub").mkdir()
     pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences[:2]], schema=MERGED_SCHEMA),
                    tmp_path / "a.parquet")
     pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences[2:]], schema=MERGED_SCHEMA),
                    tmp_path / "sub" / "b.parquet")
-    back = read_merged(tmp_path)
+    back = load_sequences(tmp_path)
     assert sorted(s.session_id for s in back) == [f"s{i}" for i in range(5)]
     assert back[0].input_ids == sequences[0].input_ids
     assert back[0].logprobs == pytest.approx(sequences[0].logprobs)

@@ -171,7 +171,7 @@ class Loop:
     def _train(self, k: int) -> tuple[Path, str | None, float]:
         import torch
 
-        from polar_mitm.train.data import build_training_data, read_merged
+        from polar_mitm.train.data import build_training_data, load_sequences
         from polar_mitm.train.grpo_config import PolarGRPOConfig
         from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
         from polar_mitm.train.sync import attach_engine_push
@@ -182,7 +182,7 @@ class Loop:
         if cfg.train_processes > 1:
             saved_dir, version = train_in_processes(cfg, self.model_dir, it, self.engine_url, self.weight_version)
             return saved_dir, version, time.monotonic() - started
-        data = build_training_data(read_merged([it / "merged"]))
+        data = build_training_data(load_sequences([it / "merged"]))
         out = it / "train"
         config = PolarGRPOConfig(
             output_dir=str(out), num_train_epochs=cfg.epochs, learning_rate=cfg.learning_rate,

@@ -175,13 +175,13 @@ def grpo_command(
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
     from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.train.data import build_training_data, read_merged
+    from polar_mitm.train.data import build_training_data, load_sequences
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
     from polar_mitm.train.sync import attach_engine_push
 
     fields = ctx.meta[CONFIG_FIELDS]
     model_dir = resolve_model(model)
-    sequences = read_merged(data)
+    sequences = load_sequences(data)
     train_data = build_training_data(sequences, estimator=fields["advantage_estimator"],
                                      scale_rewards=fields["scale_rewards"], max_length=fields["max_length"],
                                      group_size=fields["group_size"],
@@ -251,7 +251,7 @@ def sft_command(
 ) -> None:
     """Export successful trajectories for SFTTrainer: pre-tokenised (ids + assistant_masks + labels) and, with a
     ChatML tokenizer, messages + tools; prints the acceptance table."""
-    from polar_mitm.train.data import read_merged
+    from polar_mitm.train.data import load_sequences
     from polar_mitm.train.sft import export_sft
 
     tokenizer = None
@@ -261,7 +261,7 @@ def sft_command(
         from polar_mitm.engine.model_zoo import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
-    export = export_sft(read_merged(data), output, min_reward=min_reward, tokenizer=tokenizer)
+    export = export_sft(load_sequences(data), output, min_reward=min_reward, tokenizer=tokenizer)
     table = Table(title=f"SFT export (reward ≥ {min_reward})")
     for column in ("task", "attempted", "accepted", "rate", "sequences", "sampled tokens"):
         table.add_column(column, justify="left" if column == "task" else "right")

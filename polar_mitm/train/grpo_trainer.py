@@ -37,14 +37,10 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
-from polar_mitm.train.data import (
-    LengthBucketSampler,
-    TrainingData,
-    collate,
-    newest_weight_version,
-    version_distance,
-)
+from polar_mitm.train.batching import LengthBucketSampler, collate
+from polar_mitm.train.data import TrainingData
 from polar_mitm.train.grpo_config import PolarGRPOConfig
+from polar_mitm.train.stats import newest_weight_version, version_distance
 
 logger = logging.getLogger(__name__)
 

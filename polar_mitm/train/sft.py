@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.storage.merged import MergedSequence
-from polar_mitm.train.data import session_rewards
+from polar_mitm.train.advantages import session_rewards
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 
