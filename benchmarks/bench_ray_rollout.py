@@ -3,7 +3,7 @@ runner — same machine, same run.
 
 A local cluster (ray.cluster_utils.Cluster: a head without CPUs, rollout nodes each with its own raylet and the
 `polar_rollout` resource) runs a sleep-based `cmd:` harness, so the CPU is not the limit and the figures measure
-scheduling: each node runs its own gateway and staged runner (`polar_mitm.rollout.ray_runner`).
+scheduling: each node runs its own gateway and staged runner (`polar_mitm.rollout.ray_node`).
 Run: .venv/bin/python benchmarks/bench_ray_rollout.py [--sessions 32 --run-seconds 2 --concurrency 4]
 """
 
@@ -32,7 +32,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from polar_mitm.rollout.ray_runner import RayPool
+    from polar_mitm.rollout.ray_driver import RayPool
 
     small = {"object_store_memory": 80 << 20}
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, wr
 from polar_mitm.rollout.tasks import Task, load_tasks
 
 if TYPE_CHECKING:
-    from polar_mitm.rollout.ray_runner import RayPool
+    from polar_mitm.rollout.ray_driver import RayPool
 
 
 def _help(text: str) -> dict[str, str]:
@@ -143,7 +143,7 @@ class Loop:
 
     def _ray_rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         """`--ray`: iteration K's rollout on the cluster (the node actors live for the whole run)."""
-        from polar_mitm.rollout.ray_runner import RayPool, write_report
+        from polar_mitm.rollout.ray_driver import RayPool, write_report
 
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
