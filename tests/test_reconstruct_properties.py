@@ -311,7 +311,7 @@ def test_the_simulator_produces_the_hard_cases():
     """Guard against a simulator that silently stopped generating drift, retries or compaction."""
     seen = {"drift": 0, "retry": 0, "compaction": 0, "rewrite": 0, "subagents": 0}
 
-    @settings(max_examples=60, deadline=None, database=None)
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)  # a fixed set: never fails by chance
     @given(sim=simulated_sessions())
     def collect(sim):
         seen["drift"] += sim.drifted

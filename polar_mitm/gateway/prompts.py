@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import orjson
 
 from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.gateway.options import PromptMode
 from polar_mitm.gateway.renderer import PromptRenderer, RendererError, RendererLoader
 from polar_mitm.gateway.token_chains import NO_CHAIN, RENDERER_MISMATCH, Plan, TokenChains
 
 log = logging.getLogger(__name__)
 
-PROMPT_MODES = ("tokens", "messages")
+PROMPT_MODES = get_args(PromptMode)  # the one set: gateway/options.py
 
 
 @dataclass

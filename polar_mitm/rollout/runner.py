@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 
@@ -34,6 +35,9 @@ from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_t
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
+
+# Where a session is in the pipeline (INIT → READY buffer → RUN → POST-RUN → done).
+SessionStage = Literal["pending", "init", "ready", "run", "post", "done"]
 
 @dataclass
 class RolloutConfig:
@@ -55,7 +59,7 @@ class SessionRun:
     index: int
     session_id: str
     workspace: Path | None = None
-    stage: str = "pending"  # pending | init | ready | run | post | done
+    stage: SessionStage = "pending"
     status: str = ""  # ok | failed | timeout | crashed | init_failed | error | cut
     reward: float | None = None
     exit_code: int | None = None

@@ -11,7 +11,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from polar_mitm.storage.merged import MergedSequence
 
@@ -63,7 +63,7 @@ def group_advantages(
     sessions' rewards, unscaled. Groups whose rewards are all equal, and single-session groups, get exactly 0.
     Sessions without a task_id are their own (singleton) group; sessions without a reward are left out.
     """
-    if estimator not in ("mean_std", "leave_one_out") or scale_rewards not in ("group", "batch", "none"):
+    if estimator not in get_args(AdvantageEstimator) or scale_rewards not in get_args(RewardScaling):
         raise ValueError(f"unknown advantage estimator {estimator!r} or reward scaling {scale_rewards!r}")
     reward, group_of, mixed = session_rewards(sequences)
     members: dict[str, list[str]] = defaultdict(list)

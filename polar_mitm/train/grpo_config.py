@@ -11,11 +11,14 @@ that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
 from trl import GRPOConfig
 
+from polar_mitm.train.advantages import AdvantageEstimator
+
 STALE_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
-ADVANTAGE_ESTIMATORS = ("mean_std", "leave_one_out")
+ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)  # the one set: train/advantages.py
 
 
 @dataclass
