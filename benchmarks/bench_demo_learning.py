@@ -30,20 +30,30 @@ def run_seed(seed: int, iterations: int, learning_rate: float, root: Path) -> di
     """One demo loop; its rewards per rollout, choice probabilities before/after, and seconds."""
     run_dir = root / f"seed-{seed}"
     started = time.monotonic()
-    results = Loop(demo_loop_config(model="tiny", iterations=iterations, run_dir=run_dir,
-                                    learning_rate=learning_rate, seed=seed)).run()
+    results = Loop(
+        demo_loop_config(
+            model="tiny", iterations=iterations, run_dir=run_dir, learning_rate=learning_rate, seed=seed
+        )
+    ).run()
     seconds = time.monotonic() - started
     flows = run_dir / "iter-0" / "flows"
     before = right_choice_probabilities(resolve_model("tiny", seed=seed), flows)
     after = right_choice_probabilities(run_dir / f"iter-{iterations - 1}" / "train", flows)
-    return {"seed": seed, "rewards": [r.reward_mean for r in results], "before": before, "after": after,
-            "seconds": seconds}
+    return {
+        "seed": seed,
+        "rewards": [r.reward_mean for r in results],
+        "before": before,
+        "after": after,
+        "seconds": seconds,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--iterations", type=int, default=3, help="training iterations (then one more rollout)")
+    parser.add_argument(
+        "--iterations", type=int, default=3, help="training iterations (then one more rollout)"
+    )
     parser.add_argument("--learning-rate", type=float, default=DEMO_LEARNING_RATE)
     parser.add_argument("--target", type=float, default=0.85, help="last rollout's mean reward to reach")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-demo-learning"))
@@ -53,18 +63,25 @@ def main() -> int:
     rows = []
     for seed in args.seeds:
         rows.append(run_seed(seed, args.iterations, args.learning_rate, args.out))
-        console.print(f"seed {seed}: rewards {' → '.join(f'{r:.2f}' for r in rows[-1]['rewards'])} "
-                      f"({rows[-1]['seconds']:.0f}s)")
-    table = Table(title=f"demo loop: {args.iterations} trainings + a rollout of the trained policy, "
-                        f"lr {args.learning_rate:g}")
+        console.print(
+            f"seed {seed}: rewards {' → '.join(f'{r:.2f}' for r in rows[-1]['rewards'])} "
+            f"({rows[-1]['seconds']:.0f}s)"
+        )
+    table = Table(
+        title=f"demo loop: {args.iterations} trainings + a rollout of the trained policy, "
+        f"lr {args.learning_rate:g}"
+    )
     table.add_column("seed", justify="right")
     table.add_column("mean reward per rollout")
     table.add_column("P(passing choice) before → after, per task")
     table.add_column("loop seconds", justify="right")
     for row in rows:
-        choices = ", ".join(f"{task} {row['before'][task]:.2f}→{row['after'][task]:.2f}" for task in row["before"])
-        table.add_row(str(row["seed"]), " → ".join(f"{r:.2f}" for r in row["rewards"]), choices,
-                      f"{row['seconds']:.0f}")
+        choices = ", ".join(
+            f"{task} {row['before'][task]:.2f}→{row['after'][task]:.2f}" for task in row["before"]
+        )
+        table.add_row(
+            str(row["seed"]), " → ".join(f"{r:.2f}" for r in row["rewards"]), choices, f"{row['seconds']:.0f}"
+        )
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))

@@ -42,12 +42,23 @@ def replay_engine(port: int) -> threading.Thread:
         n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", [])) * WORD_TOKENS
         completion = list(range(100, 132))
         answer = {
-            "id": "chatcmpl-replay", "object": "chat.completion", "created": 0, "model": "replay",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16},
-                         "finish_reason": "stop", "prompt_token_ids": list(range(n_prompt)),
-                         "response_token_ids": completion,
-                         "meta_info": {"weight_version": "0",
-                                       "output_token_logprobs": [[-0.5, t, None] for t in completion]}}],
+            "id": "chatcmpl-replay",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "replay",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok " * 16},
+                    "finish_reason": "stop",
+                    "prompt_token_ids": list(range(n_prompt)),
+                    "response_token_ids": completion,
+                    "meta_info": {
+                        "weight_version": "0",
+                        "output_token_logprobs": [[-0.5, t, None] for t in completion],
+                    },
+                }
+            ],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": 32, "total_tokens": n_prompt + 32},
         }
         return Response(orjson.dumps(answer), media_type="application/json")
@@ -62,15 +73,30 @@ def replay_engine(port: int) -> threading.Thread:
 
 def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Popen:
     mitmdump = Path(sys.executable).with_name("mitmdump")
-    proc = subprocess.Popen([str(mitmdump), "-q", "--mode", f"reverse:http://127.0.0.1:{engine_port}@{port}",
-                             "--set", f"confdir={confdir}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(mitmdump),
+            "-q",
+            "--mode",
+            f"reverse:http://127.0.0.1:{engine_port}@{port}",
+            "--set",
+            f"confdir={confdir}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     procs.wait_port(port, proc=proc)
     return proc
 
 
 def body_for(n_tokens: int) -> bytes:
-    return orjson.dumps({"model": "gpt", "max_tokens": 32,
-                         "messages": [{"role": "user", "content": " ".join(["word"] * n_tokens)}]})
+    return orjson.dumps(
+        {
+            "model": "gpt",
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": " ".join(["word"] * n_tokens)}],
+        }
+    )
 
 
 def sequential(url: str, body: bytes, calls: int) -> list[float]:
@@ -110,8 +136,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sizes", default="1000,8000,32000")
     parser.add_argument("--sessions", type=int, default=64)
-    parser.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                        help="extra gateway option, e.g. polar_fsync=false")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="extra gateway option, e.g. polar_fsync=false",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -119,11 +150,14 @@ def main() -> None:
         replay_engine(engine_port)
         bare = bare_mitmdump(engine_port, bare_port, root / "conf-bare")
         options = dict(item.split("=", 1) for item in args.set)
-        gw = procs.start_gateway(f"http://127.0.0.1:{engine_port}", root / "flows", confdir=root / "conf",
-                                 options=options)
+        gw = procs.start_gateway(
+            f"http://127.0.0.1:{engine_port}", root / "flows", confdir=root / "conf", options=options
+        )
         try:
-            print(f"{'case':<28}{'bare p50':>10}{'bare p99':>10}{'polar p50':>11}{'polar p99':>11}"
-                  f"{'added p50':>11}{'ratio':>8}")
+            print(
+                f"{'case':<28}{'bare p50':>10}{'bare p99':>10}{'polar p50':>11}{'polar p99':>11}"
+                f"{'added p50':>11}{'ratio':>8}"
+            )
             for size in (int(s) for s in args.sizes.split(",")):
                 body = body_for(size)
                 calls = max(20, args.calls // (1 + size // 8000))
@@ -131,10 +165,14 @@ def main() -> None:
                 p = sequential(f"{gw.reverse_url}/s/bench/v1/chat/completions", body, calls)
                 report(f"{size} tokens × {calls} sequential", b, p)
             body = body_for(1000)
-            b = asyncio.run(concurrent(lambda i: f"http://127.0.0.1:{bare_port}/v1/chat/completions", body,
-                                       args.sessions, 5))
-            p = asyncio.run(concurrent(lambda i: f"{gw.reverse_url}/s/c{i}/v1/chat/completions", body,
-                                       args.sessions, 5))
+            b = asyncio.run(
+                concurrent(
+                    lambda i: f"http://127.0.0.1:{bare_port}/v1/chat/completions", body, args.sessions, 5
+                )
+            )
+            p = asyncio.run(
+                concurrent(lambda i: f"{gw.reverse_url}/s/c{i}/v1/chat/completions", body, args.sessions, 5)
+            )
             report(f"{args.sessions} sessions × 5, 1k tokens", b, p)
         finally:
             gw.stop()
@@ -143,7 +181,9 @@ def main() -> None:
 
 def report(label: str, bare: list[float], polar: list[float]) -> None:
     b50, b99, p50, p99 = pct(bare, 50), pct(bare, 99), pct(polar, 50), pct(polar, 99)
-    print(f"{label:<28}{b50:>9.2f}m{b99:>9.2f}m{p50:>10.2f}m{p99:>10.2f}m{p50 - b50:>10.2f}m{p50 / b50:>8.2f}")
+    print(
+        f"{label:<28}{b50:>9.2f}m{b99:>9.2f}m{p50:>10.2f}m{p99:>10.2f}m{p50 - b50:>10.2f}m{p50 / b50:>8.2f}"
+    )
 
 
 if __name__ == "__main__":

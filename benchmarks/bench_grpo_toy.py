@@ -20,7 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iterations", type=int, default=8, help="sample → train rounds")
     parser.add_argument("--steps-per-iteration", type=int, default=2, help="optimizer steps per round")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
@@ -43,21 +45,36 @@ def main() -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
-    print(f"toy GRPO: {args.prompts} tasks × {args.group_size} rollouts × {args.max_new_tokens} tokens, "
-          f"T={args.temperature}, lr={args.learning_rate}, {args.steps_per_iteration} steps/round, "
-          f"loss={args.loss_type}, seed={args.seed}")
+    print(
+        f"toy GRPO: {args.prompts} tasks × {args.group_size} rollouts × {args.max_new_tokens} tokens, "
+        f"T={args.temperature}, lr={args.learning_rate}, {args.steps_per_iteration} steps/round, "
+        f"loss={args.loss_type}, seed={args.seed}"
+    )
     print(f"{'iter':>4}  {'weights':>7}  {'mean reward':>11}  {'elapsed s':>9}")
 
     def report(iteration: int, reward: float, version: str) -> None:
-        print(f"{iteration:>4}  {version:>7}  {reward:>11.3f}  {time.perf_counter() - start:>9.1f}", flush=True)
+        print(
+            f"{iteration:>4}  {version:>7}  {reward:>11.3f}  {time.perf_counter() - start:>9.1f}", flush=True
+        )
 
     with tempfile.TemporaryDirectory(prefix="polar-toy-") as work:
-        run = run_toy_grpo(resolve_model("tiny"), work, iterations=args.iterations,
-                           steps_per_iteration=args.steps_per_iteration, learning_rate=args.learning_rate,
-                           n_prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, loss_type=args.loss_type, seed=args.seed,
-                           on_iteration=report)
-    print(f"reward {run.rewards[0]:.3f} → {run.rewards[-1]:.3f} in {args.iterations} rounds, {run.seconds:.0f} s")
+        run = run_toy_grpo(
+            resolve_model("tiny"),
+            work,
+            iterations=args.iterations,
+            steps_per_iteration=args.steps_per_iteration,
+            learning_rate=args.learning_rate,
+            n_prompts=args.prompts,
+            group_size=args.group_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            loss_type=args.loss_type,
+            seed=args.seed,
+            on_iteration=report,
+        )
+    print(
+        f"reward {run.rewards[0]:.3f} → {run.rewards[-1]:.3f} in {args.iterations} rounds, {run.seconds:.0f} s"
+    )
     if args.plot:
         import matplotlib
 
@@ -67,8 +84,12 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(range(len(run.rewards)), run.rewards, marker="o")
         ax.axhline(run.rewards[0], color="grey", linestyle=":", label="start")
-        ax.set(xlabel="iteration (sample → train → reload)", ylabel="mean reward", ylim=(0, 1.05),
-               title="GRPO toy task, tiny model on CPU")
+        ax.set(
+            xlabel="iteration (sample → train → reload)",
+            ylabel="mean reward",
+            ylim=(0, 1.05),
+            title="GRPO toy task, tiny model on CPU",
+        )
         ax.grid(alpha=0.3)
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()

@@ -79,7 +79,7 @@ class Agent:
         self.append(message(USER, first_user))
 
     def append(self, ids: np.ndarray) -> None:
-        self.buf[self.n:self.n + len(ids)] = ids
+        self.buf[self.n : self.n + len(ids)] = ids
         self.n += len(ids)
 
 
@@ -98,10 +98,18 @@ class SessionGen:
 
     def emit(self, prompt: np.ndarray, sampled: np.ndarray, finish: str) -> None:
         logprobs = -self.rng.exponential(0.4, len(sampled)).astype(np.float32)
-        self.records.append({"session_id": self.session_id, "request_id": f"{self.session_id}-{self.seq:04d}",
-                             "seq": self.seq, "prompt_ids": prompt, "completion_ids": sampled,
-                             "completion_logprobs": logprobs, "finish_reason": finish,
-                             "weight_version": str(self.seq // 16)})
+        self.records.append(
+            {
+                "session_id": self.session_id,
+                "request_id": f"{self.session_id}-{self.seq:04d}",
+                "seq": self.seq,
+                "prompt_ids": prompt,
+                "completion_ids": sampled,
+                "completion_logprobs": logprobs,
+                "finish_reason": finish,
+                "weight_version": str(self.seq // 16),
+            }
+        )
         self.seq += 1
 
     def sample(self) -> np.ndarray:
@@ -109,7 +117,7 @@ class SessionGen:
 
     def call(self, agent: Agent) -> None:
         agent.append(GEN)
-        prompt = agent.buf[:agent.n]
+        prompt = agent.buf[: agent.n]
         r = self.rng.random()
         if r < 0.01:  # an engine error: recorded, excluded, and the harness retries
             self.emit(prompt, np.zeros(0, np.int32), "error")
@@ -132,8 +140,11 @@ class SessionGen:
     def generate(self) -> list[dict]:
         capacity = self.max_prompt + 4096
         main = Agent(capacity, self.tokens.draw(int(self.rng.integers(8000, 12000))), self.tokens.draw(200))
-        sub = Agent(capacity, self.tokens.draw(int(self.rng.integers(6000, 9000))), self.tokens.draw(200)) \
-            if self.subagent else None
+        sub = (
+            Agent(capacity, self.tokens.draw(int(self.rng.integers(6000, 9000))), self.tokens.draw(200))
+            if self.subagent
+            else None
+        )
         sub_turns = set(self.rng.choice(self.turns, size=min(self.turns, 8), replace=False)) if sub else set()
         for turn in range(self.turns):
             self.call(sub if sub is not None and turn in sub_turns else main)
@@ -166,8 +177,9 @@ def arrival_order(sessions: list[list[dict]], concurrency: int, rng: np.random.G
 def list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p) for p in parts], out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
-                                    pa.array(np.concatenate(parts), type=value_type))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32)), pa.array(np.concatenate(parts), type=value_type)
+    )
 
 
 def write_shard(path: Path, rows: list[dict]) -> None:
@@ -179,8 +191,10 @@ def write_shard(path: Path, rows: list[dict]) -> None:
         "session_id": pa.array([r["session_id"] for r in rows]),
         "task_id": pa.array([f"task-{int(r['session_id'].split('-')[1]) % 50}" for r in rows]),
         "seq": pa.array([r["seq"] for r in rows], pa.int64()),
-        "started_at": ts, "finished_at": ts,
-        "provider": pa.array(["openai_chat"] * n), "path": pa.array(["/v1/chat/completions"] * n),
+        "started_at": ts,
+        "finished_at": ts,
+        "provider": pa.array(["openai_chat"] * n),
+        "path": pa.array(["/v1/chat/completions"] * n),
         "stream": pa.array([True] * n),
         "prompt_ids": list_array([r["prompt_ids"] for r in rows], pa.int32()),
         "completion_ids": list_array([r["completion_ids"] for r in rows], pa.int32()),
@@ -192,8 +206,9 @@ def write_shard(path: Path, rows: list[dict]) -> None:
     pq.write_table(pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA), path)
 
 
-def generate(out: Path, requests: int, *, max_prompt: int, concurrency: int, seed: int,
-             rows_per_shard: int) -> dict:
+def generate(
+    out: Path, requests: int, *, max_prompt: int, concurrency: int, seed: int, rows_per_shard: int
+) -> dict:
     """Write about `requests` records as shards under `out`; return size figures."""
     rng = np.random.default_rng(seed)
     tokens = TokenSource(rng)
@@ -206,9 +221,15 @@ def generate(out: Path, requests: int, *, max_prompt: int, concurrency: int, see
         for _ in range(concurrency * 2):
             if made >= requests:
                 break
-            gen = SessionGen(session_id=f"sess-{session_number:06d}", tokens=tokens, rng=rng,
-                             turns=int(rng.integers(20, 60)), max_prompt=max_prompt, subagent=rng.random() < 0.3)
-            records = gen.generate()[:requests - made]
+            gen = SessionGen(
+                session_id=f"sess-{session_number:06d}",
+                tokens=tokens,
+                rng=rng,
+                turns=int(rng.integers(20, 60)),
+                max_prompt=max_prompt,
+                subagent=rng.random() < 0.3,
+            )
+            records = gen.generate()[: requests - made]
             made += len(records)
             session_number += 1
             batch.append(records)
@@ -222,8 +243,13 @@ def generate(out: Path, requests: int, *, max_prompt: int, concurrency: int, see
         write_shard(out / f"records-{shard:05d}.parquet", buffered)
         shard += 1
     size = sum(p.stat().st_size for p in out.glob("*.parquet"))
-    return {"requests": made, "sessions": session_number, "prompt_tokens": prompt_tokens, "shards": shard,
-            "bytes": size}
+    return {
+        "requests": made,
+        "sessions": session_number,
+        "prompt_tokens": prompt_tokens,
+        "shards": shard,
+        "bytes": size,
+    }
 
 
 # -- the measured steps (each in a child process) ----------------------------------------------------------------
@@ -247,16 +273,20 @@ def build_polar(turns, *, eot_token_id):
     from polar_mitm.reconstruct.turns import BuildResult
 
     routing = polar_routing(turns, eot_token_id=eot_token_id)
-    chain = turns[:len(routing.chain)]
+    chain = turns[: len(routing.chain)]
     contexts = [chain[0].prompt_ids]
     for before, turn in zip(chain, chain[1:], strict=False):
         closed = int(before.completion_ids[-1]) == eot_token_id
-        contexts.append(turn.prompt_ids[splice_point(turn.prompt_ids, len(before.prompt_ids), closed,
-                                                     eot_token_id):])
-    dropped_tokens = sum(len(t.completion_ids) for t in turns[len(chain):])
-    return BuildResult(sequences=[assemble(chain, contexts, builder="polar")],
-                       breaks=Counter({"dropped requests": len(routing.dropped),
-                                       "dropped trainable tokens": dropped_tokens}))
+        contexts.append(
+            turn.prompt_ids[splice_point(turn.prompt_ids, len(before.prompt_ids), closed, eot_token_id) :]
+        )
+    dropped_tokens = sum(len(t.completion_ids) for t in turns[len(chain) :])
+    return BuildResult(
+        sequences=[assemble(chain, contexts, builder="polar")],
+        breaks=Counter(
+            {"dropped requests": len(routing.dropped), "dropped trainable tokens": dropped_tokens}
+        ),
+    )
 
 
 def step_merge(flows: str, out: str, builder: str, check: bool) -> dict:
@@ -265,7 +295,11 @@ def step_merge(flows: str, out: str, builder: str, check: bool) -> dict:
     BUILDERS.setdefault("polar", build_polar)
     started = time.perf_counter()
     summary = merge([flows], out, builder=builder, eot_token=str(EOT), check=check)
-    return {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(), "summary": summary.to_json()}
+    return {
+        "seconds": time.perf_counter() - started,
+        "peak_rss_mb": peak_rss_mb(),
+        "summary": summary.to_json(),
+    }
 
 
 def in_child(function, *args):
@@ -283,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="sessions live at once (interleaving)")
     parser.add_argument("--rows-per-shard", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed after")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="default: a temporary folder, removed after"
+    )
     parser.add_argument("--per-request", action="store_true", help="also time the per_request builder")
     parser.add_argument("--no-check", action="store_true", help="merge without the invariant checks")
     args = parser.parse_args(argv)
@@ -292,54 +328,82 @@ def main(argv: list[str] | None = None) -> None:
     flows = workdir / "flows"
     try:
         started = time.perf_counter()
-        data = generate(flows, args.requests, max_prompt=args.max_prompt, concurrency=args.concurrency,
-                        seed=args.seed, rows_per_shard=args.rows_per_shard)
+        data = generate(
+            flows,
+            args.requests,
+            max_prompt=args.max_prompt,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            rows_per_shard=args.rows_per_shard,
+        )
         generated = time.perf_counter() - started
-        print(f"generated {data['requests']:,} requests in {data['sessions']:,} sessions, "
-              f"{data['prompt_tokens']:,} prompt tokens "
-              f"(mean {data['prompt_tokens'] / data['requests']:,.0f}/request), {data['shards']} shards, "
-              f"{data['bytes'] / 2**30:.2f} GiB Parquet, in {generated:.1f} s", flush=True)
+        print(
+            f"generated {data['requests']:,} requests in {data['sessions']:,} sessions, "
+            f"{data['prompt_tokens']:,} prompt tokens "
+            f"(mean {data['prompt_tokens'] / data['requests']:,.0f}/request), {data['shards']} shards, "
+            f"{data['bytes'] / 2**30:.2f} GiB Parquet, in {generated:.1f} s",
+            flush=True,
+        )
 
         baseline = in_child(step_baseline, str(flows), str(workdir / "copy"))
         shutil.rmtree(workdir / "copy", ignore_errors=True)
-        print(f"baseline read+write: {baseline['seconds']:.1f} s, peak RSS {baseline['peak_rss_mb']:,.0f} MB",
-              flush=True)
-        runs = {"prefix_merging": in_child(step_merge, str(flows), str(workdir / "merged"), "prefix_merging",
-                                           not args.no_check)}
+        print(
+            f"baseline read+write: {baseline['seconds']:.1f} s, peak RSS {baseline['peak_rss_mb']:,.0f} MB",
+            flush=True,
+        )
+        runs = {
+            "prefix_merging": in_child(
+                step_merge, str(flows), str(workdir / "merged"), "prefix_merging", not args.no_check
+            )
+        }
         runs["polar"] = in_child(step_merge, str(flows), str(workdir / "polar"), "polar", False)
         if args.per_request:
-            runs["per_request"] = in_child(step_merge, str(flows), str(workdir / "per_request"), "per_request",
-                                           not args.no_check)
+            runs["per_request"] = in_child(
+                step_merge, str(flows), str(workdir / "per_request"), "per_request", not args.no_check
+            )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    print(f"{'':<26}{'seconds':>9}{'× baseline':>12}{'Mtok/s':>9}{'peak RSS MB':>13}"
-          f"{'sequences':>11}{'req/seq':>9}{'dropped req':>13}{'trainable tok':>15}")
-    print(f"{'parquet read+write':<26}{baseline['seconds']:>9.1f}{1.0:>12.2f}"
-          f"{data['prompt_tokens'] / 1e6 / baseline['seconds']:>9.0f}{baseline['peak_rss_mb']:>13,.0f}")
+    print(
+        f"{'':<26}{'seconds':>9}{'× baseline':>12}{'Mtok/s':>9}{'peak RSS MB':>13}"
+        f"{'sequences':>11}{'req/seq':>9}{'dropped req':>13}{'trainable tok':>15}"
+    )
+    print(
+        f"{'parquet read+write':<26}{baseline['seconds']:>9.1f}{1.0:>12.2f}"
+        f"{data['prompt_tokens'] / 1e6 / baseline['seconds']:>9.0f}{baseline['peak_rss_mb']:>13,.0f}"
+    )
     for name, run in runs.items():
         s = run["summary"]
         dropped = s["breaks"].get("dropped requests", 0)
         kept_requests = s["trainable_records"] - dropped
         trainable = s["trainable_tokens"]
-        label = {"prefix_merging": "merge prefix_merging" + ("" if args.no_check else " +check"),
-                 "polar": "Polar routing (reference)", "per_request": "merge per_request"}[name]
-        print(f"{label:<26}{run['seconds']:>9.1f}{run['seconds'] / baseline['seconds']:>12.2f}"
-              f"{data['prompt_tokens'] / 1e6 / run['seconds']:>9.0f}{run['peak_rss_mb']:>13,.0f}"
-              f"{s['sequences']:>11,}{kept_requests / max(1, s['sequences']):>9.2f}{dropped:>13,}{trainable:>15,}")
+        label = {
+            "prefix_merging": "merge prefix_merging" + ("" if args.no_check else " +check"),
+            "polar": "Polar routing (reference)",
+            "per_request": "merge per_request",
+        }[name]
+        print(
+            f"{label:<26}{run['seconds']:>9.1f}{run['seconds'] / baseline['seconds']:>12.2f}"
+            f"{data['prompt_tokens'] / 1e6 / run['seconds']:>9.0f}{run['peak_rss_mb']:>13,.0f}"
+            f"{s['sequences']:>11,}{kept_requests / max(1, s['sequences']):>9.2f}{dropped:>13,}{trainable:>15,}"
+        )
     ours, polar = runs["prefix_merging"]["summary"], runs["polar"]["summary"]
     lost = polar["breaks"].get("dropped trainable tokens", 0)
     print()
-    print(f"prefix_merging: {ours['trainable_records']:,} requests → {ours['sequences']:,} sequences "
-          f"(sequences/requests {ours['sequences'] / ours['trainable_records']:.4f}), nothing dropped; "
-          f"breaks: {ours['breaks']}; excluded: {ours['excluded']}")
-    print(f"Polar routing:  {polar['trainable_records'] - polar['breaks'].get('dropped requests', 0):,} requests "
-          f"kept → {polar['sequences']:,} sequences (sequences/requests "
-          f"{polar['sequences'] / max(1, polar['trainable_records']):.4f} of all requests), "
-          f"{polar['breaks'].get('dropped requests', 0):,} requests and {lost:,} trainable tokens dropped "
-          f"({100 * lost / max(1, lost + polar['trainable_tokens']):.1f}% of trainable tokens)")
+    print(
+        f"prefix_merging: {ours['trainable_records']:,} requests → {ours['sequences']:,} sequences "
+        f"(sequences/requests {ours['sequences'] / ours['trainable_records']:.4f}), nothing dropped; "
+        f"breaks: {ours['breaks']}; excluded: {ours['excluded']}"
+    )
+    print(
+        f"Polar routing:  {polar['trainable_records'] - polar['breaks'].get('dropped requests', 0):,} requests "
+        f"kept → {polar['sequences']:,} sequences (sequences/requests "
+        f"{polar['sequences'] / max(1, polar['trainable_records']):.4f} of all requests), "
+        f"{polar['breaks'].get('dropped requests', 0):,} requests and {lost:,} trainable tokens dropped "
+        f"({100 * lost / max(1, lost + polar['trainable_tokens']):.1f}% of trainable tokens)"
+    )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,13 @@ FINAL_ANSWER = "All checks ran; the fix is in place and the remaining failures a
 
 def agent_script(turns: int) -> list:
     """The engine's scripted policy: `turns - 1` shell calls (turn k tests module k), then a final answer."""
-    calls = [{"text": f"Step {k + 1}: run the tests of module {k}.",
-              "tool_call": {"name": "shell", "arguments": {"command": f"pytest -q tests/test_module_{k}.py"}}}
-             for k in range(turns - 1)]
+    calls = [
+        {
+            "text": f"Step {k + 1}: run the tests of module {k}.",
+            "tool_call": {"name": "shell", "arguments": {"command": f"pytest -q tests/test_module_{k}.py"}},
+        }
+        for k in range(turns - 1)
+    ]
     return [*calls, FINAL_ANSWER]
 
 
@@ -79,8 +83,10 @@ class SimulatedTestRun:
         outcomes = [self.rng.random() >= self.fail_rate for _ in range(n)]
         self.passed += sum(outcomes)
         self.total += n
-        log = [f"{module}::test_case_{i:02d} {'PASSED' if ok else 'FAILED'} [{100 * (i + 1) // n:3d}%]"
-               for i, ok in enumerate(outcomes)]
+        log = [
+            f"{module}::test_case_{i:02d} {'PASSED' if ok else 'FAILED'} [{100 * (i + 1) // n:3d}%]"
+            for i, ok in enumerate(outcomes)
+        ]
         return "\n".join([*log, f"==== {sum(outcomes)} passed, {n - sum(outcomes)} failed ===="])
 
     @property
@@ -99,8 +105,16 @@ class Rollouts:
     seconds: float
 
 
-def record(workdir: Path, *, sessions: int, turns: int, group_size: int, tool_lines: tuple[int, int],
-           concurrency: int, seed: int) -> Rollouts:
+def record(
+    workdir: Path,
+    *,
+    sessions: int,
+    turns: int,
+    group_size: int,
+    tool_lines: tuple[int, int],
+    concurrency: int,
+    seed: int,
+) -> Rollouts:
     """Run `sessions` agent sessions through the real gateway; write a rewards JSONL next to the records."""
     from polar_mitm import procs
     from polar_mitm.sdk_agent import DRIVERS, base_url_for
@@ -109,18 +123,23 @@ def record(workdir: Path, *, sessions: int, turns: int, group_size: int, tool_li
     script = workdir / "script.json"
     script.write_text(json.dumps(agent_script(turns)))
     flows = workdir / "flows"
-    engine, engine_url = procs.start_engine("tiny", log=workdir / "engine.log", extra_args=["--script", str(script)])
+    engine, engine_url = procs.start_engine(
+        "tiny", log=workdir / "engine.log", extra_args=["--script", str(script)]
+    )
     try:
-        gateway = procs.start_gateway(engine_url, flows, confdir=workdir / "gateway-conf",
-                                      log=workdir / "gateway.log")
+        gateway = procs.start_gateway(
+            engine_url, flows, confdir=workdir / "gateway-conf", log=workdir / "gateway.log"
+        )
         try:
+
             def run_session(index: int) -> dict:
                 session_id, task_id = f"sess-{index:04d}", f"task-{index // group_size:03d}"
                 tests = SimulatedTestRun(random.Random(seed * 1_000_003 + index), tool_lines)
                 prompt = f"The tests of package {task_id} fail. Find the bug, fix it and run the test suite."
                 base_url = base_url_for("openai_chat", gateway.reverse_url, f"/t/{task_id}/s/{session_id}")
-                result = DRIVERS["openai_chat"](prompt, api_key=API_KEY, base_url=base_url, stream=False,
-                                                max_turns=turns, run_tool=tests)
+                result = DRIVERS["openai_chat"](
+                    prompt, api_key=API_KEY, base_url=base_url, stream=False, max_turns=turns, run_tool=tests
+                )
                 if result.calls != turns:
                     raise RuntimeError(f"{session_id}: {result.calls} model calls, expected {turns}")
                 return {"session_id": session_id, "task_id": task_id, "reward": round(tests.reward, 4)}
@@ -135,8 +154,13 @@ def record(workdir: Path, *, sessions: int, turns: int, group_size: int, tool_li
         procs.stop(engine)
     rewards_file = workdir / "rewards.jsonl"
     rewards_file.write_text("".join(json.dumps(r) + "\n" for r in rewards))
-    return Rollouts(flows=flows, rewards=rewards_file, sessions=sessions, model_calls=sessions * turns,
-                    seconds=time.perf_counter() - started)
+    return Rollouts(
+        flows=flows,
+        rewards=rewards_file,
+        sessions=sessions,
+        model_calls=sessions * turns,
+        seconds=time.perf_counter() - started,
+    )
 
 
 # -- training (each run in its own process) ---------------------------------------------------------------------------
@@ -164,8 +188,15 @@ def train_one_epoch(merged: str, output_dir: str, batch_size: int, seed: int) ->
     lengths = data.lengths()
     # The trainer's own batches (LengthBucketSampler): their order is shuffled, their contents are these.
     batches = length_buckets(lengths, batch_size, shuffle=False)
-    config = PolarGRPOConfig(output_dir=output_dir, max_steps=len(batches), per_device_train_batch_size=batch_size,
-                             gradient_accumulation_steps=1, report_to=[], disable_tqdm=True, seed=seed)
+    config = PolarGRPOConfig(
+        output_dir=output_dir,
+        max_steps=len(batches),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        seed=seed,
+    )
     trainer = PolarGRPOTrainer(str(resolve_model("tiny")), args=config, train_data=data)
     trainer.remove_callback(PrinterCallback)  # the table is the output; metrics.jsonl keeps the per-step logs
     started, cpu_started = time.perf_counter(), cpu_seconds()
@@ -201,52 +232,96 @@ def in_child(function, *args):
 
 
 COLUMNS = (  # (header, width, format, whether the per_request / prefix_merging ratio means something)
-    ("sequences", 10, "{:,}", True), ("updates", 9, "{:,}", True), ("tokens", 10, "{:,}", True),
-    ("loss tok", 10, "{:,}", True), ("longest", 9, "{:,}", False), ("padding", 9, "{:.1%}", False),
-    ("train s", 9, "{:.1f}", True), ("CPU s", 8, "{:.1f}", True), ("tokens/s", 10, "{:,.0f}", False), ("s/update", 10, "{:.2f}", False),
+    ("sequences", 10, "{:,}", True),
+    ("updates", 9, "{:,}", True),
+    ("tokens", 10, "{:,}", True),
+    ("loss tok", 10, "{:,}", True),
+    ("longest", 9, "{:,}", False),
+    ("padding", 9, "{:.1%}", False),
+    ("train s", 9, "{:.1f}", True),
+    ("CPU s", 8, "{:.1f}", True),
+    ("tokens/s", 10, "{:,.0f}", False),
+    ("s/update", 10, "{:.2f}", False),
     ("peak RSS MB", 13, "{:,.0f}", False),
 )
 
 
 def table_values(run: dict) -> list[float]:
-    return [run["sequences"], run["updates"], run["tokens"], run["sampled_tokens"], run["longest"], run["padding"],
-            run["seconds"], run["cpu_seconds"], run["tokens"] / run["seconds"], run["seconds"] / max(1, run["updates"]),
-            run["peak_rss_mb"]]
+    return [
+        run["sequences"],
+        run["updates"],
+        run["tokens"],
+        run["sampled_tokens"],
+        run["longest"],
+        run["padding"],
+        run["seconds"],
+        run["cpu_seconds"],
+        run["tokens"] / run["seconds"],
+        run["seconds"] / max(1, run["updates"]),
+        run["peak_rss_mb"],
+    ]
 
 
 def print_table(runs: dict[str, dict]) -> None:
     """One row per builder, then the per_request / prefix_merging ratios, then the paper's figures."""
     print(f"{'':<18}" + "".join(f"{header:>{width}}" for header, width, _, _ in COLUMNS))
     for name, run in runs.items():
-        print(f"{name:<18}" + "".join(f"{fmt.format(value):>{width}}"
-                                      for (_, width, fmt, _), value in zip(COLUMNS, table_values(run), strict=True)))
+        print(
+            f"{name:<18}"
+            + "".join(
+                f"{fmt.format(value):>{width}}"
+                for (_, width, fmt, _), value in zip(COLUMNS, table_values(run), strict=True)
+            )
+        )
     per_request, merged = (table_values(runs[b]) for b in BUILDERS)
-    print(f"{'ratio (per_req/pm)':<18}" + "".join(
-        f"{f'{a / b:.2f}×' if wanted else '':>{width}}"
-        for (_, width, _, wanted), a, b in zip(COLUMNS, per_request, merged, strict=True)))
+    print(
+        f"{'ratio (per_req/pm)':<18}"
+        + "".join(
+            f"{f'{a / b:.2f}×' if wanted else '':>{width}}"
+            for (_, width, _, wanted), a, b in zip(COLUMNS, per_request, merged, strict=True)
+        )
+    )
     slow, fast = runs["per_request"], runs["prefix_merging"]
     print()
-    print(f"speed-up of prefix_merging over per_request (training wall time): {slow['seconds'] / fast['seconds']:.2f}× "
-          f"({slow['updates']} → {fast['updates']} updates, {slow['tokens']:,} → {fast['tokens']:,} tokens, "
-          f"the same {fast['sampled_tokens']:,} sampled tokens trained on); "
-          f"{slow['cpu_seconds'] / fast['cpu_seconds']:.2f}× in CPU time")
+    print(
+        f"speed-up of prefix_merging over per_request (training wall time): {slow['seconds'] / fast['seconds']:.2f}× "
+        f"({slow['updates']} → {fast['updates']} updates, {slow['tokens']:,} → {fast['tokens']:,} tokens, "
+        f"the same {fast['sampled_tokens']:,} sampled tokens trained on); "
+        f"{slow['cpu_seconds'] / fast['cpu_seconds']:.2f}× in CPU time"
+    )
     paper = POLAR_PAPER
-    print(f"Polar paper: {paper['per_request updates']} → {paper['prefix_merging updates']} updates "
-          f"({paper['per_request updates'] / paper['prefix_merging updates']:.2f}×), {paper['speed-up']}× faster")
+    print(
+        f"Polar paper: {paper['per_request updates']} → {paper['prefix_merging updates']} updates "
+        f"({paper['per_request updates'] / paper['prefix_merging updates']:.2f}×), {paper['speed-up']}× faster"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=8, help="agent sessions to record")
-    parser.add_argument("--turns", type=int, default=6, help="model calls per session (≥ 2: tool calls + answer)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per trainer update (both builders)")
+    parser.add_argument(
+        "--turns", type=int, default=6, help="model calls per session (≥ 2: tool calls + answer)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per trainer update (both builders)"
+    )
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task_id (GRPO group)")
-    parser.add_argument("--tool-lines", type=int, nargs=2, default=(1, 4), metavar=("MIN", "MAX"),
-                        help="lines per simulated test run (each ~20 tokens)")
+    parser.add_argument(
+        "--tool-lines",
+        type=int,
+        nargs=2,
+        default=(1, 4),
+        metavar=("MIN", "MAX"),
+        help="lines per simulated test run (each ~20 tokens)",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="sessions run at once while recording")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", type=Path, default=None, help="keep records, merged shards and runs here "
-                                                                   "(default: a temporary folder, removed after)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep records, merged shards and runs here (default: a temporary folder, removed after)",
+    )
     args = parser.parse_args(argv)
     if args.turns < 2 or args.group_size < 2 or args.sessions < args.group_size or args.batch_size < 2:
         parser.error("need --turns ≥ 2, --group-size ≥ 2, --sessions ≥ --group-size and --batch-size ≥ 2")
@@ -259,26 +334,51 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-merge-training-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        rollouts = record(workdir, sessions=args.sessions, turns=args.turns, group_size=args.group_size,
-                          tool_lines=tuple(args.tool_lines), concurrency=args.concurrency, seed=args.seed)
-        print(f"recorded {rollouts.sessions} sessions × {args.turns} turns ({rollouts.model_calls} model calls; "
-              f"task_id groups of {args.group_size}) through the gateway in {rollouts.seconds:.1f} s", flush=True)
+        rollouts = record(
+            workdir,
+            sessions=args.sessions,
+            turns=args.turns,
+            group_size=args.group_size,
+            tool_lines=tuple(args.tool_lines),
+            concurrency=args.concurrency,
+            seed=args.seed,
+        )
+        print(
+            f"recorded {rollouts.sessions} sessions × {args.turns} turns ({rollouts.model_calls} model calls; "
+            f"task_id groups of {args.group_size}) through the gateway in {rollouts.seconds:.1f} s",
+            flush=True,
+        )
         runs: dict[str, dict] = {}
         for builder in BUILDERS:
             merged = workdir / f"merged-{builder}"
-            summary = merge([str(rollouts.flows)], str(merged), builder=builder, rewards=str(rollouts.rewards),
-                            tokenizer=str(model_dir), drop_unrewarded=True)
-            print(f"merge {builder}: {summary.trainable_records} records → {summary.sequences} sequences, "
-                  f"{summary.total_tokens:,} tokens, breaks {summary.breaks or 'none'}", flush=True)
-            runs[builder] = in_child(train_one_epoch, str(merged), str(workdir / f"run-{builder}"),
-                                     args.batch_size, args.seed)
+            summary = merge(
+                [str(rollouts.flows)],
+                str(merged),
+                builder=builder,
+                rewards=str(rollouts.rewards),
+                tokenizer=str(model_dir),
+                drop_unrewarded=True,
+            )
+            print(
+                f"merge {builder}: {summary.trainable_records} records → {summary.sequences} sequences, "
+                f"{summary.total_tokens:,} tokens, breaks {summary.breaks or 'none'}",
+                flush=True,
+            )
+            runs[builder] = in_child(
+                train_one_epoch, str(merged), str(workdir / f"run-{builder}"), args.batch_size, args.seed
+            )
             run = runs[builder]
             # Other work on the machine slows the runs unequally: the load average says how busy it was.
-            print(f"train {builder}: {run['updates']} updates in {run['seconds']:.1f} s "
-                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"train {builder}: {run['updates']} updates in {run['seconds']:.1f} s "
+                f"(load average {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
             if run["tokens_seen"] != run["tokens"]:
-                raise RuntimeError(f"{builder}: the trainer saw {run['tokens_seen']} tokens, the batches hold "
-                                   f"{run['tokens']}")
+                raise RuntimeError(
+                    f"{builder}: the trainer saw {run['tokens_seen']} tokens, the batches hold "
+                    f"{run['tokens']}"
+                )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -38,17 +38,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tasks_file = root / "tasks.jsonl"
-        tasks_file.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": "p", "eval": {"command": "true"}})
-                                      + "\n" for i in range(args.sessions // 4)))
+        tasks_file.write_text(
+            "".join(
+                json.dumps({"task_id": f"t{i}", "prompt": "p", "eval": {"command": "true"}}) + "\n"
+                for i in range(args.sessions // 4)
+            )
+        )
         tasks, harness = load_tasks(tasks_file), f"cmd:sleep {args.run_seconds}"
         config = RolloutConfig(group_size=4, concurrency=args.concurrency, ready_buffer=args.concurrency)
         n = len(tasks) * 4
 
-        local_config = RolloutConfig(group_size=4, concurrency=args.concurrency, ready_buffer=args.concurrency,
-                                     workspace_root=root / "local")
-        local = asyncio.run(Rollout(tasks, HarnessSpec(harness), GatewayEndpoints(NO_ENGINE), local_config).run())
+        local_config = RolloutConfig(
+            group_size=4,
+            concurrency=args.concurrency,
+            ready_buffer=args.concurrency,
+            workspace_root=root / "local",
+        )
+        local = asyncio.run(
+            Rollout(tasks, HarnessSpec(harness), GatewayEndpoints(NO_ENGINE), local_config).run()
+        )
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **small})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **small}
+        )
         try:
             cluster.add_node(num_cpus=1, resources={"polar_rollout": 1}, **small)
             cluster.wait_for_nodes()
@@ -60,11 +72,18 @@ def main() -> None:
                     cluster.wait_for_nodes()
                 pool = RayPool(cluster.address, harness)
                 try:
-                    result = pool.rollout(tasks, config, out_dir=root / f"flows-{nodes}", work_dir=root / f"w{nodes}",
-                                          engine_url=NO_ENGINE)
+                    result = pool.rollout(
+                        tasks,
+                        config,
+                        out_dir=root / f"flows-{nodes}",
+                        work_dir=root / f"w{nodes}",
+                        engine_url=NO_ENGINE,
+                    )
                 finally:
                     pool.close()
-                assert len(result.summary.sessions) == n and all(s.status == "ok" for s in result.summary.sessions)
+                assert len(result.summary.sessions) == n and all(
+                    s.status == "ok" for s in result.summary.sessions
+                )
                 walls[nodes] = result.summary.wall_seconds
                 setup[nodes] = result.setup_seconds
         finally:
@@ -76,12 +95,16 @@ def main() -> None:
     print(f"{'runner':<22}{'wall s':>8}{'sessions/min':>14}")
     print(f"{'local (no Ray)':<22}{local.wall_seconds:>8.2f}{n / local.wall_seconds * 60:>14.1f}")
     for nodes, wall in walls.items():
-        print(f"{f'Ray, {nodes} node(s)':<22}{wall:>8.2f}{n / wall * 60:>14.1f}   (+ {setup[nodes]:.1f}s gateway "
-              f"start/stop, once per rollout)")
+        print(
+            f"{f'Ray, {nodes} node(s)':<22}{wall:>8.2f}{n / wall * 60:>14.1f}   (+ {setup[nodes]:.1f}s gateway "
+            f"start/stop, once per rollout)"
+        )
     print(f"speed-up 2 nodes vs 1: {walls[1] / walls[2]:.2f}x")
-    print(f"added per session by Ray (1 node vs local, same workers): "
-          f"{(walls[1] - local.wall_seconds) / n * 1000:.0f} ms; local runner vs ideal "
-          f"{(local.wall_seconds - ideal_one) / n * 1000:.0f} ms")
+    print(
+        f"added per session by Ray (1 node vs local, same workers): "
+        f"{(walls[1] - local.wall_seconds) / n * 1000:.0f} ms; local runner vs ideal "
+        f"{(local.wall_seconds - ideal_one) / n * 1000:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

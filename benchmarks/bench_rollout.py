@@ -28,14 +28,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tasks_file = root / "tasks.jsonl"
-        tasks_file.write_text("".join(json.dumps({
-            "task_id": f"t{i}", "prompt": "p", "workspace": {"setup": [f"sleep {args.init_seconds}"]},
-            "eval": {"command": "true"}}) + "\n" for i in range(args.tasks)))
+        tasks_file.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "task_id": f"t{i}",
+                        "prompt": "p",
+                        "workspace": {"setup": [f"sleep {args.init_seconds}"]},
+                        "eval": {"command": "true"},
+                    }
+                )
+                + "\n"
+                for i in range(args.tasks)
+            )
+        )
         tasks = load_tasks(tasks_file)
         harness = HarnessSpec(f"cmd:sleep {args.run_seconds}")
         endpoints = GatewayEndpoints("http://127.0.0.1:9")
         n = args.tasks * args.group_size
-        print(f"{n} sessions, INIT {args.init_seconds}s, RUN {args.run_seconds}s, {args.concurrency} RUN workers")
+        print(
+            f"{n} sessions, INIT {args.init_seconds}s, RUN {args.run_seconds}s, {args.concurrency} RUN workers"
+        )
         print(f"{'pipeline':<34}{'wall s':>8}{'RUN utilisation':>18}")
         results = {}
         for label, cfg in [
@@ -43,8 +56,12 @@ def main() -> None:
             ("READY buffer 4, 4 INIT workers", dict(ready_buffer=4, init_workers=4)),
             ("READY buffer 8, 8 INIT workers", dict(ready_buffer=8, init_workers=8)),
         ]:
-            config = RolloutConfig(group_size=args.group_size, concurrency=args.concurrency,
-                                   workspace_root=root / label.replace(" ", "_"), **cfg)
+            config = RolloutConfig(
+                group_size=args.group_size,
+                concurrency=args.concurrency,
+                workspace_root=root / label.replace(" ", "_"),
+                **cfg,
+            )
             summary = asyncio.run(Rollout(tasks, harness, endpoints, config).run())
             results[label] = summary
             print(f"{label:<34}{summary.wall_seconds:>8.1f}{summary.run_utilisation:>17.0%}")

@@ -66,21 +66,48 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     script = root / "script.json"
     script.write_text(json.dumps({"turns": [answer], "side": answer}))
-    engine, engine_url = procs.start_engine("tiny", log=root / "engine.log", extra_args=["--script", str(script)])
+    engine, engine_url = procs.start_engine(
+        "tiny", log=root / "engine.log", extra_args=["--script", str(script)]
+    )
     live = procs.start_gateway(engine_url, root / "live", confdir=root / "conf", log=root / "live.log")
-    replay = procs.start_gateway(engine_url, root / "replay", confdir=root / "conf", log=root / "replay.log",
-                                 options={"polar_stream": "replay"})
-    body = {"model": "gpt-4.1", "stream": True, "max_tokens": args.sampled,
-            "messages": [{"role": "user", "content": prompt}]}
-    engine_body = {**body, "logprobs": True, "return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True,
-                   "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
-    results: dict[str, list[tuple[float, float]]] = {"engine direct": [], "gateway live": [], "gateway replay": []}
+    replay = procs.start_gateway(
+        engine_url,
+        root / "replay",
+        confdir=root / "conf",
+        log=root / "replay.log",
+        options={"polar_stream": "replay"},
+    )
+    body = {
+        "model": "gpt-4.1",
+        "stream": True,
+        "max_tokens": args.sampled,
+        "messages": [{"role": "user", "content": prompt}],
+    }
+    engine_body = {
+        **body,
+        "logprobs": True,
+        "return_input_ids_in_sglext": True,
+        "return_output_ids_in_sglext": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+    }
+    results: dict[str, list[tuple[float, float]]] = {
+        "engine direct": [],
+        "gateway live": [],
+        "gateway replay": [],
+    }
     try:
         for i in range(args.calls + 1):  # the first round warms every path up and is not counted
             for name, url, payload in (
                 ("engine direct", f"{engine_url}/v1/chat/completions", engine_body),
                 ("gateway live", f"{live.reverse_url}/s/b{uuid.uuid4().hex[:8]}/v1/chat/completions", body),
-                ("gateway replay", f"{replay.reverse_url}/s/b{uuid.uuid4().hex[:8]}/v1/chat/completions", body),
+                (
+                    "gateway replay",
+                    f"{replay.reverse_url}/s/b{uuid.uuid4().hex[:8]}/v1/chat/completions",
+                    body,
+                ),
             ):
                 ttfb, total, chars = timed_stream(url, payload, {"authorization": "Bearer bench"})
                 assert chars == len(answer), (name, chars)
@@ -90,7 +117,9 @@ def main() -> None:
         live.stop()
         replay.stop()
         procs.stop(engine)
-    print(f"{args.prompt_tokens}-token prompt, {args.sampled} sampled tokens, {args.calls} calls each (median):\n")
+    print(
+        f"{args.prompt_tokens}-token prompt, {args.sampled} sampled tokens, {args.calls} calls each (median):\n"
+    )
     print("| path | TTFB | total |")
     print("|---|---|---|")
     for name, rows in results.items():

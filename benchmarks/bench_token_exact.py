@@ -27,32 +27,52 @@ from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.gateway.prompts import PromptBuilder
 
 TURNS = 10
-TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"command": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command.",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
 
 
 def session(total_tokens: int) -> list[list[Message]]:
     """The message lists of a 10-call session whose last prompt holds about `total_tokens` tokens."""
     per_turn = total_tokens // (TURNS + 1)
-    history = [Message(role="system", content="You are a coding agent. " + "Follow the rules. " * (per_turn // 4)),
-               Message(role="user", content="Fix the failing test in the repository.")]
+    history = [
+        Message(role="system", content="You are a coding agent. " + "Follow the rules. " * (per_turn // 4)),
+        Message(role="user", content="Fix the failing test in the repository."),
+    ]
     calls = []
     for turn in range(TURNS):
         calls.append(list(history))
         call = ToolCall(id=f"call_{turn}", name="shell", arguments='{"command": "cat src/module.py"}')
-        history.append(Message(role="assistant", content=f"Step {turn}: reading the file.", tool_calls=[call]))
+        history.append(
+            Message(role="assistant", content=f"Step {turn}: reading the file.", tool_calls=[call])
+        )
         history.append(Message(role="tool", tool_call_id=call.id, content="line of code\n" * (per_turn // 4)))
     return calls
 
 
 def request_of(messages: list[Message]) -> dict[str, Any]:
-    return {"model": "default", "messages": [m.to_engine() for m in messages], "tools": TOOLS, "stream": False,
-            "logprobs": True, "return_token_ids": True, "return_meta_info": True, "temperature": 1.0}
+    return {
+        "model": "default",
+        "messages": [m.to_engine() for m in messages],
+        "tools": TOOLS,
+        "stream": False,
+        "logprobs": True,
+        "return_token_ids": True,
+        "return_meta_info": True,
+        "temperature": 1.0,
+    }
 
 
-async def run_session(builder: PromptBuilder, name: str, calls: list[list[Message]], tokenizer,
-                      eot_id: int) -> tuple[list[float], int]:
+async def run_session(
+    builder: PromptBuilder, name: str, calls: list[list[Message]], tokenizer, eot_id: int
+) -> tuple[list[float], int]:
     """Per-call gateway prompt time (ms) over one session; also the last prompt's length."""
     from polar_mitm.conversation import Conversation
 
@@ -65,15 +85,25 @@ async def run_session(builder: PromptBuilder, name: str, calls: list[list[Messag
         prepare_s = time.perf_counter() - started
         # The engine's answer: it saw input_ids (tokens mode) or rendered the messages itself.
         prompt = request.get("input_ids") or tokenizer.apply_chat_template(
-            request["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+            request["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         answer = f"Step {turn}: reading the file."
-        sampled = tokenizer.encode(answer + '\n<tool_call>\n{"name": "shell", "arguments": '
-                                   '{"command": "cat src/module.py"}}\n</tool_call>', add_special_tokens=False)
-        completion = Completion(id="x", model="m", content=answer, reasoning=None,
-                                tool_calls=[ToolCall(id="c", name="shell",
-                                                     arguments='{"command": "cat src/module.py"}')],
-                                finish_reason="tool_calls", prompt_ids=list(prompt),
-                                completion_ids=[*sampled, eot_id], completion_logprobs=[-0.1] * (len(sampled) + 1))
+        sampled = tokenizer.encode(
+            answer + '\n<tool_call>\n{"name": "shell", "arguments": '
+            '{"command": "cat src/module.py"}}\n</tool_call>',
+            add_special_tokens=False,
+        )
+        completion = Completion(
+            id="x",
+            model="m",
+            content=answer,
+            reasoning=None,
+            tool_calls=[ToolCall(id="c", name="shell", arguments='{"command": "cat src/module.py"}')],
+            finish_reason="tool_calls",
+            prompt_ids=list(prompt),
+            completion_ids=[*sampled, eot_id],
+            completion_logprobs=[-0.1] * (len(sampled) + 1),
+        )
         started = time.perf_counter()
         await builder.complete(step, completion)
         times.append((prepare_s + time.perf_counter() - started) * 1e3)
@@ -95,8 +125,10 @@ async def main(repeats: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eot_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     print(f"10-call sessions, {repeats} repeats per size; Qwen BPE + chat template ({model_dir.name})")
-    print(f"{'last prompt':>12} {'messages p50/p99':>18} {'tokens p50/p99':>18} {'added p50/p99':>16} "
-          f"{'engine render+tokenize saved p50':>34}")
+    print(
+        f"{'last prompt':>12} {'messages p50/p99':>18} {'tokens p50/p99':>18} {'added p50/p99':>16} "
+        f"{'engine render+tokenize saved p50':>34}"
+    )
     for target in (8_000, 32_000):
         calls = session(target)
         results: dict[str, list[float]] = {"messages": [], "tokens": []}
@@ -105,20 +137,31 @@ async def main(repeats: int) -> None:
             builder = PromptBuilder(mode, tokenizer=str(model_dir))
             for r in range(repeats):
                 times, length = await run_session(builder, f"s{r}", calls, tokenizer, eot_id)
-                results[mode] += times[1:]  # the first call of a session renders in full by design: shown apart
+                results[mode] += times[
+                    1:
+                ]  # the first call of a session renders in full by design: shown apart
         engine_ms = []
         for messages in calls[1:]:
             started = time.perf_counter()
-            tokenizer.apply_chat_template(request_of(messages)["messages"], tools=TOOLS, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+            tokenizer.apply_chat_template(
+                request_of(messages)["messages"],
+                tools=TOOLS,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
             engine_ms.append((time.perf_counter() - started) * 1e3)
         (m50, m99), (t50, t99) = quantiles(results["messages"]), quantiles(results["tokens"])
         added = [t - m for t, m in zip(sorted(results["tokens"]), sorted(results["messages"]), strict=True)]
         a50, a99 = quantiles(added)
-        print(f"{length:>12,} {m50:8.2f}/{m99:6.2f} ms {t50:8.2f}/{t99:6.2f} ms {a50:7.2f}/{a99:6.2f} ms "
-              f"{statistics.median(engine_ms):28.1f} ms")
-    print("added = tokens − messages gateway time per call (calls 2–10; each session's first call is rendered by "
-          "the engine and checked in a worker thread while the engine runs).")
+        print(
+            f"{length:>12,} {m50:8.2f}/{m99:6.2f} ms {t50:8.2f}/{t99:6.2f} ms {a50:7.2f}/{a99:6.2f} ms "
+            f"{statistics.median(engine_ms):28.1f} ms"
+        )
+    print(
+        "added = tokens − messages gateway time per call (calls 2–10; each session's first call is rendered by "
+        "the engine and checked in a worker thread while the engine runs)."
+    )
 
 
 if __name__ == "__main__":

@@ -35,14 +35,21 @@ def serve(
     port: Annotated[int, typer.Option(help="Port (SGLang's default is 30000).")] = 30000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name reported to clients.")] = None,
     context_length: Annotated[int | None, typer.Option(help="Override the model's context length.")] = None,
-    tool_call_parser: Annotated[str | None, typer.Option(help="qwen25 | none (default: the model's).")] = None,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help="qwen25 | none (default: the model's).")
+    ] = None,
     reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
-    script: Annotated[Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")] = None,
-    token_delay: Annotated[float, typer.Option(help="Test knob: seconds to wait before each sampled token.")] = 0.0,
-    first_token_delay: Annotated[float, typer.Option(
-        help="Test knob: seconds to hold the first token back (a slow prefill).")] = 0.0,
+    script: Annotated[
+        Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")
+    ] = None,
+    token_delay: Annotated[
+        float, typer.Option(help="Test knob: seconds to wait before each sampled token.")
+    ] = 0.0,
+    first_token_delay: Annotated[
+        float, typer.Option(help="Test knob: seconds to hold the first token back (a slow prefill).")
+    ] = 0.0,
 ) -> None:
     """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
     import os
@@ -56,10 +63,18 @@ def serve(
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     path = resolve_model(model, seed=seed)
-    engine = Engine(path, served_model_name=served_model_name, context_length=context_length,
-                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, script_path=script)
-    console.print(f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
-                  f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}")
+    engine = Engine(
+        path,
+        served_model_name=served_model_name,
+        context_length=context_length,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        script_path=script,
+    )
+    console.print(
+        f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
+        f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}"
+    )
     pacing = Pacing(token_delay=token_delay, first_token_delay=first_token_delay)
     uvicorn.run(build_app(engine, pacing), host=host, port=port, log_level="warning", access_log=False)
 
@@ -82,28 +97,53 @@ def demo(
     model: ModelOpt = "smollm2",
     prompt: Annotated[str, typer.Option(help="The user message.")] = "What is the capital of France?",
     port: Annotated[int, typer.Option(help="Engine port (0 = pick a free one).")] = 0,
-    loop_model: Annotated[str, typer.Option(help="Model of the RL loop (tiny uses the scripted choice policy).")] = (
-        "tiny"),
-    iterations: Annotated[int, typer.Option(
-        help="RL loop training iterations, then a rollout of the trained policy (0 = only the chat).")] = 4,
-    run_dir: Annotated[Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")] = Path(
-        "runs/demo"),
+    loop_model: Annotated[
+        str, typer.Option(help="Model of the RL loop (tiny uses the scripted choice policy).")
+    ] = ("tiny"),
+    iterations: Annotated[
+        int,
+        typer.Option(
+            help="RL loop training iterations, then a rollout of the trained policy (0 = only the chat)."
+        ),
+    ] = 4,
+    run_dir: Annotated[
+        Path, typer.Option(help="Where the loop's records, sequences and checkpoints go.")
+    ] = Path("runs/demo"),
     learning_rate: Annotated[float, typer.Option(help="GRPO learning rate of the loop.")] = 3e-3,
-    seed: Annotated[int, typer.Option(help="Seed of the loop's trainer and of the tiny model's initial weights.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the loop's trainer and of the tiny model's initial weights.")
+    ] = 0,
 ) -> None:
     """The main job on CPU: a real model answers with ids + logprobs, then rollout → merge → GRPO → push, looped."""
     from polar_mitm.demo import run_demo
 
-    run_demo(model=model, prompt=prompt, port=port, console=console, loop_model=loop_model, iterations=iterations,
-             run_dir=run_dir, learning_rate=learning_rate, seed=seed)
+    run_demo(
+        model=model,
+        prompt=prompt,
+        port=port,
+        console=console,
+        loop_model=loop_model,
+        iterations=iterations,
+        run_dir=run_dir,
+        learning_rate=learning_rate,
+        seed=seed,
+    )
 
 
 @app.command("report")
 def report_command(
-    run_dir: Annotated[Path, typer.Argument(help="A loop run (`runs/demo`), or a rollout, merge or grpo directory.")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN_DIR/report.html).")] = None,
-    tokenizer: Annotated[str | None, typer.Option(
-        help="Tokenizer for the token viewer (default: the engine's, as the gateway recorded it).")] = None,
+    run_dir: Annotated[
+        Path, typer.Argument(help="A loop run (`runs/demo`), or a rollout, merge or grpo directory.")
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN_DIR/report.html).")
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Tokenizer for the token viewer (default: the engine's, as the gateway recorded it)."
+        ),
+    ] = None,
     sessions: Annotated[int, typer.Option(help="Sessions shown in the token viewer.")] = 6,
 ) -> None:
     """Write one self-contained HTML report (no server, no network): iterations, curves, merge, tasks, tokens."""
@@ -120,9 +160,13 @@ def report_command(
 @app.command()
 def agent(
     prompt: Annotated[str, typer.Argument(help="The task for the agent.")],
-    provider: Annotated[str, typer.Option(help="openai_chat | openai_responses | anthropic | google")] = "openai_chat",
+    provider: Annotated[
+        str, typer.Option(help="openai_chat | openai_responses | anthropic | google")
+    ] = "openai_chat",
     base_url: Annotated[str | None, typer.Option(help="Provider base URL (default: the SDK's own).")] = None,
-    api_key: Annotated[str, typer.Option(envvar="POLAR_AGENT_API_KEY", help="API key to send.")] = "polar-agent",
+    api_key: Annotated[
+        str, typer.Option(envvar="POLAR_AGENT_API_KEY", help="API key to send.")
+    ] = "polar-agent",
     workdir: Annotated[Path, typer.Option(help="Where shell commands run.")] = Path("."),
     max_turns: Annotated[int, typer.Option(help="Model calls at most.")] = 8,
     stream: Annotated[bool, typer.Option(help="Ask for SSE streams.")] = True,
@@ -130,8 +174,14 @@ def agent(
     """A minimal reference coding agent on the official SDKs: one `shell` tool, run for real in WORKDIR."""
     from polar_mitm.sdk_agent import DRIVERS, shell_runner
 
-    result = DRIVERS[provider](prompt, api_key=api_key, base_url=base_url, stream=stream, max_turns=max_turns,
-                               run_tool=shell_runner(str(workdir)))
+    result = DRIVERS[provider](
+        prompt,
+        api_key=api_key,
+        base_url=base_url,
+        stream=stream,
+        max_turns=max_turns,
+        run_tool=shell_runner(str(workdir)),
+    )
     console.print(f"[bold]{result.calls} model calls[/], ran {len(result.tool_commands)} commands")
     console.print(result.final_text)
 
@@ -155,8 +205,10 @@ def import_flows_command(
         typer.echo(f"warning: {printable(problem)}", err=True)
     counts = result.counts
     not_imported = f", {len(result.problems)} not imported (see above)" if result.problems else ""
-    console.print(f"records: {counts['gateway']} from gateway flows, {counts['engine']} from engine flows, "
-                  f"{counts['skipped']} flows skipped{not_imported} → {markup_safe(result.shard)}")
+    console.print(
+        f"records: {counts['gateway']} from gateway flows, {counts['engine']} from engine flows, "
+        f"{counts['skipped']} flows skipped{not_imported} → {markup_safe(result.shard)}"
+    )
     if result.problems and result.shard is None:
         raise typer.Exit(1)
 
@@ -181,9 +233,17 @@ def records_command(
         table.add_column(col)
     for r in sorted(rows, key=lambda r: (r["session_id"], r["seq"]))[:limit]:
         # Ids and errors come from harnesses and engines: shown as text, never as markup or escape sequences.
-        table.add_row(plain(r["session_id"]), plain(r["task_id"] or ""), str(r["seq"]), plain(r["provider"]),
-                      str(r["stream"]), str(len(r["prompt_ids"] or [])), str(len(r["completion_ids"] or [])),
-                      plain(r["finish_reason"]), plain((r["error"] or "")[:40]))
+        table.add_row(
+            plain(r["session_id"]),
+            plain(r["task_id"] or ""),
+            str(r["seq"]),
+            plain(r["provider"]),
+            str(r["stream"]),
+            str(len(r["prompt_ids"] or [])),
+            str(len(r["completion_ids"] or [])),
+            plain(r["finish_reason"]),
+            plain((r["error"] or "")[:40]),
+        )
     console.print(table)
 
 

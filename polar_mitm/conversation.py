@@ -65,8 +65,10 @@ class Tool:
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def to_engine(self) -> dict[str, Any]:
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass
@@ -167,7 +169,9 @@ class Completion:
         completion_ids = choice.get("response_token_ids")
         if prompt_ids is None or completion_ids is None:
             # Never treat a missing id list as empty: that silently corrupts training data.
-            raise ValueError("engine answer lacks prompt_token_ids/response_token_ids (return_token_ids ignored?)")
+            raise ValueError(
+                "engine answer lacks prompt_token_ids/response_token_ids (return_token_ids ignored?)"
+            )
         check_token_ids(prompt_ids, "prompt_token_ids")
         check_token_ids(completion_ids, "response_token_ids")
         if not prompt_ids:
@@ -177,13 +181,17 @@ class Completion:
         if triples is not None:
             logprobs = checked_logprobs([t[0] for t in triples])
         else:
-            logprobs = checked_logprobs([e["logprob"] for e in ((choice.get("logprobs") or {}).get("content") or [])])
+            logprobs = checked_logprobs(
+                [e["logprob"] for e in ((choice.get("logprobs") or {}).get("content") or [])]
+            )
         if len(logprobs) != len(completion_ids):
             raise ValueError(f"engine gave {len(logprobs)} logprobs for {len(completion_ids)} sampled tokens")
         calls = [
-            ToolCall(id=optional_text(c.get("id"), "tool call id") or f"call_{i}",
-                     name=required_text(c["function"]["name"], "tool call name"),
-                     arguments=optional_text(c["function"].get("arguments"), "tool call arguments") or "{}")
+            ToolCall(
+                id=optional_text(c.get("id"), "tool call id") or f"call_{i}",
+                name=required_text(c["function"]["name"], "tool call name"),
+                arguments=optional_text(c["function"].get("arguments"), "tool call arguments") or "{}",
+            )
             for i, c in enumerate(message.get("tool_calls") or [])
         ]
         finish = choice.get("finish_reason") or "stop"

@@ -24,15 +24,20 @@ DEMO_EPOCHS = 2.0
 DEMO_BATCH_SIZE = 4
 
 
-def print_chat(engine_url: str, prompt: str, *, max_tokens: int, temperature: float, console: Console) -> dict:
+def print_chat(
+    engine_url: str, prompt: str, *, max_tokens: int, temperature: float, console: Console
+) -> dict:
     """One chat request with SGLang's token-id extensions; prints text, ids and logprobs."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{engine_url}/v1", api_key="polar-demo")
     started = time.perf_counter()
     completion = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=temperature, logprobs=True,
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        logprobs=True,
         extra_body={"return_token_ids": True, "return_meta_info": True},
     )
     elapsed = time.perf_counter() - started
@@ -42,8 +47,10 @@ def print_chat(engine_url: str, prompt: str, *, max_tokens: int, temperature: fl
     logprobs = [entry.logprob for entry in choice.logprobs.content]
     console.print(f"[bold]user:[/] {prompt}")
     console.print(f"[bold]{completion.model}:[/] {choice.message.content}")
-    table = Table(title=f"{len(response_ids)} sampled tokens (prompt: {len(prompt_ids)} tokens, "
-                        f"finish: {choice.finish_reason}, {elapsed:.2f}s)")
+    table = Table(
+        title=f"{len(response_ids)} sampled tokens (prompt: {len(prompt_ids)} tokens, "
+        f"finish: {choice.finish_reason}, {elapsed:.2f}s)"
+    )
     table.add_column("#", justify="right")
     table.add_column("token id", justify="right")
     table.add_column("text")
@@ -52,63 +59,109 @@ def print_chat(engine_url: str, prompt: str, *, max_tokens: int, temperature: fl
         table.add_row(str(i), str(tid), repr(entry.token), f"{entry.logprob:.4f}")
     console.print(table)
     meta = extra.get("meta_info", {})
-    console.print(f"weight_version={meta.get('weight_version')} prefill={meta.get('prefill_latency', 0):.3f}s "
-                  f"decode={meta.get('decode_latency', 0):.3f}s sum(logprobs)={sum(logprobs):.3f}")
-    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "logprobs": logprobs,
-            "text": choice.message.content}
+    console.print(
+        f"weight_version={meta.get('weight_version')} prefill={meta.get('prefill_latency', 0):.3f}s "
+        f"decode={meta.get('decode_latency', 0):.3f}s sum(logprobs)={sum(logprobs):.3f}"
+    )
+    return {
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+        "logprobs": logprobs,
+        "text": choice.message.content,
+    }
 
 
-def run_demo(*, model: str, prompt: str, port: int, console: Console, loop_model: str = "tiny",
-             iterations: int = 4, run_dir: Path = Path("runs/demo"), learning_rate: float = DEMO_LEARNING_RATE,
-             seed: int = 0) -> list | None:
+def run_demo(
+    *,
+    model: str,
+    prompt: str,
+    port: int,
+    console: Console,
+    loop_model: str = "tiny",
+    iterations: int = 4,
+    run_dir: Path = Path("runs/demo"),
+    learning_rate: float = DEMO_LEARNING_RATE,
+    seed: int = 0,
+) -> list | None:
     """Step 1: a real model answers through the engine's SGLang contract (ids + logprobs).
     Step 2: the RL loop on the CPU demo tasks — rollout through the gateway → merge → GRPO → weights pushed."""
     console.rule(f"1 · the engine: {model} on CPU, SGLang's HTTP contract")
     with console.status(f"starting the embedded engine with {model} (first run converts the model once)…"):
         proc, url = procs.start_engine(model, port=port or None)
     try:
-        console.print(f"[green]engine up[/] at {url} — {httpx.get(f'{url}/model_info').json()['served_model_name']}")
+        console.print(
+            f"[green]engine up[/] at {url} — {httpx.get(f'{url}/model_info').json()['served_model_name']}"
+        )
         print_chat(url, prompt, max_tokens=48, temperature=0.0, console=console)
     finally:
         procs.stop(proc)
     if iterations <= 0:
         return None
-    console.rule(f"2 · the RL loop: {iterations} iterations on examples/cpu_tasks ({loop_model} + scripted choices)")
-    return run_loop_demo(console=console, model=loop_model, iterations=iterations, run_dir=run_dir,
-                         learning_rate=learning_rate, seed=seed)
+    console.rule(
+        f"2 · the RL loop: {iterations} iterations on examples/cpu_tasks ({loop_model} + scripted choices)"
+    )
+    return run_loop_demo(
+        console=console,
+        model=loop_model,
+        iterations=iterations,
+        run_dir=run_dir,
+        learning_rate=learning_rate,
+        seed=seed,
+    )
 
 
-def demo_loop_config(*, model: str, iterations: int, run_dir: Path, learning_rate: float = DEMO_LEARNING_RATE,
-                     seed: int = 0):
+def demo_loop_config(
+    *, model: str, iterations: int, run_dir: Path, learning_rate: float = DEMO_LEARNING_RATE, seed: int = 0
+):
     """The LoopConfig of the demo's RL loop (also used by its benchmark and tests)."""
     from polar_mitm.rollout.loop import LoopConfig
 
-    return LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=run_dir, iterations=iterations, group_size=4,
-                      concurrency=4, model=model, script=EXAMPLES / "policy.json" if model == "tiny" else None,
-                      learning_rate=learning_rate, per_device_batch_size=DEMO_BATCH_SIZE, epochs=DEMO_EPOCHS,
-                      max_tokens=128, seed=seed,
-                      final_rollout=True)
+    return LoopConfig(
+        tasks=EXAMPLES / "tasks.jsonl",
+        run_dir=run_dir,
+        iterations=iterations,
+        group_size=4,
+        concurrency=4,
+        model=model,
+        script=EXAMPLES / "policy.json" if model == "tiny" else None,
+        learning_rate=learning_rate,
+        per_device_batch_size=DEMO_BATCH_SIZE,
+        epochs=DEMO_EPOCHS,
+        max_tokens=128,
+        seed=seed,
+        final_rollout=True,
+    )
 
 
-def run_loop_demo(*, console: Console, model: str, iterations: int, run_dir: Path,
-                  learning_rate: float = DEMO_LEARNING_RATE, seed: int = 0) -> list:
+def run_loop_demo(
+    *,
+    console: Console,
+    model: str,
+    iterations: int,
+    run_dir: Path,
+    learning_rate: float = DEMO_LEARNING_RATE,
+    seed: int = 0,
+) -> list:
     """The loop with a live progress line and a table per iteration; then the reward curve, the report and a
     closing summary line."""
     from polar_mitm.rollout.cli import iteration_table
     from polar_mitm.rollout.loop import Loop
     from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
 
-    cfg = demo_loop_config(model=model, iterations=iterations, run_dir=run_dir, learning_rate=learning_rate,
-                           seed=seed)
+    cfg = demo_loop_config(
+        model=model, iterations=iterations, run_dir=run_dir, learning_rate=learning_rate, seed=seed
+    )
     done: list = []
 
     def show(stats) -> None:
         done.append(stats)
         console.print(iteration_table(done))
 
-    console.print(f"each iteration: {len(cfg.tasks.read_text().splitlines())} tasks × {cfg.group_size} sessions of "
-                  "the reference SDK agent (openai chat, streaming) through the gateway → records → prefix-merged "
-                  "sequences with rewards → GRPO (TRL) → weights pushed; a last rollout measures the trained policy")
+    console.print(
+        f"each iteration: {len(cfg.tasks.read_text().splitlines())} tasks × {cfg.group_size} sessions of "
+        "the reference SDK agent (openai chat, streaming) through the gateway → records → prefix-merged "
+        "sequences with rewards → GRPO (TRL) → weights pushed; a last rollout measures the trained policy"
+    )
     quiet_libraries()  # the live display below says what runs; library progress bars would only break it up
     started = time.monotonic()
     with RichLoopProgress(console, iterations) as progress:
@@ -119,8 +172,10 @@ def run_loop_demo(*, console: Console, model: str, iterations: int, run_dir: Pat
 
         report = write_report(run_dir)
     last = run_dir / f"iter-{len(results) - 1}"
-    console.print(f"inspect: polar-mitm records {last / 'flows'} · polar-mitm stats {last / 'merged'} · "
-                  f"polar-mitm show <session> --data {last / 'merged'} --tokenizer tiny")
+    console.print(
+        f"inspect: polar-mitm records {last / 'flows'} · polar-mitm stats {last / 'merged'} · "
+        f"polar-mitm show <session> --data {last / 'merged'} --tokenizer tiny"
+    )
     console.print(closing_line(results, png, report, time.monotonic() - started))
     return results
 
@@ -129,8 +184,10 @@ def closing_line(results, png: Path, report: Path, seconds: float) -> str:
     """`reward 0.50 → 0.92 in 4 rollouts (3 trainings), curve: …, report: …` — the demo's last line."""
     first, last = results[0].reward_mean, results[-1].reward_mean
     trainings = sum(1 for r in results if r.seconds.get("train", 0) > 0)
-    return (f"[bold]reward {first:.2f} → {last:.2f}[/] in {len(results)} rollouts ({trainings} trainings, "
-            f"{seconds / 60:.1f} min), curve: {png}, report: {report}")
+    return (
+        f"[bold]reward {first:.2f} → {last:.2f}[/] in {len(results)} rollouts ({trainings} trainings, "
+        f"{seconds / 60:.1f} min), curve: {png}, report: {report}"
+    )
 
 
 def plot_rewards(results, png: Path) -> Path:
@@ -141,7 +198,9 @@ def plot_rewards(results, png: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(5, 3))
     xs = [r.iteration for r in results]
-    ax.errorbar(xs, [r.reward_mean for r in results], yerr=[r.reward_std for r in results], marker="o", capsize=3)
+    ax.errorbar(
+        xs, [r.reward_mean for r in results], yerr=[r.reward_std for r in results], marker="o", capsize=3
+    )
     ax.set_xticks(xs)
     ax.set_xlabel("iteration (last: rollout of the trained policy)")
     ax.set_ylabel("mean reward (±std)")

@@ -99,6 +99,7 @@ def weight_version_of(info: Any) -> str | None:
 
 def worker_versions(workers: list[str], *, timeout: float = 10.0) -> dict[str, str | None]:
     """Each worker's `weight_version` (None: the worker did not answer)."""
+
     def version(url: str) -> str | None:
         try:
             return weight_version_of(model_info(url, timeout=timeout))
@@ -114,8 +115,9 @@ def common_weight_version(spec: str) -> str | None:
     versions = worker_versions(engine_workers(spec))
     seen = {v for v in versions.values() if v is not None}
     if len(seen) > 1:
-        raise EngineSetError("engines serve different weights: "
-                             + ", ".join(f"{url} at {v}" for url, v in versions.items()))
+        raise EngineSetError(
+            "engines serve different weights: " + ", ".join(f"{url} at {v}" for url, v in versions.items())
+        )
     return seen.pop() if seen else None
 
 
@@ -134,8 +136,12 @@ def forwards_token_ids(url: str, *, timeout: float = 60.0) -> bool:
     sglang-router 0.3.2 parses chat requests into its own types and drops `return_token_ids`/`return_meta_info`,
     so its answers carry no ids (measured); the gateway then has to talk to the workers directly.
     """
-    body = {"model": "default", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1,
-            "return_token_ids": True}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
     try:
         answer = httpx.post(f"{url.rstrip('/')}/v1/chat/completions", json=body, timeout=timeout).json()
         return "response_token_ids" in answer["choices"][0]
@@ -168,8 +174,9 @@ def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | No
     return weight_version_of(response.json())
 
 
-def push_weights(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
-                 timeout: float = 600.0) -> str:
+def push_weights(
+    engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
+) -> str:
     """Load `model_dir` into the engine(s) of `engine_url`; return the new weight_version.
 
     `engine_url` may be SGLang's router or a comma list of engines: the router does not forward weight updates, so
@@ -181,8 +188,9 @@ def push_weights(engine_url: str, model_dir: str | Path, *, weight_version: str 
     return push_weights_to_engine(engine_url, model_dir, weight_version=weight_version, timeout=timeout)
 
 
-def push_weights_to_engine(engine_url: str, model_dir: str | Path, *, weight_version: str | None = None,
-                           timeout: float = 600.0) -> str:
+def push_weights_to_engine(
+    engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
+) -> str:
     """Tell the one engine at `engine_url` to load the checkpoint in `model_dir`; return its new weight_version.
 
     `model_dir` must be readable by the engine at that path (same machine or a shared filesystem).
@@ -191,7 +199,9 @@ def push_weights_to_engine(engine_url: str, model_dir: str | Path, *, weight_ver
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     try:
-        response = httpx.post(f"{engine_url.rstrip('/')}/update_weights_from_disk", json=body, timeout=timeout)
+        response = httpx.post(
+            f"{engine_url.rstrip('/')}/update_weights_from_disk", json=body, timeout=timeout
+        )
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot reach {engine_url}: {exc}") from exc
     try:
@@ -199,14 +209,17 @@ def push_weights_to_engine(engine_url: str, model_dir: str | Path, *, weight_ver
     except ValueError:
         answer = {"success": False, "message": response.text[:500]}
     if response.status_code != 200 or not answer.get("success"):
-        raise EngineSyncError(f"{engine_url} refused the weights in {model_dir}: "
-                              f"HTTP {response.status_code} {answer.get('message', '')}")
+        raise EngineSyncError(
+            f"{engine_url} refused the weights in {model_dir}: "
+            f"HTTP {response.status_code} {answer.get('message', '')}"
+        )
     # SGLang's answer may omit the version: ask for it.
     return str(answer.get("weight_version") or engine_weight_version(engine_url) or weight_version or "")
 
 
-def push_to_workers(workers: list[str], model_dir: str | Path, *, weight_version: str | None = None,
-                    timeout: float = 600.0) -> str:
+def push_to_workers(
+    workers: list[str], model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
+) -> str:
     """Load `model_dir` into every worker (in parallel), then check each one serves the same new version.
 
     Raises `EngineSyncError` naming every worker that is down, refused, or reports another version — after the
@@ -248,14 +261,37 @@ def smg_binary() -> str:
     return found
 
 
-def start_router(workers: list[str], *, port: int | None = None, log: Path | None = None,
-                 policy: str = "cache_aware", timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+def start_router(
+    workers: list[str],
+    *,
+    port: int | None = None,
+    log: Path | None = None,
+    policy: str = "cache_aware",
+    timeout: float = 120.0,
+) -> tuple[subprocess.Popen, str]:
     """`smg launch` in front of `workers`; returns (process, URL) once every worker is healthy behind it."""
     port = port or procs.free_port()
-    cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-           "--policy", policy, "--worker-startup-check-interval", "1", "--log-level", "warn",
-           # Its metrics listener defaults to port 29000: a second router on the machine would fail to start.
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(procs.free_port())]
+    cmd = [
+        smg_binary(),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        policy,
+        "--worker-startup-check-interval",
+        "1",
+        "--log-level",
+        "warn",
+        # Its metrics listener defaults to port 29000: a second router on the machine would fail to start.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(procs.free_port()),
+    ]
     out = open(log, "ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

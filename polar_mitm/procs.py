@@ -49,19 +49,38 @@ def wait_http(url: str, *, timeout: float = 300.0, proc: subprocess.Popen | None
     raise TimeoutError(f"{url} did not come up in {timeout:.0f}s")
 
 
-def start_engine(model: str = "tiny", *, port: int | None = None, log: Path | None = None,
-                 extra_args: list[str] | None = None, timeout: float = 300.0,
-                 netns: LoopbackNamespace | None = None) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    model: str = "tiny",
+    *,
+    port: int | None = None,
+    log: Path | None = None,
+    extra_args: list[str] | None = None,
+    timeout: float = 300.0,
+    netns: LoopbackNamespace | None = None,
+) -> tuple[subprocess.Popen, str]:
     """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers.
 
     With `netns` it runs inside that network namespace (its URL is only reachable from there).
     """
     port = port or free_port()
-    cmd = [sys.executable, "-m", "polar_mitm.cli", "serve", "--model", model, "--port", str(port),
-           *(extra_args or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "polar_mitm.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        *(extra_args or []),
+    ]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        netns.wrap(cmd) if netns else cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         if netns is not None:  # uvicorn listens only once the model is loaded
@@ -175,25 +194,51 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
-                  options: dict[str, str] | None = None, proxy_port: int | None = None,
-                  reverse_port: int | None = None, netns: LoopbackNamespace | None = None,
-                  tie_to_parent: bool = False) -> GatewayProcess:
+def start_gateway(
+    backend: str,
+    out_dir: Path,
+    *,
+    confdir: Path,
+    log: Path | None = None,
+    options: dict[str, str] | None = None,
+    proxy_port: int | None = None,
+    reverse_port: int | None = None,
+    netns: LoopbackNamespace | None = None,
+    tie_to_parent: bool = False,
+) -> GatewayProcess:
     """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given).
 
     `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
     """
     proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
     mitmdump = Path(sys.executable).with_name("mitmdump")
-    cmd = [str(mitmdump), "-q", "-s", str(addon_path()),
-           "--mode", f"regular@{proxy_port}", "--mode", f"reverse:http://127.0.0.1:9@{reverse_port}",
-           "--set", f"confdir={confdir}", "--set", f"polar_backend={backend}", "--set", f"polar_out={out_dir}",
-           "--set", "connection_strategy=lazy"]
+    cmd = [
+        str(mitmdump),
+        "-q",
+        "-s",
+        str(addon_path()),
+        "--mode",
+        f"regular@{proxy_port}",
+        "--mode",
+        f"reverse:http://127.0.0.1:9@{reverse_port}",
+        "--set",
+        f"confdir={confdir}",
+        "--set",
+        f"polar_backend={backend}",
+        "--set",
+        f"polar_out={out_dir}",
+        "--set",
+        "connection_strategy=lazy",
+    ]
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(netns.wrap(cmd) if netns else cmd, stdout=out, stderr=subprocess.STDOUT,
-                            preexec_fn=die_with_parent if tie_to_parent else None)
+    proc = subprocess.Popen(
+        netns.wrap(cmd) if netns else cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        preexec_fn=die_with_parent if tie_to_parent else None,
+    )
     wait = netns.wait_port if netns is not None else wait_port
     try:
         wait(proxy_port, proc=proc)
@@ -205,8 +250,14 @@ def start_gateway(backend: str, out_dir: Path, *, confdir: Path, log: Path | Non
 
 
 @contextmanager
-def engine_running(engine: str | None = None, *, model: str = "tiny", log: Path | None = None,
-                   extra_args: list[str] | None = None, netns: LoopbackNamespace | None = None) -> Iterator[str]:
+def engine_running(
+    engine: str | None = None,
+    *,
+    model: str = "tiny",
+    log: Path | None = None,
+    extra_args: list[str] | None = None,
+    netns: LoopbackNamespace | None = None,
+) -> Iterator[str]:
     """The engine's base URL for the duration of a block: `engine` when given (not ours: left running), else
     `polar-mitm serve --model MODEL EXTRA_ARGS` started for the block, healthy before it runs, stopped after."""
     if engine is not None:
@@ -220,9 +271,15 @@ def engine_running(engine: str | None = None, *, model: str = "tiny", log: Path 
 
 
 @contextmanager
-def gateway_running(backend: str, out_dir: Path, *, confdir: Path, log: Path | None = None,
-                    options: dict[str, str] | None = None,
-                    netns: LoopbackNamespace | None = None) -> Iterator[GatewayProcess]:
+def gateway_running(
+    backend: str,
+    out_dir: Path,
+    *,
+    confdir: Path,
+    log: Path | None = None,
+    options: dict[str, str] | None = None,
+    netns: LoopbackNamespace | None = None,
+) -> Iterator[GatewayProcess]:
     """`start_gateway` for the duration of a block; stopping it compacts its journal into a shard."""
     gateway = start_gateway(backend, out_dir, confdir=confdir, log=log, options=options, netns=netns)
     try:
@@ -232,16 +289,29 @@ def gateway_running(backend: str, out_dir: Path, *, confdir: Path, log: Path | N
 
 
 @contextmanager
-def engine_and_gateway(out_dir: Path, *, confdir: Path, engine: str | None = None, model: str = "tiny",
-                       engine_args: list[str] | None = None, engine_log: Path | None = None,
-                       gateway_log: Path | None = None, gateway_options: dict[str, str] | None = None,
-                       netns: LoopbackNamespace | None = None) -> Iterator[tuple[str, GatewayProcess]]:
+def engine_and_gateway(
+    out_dir: Path,
+    *,
+    confdir: Path,
+    engine: str | None = None,
+    model: str = "tiny",
+    engine_args: list[str] | None = None,
+    engine_log: Path | None = None,
+    gateway_log: Path | None = None,
+    gateway_options: dict[str, str] | None = None,
+    netns: LoopbackNamespace | None = None,
+) -> Iterator[tuple[str, GatewayProcess]]:
     """(engine URL, gateway) for the duration of a block: the engine up and healthy (`engine_running`), then the
     gateway in front of it writing records to `out_dir`; on exit the gateway goes down first, then the engine.
 
     Everything runs inside `netns` when given (then its URLs are only reachable from there).
     """
-    with engine_running(engine, model=model, log=engine_log, extra_args=engine_args, netns=netns) as engine_url, \
-            gateway_running(engine_url, out_dir, confdir=confdir, log=gateway_log, options=gateway_options,
-                            netns=netns) as gateway:
+    with (
+        engine_running(
+            engine, model=model, log=engine_log, extra_args=engine_args, netns=netns
+        ) as engine_url,
+        gateway_running(
+            engine_url, out_dir, confdir=confdir, log=gateway_log, options=gateway_options, netns=netns
+        ) as gateway,
+    ):
         yield engine_url, gateway

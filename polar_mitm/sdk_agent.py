@@ -45,8 +45,15 @@ def _ask(api: Any, stream: bool, final: Callable[[Any], Any], **kwargs: Any) -> 
     return api.create(**kwargs)
 
 
-def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                      max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
+def anthropic_session(
+    prompt: str,
+    *,
+    api_key: str,
+    base_url: str | None,
+    stream: bool,
+    max_turns: int = 4,
+    run_tool: ToolRunner = tool_output,
+) -> SessionResult:
     import anthropic
 
     client = anthropic.Anthropic(api_key=api_key, base_url=base_url, max_retries=0)
@@ -54,15 +61,29 @@ def anthropic_session(prompt: str, *, api_key: str, base_url: str | None, stream
     messages: list = [{"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
-        msg = _ask(client.messages, stream, lambda events: events.get_final_message(), model="claude-sonnet-4-6",
-                   max_tokens=256, messages=messages, tools=tools, system=SYSTEM)
+        msg = _ask(
+            client.messages,
+            stream,
+            lambda events: events.get_final_message(),
+            model="claude-sonnet-4-6",
+            max_tokens=256,
+            messages=messages,
+            tools=tools,
+            system=SYSTEM,
+        )
         calls = [b for b in msg.content if b.type == "tool_use"]
         if not calls:
             return SessionResult("".join(b.text for b in msg.content if b.type == "text"), turn, commands)
         commands += [c.input.get("command", "") for c in calls]
-        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id,
-                                                   "content": run_tool(c.input)} for c in calls]}]
+        messages += [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": c.id, "content": run_tool(c.input)} for c in calls
+                ],
+            },
+        ]
     return SessionResult("", max_turns, commands)
 
 
@@ -79,24 +100,56 @@ def join_chat_stream(chunks: Iterable[Any]) -> tuple[str, list[dict[str, str]]]:
     return content, list(calls.values())
 
 
-def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                        max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
+def openai_chat_session(
+    prompt: str,
+    *,
+    api_key: str,
+    base_url: str | None,
+    stream: bool,
+    max_turns: int = 4,
+    run_tool: ToolRunner = tool_output,
+) -> SessionResult:
     import openai
 
     client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
-    tools = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command",
-                                               "parameters": SHELL_SCHEMA}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA},
+        }
+    ]
     messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
         if stream:
-            content, calls = join_chat_stream(client.chat.completions.create(
-                model="gpt-4.1", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}))
-            message = openai.types.chat.ChatCompletionMessage(role="assistant", content=content or None, tool_calls=[
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in calls] or None)
+            content, calls = join_chat_stream(
+                client.chat.completions.create(
+                    model="gpt-4.1",
+                    messages=messages,
+                    tools=tools,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            message = openai.types.chat.ChatCompletionMessage(
+                role="assistant",
+                content=content or None,
+                tool_calls=[
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls
+                ]
+                or None,
+            )
         else:
-            message = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
+            message = (
+                client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools)
+                .choices[0]
+                .message
+            )
         if not message.tool_calls:
             return SessionResult(message.content or "", turn, commands)
         messages.append(message.model_dump(exclude_none=True))
@@ -107,18 +160,40 @@ def openai_chat_session(prompt: str, *, api_key: str, base_url: str | None, stre
     return SessionResult("", max_turns, commands)
 
 
-def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                             max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
+def openai_responses_session(
+    prompt: str,
+    *,
+    api_key: str,
+    base_url: str | None,
+    stream: bool,
+    max_turns: int = 4,
+    run_tool: ToolRunner = tool_output,
+) -> SessionResult:
     import openai
 
     client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0)
-    tools = [{"type": "function", "name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA,
-              "strict": False}]
+    tools = [
+        {
+            "type": "function",
+            "name": "shell",
+            "description": "Run a shell command",
+            "parameters": SHELL_SCHEMA,
+            "strict": False,
+        }
+    ]
     items: list = [{"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
-        resp = _ask(client.responses, stream, lambda events: events.get_final_response(), model="gpt-5-codex",
-                    input=items, tools=tools, instructions=SYSTEM, store=False)
+        resp = _ask(
+            client.responses,
+            stream,
+            lambda events: events.get_final_response(),
+            model="gpt-5-codex",
+            input=items,
+            tools=tools,
+            instructions=SYSTEM,
+            store=False,
+        )
         calls = [o for o in resp.output if o.type == "function_call"]
         if not calls:
             return SessionResult(resp.output_text, turn, commands)
@@ -130,24 +205,41 @@ def openai_responses_session(prompt: str, *, api_key: str, base_url: str | None,
     return SessionResult("", max_turns, commands)
 
 
-def google_session(prompt: str, *, api_key: str, base_url: str | None, stream: bool,
-                   max_turns: int = 4, run_tool: ToolRunner = tool_output) -> SessionResult:
+def google_session(
+    prompt: str,
+    *,
+    api_key: str,
+    base_url: str | None,
+    stream: bool,
+    max_turns: int = 4,
+    run_tool: ToolRunner = tool_output,
+) -> SessionResult:
     from google import genai
     from google.genai import types
 
-    client = genai.Client(api_key=api_key, http_options=types.HttpOptions(base_url=base_url) if base_url else None)
-    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA)])
+    client = genai.Client(
+        api_key=api_key, http_options=types.HttpOptions(base_url=base_url) if base_url else None
+    )
+    tool = types.Tool(
+        function_declarations=[
+            types.FunctionDeclaration(
+                name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA
+            )
+        ]
+    )
     config = types.GenerateContentConfig(
-        tools=[tool], system_instruction=SYSTEM,
-        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+        tools=[tool],
+        system_instruction=SYSTEM,
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+    )
     contents: list = [types.Content(role="user", parts=[types.Part(text=prompt)])]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
         if stream:
             parts: list = []
-            for chunk in client.models.generate_content_stream(model="gemini-2.5-flash", contents=contents,
-                                                               config=config):
+            for chunk in client.models.generate_content_stream(
+                model="gemini-2.5-flash", contents=contents, config=config
+            ):
                 if chunk.candidates and chunk.candidates[0].content and chunk.candidates[0].content.parts:
                     parts += chunk.candidates[0].content.parts
         else:
@@ -157,9 +249,18 @@ def google_session(prompt: str, *, api_key: str, base_url: str | None, stream: b
         if not calls:
             return SessionResult("".join(p.text or "" for p in parts if not p.thought), turn, commands)
         commands += [dict(c.args or {}).get("command", "") for c in calls]
-        contents += [types.Content(role="model", parts=parts), types.Content(role="user", parts=[
-            types.Part.from_function_response(name=c.name, response={"output": run_tool(dict(c.args or {}))})
-            for c in calls])]
+        contents += [
+            types.Content(role="model", parts=parts),
+            types.Content(
+                role="user",
+                parts=[
+                    types.Part.from_function_response(
+                        name=c.name, response={"output": run_tool(dict(c.args or {}))}
+                    )
+                    for c in calls
+                ],
+            ),
+        ]
     return SessionResult("", max_turns, commands)
 
 
@@ -183,8 +284,9 @@ def shell_runner(workdir: str, *, timeout: float = 60.0, max_output: int = 4000)
     def run(args: dict) -> str:
         command = str(args.get("command", ""))
         try:
-            done = subprocess.run(["bash", "-c", command], cwd=workdir, capture_output=True, text=True,
-                                  timeout=timeout)
+            done = subprocess.run(
+                ["bash", "-c", command], cwd=workdir, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return f"error: timed out after {timeout:.0f}s"
         out = (done.stdout + done.stderr)[-max_output:]

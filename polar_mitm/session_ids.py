@@ -92,4 +92,4 @@ def parse_api_key(key: str | None) -> SessionId | None:
     """The ids in a `polar-…` API key; None for any other key (a real provider key names no session)."""
     if not key or not key.startswith(API_KEY_PREFIX):
         return None
-    return parse_compact(key[len(API_KEY_PREFIX):])
+    return parse_compact(key[len(API_KEY_PREFIX) :])

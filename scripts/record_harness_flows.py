@@ -39,8 +39,16 @@ def record(name: str, tmp: Path) -> None:
     try:
         runs = [(PROMPT, [])] + FOLLOW_UPS.get(name, [])
         for prompt, args in runs:
-            run = stack.run(harness, prompt, mode="proxy", session=session, task=TASK, workspace=tmp / name / "work",
-                            home=tmp / name / "home", args=args)
+            run = stack.run(
+                harness,
+                prompt,
+                mode="proxy",
+                session=session,
+                task=TASK,
+                workspace=tmp / name / "work",
+                home=tmp / name / "home",
+                args=args,
+            )
             if run.returncode != 0:
                 raise RuntimeError(f"{name} failed:\n{run.describe()}")
         rows = stack.records(session)

@@ -17,7 +17,10 @@ from polar_mitm.session_ids import SessionId
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = [
-    {"text": "I'll create the file.", "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}}},
+    {
+        "text": "I'll create the file.",
+        "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}},
+    },
     {"tool_call": {"name": "shell", "arguments": {"command": "cat out.txt"}}},
     "Done: out.txt contains hello.",
 ]
@@ -30,15 +33,24 @@ def main() -> None:
         tmp_path = Path(tmp)
         (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
         flow_file = tmp_path / "sdk_sessions.flow"
-        with procs.engine_and_gateway(tmp_path / "flows", confdir=tmp_path / "conf",
-                                      engine_args=["--script", str(tmp_path / "script.json")],
-                                      gateway_options={"save_stream_file": str(flow_file)}) as (_, gw):
+        with procs.engine_and_gateway(
+            tmp_path / "flows",
+            confdir=tmp_path / "conf",
+            engine_args=["--script", str(tmp_path / "script.json")],
+            gateway_options={"save_stream_file": str(flow_file)},
+        ) as (_, gw):
             for provider, driver in DRIVERS.items():
                 for stream in (False, True):
                     session = f"sample-{provider}-{'stream' if stream else 'plain'}"
-                    base = base_url_for(provider, gw.reverse_url, SessionId(session, "sample-task").path_prefix)
-                    result = driver("Write hello into out.txt, then check it.", api_key="sk-sample-not-a-secret",
-                                    base_url=base, stream=stream)
+                    base = base_url_for(
+                        provider, gw.reverse_url, SessionId(session, "sample-task").path_prefix
+                    )
+                    result = driver(
+                        "Write hello into out.txt, then check it.",
+                        api_key="sk-sample-not-a-secret",
+                        base_url=base,
+                        stream=stream,
+                    )
                     print(f"{session}: {result.calls} calls, final={result.final_text!r}")
         shutil.copy(flow_file, out / "sdk_sessions.flow")
         shards = sorted((tmp_path / "flows").glob("records-*.parquet"))

@@ -16,8 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TOOL_SCRIPT = [
-    {"text": "Let me write the file.",
-     "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}}},
+    {
+        "text": "Let me write the file.",
+        "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}},
+    },
     "Done: out.txt now says hello.",
 ]
 
@@ -55,8 +57,11 @@ def script_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
     """The tiny engine playing TOOL_SCRIPT: turn 1 a shell tool call, turn 2 a final answer."""
-    with procs.engine_running(model="tiny", log=tmp_path_factory.mktemp("engine-scripted") / "engine.log",
-                              extra_args=["--script", str(script_file)]) as url:
+    with procs.engine_running(
+        model="tiny",
+        log=tmp_path_factory.mktemp("engine-scripted") / "engine.log",
+        extra_args=["--script", str(script_file)],
+    ) as url:
         yield url
 
 
@@ -64,8 +69,9 @@ def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
 def gateway(scripted_engine_url, tmp_path_factory):
     """mitmdump + addon/polar.py (regular and reverse listeners) in front of the scripted tiny engine."""
     root = tmp_path_factory.mktemp("gateway")
-    with procs.gateway_running(scripted_engine_url, root / "flows", confdir=root / "conf",
-                               log=root / "gateway.log") as gw:
+    with procs.gateway_running(
+        scripted_engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log"
+    ) as gw:
         gw.log = root / "gateway.log"
         yield gw
 
@@ -75,10 +81,19 @@ def proxy_env(gateway, monkeypatch):
     """Point HTTPS_PROXY-honouring clients at the gateway with a session (and task) in the proxy user name."""
 
     def apply(session: str, task: str | None = None) -> None:
-        monkeypatch.setenv("HTTPS_PROXY", SessionId(session, task).proxy_url(f"127.0.0.1:{gateway.proxy_port}"))
+        monkeypatch.setenv(
+            "HTTPS_PROXY", SessionId(session, task).proxy_url(f"127.0.0.1:{gateway.proxy_port}")
+        )
         monkeypatch.setenv("SSL_CERT_FILE", str(gateway.ca_bundle()))
-        for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy",
-                     "https_proxy"):
+        for name in (
+            "NO_PROXY",
+            "no_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "https_proxy",
+        ):
             monkeypatch.delenv(name, raising=False)
 
     return apply

@@ -13,13 +13,29 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_merge_tr
 
 @pytest.mark.slow
 def test_benchmark_trains_both_builders_and_prints_the_table_with_the_ratio(tmp_path):
-    args = ["--sessions", "2", "--turns", "2", "--batch-size", "2", "--group-size", "2", "--tool-lines", "1", "2",
-            "--workdir", str(tmp_path)]
+    args = [
+        "--sessions",
+        "2",
+        "--turns",
+        "2",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--tool-lines",
+        "1",
+        "2",
+        "--workdir",
+        str(tmp_path),
+    ]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
 
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
-            if line.startswith(("per_request ", "prefix_merging ", "ratio "))}
+    rows = {
+        line.split()[0]: line.split()
+        for line in done.stdout.splitlines()
+        if line.startswith(("per_request ", "prefix_merging ", "ratio "))
+    }
     # 2 sessions × 2 turns: per_request trains 4 sequences in 2 updates, prefix_merging 2 sequences in 1 update.
     assert rows["per_request"][1:3] == ["4", "2"]
     assert rows["prefix_merging"][1:3] == ["2", "1"]

@@ -44,9 +44,16 @@ SESSION = [
 
 
 def turn(seq: int, kind: str | None, prompt: list[int]) -> TurnRecord:
-    return TurnRecord(request_id=f"r{seq}", session_id="s", seq=seq, finish_reason="stop",
-                      prompt_ids=np.asarray(prompt, dtype=np.int32), completion_ids=np.asarray([7, 9], np.int32),
-                      completion_logprobs=np.asarray([-0.5, -0.1], dtype=np.float32), call_kind=kind)
+    return TurnRecord(
+        request_id=f"r{seq}",
+        session_id="s",
+        seq=seq,
+        finish_reason="stop",
+        prompt_ids=np.asarray(prompt, dtype=np.int32),
+        completion_ids=np.asarray([7, 9], np.int32),
+        completion_logprobs=np.asarray([-0.5, -0.1], dtype=np.float32),
+        call_kind=kind,
+    )
 
 
 def test_rule():
@@ -62,7 +69,13 @@ def test_rule():
 
 def test_merge_gives_the_label_to_the_main_call_not_to_side_or_verification_calls():
     result = build_prefix_merging([turn(i, kind, p) for i, (kind, p) in enumerate(SESSION)], eot_token_id=EOT)
-    assert [s.request_ids for s in result.sequences] == [["r0", "r1", "r2"], ["r3"], ["r4"], ["r5", "r6"], ["r7"]]
+    assert [s.request_ids for s in result.sequences] == [
+        ["r0", "r1", "r2"],
+        ["r3"],
+        ["r4"],
+        ["r5", "r6"],
+        ["r7"],
+    ]
     # side (3), verification (4) and the unrelated thread (7): no prefix match; the main chain after it (5).
     assert result.breaks == {BREAK_NO_PREFIX: 3, BREAK_COMPACTION: 1}
 
@@ -74,11 +87,24 @@ def test_merge_a_retry_after_a_compaction_does_not_take_the_label():
 
 
 def records_table(kinds: bool) -> pa.Table:
-    rows = [Record(request_id=f"r{i}", session_id="s", seq=i, started_at=T0 + timedelta(seconds=i),
-                   finished_at=T0 + timedelta(seconds=i, milliseconds=5), provider="openai_chat",
-                   path="/v1/chat/completions", stream=False, finish_reason="stop", prompt_ids=prompt,
-                   completion_ids=[7, EOT], completion_logprobs=[-0.5, -0.1],
-                   call_kind=kind if kinds else None).__dict__ for i, (kind, prompt) in enumerate(SESSION)]
+    rows = [
+        Record(
+            request_id=f"r{i}",
+            session_id="s",
+            seq=i,
+            started_at=T0 + timedelta(seconds=i),
+            finished_at=T0 + timedelta(seconds=i, milliseconds=5),
+            provider="openai_chat",
+            path="/v1/chat/completions",
+            stream=False,
+            finish_reason="stop",
+            prompt_ids=prompt,
+            completion_ids=[7, EOT],
+            completion_logprobs=[-0.5, -0.1],
+            call_kind=kind if kinds else None,
+        ).__dict__
+        for i, (kind, prompt) in enumerate(SESSION)
+    ]
     table = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
     return table if kinds else table.drop_columns(["call_kind"])  # schema v2: no such column
 
@@ -104,11 +130,23 @@ def render(user: str) -> str:
 
 def call(chains: TokenChains, kind: str, user: str, ids: list[int]):
     """Plan and commit one single-message call; returns its plan (reason and spliced_turns as recorded)."""
-    plan = chains.plan("s", render(user), [Message(role="user", content=user)], lambda text: [0] * len(text),
-                       kind)
-    chains.commit(plan, Completion(id="c", model="m", content="ok", reasoning=None, tool_calls=[],
-                                   finish_reason="stop", prompt_ids=plan.input_ids or ids,
-                                   completion_ids=[7, EOT], completion_logprobs=[-0.5, -0.1]))
+    plan = chains.plan(
+        "s", render(user), [Message(role="user", content=user)], lambda text: [0] * len(text), kind
+    )
+    chains.commit(
+        plan,
+        Completion(
+            id="c",
+            model="m",
+            content="ok",
+            reasoning=None,
+            tool_calls=[],
+            finish_reason="stop",
+            prompt_ids=plan.input_ids or ids,
+            completion_ids=[7, EOT],
+            completion_logprobs=[-0.5, -0.1],
+        ),
+    )
     return plan
 
 

@@ -13,9 +13,14 @@ import re
 from polar_mitm.codecs import CODECS
 from polar_mitm.gateway.engine_client import status_error
 
-ENGINE_SAYS = json.dumps({"object": "error", "type": "BadRequestError", "code": 400,
-                          "message": "The input (9000 tokens) is longer than the model's context length "
-                                     "(8192 tokens)."}).encode()
+ENGINE_SAYS = json.dumps(
+    {
+        "object": "error",
+        "type": "BadRequestError",
+        "code": 400,
+        "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+    }
+).encode()
 
 
 def error_body(provider: str) -> tuple[int, dict]:
@@ -41,7 +46,10 @@ def test_openai_overflow_has_the_code_and_wording():
 def test_google_overflow_is_invalid_argument_with_counts():
     status, body = error_body("google")
     assert status == 400 and body["error"]["status"] == "INVALID_ARGUMENT"
-    assert "input token count (9000) exceeds the maximum number of tokens allowed (8192)" in body["error"]["message"]
+    assert (
+        "input token count (9000) exceeds the maximum number of tokens allowed (8192)"
+        in body["error"]["message"]
+    )
 
 
 def test_other_engine_errors_keep_their_message():

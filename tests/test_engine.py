@@ -9,11 +9,24 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-TOOLS = [{"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-MESSAGES = [{"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Write hello into out.txt"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+MESSAGES = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Write hello into out.txt"},
+]
 
 
 def client(url: str) -> OpenAI:
@@ -27,14 +40,21 @@ def ids_extra(choice) -> tuple[list[int], list[int]]:
 
 def test_chat_answer_parses_and_ids_match_logprobs_and_text(engine_url, tiny_engine):
     completion = client(engine_url).chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=7, logprobs=True,
-        extra_body={"return_token_ids": True, "return_meta_info": True})
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=1.0,
+        seed=7,
+        logprobs=True,
+        extra_body={"return_token_ids": True, "return_meta_info": True},
+    )
     choice = completion.choices[0]
     prompt_ids, response_ids = ids_extra(choice)
     assert len(response_ids) == len(choice.logprobs.content) == completion.usage.completion_tokens > 0
     assert all(entry.logprob <= 0 for entry in choice.logprobs.content)
     assert prompt_ids == tiny_engine.tokenizer.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     decoded = tiny_engine.tokenizer.decode(response_ids, skip_special_tokens=True)
     reasoning = (choice.message.model_extra or {}).get("reasoning_content")
     if reasoning is None:  # random weights: a `</think>` among the sampled ids is possible but rare
@@ -50,8 +70,14 @@ def test_chat_answer_parses_and_ids_match_logprobs_and_text(engine_url, tiny_eng
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_equal_a_forward_pass_of_the_same_weights(engine_url, tiny_engine, temperature):
     completion = client(engine_url).chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=32, temperature=temperature, seed=3, logprobs=True,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=32,
+        temperature=temperature,
+        seed=3,
+        logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choice = completion.choices[0]
     prompt_ids, response_ids = ids_extra(choice)
     served = [e.logprob for e in choice.logprobs.content]
@@ -63,7 +89,8 @@ def test_logprobs_equal_a_forward_pass_of_the_same_weights(engine_url, tiny_engi
 def test_same_seed_same_ids_and_other_seed_other_ids(engine_url):
     def sample(seed):
         c = client(engine_url).chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=16, seed=seed, extra_body={"return_token_ids": True})
+            model="tiny", messages=MESSAGES, max_tokens=16, seed=seed, extra_body={"return_token_ids": True}
+        )
         return ids_extra(c.choices[0])[1]
 
     assert sample(11) == sample(11)
@@ -72,13 +99,28 @@ def test_same_seed_same_ids_and_other_seed_other_ids(engine_url):
 
 def test_generate_with_input_ids_agrees_with_chat(engine_url):
     chat = client(engine_url).chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=12, seed=5, temperature=0.8,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=12,
+        seed=5,
+        temperature=0.8,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     prompt_ids, response_ids = ids_extra(chat.choices[0])
-    gen = httpx.post(f"{engine_url}/generate", json={
-        "input_ids": prompt_ids, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 12, "temperature": 0.8, "sampling_seed": 5, "ignore_eos": True}},
-        timeout=60).json()
+    gen = httpx.post(
+        f"{engine_url}/generate",
+        json={
+            "input_ids": prompt_ids,
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "temperature": 0.8,
+                "sampling_seed": 5,
+                "ignore_eos": True,
+            },
+        },
+        timeout=60,
+    ).json()
     assert gen["output_ids"] == response_ids
     triples = gen["meta_info"]["output_token_logprobs"]
     assert [t[1] for t in triples] == response_ids and all(t[0] <= 0 for t in triples)
@@ -89,8 +131,11 @@ def test_streaming_chat_matches_non_streaming_and_sends_sglext_ids(engine_url):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=20, seed=9, temperature=1.0, logprobs=True)
     plain = client(engine_url).chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
     stream = client(engine_url).chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True},
-        extra_body={"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True})
+        **kwargs,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True},
+    )
     text, n_logprobs, sglext, usage, finish = "", 0, None, None, None
     for chunk in stream:
         if chunk.usage:
@@ -112,21 +157,26 @@ def test_streaming_chat_matches_non_streaming_and_sends_sglext_ids(engine_url):
 
 def test_scripted_tool_call_parses_in_sdk_plain_and_streaming(scripted_engine_url, tiny_engine):
     c = client(scripted_engine_url)
-    first = c.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, logprobs=True,
-                                      extra_body={"return_token_ids": True})
+    first = c.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, logprobs=True, extra_body={"return_token_ids": True}
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]
     assert call.function.name == "shell" and json.loads(call.function.arguments) == {
-        "command": "echo hello > out.txt"}
+        "command": "echo hello > out.txt"
+    }
     assert choice.message.content == "Let me write the file."
     prompt_ids, response_ids = ids_extra(choice)
     # Scripted tokens still carry the model's true logprobs.
     scored = tiny_engine.score(prompt_ids, response_ids)
     served = [e.logprob for e in choice.logprobs.content]
     assert max(abs(a - b) for a, b in zip(served, scored, strict=True)) <= 1e-4
-    follow_up = [*MESSAGES, choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": ""}]
+    follow_up = [
+        *MESSAGES,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": ""},
+    ]
     second = c.chat.completions.create(model="tiny", messages=follow_up, tools=TOOLS)
     assert second.choices[0].message.content == "Done: out.txt now says hello."
     assert second.choices[0].finish_reason == "stop"
@@ -146,8 +196,9 @@ def test_scripted_tool_call_parses_in_sdk_plain_and_streaming(scripted_engine_ur
 def test_stop_string_is_trimmed_from_text_but_its_tokens_are_kept(scripted_engine_url, tiny_engine):
     c = client(scripted_engine_url)
     follow_up = [*MESSAGES, {"role": "assistant", "content": "x"}, {"role": "user", "content": "go on"}]
-    out = c.chat.completions.create(model="tiny", messages=follow_up, stop=["now says"],
-                                    extra_body={"return_token_ids": True})
+    out = c.chat.completions.create(
+        model="tiny", messages=follow_up, stop=["now says"], extra_body={"return_token_ids": True}
+    )
     choice = out.choices[0]
     assert choice.message.content == "Done: out.txt "
     assert choice.finish_reason == "stop"
@@ -159,12 +210,21 @@ def test_bad_input_gets_400_and_the_server_stays_up(engine_url):
     with pytest.raises(BadRequestError):
         c.chat.completions.create(model="tiny", messages=[])
     with pytest.raises(BadRequestError):
-        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        c.chat.completions.create(
+            model="tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                }
+            ],
+        )
     r = httpx.post(f"{engine_url}/v1/chat/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["object"] == "error"
-    r = httpx.post(f"{engine_url}/generate", json={"input_ids": [1, 2, 3],
-                                                     "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
+    r = httpx.post(
+        f"{engine_url}/generate",
+        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "bogus": 1}},
+    )
     assert r.status_code == 400 and "bogus" in r.json()["message"]
     info = httpx.get(f"{engine_url}/model_info").json()
     too_long = [100] * (info["context_length"] + 1)
@@ -192,8 +252,12 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path, engine_u
 
     def greedy():
         c = client(engine_url).chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, extra_body={"return_token_ids": True,
-                                                                                     "ignore_eos": True})
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         return ids_extra(c.choices[0])[1]
 
     before, version = greedy(), httpx.get(f"{engine_url}/model_info").json()["weight_version"]
@@ -204,8 +268,11 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path, engine_u
         assert httpx.get(f"{engine_url}/model_info").json()["weight_version"] != version
         assert greedy() != before
     finally:
-        httpx.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(resolve_model("tiny"))},
-                   timeout=60)
+        httpx.post(
+            f"{engine_url}/update_weights_from_disk",
+            json={"model_path": str(resolve_model("tiny"))},
+            timeout=60,
+        )
     bad = httpx.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and not bad.json()["success"]
 
@@ -214,7 +281,10 @@ def test_tokenize_and_model_listing(engine_url, tiny_engine):
     r = httpx.post(f"{engine_url}/tokenize", json={"prompt": "hello world"}).json()
     assert r["tokens"] == tiny_engine.tokenizer.encode("hello world") and r["count"] == 2
     r = httpx.post(f"{engine_url}/tokenize", json={"messages": MESSAGES}).json()
-    assert r["count"] == len(tiny_engine.tokenizer.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert r["count"] == len(
+        tiny_engine.tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
     models = client(engine_url).models.list()
     assert [m.id for m in models.data] == ["tiny"]

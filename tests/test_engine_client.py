@@ -33,11 +33,19 @@ async def _engine_that_drops_reused_connections():
                     seen["dropped"] += 1
                     writer.close()
                     return
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+                )
                 await writer.drain()
                 seen["answered"] += 1
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -53,7 +61,9 @@ def test_a_call_on_a_connection_the_engine_is_closing_is_sent_again(call):
         server, url, seen = await _engine_that_drops_reused_connections()
         client = EngineClient(url)
         try:
-            assert orjson.loads(await client.chat(b"{}")) == {"ok": True}  # leaves a pooled keep-alive connection
+            assert orjson.loads(await client.chat(b"{}")) == {
+                "ok": True
+            }  # leaves a pooled keep-alive connection
             if call == "chat":
                 second = orjson.loads(await client.chat(b"{}"))
             else:

@@ -65,8 +65,9 @@ def test_load_declares_each_field_as_a_mitmproxy_option():
     with taddons.context(addon) as tctx:
         for option in mitmproxy_options():
             assert tctx.options.default(option.name) == option.default
-    assert {option.name for option in mitmproxy_options()} == {PREFIX + f.name for f in
-                                                              dataclasses.fields(GatewayOptions)}
+    assert {option.name for option in mitmproxy_options()} == {
+        PREFIX + f.name for f in dataclasses.fields(GatewayOptions)
+    }
 
 
 @pytest.fixture
@@ -84,10 +85,22 @@ def running(tmp_path) -> Iterator[tuple[PolarGateway, Any]]:
 
 
 BAD_VALUES = [
-    "polar_passthrough=forward", "polar_prompt_mode=words", "polar_stream=later", "polar_max_tokens=-1",
-    "polar_max_tokens=many", "polar_engine_timeout=-5", "polar_rotate_mb=-1", "polar_rotate_seconds=-1",
-    "polar_max_body_mb=-64", "polar_temperature=hot", "polar_temperature=-0.5", "polar_top_p=nan",
-    "polar_keepalive_seconds=soon", "polar_shutdown_grace_seconds=-1", "polar_fsync=maybe", "polar_out=FILE",
+    "polar_passthrough=forward",
+    "polar_prompt_mode=words",
+    "polar_stream=later",
+    "polar_max_tokens=-1",
+    "polar_max_tokens=many",
+    "polar_engine_timeout=-5",
+    "polar_rotate_mb=-1",
+    "polar_rotate_seconds=-1",
+    "polar_max_body_mb=-64",
+    "polar_temperature=hot",
+    "polar_temperature=-0.5",
+    "polar_top_p=nan",
+    "polar_keepalive_seconds=soon",
+    "polar_shutdown_grace_seconds=-1",
+    "polar_fsync=maybe",
+    "polar_out=FILE",
 ]
 PARSED_BY_MITMPROXY = {"polar_max_tokens=many", "polar_fsync=maybe"}  # its message does not name the option
 
@@ -103,8 +116,12 @@ def test_a_bad_value_set_at_run_time_is_refused_and_changes_nothing(running, tmp
         tctx.options.set(spec.replace("=FILE", f"={tmp_path / 'FILE'}"))
     assert getattr(tctx.options, name) == old_value
     assert (addon.options, addon.writer, addon.engine, addon.prompts, addon.gateway) == built
-    assert all(new is old for new, old in zip((addon.options, addon.writer, addon.engine, addon.prompts,
-                                               addon.gateway), built, strict=True))
+    assert all(
+        new is old
+        for new, old in zip(
+            (addon.options, addon.writer, addon.engine, addon.prompts, addon.gateway), built, strict=True
+        )
+    )
 
 
 def test_a_good_value_rebuilds_only_what_it_concerns_and_numbering_goes_on(running):

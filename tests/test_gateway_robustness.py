@@ -34,8 +34,9 @@ MODEL_PATHS = {
 def dead_gateway(tmp_path_factory):
     """A gateway whose engine does not exist."""
     root = tmp_path_factory.mktemp("dead")
-    gw = procs.start_gateway(f"http://127.0.0.1:{procs.free_port()}", root / "flows", confdir=root / "conf",
-                             log=root / "gw.log")
+    gw = procs.start_gateway(
+        f"http://127.0.0.1:{procs.free_port()}", root / "flows", confdir=root / "conf", log=root / "gw.log"
+    )
     yield gw
     gw.stop()
 
@@ -44,8 +45,13 @@ def dead_gateway(tmp_path_factory):
 def small_context_gateway(tmp_path_factory):
     """A gateway in front of an engine whose context is only 64 tokens."""
     root = tmp_path_factory.mktemp("small")
-    with procs.engine_and_gateway(root / "flows", confdir=root / "conf", engine_args=["--context-length", "64"],
-                                  engine_log=root / "engine.log", gateway_log=root / "gw.log") as (_, gw):
+    with procs.engine_and_gateway(
+        root / "flows",
+        confdir=root / "conf",
+        engine_args=["--context-length", "64"],
+        engine_log=root / "engine.log",
+        gateway_log=root / "gw.log",
+    ) as (_, gw):
         yield gw
 
 
@@ -56,7 +62,8 @@ def sdk_errors(gw, session):
     raised = {}
     try:
         anthropic.Anthropic(api_key=KEY, base_url=prefix, max_retries=0).messages.create(
-            model="claude", max_tokens=16, messages=[{"role": "user", "content": long_text}])
+            model="claude", max_tokens=16, messages=[{"role": "user", "content": long_text}]
+        )
     except anthropic.APIStatusError as exc:
         raised["anthropic"] = exc
     client = openai.OpenAI(api_key=KEY, base_url=f"{prefix}/v1", max_retries=0)
@@ -102,8 +109,9 @@ def test_context_overflow_is_a_provider_shaped_400(small_context_gateway):
 def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_engine_url, tmp_path):
     out = tmp_path / "flows"
     gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
-    client = openai.OpenAI(api_key=KEY, base_url=SessionId("durable").base_url(gw.reverse_url, "/v1"),
-                           max_retries=0)
+    client = openai.OpenAI(
+        api_key=KEY, base_url=SessionId("durable").base_url(gw.reverse_url, "/v1"), max_retries=0
+    )
     for _ in range(5):
         client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
     gw.proc.send_signal(signal.SIGKILL)
@@ -116,8 +124,9 @@ def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_en
         # The restart compacted the journal into a readable shard, and seq goes on from 5.
         shards = list(out.glob("records-*.parquet"))
         assert len(shards) == 1 and len(read_all(out, include_journal=False)) == 5
-        client = openai.OpenAI(api_key=KEY, base_url=SessionId("durable").base_url(gw2.reverse_url, "/v1"),
-                               max_retries=0)
+        client = openai.OpenAI(
+            api_key=KEY, base_url=SessionId("durable").base_url(gw2.reverse_url, "/v1"), max_retries=0
+        )
         client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}])
         seqs = sorted(r["seq"] for r in read_all(out).to_pylist())
         assert seqs == [0, 1, 2, 3, 4, 5]
@@ -129,25 +138,39 @@ def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_en
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
-near_valid = st.fixed_dictionaries({
-    "model": st.one_of(st.text(max_size=8), st.integers()),
-    "max_tokens": st.one_of(st.integers(-5, 50), st.text(max_size=3)),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
-                                                "content": json_values}), max_size=3),
-    "input": json_values, "contents": json_values,
-})
+near_valid = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.text(max_size=8), st.integers()),
+        "max_tokens": st.one_of(st.integers(-5, 50), st.text(max_size=3)),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant", "x"]), "content": json_values}
+            ),
+            max_size=3,
+        ),
+        "input": json_values,
+        "contents": json_values,
+    }
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.one_of(json_values, near_valid), provider=st.sampled_from(list(MODEL_PATHS)),
-       raw=st.booleans())
+@given(
+    body=st.one_of(json_values, near_valid), provider=st.sampled_from(list(MODEL_PATHS)), raw=st.booleans()
+)
 def test_fuzzed_bodies_never_crash_the_gateway(gateway, body, provider, raw):
     payload = json.dumps(body).encode()[:-1] if raw else json.dumps(body).encode()  # raw: broken JSON
-    r = httpx.post(SessionId("fuzz").base_url(gateway.reverse_url, MODEL_PATHS[provider]), content=payload,
-                   headers={"content-type": "application/json", "x-api-key": KEY}, timeout=60)
+    r = httpx.post(
+        SessionId("fuzz").base_url(gateway.reverse_url, MODEL_PATHS[provider]),
+        content=payload,
+        headers={"content-type": "application/json", "x-api-key": KEY},
+        timeout=60,
+    )
     assert r.status_code in (200, 400) or r.status_code >= 500 and r.status_code != 500, r.text
     assert isinstance(r.json(), dict | list)
 
@@ -176,14 +199,26 @@ def test_side_traffic_gets_prompt_provider_shaped_answers(gateway, proxy_env):
 
 
 def test_claude_code_billing_line_does_not_change_the_prompt(gateway):
-    client = anthropic.Anthropic(api_key=KEY, base_url=SessionId("billing").base_url(gateway.reverse_url),
-                                 max_retries=0)
+    client = anthropic.Anthropic(
+        api_key=KEY, base_url=SessionId("billing").base_url(gateway.reverse_url), max_retries=0
+    )
     for cch in ("8f3a1", "77c02"):
-        client.messages.create(model="claude", max_tokens=8, messages=[{"role": "user", "content": "hi"}], system=[
-            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.14; cc_entrypoint=cli; cch={cch};"},
-            {"type": "text", "text": "You are Claude Code."}])
-    rows = sorted((r for r in read_all(gateway.out_dir).to_pylist() if r["session_id"] == "billing"),
-                  key=lambda r: r["seq"])
+        client.messages.create(
+            model="claude",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+            system=[
+                {
+                    "type": "text",
+                    "text": f"x-anthropic-billing-header: cc_version=2.0.14; cc_entrypoint=cli; cch={cch};",
+                },
+                {"type": "text", "text": "You are Claude Code."},
+            ],
+        )
+    rows = sorted(
+        (r for r in read_all(gateway.out_dir).to_pylist() if r["session_id"] == "billing"),
+        key=lambda r: r["seq"],
+    )
     assert len(rows) == 2 and rows[0]["prompt_ids"] == rows[1]["prompt_ids"]
     assert "cch=8f3a1" in rows[0]["request_json"] and "cch=77c02" in rows[1]["request_json"]
     assert "billing" not in rows[0]["messages_json"]
@@ -194,11 +229,13 @@ def test_concurrent_sessions_are_never_mixed_up(gateway):
 
     def one(i):
         session = f"conc-{i}-{uuid.uuid4().hex[:6]}"
-        c = openai.OpenAI(api_key=SessionId(session).api_key, base_url=f"{gateway.reverse_url}/v1",
-                          max_retries=0)
+        c = openai.OpenAI(
+            api_key=SessionId(session).api_key, base_url=f"{gateway.reverse_url}/v1", max_retries=0
+        )
         tools = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}]
-        out = c.chat.completions.create(model="gpt", messages=[{"role": "user", "content": f"n={i}"}],
-                                        tools=tools)
+        out = c.chat.completions.create(
+            model="gpt", messages=[{"role": "user", "content": f"n={i}"}], tools=tools
+        )
         return session, out.choices[0].message.tool_calls[0].function.name
 
     with cf.ThreadPoolExecutor(16) as pool:

@@ -37,8 +37,9 @@ def session_records(gateway, session):
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("mode", ["proxy", "reverse"])
 @pytest.mark.parametrize("provider", list(DRIVERS))
-def test_sdk_two_turn_tool_session_is_answered_and_recorded(gateway, proxy_env, tiny_engine, provider, mode,
-                                                            stream):
+def test_sdk_two_turn_tool_session_is_answered_and_recorded(
+    gateway, proxy_env, tiny_engine, provider, mode, stream
+):
     session, task = f"{provider}-{mode}-{uuid.uuid4().hex[:8]}", f"task-{provider}"
     if mode == "proxy":
         proxy_env(session, task)

@@ -15,24 +15,27 @@ from polar_mitm.storage.journal_format import JOURNAL_DIR, read_journal
 from polar_mitm.storage.records import RECORD_SCHEMA, Record, read_all
 
 
-@pytest.mark.parametrize(("path", "headers", "body", "expected"), [
-    ("/v1/messages", {}, {}, "anthropic"),
-    ("/s/abc/v1/messages", {}, {}, "anthropic"),
-    ("/v1/chat/completions", {}, {}, "openai_chat"),
-    ("/api/v1/chat/completions", {}, {}, "openai_chat"),
-    ("/chat/completions", {}, {}, "openai_chat"),
-    ("/v1/responses", {}, {}, "openai_responses"),
-    ("/backend-api/codex/responses", {}, {}, "openai_responses"),
-    ("/v1beta/models/gemini-2.5-pro:generateContent", {}, {}, "google"),
-    ("/v1/models/gemini-2.5-pro:streamGenerateContent", {}, {}, "google"),
-    # No known path: headers, then the body's shape decide.
-    ("/proxy/x", {"anthropic-version": "2023-06-01"}, {"messages": [], "model": "c"}, "anthropic"),
-    ("/proxy/x", {}, {"contents": []}, "google"),
-    ("/proxy/x", {}, {"model": "m", "input": "hi"}, "openai_responses"),
-    ("/proxy/x", {}, {"model": "m", "messages": []}, "openai_chat"),
-    ("/v1/messages/count_tokens", {}, {"foo": 1}, None),
-    ("/telemetry", {}, {"events": []}, None),
-])
+@pytest.mark.parametrize(
+    ("path", "headers", "body", "expected"),
+    [
+        ("/v1/messages", {}, {}, "anthropic"),
+        ("/s/abc/v1/messages", {}, {}, "anthropic"),
+        ("/v1/chat/completions", {}, {}, "openai_chat"),
+        ("/api/v1/chat/completions", {}, {}, "openai_chat"),
+        ("/chat/completions", {}, {}, "openai_chat"),
+        ("/v1/responses", {}, {}, "openai_responses"),
+        ("/backend-api/codex/responses", {}, {}, "openai_responses"),
+        ("/v1beta/models/gemini-2.5-pro:generateContent", {}, {}, "google"),
+        ("/v1/models/gemini-2.5-pro:streamGenerateContent", {}, {}, "google"),
+        # No known path: headers, then the body's shape decide.
+        ("/proxy/x", {"anthropic-version": "2023-06-01"}, {"messages": [], "model": "c"}, "anthropic"),
+        ("/proxy/x", {}, {"contents": []}, "google"),
+        ("/proxy/x", {}, {"model": "m", "input": "hi"}, "openai_responses"),
+        ("/proxy/x", {}, {"model": "m", "messages": []}, "openai_chat"),
+        ("/v1/messages/count_tokens", {}, {"foo": 1}, None),
+        ("/telemetry", {}, {"events": []}, None),
+    ],
+)
 def test_provider_detection_by_path_then_headers_then_body(path, headers, body, expected):
     codec = detect(path, headers, body)
     assert (codec.name if codec else None) == expected
@@ -47,17 +50,21 @@ def test_identity_first_match_wins_in_documented_order():
     h = {"x-polar-session": "hdr", "x-polar-task": "T", "x-api-key": "polar-key"}
     who, path = resolve(h, "/s/p/v1/messages", {}, proxy_user_name="u", connection_id="c1")
     assert (who.session_id, who.task_id, who.source, path) == ("hdr", "T", "header", "/v1/messages")
-    who, _ = resolve({"x-api-key": "polar-key"}, "/s/p/v1/messages", {}, proxy_user_name="task9/u",
-                     connection_id="c1")
+    who, _ = resolve(
+        {"x-api-key": "polar-key"}, "/s/p/v1/messages", {}, proxy_user_name="task9/u", connection_id="c1"
+    )
     assert (who.session_id, who.task_id, who.source) == ("u", "task9", "proxy_auth")
-    who, path = resolve({"x-api-key": "polar-key"}, "/t/tk/s/p/v1/messages", {}, proxy_user_name=None,
-                        connection_id="c1")
+    who, path = resolve(
+        {"x-api-key": "polar-key"}, "/t/tk/s/p/v1/messages", {}, proxy_user_name=None, connection_id="c1"
+    )
     assert (who.session_id, who.task_id, who.source, path) == ("p", "tk", "path", "/v1/messages")
-    who, _ = resolve({"authorization": "Bearer polar-tt/kk"}, "/v1/x", {}, proxy_user_name=None,
-                     connection_id="c1")
+    who, _ = resolve(
+        {"authorization": "Bearer polar-tt/kk"}, "/v1/x", {}, proxy_user_name=None, connection_id="c1"
+    )
     assert (who.session_id, who.task_id, who.source) == ("kk", "tt", "api_key")
-    who, _ = resolve({}, "/v1beta/models/g:generateContent", {"key": "polar-gk"}, proxy_user_name=None,
-                     connection_id="c1")
+    who, _ = resolve(
+        {}, "/v1beta/models/g:generateContent", {"key": "polar-gk"}, proxy_user_name=None, connection_id="c1"
+    )
     assert (who.session_id, who.source) == ("gk", "api_key")
     who, _ = resolve({"x-api-key": "sk-real"}, "/v1/messages", {}, proxy_user_name=None, connection_id="c9")
     assert (who.session_id, who.task_id, who.source) == ("conn-c9", None, "connection")
@@ -66,18 +73,33 @@ def test_identity_first_match_wins_in_documented_order():
 def test_proxy_user_is_decoded_and_harness_ids_are_kept():
     assert identity.proxy_user(basic("task%2Fsess")) == "task/sess"
     assert identity.proxy_user("Bearer abc") is None and identity.proxy_user(None) is None
-    who, _ = identity.resolve({"x-claude-code-session-id": "cc-1", "authorization": "Bearer sk"}, "/v1/messages",
-                              {}, proxy_user_name=None, connection_id="c")
+    who, _ = identity.resolve(
+        {"x-claude-code-session-id": "cc-1", "authorization": "Bearer sk"},
+        "/v1/messages",
+        {},
+        proxy_user_name=None,
+        connection_id="c",
+    )
     assert who.harness_ids == {"x-claude-code-session-id": "cc-1"}
     assert identity.scrub_headers({"Authorization": "x", "X-Api-Key": "y", "ok": "1"}) == {"ok": "1"}
 
 
 def make_record(i: int, session: str = "s") -> dict:
     now = datetime.now(UTC)
-    return Record(request_id=f"r{i}", session_id=session, seq=i, started_at=now, finished_at=now,
-                  provider="openai_chat", path="/v1/chat/completions", stream=False, finish_reason="stop",
-                  prompt_ids=list(range(i + 3)), completion_ids=[7, 8], completion_logprobs=[-0.5, -0.25]
-                  ).to_journal()
+    return Record(
+        request_id=f"r{i}",
+        session_id=session,
+        seq=i,
+        started_at=now,
+        finished_at=now,
+        provider="openai_chat",
+        path="/v1/chat/completions",
+        stream=False,
+        finish_reason="stop",
+        prompt_ids=list(range(i + 3)),
+        completion_ids=[7, 8],
+        completion_logprobs=[-0.5, -0.25],
+    ).to_journal()
 
 
 def test_writer_acknowledges_after_disk_and_compacts_on_close(tmp_path):

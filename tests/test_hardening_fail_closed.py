@@ -65,8 +65,9 @@ def wait_rows(out_dir: Path, session: str, count: int, timeout: float = 30) -> l
 
 def gateway(backend: str, root: Path, **options: str) -> procs.GatewayProcess:
     options = {"save_stream_file": str(root / "flows.mitm"), **options}
-    return procs.start_gateway(backend, root / "flows", confdir=root / "conf", log=root / "gw.log",
-                               options=options)
+    return procs.start_gateway(
+        backend, root / "flows", confdir=root / "conf", log=root / "gw.log", options=options
+    )
 
 
 def vm_hwm_mb(pid: int) -> float:
@@ -102,8 +103,20 @@ BAD_OPTIONS = [
 def test_an_option_the_addon_cannot_apply_stops_mitmdump_with_one_line(tmp_path, settings, name):
     """Before: mitmdump started and listened with the addon inert, and forwarded a call to the real provider."""
     port = procs.free_port()
-    cmd = [MITMDUMP, "-q", "-s", str(procs.addon_path()), "--listen-host", "127.0.0.1", "-p", str(port),
-           "--set", f"confdir={tmp_path / 'conf'}", "--set", "polar_backend=http://127.0.0.1:9"]
+    cmd = [
+        MITMDUMP,
+        "-q",
+        "-s",
+        str(procs.addon_path()),
+        "--listen-host",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "--set",
+        f"confdir={tmp_path / 'conf'}",
+        "--set",
+        "polar_backend=http://127.0.0.1:9",
+    ]
     (tmp_path / "FILE").write_text("not a folder")
     for setting in settings:
         for placeholder in ("A", "B", "FILE"):
@@ -133,6 +146,7 @@ def test_an_unconfigured_addon_answers_and_forwards_nothing():
 
 # ---- 3: secrets never reach a flow file or a log ------------------------------------------------------------
 
+
 def raw_exchange(port: int, data: bytes, *, close_after: float = 0.5) -> bytes:
     """Send raw bytes, read for a moment, close."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -152,20 +166,44 @@ def test_secrets_of_requests_that_never_complete_stay_out_of_flow_files_and_logs
     Authorization and x-api-key in the `-w` file; mitmproxy's log showed `user:SECRET@` of a bad request line."""
     port, proxy_port = procs.free_port(), procs.free_port()
     log = tmp_path / "gw.log"
-    cmd = [MITMDUMP, "-s", str(procs.addon_path()), "--mode", f"reverse:http://127.0.0.1:9@{port}",
-           "--mode", f"regular@{proxy_port}", "--listen-host", "127.0.0.1",
-           "--set", f"confdir={tmp_path / 'conf'}", "--set", "polar_backend=http://127.0.0.1:9",
-           "--set", f"polar_out={tmp_path / 'flows'}", "--set", f"save_stream_file={tmp_path / 'flows.mitm'}"]
+    cmd = [
+        MITMDUMP,
+        "-s",
+        str(procs.addon_path()),
+        "--mode",
+        f"reverse:http://127.0.0.1:9@{port}",
+        "--mode",
+        f"regular@{proxy_port}",
+        "--listen-host",
+        "127.0.0.1",
+        "--set",
+        f"confdir={tmp_path / 'conf'}",
+        "--set",
+        "polar_backend=http://127.0.0.1:9",
+        "--set",
+        f"polar_out={tmp_path / 'flows'}",
+        "--set",
+        f"save_stream_file={tmp_path / 'flows.mitm'}",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         procs.wait_port(port, proc=proc)
         procs.wait_port(proxy_port, proc=proc)
         secrets = f"Authorization: Bearer {SECRET}\r\nx-api-key: {SECRET}\r\nx-goog-api-key: {SECRET}\r\n"
-        raw_exchange(port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: 1000\r\n\r\n"
-                            '{"model": "gpt"').encode())
-        raw_exchange(port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: abc\r\n\r\n{{}}".encode())
-        raw_exchange(port, f"POST {CHAT}?key={SECRET} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: 9\r\n\r\nab".encode())
+        raw_exchange(
+            port,
+            (
+                f'POST {CHAT} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: 1000\r\n\r\n{{"model": "gpt"'
+            ).encode(),
+        )
+        raw_exchange(
+            port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: abc\r\n\r\n{{}}".encode()
+        )
+        raw_exchange(
+            port,
+            f"POST {CHAT}?key={SECRET} HTTP/1.1\r\nHost: x\r\n{secrets}Content-Length: 9\r\n\r\nab".encode(),
+        )
         raw_exchange(proxy_port, f"POST http://user:{SECRET}@api.openai.com{CHAT} HTTP/1.1\r\n\r\n".encode())
         raw_exchange(proxy_port, f"CONNECT user:{SECRET}@api.openai.com:443 HTTP/1.1\r\n\r\n".encode())
         time.sleep(0.5)
@@ -181,6 +219,7 @@ def test_secrets_of_requests_that_never_complete_stay_out_of_flow_files_and_logs
 
 
 # ---- 5: SIGTERM during calls: each one ends as an `abort` record -------------------------------------------
+
 
 def stream_until_killed(url: str, body: dict[str, Any], got: dict[str, int]) -> None:
     try:
@@ -208,8 +247,11 @@ def test_sigterm_records_every_call_in_flight_as_abort_with_what_was_sampled(slo
     assert max(got.values()) >= 4000, got
     for i in range(2):  # two calls answered whole, in flight too
         url = SessionId(f"{session}-w{i}").base_url(gw.reverse_url, CHAT)
-        threads.append(threading.Thread(target=lambda u=url: httpx.post(u, json=chat_body("whole", max_tokens=3000),
-                                                                        timeout=120)))
+        threads.append(
+            threading.Thread(
+                target=lambda u=url: httpx.post(u, json=chat_body("whole", max_tokens=3000), timeout=120)
+            )
+        )
         threads[-1].start()
     time.sleep(1.0)
     started = time.monotonic()
@@ -223,13 +265,17 @@ def test_sigterm_records_every_call_in_flight_as_abort_with_what_was_sampled(slo
     assert all(r["finish_reason"] == "abort" and r["status_code"] == 499 for r in rows)
     assert all("shut down" in r["error"] for r in rows), [r["error"] for r in rows]
     sampled = [len(r["completion_ids"] or []) for r in rows]
-    assert sampled == [len(r["completion_logprobs"] or []) for r in rows] == [r["completion_tokens"] or 0
-                                                                              for r in rows]
+    assert (
+        sampled
+        == [len(r["completion_logprobs"] or []) for r in rows]
+        == [r["completion_tokens"] or 0 for r in rows]
+    )
     assert max(sampled) > 20, sampled  # the stream that was sampling: its tokens are in its record
     assert exited < 1 + 15, f"exit took {exited:.1f}s"
 
 
 # ---- 7: an HTTP/2 stream reset cancels its engine call -----------------------------------------------------
+
 
 class H2Client:
     """HTTP/2 over TLS through the gateway's HTTPS_PROXY listener, with control over each stream."""
@@ -253,10 +299,18 @@ class H2Client:
     def post(self, path: str, body: dict[str, Any]) -> int:
         stream = self.conn.get_next_available_stream_id()
         data = json.dumps(body).encode()
-        self.conn.send_headers(stream, [(":method", "POST"), (":path", path), (":scheme", "https"),
-                                        (":authority", self.host), ("content-type", "application/json"),
-                                        ("authorization", f"Bearer {SECRET}"),
-                                        ("content-length", str(len(data)))])
+        self.conn.send_headers(
+            stream,
+            [
+                (":method", "POST"),
+                (":path", path),
+                (":scheme", "https"),
+                (":authority", self.host),
+                ("content-type", "application/json"),
+                ("authorization", f"Bearer {SECRET}"),
+                ("content-length", str(len(data))),
+            ],
+        )
         self.conn.send_data(stream, data, end_stream=True)
         self._flush()
         return stream
@@ -299,8 +353,9 @@ def test_an_http2_stream_reset_cancels_the_engine_call_and_is_recorded_abort(slo
         rows = wait_rows(gw.out_dir, session, 1, timeout=20)
         aborted_after = time.monotonic() - reset_at
         # The connection lives on: a new stream on it is answered.
-        status, answer = client.response(client.post(SessionId(session).base_url("", CHAT),
-                                                     {**body, "max_tokens": 3}), timeout=30)
+        status, answer = client.response(
+            client.post(SessionId(session).base_url("", CHAT), {**body, "max_tokens": 3}), timeout=30
+        )
         client.close()
     finally:
         gw.stop()
@@ -316,19 +371,25 @@ def test_an_http2_stream_reset_cancels_the_engine_call_and_is_recorded_abort(slo
 
 # ---- 8: a body over the limit is refused at its headers, and never buffered --------------------------------
 
+
 def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_engine, tmp_path):
     """Before: a 1 GiB body took the gateway from 682 MB to a 2.7 GB peak, the 413 came after 11.4 s."""
     gw = gateway(slow_engine, tmp_path, polar_max_body_mb="1")
     session = f"big-{uuid.uuid4().hex[:6]}"
     path = SessionId(session).base_url("", MESSAGES)
     try:
-        httpx.post(gw.reverse_url + path, json={"model": "c", "max_tokens": 1,
-                                                "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        httpx.post(
+            gw.reverse_url + path,
+            json={"model": "c", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
         before = vm_hwm_mb(gw.proc.pid)
         size = 256 << 20
         with socket.create_connection(("127.0.0.1", gw.reverse_port)) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {size}\r\n\r\n".encode())
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {size}\r\n\r\n".encode()
+            )
             started = time.monotonic()
             sock.settimeout(10)
             head = b""
@@ -347,16 +408,22 @@ def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_
         status_line, _, rest = head.partition(b"\r\n")
         assert b" 413 " in status_line, head[:300]
         assert b"request_too_large" in rest, head[:500]
+
         # A chunked body of no stated length is cut off at the limit as it arrives.
         def chunks() -> Iterator[bytes]:
             for _ in range(64):
                 yield b"y" * (1 << 20)
-        r = httpx.post(gw.reverse_url + path, content=chunks(), headers={"content-type": "application/json"},
-                       timeout=60)
+
+        r = httpx.post(
+            gw.reverse_url + path, content=chunks(), headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
         grown = vm_hwm_mb(gw.proc.pid) - before
-        ok = httpx.post(gw.reverse_url + path, json={"model": "c", "max_tokens": 1,
-                                                     "messages": [{"role": "user", "content": "after"}]}, timeout=60)
+        ok = httpx.post(
+            gw.reverse_url + path,
+            json={"model": "c", "max_tokens": 1, "messages": [{"role": "user", "content": "after"}]},
+            timeout=60,
+        )
     finally:
         gw.stop()
     assert ok.status_code == 200
@@ -366,6 +433,7 @@ def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_
 
 
 # ---- 9, 11: an engine stream with no events; Google's empty parts; multi-member gzip -----------------------
+
 
 class SilentStreamEngine(BaseHTTPRequestHandler):
     """Answers streamed calls with an event stream that holds nothing but `[DONE]`."""
@@ -396,8 +464,9 @@ def test_an_engine_stream_without_events_is_one_error_record(tmp_path):
     gw = gateway(f"http://127.0.0.1:{server.server_address[1]}", tmp_path, polar_prompt_mode="messages")
     session = f"silent-{uuid.uuid4().hex[:6]}"
     try:
-        r = httpx.post(SessionId(session).base_url(gw.reverse_url, CHAT), json=chat_body("hi", stream=True),
-                       timeout=30)
+        r = httpx.post(
+            SessionId(session).base_url(gw.reverse_url, CHAT), json=chat_body("hi", stream=True), timeout=30
+        )
     finally:
         gw.stop()
         server.shutdown()
@@ -409,8 +478,11 @@ def test_an_engine_stream_without_events_is_one_error_record(tmp_path):
 @pytest.mark.parametrize("parts", [[], [{}]], ids=["no-parts", "empty-part"])
 def test_google_contents_without_data_are_a_400(gateway, parts):  # noqa: F811 (conftest's gateway)
     """Before: 500 internal."""
-    r = httpx.post(SessionId("google-empty").base_url(gateway.reverse_url, GENERATE),
-                   json={"contents": [{"role": "user", "parts": parts}]}, timeout=30)
+    r = httpx.post(
+        SessionId("google-empty").base_url(gateway.reverse_url, GENERATE),
+        json={"contents": [{"role": "user", "parts": parts}]},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["status"] == "INVALID_ARGUMENT", r.text
 
 
@@ -419,7 +491,10 @@ def test_a_multi_member_gzip_body_is_decoded_whole(gateway):
     body = json.dumps(chat_body("two members", max_tokens=2)).encode()
     data = gzip.compress(body[:20]) + gzip.compress(body[20:])
     assert decode_content(data, "gzip", 1 << 20) == body
-    r = httpx.post(SessionId("gzip-members").base_url(gateway.reverse_url, CHAT), content=data,
-                   headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
+    r = httpx.post(
+        SessionId("gzip-members").base_url(gateway.reverse_url, CHAT),
+        content=data,
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
-

@@ -38,19 +38,36 @@ GENERATE = "/v1beta/models/gemini-2.5-flash:generateContent"
 COUNT_TOKENS = "/v1/messages/count_tokens"
 # Every credential a client may send, written out here (not read from identity's lists) so that a name dropped
 # there fails here; identity's lists are added in case they grow.
-SECRET_HEADERS = sorted({"authorization", "proxy-authorization", "x-api-key", "x-goog-api-key", "api-key",
-                         "openai-api-key", "anthropic-api-key", "x-stainless-api-key", "cookie"}
-                        | ident.SECRET_HEADERS)
+SECRET_HEADERS = sorted(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "x-goog-api-key",
+        "api-key",
+        "openai-api-key",
+        "anthropic-api-key",
+        "x-stainless-api-key",
+        "cookie",
+    }
+    | ident.SECRET_HEADERS
+)
 SECRET_QUERY_KEYS = sorted({"key", "api_key", "apikey", "access_token"} | ident.SECRET_QUERY_KEYS)
 
 
 # ---- a fake engine that can answer nonsense ----------------------------------------------------------------
 
+
 def good_choice() -> dict[str, Any]:
     """A well-formed SGLang chat choice: 3 prompt ids, 2 sampled ids with their logprobs."""
-    return {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
-            "prompt_token_ids": [1, 2, 3], "response_token_ids": [5, 6],
-            "logprobs": {"content": [{"token": "o", "logprob": -0.1}, {"token": "k", "logprob": -0.2}]}}
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": "ok"},
+        "finish_reason": "stop",
+        "prompt_token_ids": [1, 2, 3],
+        "response_token_ids": [5, 6],
+        "logprobs": {"content": [{"token": "o", "logprob": -0.1}, {"token": "k", "logprob": -0.2}]},
+    }
 
 
 def bad_choice(variant: str) -> dict[str, Any]:
@@ -85,8 +102,20 @@ def bad_choice(variant: str) -> dict[str, Any]:
     return choice
 
 
-BAD_VARIANTS = ["id_float", "id_huge", "id_negative", "id_string", "id_bool", "logprob_positive", "logprob_nan",
-                "logprob_string", "length_mismatch", "model_number", "content_number", "ids_not_list"]
+BAD_VARIANTS = [
+    "id_float",
+    "id_huge",
+    "id_negative",
+    "id_string",
+    "id_bool",
+    "logprob_positive",
+    "logprob_nan",
+    "logprob_string",
+    "length_mismatch",
+    "model_number",
+    "content_number",
+    "ids_not_list",
+]
 
 
 class FakeEngine(BaseHTTPRequestHandler):
@@ -135,8 +164,9 @@ def fake_engine_url() -> Iterator[str]:
 def start_gateway(backend: str, root: Path, **options: str) -> procs.GatewayProcess:
     """A real mitmdump gateway writing records under root/flows and every flow to root/flows.mitm (`-w`)."""
     options = {"save_stream_file": str(root / "flows.mitm"), **options}
-    return procs.start_gateway(backend, root / "flows", confdir=root / "conf", log=root / "gw.log",
-                               options=options)
+    return procs.start_gateway(
+        backend, root / "flows", confdir=root / "conf", log=root / "gw.log", options=options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,19 +195,26 @@ def nested_schema(depth: int) -> dict[str, Any]:
 
 # ---- item 2: malformed engine answers ----------------------------------------------------------------------
 
+
 def test_malformed_engine_answers_are_502_and_never_break_compaction(fake_engine_url, tmp_path):
     gw = start_gateway(fake_engine_url, tmp_path)
     session = f"bad-{uuid.uuid4().hex[:6]}"
     try:
         for variant in BAD_VARIANTS:
-            r = httpx.post(SessionId(session).base_url(gw.reverse_url, CHAT),
-                           json=chat_body(f"bad:{variant}"), timeout=30)
+            r = httpx.post(
+                SessionId(session).base_url(gw.reverse_url, CHAT),
+                json=chat_body(f"bad:{variant}"),
+                timeout=30,
+            )
             assert r.status_code == 502, (variant, r.text)
             assert r.json()["error"]["code"] == "engine_error", variant
-        client = anthropic.Anthropic(api_key=SECRET, base_url=SessionId(session).base_url(gw.reverse_url),
-                                     max_retries=0)
+        client = anthropic.Anthropic(
+            api_key=SECRET, base_url=SessionId(session).base_url(gw.reverse_url), max_retries=0
+        )
         with pytest.raises(anthropic.APIStatusError) as raised:
-            client.messages.create(model="claude", max_tokens=8, messages=[{"role": "user", "content": "bad:id_huge"}])
+            client.messages.create(
+                model="claude", max_tokens=8, messages=[{"role": "user", "content": "bad:id_huge"}]
+            )
         assert raised.value.status_code == 500 and raised.value.body["error"]["type"] == "api_error"
         ok = httpx.post(SessionId(session).base_url(gw.reverse_url, CHAT), json=chat_body("fine"), timeout=30)
         assert ok.status_code == 200
@@ -191,40 +228,62 @@ def test_malformed_engine_answers_are_502_and_never_break_compaction(fake_engine
     # The gateway starts again over these shards (a bad row once made it refuse to start).
     gw2 = start_gateway(fake_engine_url, tmp_path)
     try:
-        assert httpx.post(SessionId(session).base_url(gw2.reverse_url, CHAT), json=chat_body("again"),
-                          timeout=30).is_success
+        assert httpx.post(
+            SessionId(session).base_url(gw2.reverse_url, CHAT), json=chat_body("again"), timeout=30
+        ).is_success
     finally:
         gw2.stop()
 
 
 # ---- item 5: secrets scrubbed first, internal errors in the provider's shape -------------------------------
 
+
 def test_secrets_never_reach_the_flow_file_and_odd_failures_are_provider_shaped(fake_engine_url, tmp_path):
     gw = start_gateway(fake_engine_url, tmp_path)
     base = gw.reverse_url
     try:
         # A non-UTF-8 byte in User-Agent and in x-polar-session: answered normally, recorded.
-        r = httpx.post(f"{base}{MESSAGES}", json={"model": "c", "max_tokens": 8,
-                                                  "messages": [{"role": "user", "content": "hi"}]},
-                       headers={"x-api-key": SECRET, "user-agent": b"agent/1.0 \xff\xfe",
-                                "x-polar-session": b"sess-\xffodd"}, timeout=30)
+        r = httpx.post(
+            f"{base}{MESSAGES}",
+            json={"model": "c", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+            headers={
+                "x-api-key": SECRET,
+                "user-agent": b"agent/1.0 \xff\xfe",
+                "x-polar-session": b"sess-\xffodd",
+            },
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["type"] == "message", r.text
         # Every secret query key and header, on a model call (no Basic proxy credential: it would name the
         # session, which is recorded).
         query = "&".join(f"{key}={SECRET}" for key in SECRET_QUERY_KEYS)
-        r = httpx.post(SessionId("secrets").base_url(base, f"{CHAT}?{query}"), json=chat_body("hi"),
-                       headers=dict.fromkeys(SECRET_HEADERS, f"Bearer {SECRET}"), timeout=30)
+        r = httpx.post(
+            SessionId("secrets").base_url(base, f"{CHAT}?{query}"),
+            json=chat_body("hi"),
+            headers=dict.fromkeys(SECRET_HEADERS, f"Bearer {SECRET}"),
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         # count_tokens with a schema nested deeper than any JSON encoder allows: a client error.
-        deep = {"model": "c", "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"name": "t", "input_schema": nested_schema(300)}]}
-        r = httpx.post(SessionId("secrets").base_url(base, COUNT_TOKENS), json=deep,
-                       headers={"x-api-key": SECRET}, timeout=30)
+        deep = {
+            "model": "c",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "t", "input_schema": nested_schema(300)}],
+        }
+        r = httpx.post(
+            SessionId("secrets").base_url(base, COUNT_TOKENS),
+            json=deep,
+            headers={"x-api-key": SECRET},
+            timeout=30,
+        )
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         # count_tokens when the engine's /tokenize answer lacks `count`: an engine error, in Anthropic's shape.
-        r = httpx.post(SessionId("secrets").base_url(base, f"{COUNT_TOKENS}?key={SECRET}"),
-                       json={"model": "c", "messages": [{"role": "user", "content": "hi"}]},
-                       headers={"x-api-key": SECRET, "anthropic-version": "2023-06-01"}, timeout=30)
+        r = httpx.post(
+            SessionId("secrets").base_url(base, f"{COUNT_TOKENS}?key={SECRET}"),
+            json={"model": "c", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": SECRET, "anthropic-version": "2023-06-01"},
+            timeout=30,
+        )
         assert r.status_code == 500 and r.json()["error"]["type"] == "api_error", r.text
     finally:
         gw.stop()
@@ -245,6 +304,7 @@ def test_secrets_never_reach_the_flow_file_and_odd_failures_are_provider_shaped(
 
 # ---- item 7: a disconnected client cancels its engine call; a default completion cap -----------------------
 
+
 @pytest.fixture(scope="module")
 def engine_gw(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
     """A gateway in front of the free-running tiny engine (it samples until max_tokens)."""
@@ -256,9 +316,11 @@ def engine_gw(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
 def test_a_disconnected_client_cancels_its_engine_call_and_is_recorded_as_abort(engine_gw):
     session = f"gone-{uuid.uuid4().hex[:6]}"
     url = SessionId(session).base_url(engine_gw.reverse_url, CHAT)
-    warm = httpx.post(SessionId(f"warm-{session}").base_url(engine_gw.reverse_url, CHAT),
-                      json=chat_body("hi", max_tokens=2),
-                      timeout=300)  # one-time costs (tokenizer loads, connection pools) out of the measurement
+    warm = httpx.post(
+        SessionId(f"warm-{session}").base_url(engine_gw.reverse_url, CHAT),
+        json=chat_body("hi", max_tokens=2),
+        timeout=300,
+    )  # one-time costs (tokenizer loads, connection pools) out of the measurement
     assert warm.status_code == 200
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(url, json=chat_body("write a lot", max_tokens=4000), timeout=2)
@@ -283,16 +345,24 @@ def test_huge_max_tokens_is_capped_by_default(fake_gw):
 
 # ---- item 8: compressed request bodies ---------------------------------------------------------------------
 
+
 def test_gzip_and_zstd_request_bodies_are_decoded(fake_gw):
     body = json.dumps(chat_body("compressed")).encode()
     session = f"enc-{uuid.uuid4().hex[:6]}"
     for encoding, data in (("gzip", gzip.compress(body)), ("zstd", zstandard.compress(body))):
-        r = httpx.post(SessionId(session).base_url(fake_gw.reverse_url, CHAT), content=data,
-                       headers={"content-type": "application/json", "content-encoding": encoding}, timeout=30)
+        r = httpx.post(
+            SessionId(session).base_url(fake_gw.reverse_url, CHAT),
+            content=data,
+            headers={"content-type": "application/json", "content-encoding": encoding},
+            timeout=30,
+        )
         assert r.status_code == 200, (encoding, r.text)
-    r = httpx.post(SessionId(session).base_url(fake_gw.reverse_url, MESSAGES),
-                   content=b"\x1f\x8bnot gzip at all",
-                   headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=30)
+    r = httpx.post(
+        SessionId(session).base_url(fake_gw.reverse_url, MESSAGES),
+        content=b"\x1f\x8bnot gzip at all",
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     rows = session_rows(fake_gw.out_dir, session)
     assert [r["status_code"] for r in rows] == [200, 200, 400]
@@ -300,6 +370,7 @@ def test_gzip_and_zstd_request_bodies_are_decoded(fake_gw):
 
 
 # ---- item 9: count_tokens bodies of any size ---------------------------------------------------------------
+
 
 def test_count_tokens_accepts_bodies_over_64_kib(gateway):
     text = "the quick brown fox jumps over the lazy dog " * 2000  # ~88 KB
@@ -312,6 +383,7 @@ def test_count_tokens_accepts_bodies_over_64_kib(gateway):
 
 
 # ---- item 10: oversized numbers and deep schemas are client errors -----------------------------------------
+
 
 def deep_tools(path: str) -> dict[str, Any]:
     schema = nested_schema(300)
@@ -344,36 +416,60 @@ OVERSIZED = [
     pytest.param(MESSAGES, {"max_tokens": 2**64 - 1}, id="anthropic-max_tokens"),
     pytest.param(GENERATE, {"generationConfig": {"maxOutputTokens": 1e30}}, id="google-maxOutputTokens"),
     pytest.param(GENERATE, {"generationConfig": {"topK": 1e308}}, id="google-topK"),
-    pytest.param(GENERATE, {"generationConfig": {"thinkingConfig": {"thinkingBudget": 1e300}}},
-                 id="google-thinkingBudget"),
-    *[pytest.param(path, deep_tools(path), id=f"{name}-schema-300-deep")
-      for name, path in (("chat", CHAT), ("responses", RESPONSES), ("anthropic", MESSAGES), ("google", GENERATE))],
+    pytest.param(
+        GENERATE,
+        {"generationConfig": {"thinkingConfig": {"thinkingBudget": 1e300}}},
+        id="google-thinkingBudget",
+    ),
+    *[
+        pytest.param(path, deep_tools(path), id=f"{name}-schema-300-deep")
+        for name, path in (
+            ("chat", CHAT),
+            ("responses", RESPONSES),
+            ("anthropic", MESSAGES),
+            ("google", GENERATE),
+        )
+    ],
 ]
 
 
 @pytest.mark.parametrize(("path", "extra"), OVERSIZED)
 def test_oversized_numbers_and_deep_schemas_are_provider_shaped_400(fake_gw, path, extra):
-    r = httpx.post(SessionId("oversized").base_url(fake_gw.reverse_url, path),
-                   json=request_for(path, **extra), timeout=30)
+    r = httpx.post(
+        SessionId("oversized").base_url(fake_gw.reverse_url, path),
+        json=request_for(path, **extra),
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error.get("type") in ("invalid_request_error", None) and error.get("status", "INVALID_ARGUMENT") == \
-        "INVALID_ARGUMENT"
+    assert (
+        error.get("type") in ("invalid_request_error", None)
+        and error.get("status", "INVALID_ARGUMENT") == "INVALID_ARGUMENT"
+    )
     assert "Traceback" not in r.text and "internal" not in r.text
 
 
 # ---- item 11: a request body size limit --------------------------------------------------------------------
 
+
 def test_bodies_over_the_size_limit_get_a_provider_shaped_413(fake_engine_url, tmp_path):
     gw = start_gateway(fake_engine_url, tmp_path, polar_max_body_mb="1")
     big = json.dumps(request_for(MESSAGES, system="x" * (2 << 20))).encode()
     try:
-        r = httpx.post(SessionId("big").base_url(gw.reverse_url, MESSAGES), content=big,
-                       headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            SessionId("big").base_url(gw.reverse_url, MESSAGES),
+            content=big,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
         bomb = gzip.compress(big)  # ~2 KB on the wire, 2 MB decoded
-        r = httpx.post(SessionId("big").base_url(gw.reverse_url, CHAT), content=bomb,
-                       headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
+        r = httpx.post(
+            SessionId("big").base_url(gw.reverse_url, CHAT),
+            content=bomb,
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+            timeout=60,
+        )
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
         r = httpx.post(SessionId("big").base_url(gw.reverse_url, CHAT), json=chat_body("small"), timeout=60)
         assert r.status_code == 200

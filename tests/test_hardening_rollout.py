@@ -35,12 +35,30 @@ def task(task_id: str, **extra) -> dict:
     return {"task_id": task_id, "prompt": "p", "eval": {"command": "test -f out.txt"}, **extra}
 
 
-def rollout_cli(tasks_file: Path, harness: str, gateway, work: Path, *extra: str,
-                timeout: float = 120) -> subprocess.CompletedProcess:
+def rollout_cli(
+    tasks_file: Path, harness: str, gateway, work: Path, *extra: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """`polar-mitm rollout` as a user runs it, attached to the test gateway."""
-    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks_file), "--harness", harness,
-            "--gateway-url", gateway.reverse_url, "--gateway-proxy", gateway.proxy_url, "--work-dir", str(work),
-            "--out", str(gateway.out_dir), "--rewards", str(work / "rewards.jsonl"), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "polar_mitm.cli",
+        "rollout",
+        str(tasks_file),
+        "--harness",
+        harness,
+        "--gateway-url",
+        gateway.reverse_url,
+        "--gateway-proxy",
+        gateway.proxy_url,
+        "--work-dir",
+        str(work),
+        "--out",
+        str(gateway.out_dir),
+        "--rewards",
+        str(work / "rewards.jsonl"),
+        *extra,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,17 +89,20 @@ def test_task_ids_with_shell_syntax_reach_the_harness_as_literal_text(gateway, t
         assert (workspace / "out.txt").read_text().splitlines() == [row["task_id"], row["session_id"]]
 
 
-HOSTILE_PROMPT = "$(touch PWNED1) `touch PWNED2` it's \"quoted\" \\\" $HOME\ntouch PWNED3 #"
+HOSTILE_PROMPT = '$(touch PWNED1) `touch PWNED2` it\'s "quoted" \\" $HOME\ntouch PWNED3 #'
 
 
-@pytest.mark.parametrize("template", [
-    'cmd:echo "{prompt}" > out.txt',
-    "cmd:echo '{prompt}' > out.txt",
-    "cmd:echo $'{prompt}' > out.txt",
-    'cmd:echo "said: {prompt} (task {task})" > out.txt',
-    'cmd:echo "$(echo {prompt})" > out.txt',
-    "cmd:echo ${{NOT_SET:-{prompt}}} > out.txt",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        'cmd:echo "{prompt}" > out.txt',
+        "cmd:echo '{prompt}' > out.txt",
+        "cmd:echo $'{prompt}' > out.txt",
+        'cmd:echo "said: {prompt} (task {task})" > out.txt',
+        'cmd:echo "$(echo {prompt})" > out.txt',
+        "cmd:echo ${{NOT_SET:-{prompt}}} > out.txt",
+    ],
+)
 def test_placeholders_inside_quotes_are_spliced_safely(gateway, tmp_path, template):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{**task("quoted"), "prompt": HOSTILE_PROMPT}])
     done = rollout_cli(tasks, template, gateway, tmp_path / "run", "-g", "1", "--keep-workspaces")
@@ -93,16 +114,20 @@ def test_placeholders_inside_quotes_are_spliced_safely(gateway, tmp_path, templa
     assert HOSTILE_PROMPT in written
 
 
-@pytest.mark.parametrize(("template", "where"), [
-    ("cmd:echo hi > out.txt # {prompt}", "comment"),
-    ("cmd:echo `echo {prompt}` > out.txt", "backtick"),
-    ("cmd:cat > out.txt <<EOF\n{prompt}\nEOF", "here-document"),
-    ("cmd:echo \\{prompt} > out.txt", "backslash"),
-    ('cmd:echo "${{NOT_SET:-{prompt}}}" > out.txt', "${...}"),
-    ('cmd:echo "$(case x in x) echo {prompt};; esac)" > out.txt', "case"),
-])
-def test_templates_that_cannot_be_quoted_safely_are_rejected_before_any_session(gateway, tmp_path, template,
-                                                                                 where):
+@pytest.mark.parametrize(
+    ("template", "where"),
+    [
+        ("cmd:echo hi > out.txt # {prompt}", "comment"),
+        ("cmd:echo `echo {prompt}` > out.txt", "backtick"),
+        ("cmd:cat > out.txt <<EOF\n{prompt}\nEOF", "here-document"),
+        ("cmd:echo \\{prompt} > out.txt", "backslash"),
+        ('cmd:echo "${{NOT_SET:-{prompt}}}" > out.txt', "${...}"),
+        ('cmd:echo "$(case x in x) echo {prompt};; esac)" > out.txt', "case"),
+    ],
+)
+def test_templates_that_cannot_be_quoted_safely_are_rejected_before_any_session(
+    gateway, tmp_path, template, where
+):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{**task("unsafe"), "prompt": HOSTILE_PROMPT}])
     done = rollout_cli(tasks, template, gateway, tmp_path / "run", "-g", "1", "--keep-workspaces")
     assert markers(tmp_path) == []
@@ -118,16 +143,22 @@ def test_a_git_url_with_shell_syntax_fails_init_and_runs_nothing(gateway, tmp_pa
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / "README").write_text("hello\n")
     subprocess.run(["git", "-C", str(repo), "add", "README"], check=True)
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
-                   check=True)
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [
-        task("semicolon", workspace={"git": "no-such-repo; touch PWNED1"}),
-        task("option", workspace={"git": "--upload-pack=touch PWNED2"}),
-        task("subst", workspace={"git": f"{repo}$(touch PWNED3)"}),
-        task("good", workspace={"git": str(repo)}),
-    ])
-    done = rollout_cli(tasks, "cmd:echo hello > out.txt", gateway, tmp_path / "run", "-g", "1",
-                       "--keep-workspaces")
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
+        check=True,
+    )
+    tasks = write_tasks(
+        tmp_path / "tasks.jsonl",
+        [
+            task("semicolon", workspace={"git": "no-such-repo; touch PWNED1"}),
+            task("option", workspace={"git": "--upload-pack=touch PWNED2"}),
+            task("subst", workspace={"git": f"{repo}$(touch PWNED3)"}),
+            task("good", workspace={"git": str(repo)}),
+        ],
+    )
+    done = rollout_cli(
+        tasks, "cmd:echo hello > out.txt", gateway, tmp_path / "run", "-g", "1", "--keep-workspaces"
+    )
     assert done.returncode == 0, done.stderr
     assert markers(tmp_path) == []
     rows = {r["task_id"]: r for r in rewards(tmp_path / "run")}
@@ -142,18 +173,21 @@ def test_a_git_url_with_shell_syntax_fails_init_and_runs_nothing(gateway, tmp_pa
 # -- item 13: bad task lines, rewards of finished sessions ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(("bad", "problem"), [
-    ({"task_id": "a\u0000b"}, "task_id"),
-    ({"task_id": "esc\u001b[31m"}, "task_id"),
-    ({"task_id": "two\nlines"}, "task_id"),
-    ({"task_id": "del\u007f"}, "task_id"),
-    ({"task_id": "\ud800"}, "task_id"),
-    ({"task_id": ".."}, "task_id"),
-    ({"task_id": "x" * 300}, "task_id"),
-    ({"prompt": "nul\u0000prompt"}, "prompt"),
-    ({"workspace": {"git": ["not", "a", "string"]}}, "workspace.git"),
-    ({"workspace": {"setup": [["nested"]]}}, "workspace.setup"),
-])
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ({"task_id": "a\u0000b"}, "task_id"),
+        ({"task_id": "esc\u001b[31m"}, "task_id"),
+        ({"task_id": "two\nlines"}, "task_id"),
+        ({"task_id": "del\u007f"}, "task_id"),
+        ({"task_id": "\ud800"}, "task_id"),
+        ({"task_id": ".."}, "task_id"),
+        ({"task_id": "x" * 300}, "task_id"),
+        ({"prompt": "nul\u0000prompt"}, "prompt"),
+        ({"workspace": {"git": ["not", "a", "string"]}}, "workspace.git"),
+        ({"workspace": {"setup": [["nested"]]}}, "workspace.setup"),
+    ],
+)
 def test_bad_task_lines_are_rejected_at_load_with_their_line_number(tmp_path, bad, problem):
     path = write_tasks(tmp_path / "tasks.jsonl", [task("fine"), {**task("other"), **bad}])
     with pytest.raises(TaskFileError, match=rf"tasks.jsonl:2: {problem}"):
@@ -175,11 +209,20 @@ def test_a_nul_in_a_task_id_is_a_one_line_error_before_anything_runs(gateway, tm
 
 def test_a_session_that_fails_unexpectedly_does_not_abort_the_rollout(gateway, tmp_path):
     # Built directly (the task file would reject it): a NUL cannot be part of a path, argv or environment.
-    tasks = [Task(task_id="a\u0000b", prompt="p", eval_command="test -f out.txt"),
-             Task(task_id="fine", prompt="p", eval_command="test -f out.txt")]
-    config = RolloutConfig(workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs", group_size=2, concurrency=2,
-                           failure_reward=-1.0)
-    rollout = Rollout(tasks, HarnessSpec("cmd:echo hello > out.txt"), GatewayEndpoints(gateway.reverse_url), config)
+    tasks = [
+        Task(task_id="a\u0000b", prompt="p", eval_command="test -f out.txt"),
+        Task(task_id="fine", prompt="p", eval_command="test -f out.txt"),
+    ]
+    config = RolloutConfig(
+        workspace_root=tmp_path / "ws",
+        log_dir=tmp_path / "logs",
+        group_size=2,
+        concurrency=2,
+        failure_reward=-1.0,
+    )
+    rollout = Rollout(
+        tasks, HarnessSpec("cmd:echo hello > out.txt"), GatewayEndpoints(gateway.reverse_url), config
+    )
     summary = asyncio.run(rollout.run())
     by_task = {s.task.task_id: s for s in summary.sessions}
     assert by_task["fine"].status == "ok" and by_task["fine"].reward == 1.0
@@ -196,17 +239,39 @@ def test_an_interrupted_rollout_writes_the_rewards_of_finished_sessions(gateway,
     tasks = write_tasks(tmp_path / "tasks.jsonl", [task("fast"), task("slow")])
     harness = f"cmd:if [ {{task}} = slow ]; then echo $$ > {pidfile}; sleep 120; fi; echo hello > out.txt"
     work = tmp_path / "run"
-    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "--harness", harness, "-g", "1",
-            "--gateway-url", gateway.reverse_url, "--work-dir", str(work), "--out", str(gateway.out_dir),
-            "--rewards", str(work / "rewards.jsonl")]
+    argv = [
+        sys.executable,
+        "-m",
+        "polar_mitm.cli",
+        "rollout",
+        str(tasks),
+        "--harness",
+        harness,
+        "-g",
+        "1",
+        "--gateway-url",
+        gateway.reverse_url,
+        "--work-dir",
+        str(work),
+        "--out",
+        str(gateway.out_dir),
+        "--rewards",
+        str(work / "rewards.jsonl"),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     harness_pid = None
     try:
         deadline = time.monotonic() + 60
         # Interrupt once the fast session is torn down (its workspace gone) and the slow one is running.
         while time.monotonic() < deadline:
-            workspaces = [p.name for p in (work / "workspaces").glob("*")] if (work / "workspaces").exists() else []
-            if pidfile.exists() and pidfile.read_text().strip() and not any(n.startswith("fast") for n in workspaces):
+            workspaces = (
+                [p.name for p in (work / "workspaces").glob("*")] if (work / "workspaces").exists() else []
+            )
+            if (
+                pidfile.exists()
+                and pidfile.read_text().strip()
+                and not any(n.startswith("fast") for n in workspaces)
+            ):
                 break
             time.sleep(0.1)
         harness_pid = int(pidfile.read_text())
@@ -239,7 +304,11 @@ def _zombie(pid: int) -> bool:
 def test_the_harness_hookup_refuses_control_characters_in_ids():
     from polar_mitm.harness import HarnessError, Hookup
 
-    for bad in ({"session": "s\u001b]0;owned\u0007"}, {"session": "s", "task": "t\u0000"}, {"session": "a\nb"}):
+    for bad in (
+        {"session": "s\u001b]0;owned\u0007"},
+        {"session": "s", "task": "t\u0000"},
+        {"session": "a\nb"},
+    ):
         with pytest.raises(HarnessError, match="control"):
             Hookup("base-url", **bad)
     assert Hookup("base-url", session="$(x);`y`", task="suite/a b").identity == "suite/a b/$(x);`y`"
@@ -281,23 +350,31 @@ def test_placeholders_that_bash_evaluates_are_refused_whatever_their_quoting(tmp
 
 def test_an_evaluating_template_is_refused_by_rollout_before_any_session(gateway, tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [task(HOSTILE_ID)])
-    done = rollout_cli(tasks, "cmd:if (( {task} )); then :; fi; echo hi > out.txt", gateway, tmp_path / "run",
-                       "--keep-workspaces")
+    done = rollout_cli(
+        tasks,
+        "cmd:if (( {task} )); then :; fi; echo hi > out.txt",
+        gateway,
+        tmp_path / "run",
+        "--keep-workspaces",
+    )
     assert markers(tmp_path) == []
     assert done.returncode == 2 and "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: --harness") and "((...))" in line
 
 
-@pytest.mark.parametrize("template", [
-    "printf '%s\\n' {task}",
-    "[ {task} = x ] || printf '%s\\n' {task}",
-    'echo "$((1 + 2))" > /dev/null; printf "%s\\n" "{task}"',
-    "(( n = 2 )); [[ $n -eq 2 ]] && printf '%s\\n' {task}",
-    "export X={task}; printf '%s\\n' \"$X\"",
-    "arr=(1 2); a[0]=3; printf '%s\\n' \"${{arr[1]}}\" > /dev/null; printf '%s\\n' {task}",
-    "printf '%s\\n' ${{UNSET:-{task}}}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "printf '%s\\n' {task}",
+        "[ {task} = x ] || printf '%s\\n' {task}",
+        'echo "$((1 + 2))" > /dev/null; printf "%s\\n" "{task}"',
+        "(( n = 2 )); [[ $n -eq 2 ]] && printf '%s\\n' {task}",
+        "export X={task}; printf '%s\\n' \"$X\"",
+        "arr=(1 2); a[0]=3; printf '%s\\n' \"${{arr[1]}}\" > /dev/null; printf '%s\\n' {task}",
+        "printf '%s\\n' ${{UNSET:-{task}}}",
+    ],
+)
 def test_ordinary_templates_next_to_arithmetic_still_pass_the_value_literally(tmp_path, template):
     from polar_mitm.rollout.shell_template import ShellTemplate
 
@@ -307,13 +384,16 @@ def test_ordinary_templates_next_to_arithmetic_still_pass_the_value_literally(tm
     assert done.stdout == HOSTILE_ID + "\n" and markers(tmp_path) == []
 
 
-@pytest.mark.parametrize(("source", "problem"), [
-    ("fd::3", "transport helper 'fd'"),
-    ("ext::sh -c touch% PWNED1", "transport helper 'ext'"),
-    ("::x", "transport helper ''"),
-    ("hg::https://example.com/repo", "transport helper 'hg'"),
-    ("foo://example.com/repo", "scheme 'foo'"),
-])
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        ("fd::3", "transport helper 'fd'"),
+        ("ext::sh -c touch% PWNED1", "transport helper 'ext'"),
+        ("::x", "transport helper ''"),
+        ("hg::https://example.com/repo", "transport helper 'hg'"),
+        ("foo://example.com/repo", "scheme 'foo'"),
+    ],
+)
 def test_git_transport_helpers_are_refused_when_the_task_file_loads(tmp_path, source, problem):
     path = write_tasks(tmp_path / "tasks.jsonl", [task("fine"), task("helper", workspace={"git": source})])
     started = time.monotonic()
@@ -330,11 +410,22 @@ def test_local_paths_and_plain_urls_still_load_and_a_local_path_clones(tmp_path)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / "README").write_text("hello\n")
     subprocess.run(["git", "-C", str(repo), "add", "README"], check=True)
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
-                   check=True)
-    sources = [str(repo), f"file://{repo}", "https://github.com/o/r.git", "ssh://git@host/o/r.git",
-               "git://host/o/r.git", "git@github.com:o/r.git", "relative/dir"]
-    path = write_tasks(tmp_path / "tasks.jsonl", [task(f"t{k}", workspace={"git": s}) for k, s in enumerate(sources)])
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
+        check=True,
+    )
+    sources = [
+        str(repo),
+        f"file://{repo}",
+        "https://github.com/o/r.git",
+        "ssh://git@host/o/r.git",
+        "git://host/o/r.git",
+        "git@github.com:o/r.git",
+        "relative/dir",
+    ]
+    path = write_tasks(
+        tmp_path / "tasks.jsonl", [task(f"t{k}", workspace={"git": s}) for k, s in enumerate(sources)]
+    )
     assert [t.workspace_git for t in load_tasks(path)] == sources
     for k, source in enumerate(sources[:2]):
         clone = tmp_path / f"clone{k}"

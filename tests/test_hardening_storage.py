@@ -41,10 +41,22 @@ POLAR = str(Path(sys.executable).with_name("polar-mitm"))
 def record(i: int, session: str = "s", task: str | None = None, **changes) -> dict:
     """One journal row of a plausible call (three prompt ids, two sampled ids with logprobs)."""
     now = datetime.now(UTC)
-    row = Record(request_id=f"{session}-r{i}", session_id=session, task_id=task, seq=i, started_at=now,
-                 finished_at=now, provider="openai_chat", path="/v1/chat/completions", stream=False,
-                 finish_reason="stop", prompt_ids=[1, 2, 3 + i], completion_ids=[7, 8],
-                 completion_logprobs=[-0.5, -0.25], request_json="x" * 200).to_journal()
+    row = Record(
+        request_id=f"{session}-r{i}",
+        session_id=session,
+        task_id=task,
+        seq=i,
+        started_at=now,
+        finished_at=now,
+        provider="openai_chat",
+        path="/v1/chat/completions",
+        stream=False,
+        finish_reason="stop",
+        prompt_ids=[1, 2, 3 + i],
+        completion_ids=[7, 8],
+        completion_logprobs=[-0.5, -0.25],
+        request_json="x" * 200,
+    ).to_journal()
     row.update(changes)
     return row
 
@@ -63,8 +75,13 @@ def legacy_journal(path: Path, payloads: list[bytes]) -> Path:
 
 
 def polar(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([POLAR, *args], capture_output=True, text=True, timeout=timeout,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    return subprocess.run(
+        [POLAR, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+    )
 
 
 def request_ids(out: Path) -> list[str]:
@@ -81,8 +98,10 @@ def quarantined(out: Path) -> list[str]:
 def journal_of_ten(folder: Path, fmt: str) -> Path:
     """A journal holding ten acknowledged records, as the gateway leaves it after kill -9."""
     if fmt == "legacy":
-        return legacy_journal(folder / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
-                              [orjson.dumps(record(i)) for i in range(10)])
+        return legacy_journal(
+            folder / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
+            [orjson.dumps(record(i)) for i in range(10)],
+        )
     writer = RecordWriter(folder)
     writer.start()
     for i in range(10):
@@ -113,7 +132,9 @@ def test_a_flipped_byte_mid_journal_loses_only_the_frame_it_hits(tmp_path, fmt):
 
 def test_frames_appended_after_a_partial_frame_are_recovered(tmp_path):
     # What a full disk left in the first on-disk format: three frames, a partial one, then four acknowledged.
-    frames = [FRAME_HEADER.pack(len(p), zlib.crc32(p)) + p for p in (orjson.dumps(record(i)) for i in range(8))]
+    frames = [
+        FRAME_HEADER.pack(len(p), zlib.crc32(p)) + p for p in (orjson.dumps(record(i)) for i in range(8))
+    ]
     partial = frames[3][: len(frames[3]) // 2]
     journal = tmp_path / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}"
     journal.parent.mkdir()
@@ -162,8 +183,9 @@ print(json.dumps({"acked": acked, "failed": failed}))
 
 def test_acknowledged_records_survive_a_full_disk(tmp_path):
     out = tmp_path / "flows"
-    child = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, str(out), "3000"], capture_output=True,
-                           text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-c", DISK_FULL_CHILD, str(out), "3000"], capture_output=True, text=True, timeout=120
+    )
     assert child.returncode == 0, child.stderr
     result = json.loads(child.stdout)
     assert result["failed"], "the file-size limit never made a write fail"
@@ -183,14 +205,21 @@ def test_gateway_starts_despite_a_truncated_shard_and_a_bad_journal_row(tmp_path
     truncated = out / "records-0002.parquet"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     # Left behind by kill -9: three acknowledged rows, one with a prompt id no int32 holds.
-    legacy_journal(out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}", [
-        orjson.dumps(record(3, "old")), orjson.dumps(record(4, "old", prompt_ids=[1, 2**40])),
-        orjson.dumps(record(5, "old"))])
-    gw = procs.start_gateway(f"http://127.0.0.1:{procs.free_port()}", out, confdir=tmp_path / "conf",
-                             log=tmp_path / "gw.log")
+    legacy_journal(
+        out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
+        [
+            orjson.dumps(record(3, "old")),
+            orjson.dumps(record(4, "old", prompt_ids=[1, 2**40])),
+            orjson.dumps(record(5, "old")),
+        ],
+    )
+    gw = procs.start_gateway(
+        f"http://127.0.0.1:{procs.free_port()}", out, confdir=tmp_path / "conf", log=tmp_path / "gw.log"
+    )
     try:
-        client = openai.OpenAI(api_key="k", base_url=SessionId("old").base_url(gw.reverse_url, "/v1"),
-                               max_retries=0)
+        client = openai.OpenAI(
+            api_key="k", base_url=SessionId("old").base_url(gw.reverse_url, "/v1"), max_retries=0
+        )
         with pytest.raises(openai.InternalServerError):  # no engine: a recorded, provider-shaped 503
             client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
     finally:
@@ -215,18 +244,22 @@ def framed_journal(path: Path, rows: list[dict]) -> Path:
 
 def chat(gw: procs.GatewayProcess, session: str) -> str:
     """One chat call through the gateway's reverse listener; the sampled text."""
-    client = openai.OpenAI(api_key="k", base_url=SessionId(session).base_url(gw.reverse_url, "/v1"),
-                           max_retries=0)
-    answer = client.chat.completions.create(model="gpt", max_tokens=4,
-                                            messages=[{"role": "user", "content": "hi"}])
+    client = openai.OpenAI(
+        api_key="k", base_url=SessionId(session).base_url(gw.reverse_url, "/v1"), max_retries=0
+    )
+    answer = client.chat.completions.create(
+        model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
     return answer.choices[0].message.content or ""
 
 
 def test_gateway_starts_and_quarantines_journal_rows_missing_required_fields(tmp_path, engine_url):
     out = tmp_path / "flows"
     no_version = {k: v for k, v in record(2, "old").items() if k != "schema_version"}
-    framed_journal(out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
-                   [record(0, "old"), record(1, "old", session_id=None), no_version, record(3, "old")])
+    framed_journal(
+        out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
+        [record(0, "old"), record(1, "old", session_id=None), no_version, record(3, "old")],
+    )
     log = tmp_path / "gw.log"
     for _ in range(2):  # and again: a bad row once kept every later start from serving
         with procs.gateway_running(engine_url, out, confdir=tmp_path / "conf", log=log) as gw:
@@ -234,22 +267,38 @@ def test_gateway_starts_and_quarantines_journal_rows_missing_required_fields(tmp
             assert gw.proc.poll() is None
     rows = read_all(out, include_journal=False).to_pylist()
     assert sorted(r["seq"] for r in rows if r["session_id"] == "old") == [0, 3, 4, 5]  # numbering went on
-    bad = [json.loads(line) for p in (out / QUARANTINE_DIR).glob("*.rows.jsonl") for line in p.read_text().splitlines()]
+    bad = [
+        json.loads(line)
+        for p in (out / QUARANTINE_DIR).glob("*.rows.jsonl")
+        for line in p.read_text().splitlines()
+    ]
     assert sorted(b["row"]["seq"] for b in bad) == [1, 2]
     reasons = {b["row"]["seq"]: b["reason"] for b in bad}
     assert "session_id" in reasons[1] and "schema_version" in reasons[2], reasons
     assert not list((out / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}"))
 
 
-def start_gateway_with_file_size_limit(backend: str, out: Path, tmp_path: Path, limit: int,
-                                       rotate_seconds: int) -> procs.GatewayProcess:
+def start_gateway_with_file_size_limit(
+    backend: str, out: Path, tmp_path: Path, limit: int, rotate_seconds: int
+) -> procs.GatewayProcess:
     """The gateway (reverse listener only) in a process that cannot write a file past `limit` bytes: EFBIG,
     what a full disk is to the writer (CPython ignores SIGXFSZ, so the write fails instead of killing it)."""
     port = procs.free_port()
-    cmd = [str(Path(sys.executable).with_name("mitmdump")), "-s", str(procs.addon_path()),
-           "--mode", f"reverse:http://127.0.0.1:9@{port}", "--set", f"confdir={tmp_path / 'conf'}",
-           "--set", f"polar_backend={backend}", "--set", f"polar_out={out}",
-           "--set", f"polar_rotate_seconds={rotate_seconds}"]
+    cmd = [
+        str(Path(sys.executable).with_name("mitmdump")),
+        "-s",
+        str(procs.addon_path()),
+        "--mode",
+        f"reverse:http://127.0.0.1:9@{port}",
+        "--set",
+        f"confdir={tmp_path / 'conf'}",
+        "--set",
+        f"polar_backend={backend}",
+        "--set",
+        f"polar_out={out}",
+        "--set",
+        f"polar_rotate_seconds={rotate_seconds}",
+    ]
 
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -290,8 +339,14 @@ def test_a_failed_compaction_at_startup_does_not_stop_serving_and_is_retried(tmp
 def test_records_and_merge_do_not_crash_on_a_bad_journal_row(tmp_path):
     out = tmp_path / "flows"
     write_shard(out / "records-0001.parquet", [record(0)])
-    legacy_journal(out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}", [
-        orjson.dumps(record(1)), orjson.dumps(record(2, completion_ids=["seven", 8])), orjson.dumps(record(3))])
+    legacy_journal(
+        out / JOURNAL_DIR / f"journal-x-1{JOURNAL_SUFFIX}",
+        [
+            orjson.dumps(record(1)),
+            orjson.dumps(record(2, completion_ids=["seven", 8])),
+            orjson.dumps(record(3)),
+        ],
+    )
     listed = polar("records", str(out))
     assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
     assert "3 records" in listed.stdout and "skipped" in listed.stdout and "seven" in listed.stdout
@@ -332,7 +387,9 @@ def test_concurrent_readers_see_every_acknowledged_record_once_during_rotation(t
             check(request_ids(tmp_path), expected, "read_all")
             expected = list(acked)
             sources = list_sources([str(tmp_path)]).sources
-            check([r for s in sources for r in s.read(["request_id"]).column(0).to_pylist()], expected, "merge")
+            check(
+                [r for s in sources for r in s.read(["request_id"]).column(0).to_pylist()], expected, "merge"
+            )
 
     threads = [threading.Thread(target=write)] + [threading.Thread(target=read_live) for _ in range(2)]
     for t in threads:
@@ -376,8 +433,14 @@ def test_rollout_tables_print_task_ids_as_text():
     from polar_mitm.rollout.view import summary_table
 
     console = Console(record=True, width=200, force_terminal=False)
-    run = SessionRun(task=Task(task_id=f"{ODD_SESSION}{ESC_TASK}", prompt="p"), index=0, session_id="x",
-                     stage="done", status="ok", reward=1.0)
+    run = SessionRun(
+        task=Task(task_id=f"{ODD_SESSION}{ESC_TASK}", prompt="p"),
+        index=0,
+        session_id="x",
+        stage="done",
+        status="ok",
+        reward=1.0,
+    )
     console.print(summary_table([run]))
     text = console.export_text()
     assert ODD_SESSION in text and "\x1b" not in text
@@ -402,8 +465,11 @@ def bad_inputs(root: Path) -> dict[str, tuple[Path, str]]:
     folder = root / "wrong-types"
     good_flows(folder)
     table = journal_rows_to_table([record(5, "w")])
-    wrong = table.set_column(table.schema.get_field_index("prompt_ids"), "prompt_ids",
-                             pa.array([["one", "two"]], pa.list_(pa.string())))
+    wrong = table.set_column(
+        table.schema.get_field_index("prompt_ids"),
+        "prompt_ids",
+        pa.array([["one", "two"]], pa.list_(pa.string())),
+    )
     pq.write_table(wrong, folder / "records-0002.parquet")
     cases["wrong-types"] = (folder / "records-0002.parquet", "prompt_ids")
     folder = root / "frame-not-a-record"
@@ -416,8 +482,10 @@ def bad_inputs(root: Path) -> dict[str, tuple[Path, str]]:
     cases["journal-dir"] = (folder / JOURNAL_DIR / f"journal-x-3{JOURNAL_SUFFIX}", "folder")
     folder = root / "no-schema-version"
     good_flows(folder)
-    pq.write_table(journal_rows_to_table([record(6, "nv")]).drop_columns(["schema_version"]),
-                   folder / "records-0002.parquet")
+    pq.write_table(
+        journal_rows_to_table([record(6, "nv")]).drop_columns(["schema_version"]),
+        folder / "records-0002.parquet",
+    )
     cases["no-schema-version"] = (folder / "records-0002.parquet", "schema_version")
     return cases
 
@@ -459,4 +527,3 @@ def test_merge_fails_in_one_line_when_nothing_usable_or_fatal(tmp_path):
         said = result.stdout + result.stderr
         assert result.returncode == 1 and "Traceback" not in said, f"{case}: {said}"
         assert any(name in ln and "merge failed" in ln for ln in said.splitlines()), f"{case}: {said}"
-

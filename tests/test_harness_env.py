@@ -22,7 +22,7 @@ def exports(text: str) -> dict[str, str]:
     env = {}
     for line in text.splitlines():
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             env[key] = shlex.split(value)[0] if value else ""
     return env
 
@@ -39,15 +39,35 @@ def confdir(tmp_path) -> Path:
 @pytest.mark.parametrize("mode", ["proxy", "base-url"])
 def test_env_prints_exports_and_writes_config_into_the_home(name, mode, tmp_path, confdir):
     home = tmp_path / "home"
-    result = CliRunner().invoke(app, ["harness", "env", name, "--session", "s1", "--task", "t1", "--mode", mode,
-                                      "--gateway-proxy", "http://127.0.0.1:18080",
-                                      "--gateway-url", "http://127.0.0.1:18081", "--home", str(home),
-                                      "--confdir", str(confdir)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "harness",
+            "env",
+            name,
+            "--session",
+            "s1",
+            "--task",
+            "t1",
+            "--mode",
+            mode,
+            "--gateway-proxy",
+            "http://127.0.0.1:18080",
+            "--gateway-url",
+            "http://127.0.0.1:18081",
+            "--home",
+            str(home),
+            "--confdir",
+            str(confdir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     env = exports(result.output)
     assert env["HOME"] == str(home.resolve()) and env["XDG_CONFIG_HOME"].startswith(str(home.resolve()))
     assert "# one-shot prompt:" in result.output
-    written = [line.removeprefix("# wrote ") for line in result.output.splitlines() if line.startswith("# wrote ")]
+    written = [
+        line.removeprefix("# wrote ") for line in result.output.splitlines() if line.startswith("# wrote ")
+    ]
     assert written and all(Path(p).is_relative_to(home.resolve()) and Path(p).exists() for p in written)
     runtime = HARNESSES[name].runtime
     if mode == "proxy":
@@ -64,24 +84,42 @@ def test_env_prints_exports_and_writes_config_into_the_home(name, mode, tmp_path
 
 
 def test_proxy_mode_without_the_gateway_ca_is_refused(tmp_path):
-    result = CliRunner().invoke(app, ["harness", "env", "codex", "--session", "s", "--mode", "proxy",
-                                      "--home", str(tmp_path / "h"), "--confdir", str(tmp_path / "none")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "harness",
+            "env",
+            "codex",
+            "--session",
+            "s",
+            "--mode",
+            "proxy",
+            "--home",
+            str(tmp_path / "h"),
+            "--confdir",
+            str(tmp_path / "none"),
+        ],
+    )
     assert result.exit_code == 2 and "confdir" in result.output
 
 
-@pytest.mark.parametrize(("task", "session"), [("t1", "s1"), (None, "only-session"), ("a b", "x%y"),
-                                               ("suite/task.v2", "run-7")])
+@pytest.mark.parametrize(
+    ("task", "session"), [("t1", "s1"), (None, "only-session"), ("a b", "x%y"), ("suite/task.v2", "run-7")]
+)
 def test_every_id_carrier_resolves_to_the_same_session_and_task(task, session):
     hookup = Hookup("base-url", session=session, task=task)
     _, user_part = hookup.proxy_url.split("://", 1)
     user = user_part.split(":x@", 1)[0]
     header = "Basic " + base64.b64encode(f"{user}:x".encode()).decode()
-    via_proxy = identity.resolve({}, "/v1/messages", {}, proxy_user_name=identity.proxy_user(header),
-                                 connection_id="c")[0]
-    via_path, rest = identity.resolve({}, hookup.path_prefix + "/v1/messages", {}, proxy_user_name=None,
-                                      connection_id="c")
-    via_key = identity.resolve({"x-api-key": hookup.api_key}, "/v1/messages", {}, proxy_user_name=None,
-                               connection_id="c")[0]
+    via_proxy = identity.resolve(
+        {}, "/v1/messages", {}, proxy_user_name=identity.proxy_user(header), connection_id="c"
+    )[0]
+    via_path, rest = identity.resolve(
+        {}, hookup.path_prefix + "/v1/messages", {}, proxy_user_name=None, connection_id="c"
+    )
+    via_key = identity.resolve(
+        {"x-api-key": hookup.api_key}, "/v1/messages", {}, proxy_user_name=None, connection_id="c"
+    )[0]
     assert rest == "/v1/messages"
     assert (via_path.session_id, via_path.task_id) == (session, task)
     assert (via_proxy.session_id, via_proxy.task_id) == (session, task)
@@ -107,9 +145,12 @@ def test_codex_config_is_valid_toml_with_our_provider_only_in_base_url_mode(tmp_
 def test_rollout_launch_gives_argv_and_env_for_the_rollout_runner(tmp_path):
     workspace = tmp_path / "ws"
     workspace.mkdir()
-    argv, env = rollout_launch("pi", prompt="do it", session="s", task="t", workspace=workspace,
-                               reverse_url="http://127.0.0.1:18081")
+    argv, env = rollout_launch(
+        "pi", prompt="do it", session="s", task="t", workspace=workspace, reverse_url="http://127.0.0.1:18081"
+    )
     assert argv[0].endswith("pi") and argv[-1] == "do it"
     assert env["HOME"] == str((tmp_path / "ws.home").resolve()) and env["HTTPS_PROXY"] == DEAD_PROXY
     with pytest.raises(HarnessError):
-        rollout_launch("nope", prompt="x", session="s", task=None, workspace=workspace, reverse_url="http://x")
+        rollout_launch(
+            "nope", prompt="x", session="s", task=None, workspace=workspace, reverse_url="http://x"
+        )

@@ -26,7 +26,9 @@ from polar_mitm.storage.records import read_all
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows" / "harness"
 RECORDED = [name for name in HARNESSES if (SAMPLES / f"{name}.flow").exists()]
-needs_samples = pytest.mark.skipif(len(RECORDED) < len(HARNESSES), reason="run scripts/record_harness_flows.py")
+needs_samples = pytest.mark.skipif(
+    len(RECORDED) < len(HARNESSES), reason="run scripts/record_harness_flows.py"
+)
 
 
 def model_flows(name: str) -> list[Any]:
@@ -41,7 +43,9 @@ def body(flow) -> dict[str, Any]:
 
 def decode(flow) -> Conversation:
     record = flow.metadata["polar_record"]
-    return CODECS[record["provider"]].decode_request(body(flow), record["path"], dict(flow.request.query.items()))
+    return CODECS[record["provider"]].decode_request(
+        body(flow), record["path"], dict(flow.request.query.items())
+    )
 
 
 def main_turns(name: str) -> list[Any]:
@@ -87,7 +91,9 @@ def test_each_turn_prompt_extends_the_previous_one_token_for_token(name):
     """What prefix merging relies on: the harness re-sends history that renders to the very same tokens."""
     turns = [f.metadata["polar_record"] for f in main_turns(name)]
     if name == "claude-code":
-        turns = turns[:3]  # the 4th is /compact: a new user turn, after which earlier thinking is not rendered
+        turns = turns[
+            :3
+        ]  # the 4th is /compact: a new user turn, after which earlier thinking is not rendered
     assert len(turns) == 3
     for before, after in zip(turns, turns[1:], strict=False):
         assert after["prompt_ids"][: len(before["prompt_ids"])] == before["prompt_ids"]
@@ -118,13 +124,36 @@ def test_claude_code_deferred_tools_stay_out_of_the_prompt_until_tool_search_loa
     assert "ToolSearch" in offered and not set(deferred) & set(offered)
     # A tool search result references a deferred tool: from then on the model sees its schema (as on the API).
     loaded = copy.deepcopy(request)
-    loaded["tools"].append({"name": "WebFetch", "description": "Fetch a URL", "defer_loading": True,
-                            "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}}})
+    loaded["tools"].append(
+        {
+            "name": "WebFetch",
+            "description": "Fetch a URL",
+            "defer_loading": True,
+            "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}},
+        }
+    )
     loaded["messages"] += [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_ts", "name": "ToolSearch",
-                                           "input": {"query": "select:WebFetch"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_ts",
-                                      "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}]},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_ts",
+                    "name": "ToolSearch",
+                    "input": {"query": "select:WebFetch"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_ts",
+                    "content": [{"type": "tool_reference", "tool_name": "WebFetch"}],
+                }
+            ],
+        },
     ]
     conv = CODECS["anthropic"].decode_request(loaded, "/v1/messages", {})
     assert "WebFetch" in [t.name for t in conv.tools]
@@ -149,21 +178,41 @@ def test_claude_code_thinking_blocks_come_back_with_their_text():
 def test_compaction_turn_with_empty_tools_is_answered_with_text(gateway):
     """Claude Code's compaction shape: the whole conversation, `tools: []`, a request for a summary."""
     request = {
-        "model": "claude-sonnet-4-5", "max_tokens": 20000, "stream": True, "tools": [],
-        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cch=1a2b3;"},
-                   {"type": "text", "text": "You are a helpful AI assistant tasked with summarizing conversations."}],
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 20000,
+        "stream": True,
+        "tools": [],
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cch=1a2b3;"},
+            {"type": "text", "text": "You are a helpful AI assistant tasked with summarizing conversations."},
+        ],
         "messages": [
             {"role": "user", "content": "Write hello into out.txt"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
-                                               "input": {"command": "echo hello > out.txt"}}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "Bash",
+                        "input": {"command": "echo hello > out.txt"},
+                    }
+                ],
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": ""}]},
             {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
-            {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."},
+            {
+                "role": "user",
+                "content": "Your task is to create a detailed summary of the conversation so far.",
+            },
         ],
     }
-    r = httpx.post(SessionId("compaction").base_url(gateway.reverse_url, "/v1/messages"), json=request,
-                   timeout=60,
-                   headers={"anthropic-version": "2023-06-01", "x-api-key": "k"})
+    r = httpx.post(
+        SessionId("compaction").base_url(gateway.reverse_url, "/v1/messages"),
+        json=request,
+        timeout=60,
+        headers={"anthropic-version": "2023-06-01", "x-api-key": "k"},
+    )
     assert r.status_code == 200 and "event: message_stop" in r.text
     assert "tool_use" not in r.text  # no tools offered: the engine is never asked for a tool call
     row = next(row for row in read_all(gateway.out_dir).to_pylist() if row["session_id"] == "compaction")
@@ -179,7 +228,9 @@ def test_codex_developer_messages_reasoning_items_and_store_false():
     turns = main_turns("codex")
     first, second = body(turns[0]), body(turns[1])
     assert first["store"] is False and first["include"] == ["reasoning.encrypted_content"]
-    assert first["reasoning"] and [i["role"] for i in first["input"] if i.get("role")][:2] == ["developer"] * 2
+    assert (
+        first["reasoning"] and [i["role"] for i in first["input"] if i.get("role")][:2] == ["developer"] * 2
+    )
     conv = decode(turns[0])
     assert [m.role for m in conv.messages[:2]] == ["system", "system"]
     # Our answer carried the reasoning sealed in encrypted_content; Codex sends the item back untouched.
@@ -202,11 +253,17 @@ def test_responses_function_call_output_becomes_the_tool_result(name):
 
 
 def test_websocket_upgrade_is_refused_at_once_so_codex_falls_back_to_https(gateway):
-    headers = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
-               "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==", "authorization": "Bearer polar-ws-check"}
+    headers = {
+        "connection": "Upgrade",
+        "upgrade": "websocket",
+        "sec-websocket-version": "13",
+        "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+        "authorization": "Bearer polar-ws-check",
+    }
     before = len(read_all(gateway.out_dir))
-    r = httpx.get(SessionId("ws-check").base_url(gateway.reverse_url, "/v1/responses"), headers=headers,
-                  timeout=10)
+    r = httpx.get(
+        SessionId("ws-check").base_url(gateway.reverse_url, "/v1/responses"), headers=headers, timeout=10
+    )
     assert r.status_code == 426
     assert "WebSocket" in r.json()["error"]["message"]
     assert len(read_all(gateway.out_dir)) == before  # not a model call: nothing recorded
@@ -221,20 +278,29 @@ def test_gemini_thinking_config_asks_for_thoughts_and_gets_them():
     config = body(turns[0])["generationConfig"]["thinkingConfig"]
     assert config["includeThoughts"] is True and "thinkingLevel" in config
     assert decode(turns[0]).thinking is True
-    parts = json.loads(turns[0].metadata["polar_record"]["response_json"])["candidates"][0]["content"]["parts"]
+    parts = json.loads(turns[0].metadata["polar_record"]["response_json"])["candidates"][0]["content"][
+        "parts"
+    ]
     assert parts[0] == {"text": THINKING, "thought": True}
 
 
-@pytest.mark.parametrize(("config", "thinking"), [
-    ({"includeThoughts": True, "thinkingLevel": "HIGH"}, True),
-    ({"thinkingLevel": "LOW"}, None),
-    ({"thinkingBudget": -1, "includeThoughts": False}, None),
-    ({"thinkingBudget": 0}, False),
-])
+@pytest.mark.parametrize(
+    ("config", "thinking"),
+    [
+        ({"includeThoughts": True, "thinkingLevel": "HIGH"}, True),
+        ({"thinkingLevel": "LOW"}, None),
+        ({"thinkingBudget": -1, "includeThoughts": False}, None),
+        ({"thinkingBudget": 0}, False),
+    ],
+)
 def test_gemini_thinking_config_variants_decode(config, thinking):
-    request = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}],
-               "generationConfig": {"thinkingConfig": config}}
-    assert CODECS["google"].decode_request(request, "/v1beta/models/g:generateContent", {}).thinking is thinking
+    request = {
+        "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+        "generationConfig": {"thinkingConfig": config},
+    }
+    assert (
+        CODECS["google"].decode_request(request, "/v1beta/models/g:generateContent", {}).thinking is thinking
+    )
 
 
 @needs_samples

@@ -50,8 +50,10 @@ def report(config: pytest.Config, isolation: str) -> None:
         reporter.write_line(f"\nreal harnesses through the gateway ({isolation}):")
         reporter.write_line(f"{'harness':12} {'version':9} {'mode':9} turns records pass  wall")
         for r in RESULTS:
-            reporter.write_line(f"{r['harness']:12} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
-                                f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s")
+            reporter.write_line(
+                f"{r['harness']:12} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
+                f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s"
+            )
 
 
 def installed_version(package: str) -> str:
@@ -103,7 +105,11 @@ def gemini_checks(rows: list[dict[str, Any]], mode: str) -> None:
 
 
 CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
-    "claude-code": claude_code_checks, "codex": codex_checks, "pi": pi_checks, "gemini": gemini_checks}
+    "claude-code": claude_code_checks,
+    "codex": codex_checks,
+    "pi": pi_checks,
+    "gemini": gemini_checks,
+}
 
 
 # -- the test ------------------------------------------------------------------------------------------------------
@@ -111,23 +117,46 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(HARNESSES))
-def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(stack, tiny_engine, tmp_path, name, mode):
+def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
+    stack, tiny_engine, tmp_path, name, mode
+):
     harness = HARNESSES[name]
     session, task = f"{name}-{mode}-{uuid.uuid4().hex[:8]}", "hello-task"
-    result = {"harness": name, "version": installed_version(harness.package), "mode": mode, "turns": 0,
-              "records": 0, "passed": False, "wall_s": 0.0}
+    result = {
+        "harness": name,
+        "version": installed_version(harness.package),
+        "mode": mode,
+        "turns": 0,
+        "records": 0,
+        "passed": False,
+        "wall_s": 0.0,
+    }
     RESULTS.append(result)
-    run = stack.run(harness, PROMPT, mode=mode, session=session, task=task, workspace=tmp_path / "work",
-                    home=tmp_path / "home", timeout=240)
+    run = stack.run(
+        harness,
+        PROMPT,
+        mode=mode,
+        session=session,
+        task=task,
+        workspace=tmp_path / "work",
+        home=tmp_path / "home",
+        timeout=240,
+    )
     rows = stack.records(session)
-    result.update(records=len(rows), wall_s=run.wall_s,
-                  turns=sum(1 for r in rows if r["tools_json"] != "[]"))
+    result.update(records=len(rows), wall_s=run.wall_s, turns=sum(1 for r in rows if r["tools_json"] != "[]"))
     check_run(run, rows, stack, name, mode, task, tiny_engine)
     result["passed"] = True
 
 
-def check_run(run: HarnessRun, rows: list[dict[str, Any]], stack: HarnessStack, name: str, mode: str, task: str,
-              tiny_engine) -> None:
+def check_run(
+    run: HarnessRun,
+    rows: list[dict[str, Any]],
+    stack: HarnessStack,
+    name: str,
+    mode: str,
+    task: str,
+    tiny_engine,
+) -> None:
     context = run.describe() + f"\nengine and gateway logs: {stack.root}"
     assert run.returncode == 0, context
     out = run.workspace / "out.txt"

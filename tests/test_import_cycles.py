@@ -61,7 +61,9 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 else:
                     origin = node.module or ""
                 # `from pkg import sub` imports the submodule; `from pkg import name` imports pkg itself.
-                targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
+                targets = [
+                    f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names
+                ]
             for target in targets:
                 # `import a.b.c` runs a, a.b and a.b.c; the closest module we know stands for it.
                 while target and target not in modules:
@@ -128,24 +130,30 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 def test_the_cycle_check_finds_lazy_and_relative_cycles(tmp_path):
     """The check must be able to fail: a cycle hidden in a function-level relative import is found."""
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "from pkg import a\n",
-        "pkg/a.py": "from pkg.sub import b\n",
-        "pkg/sub/__init__.py": "",
-        "pkg/sub/b.py": "def f():\n    from .. import a\n    return a\n",
-        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n",
-        "pkg/d.py": "import pkg.c\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg import a\n",
+            "pkg/a.py": "from pkg.sub import b\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/b.py": "def f():\n    from .. import a\n    return a\n",
+            "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n",
+            "pkg/d.py": "import pkg.c\n",
+        },
+    )
     assert find_cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
 
 
 def test_the_cycle_check_finds_a_submodule_importing_its_package(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "from pkg.a import REGISTRY\n",
-        "pkg/a.py": "from pkg.base import Base\nREGISTRY = [Base]\n",
-        "pkg/base.py": "",
-        "pkg/b.py": "from pkg import REGISTRY\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.a import REGISTRY\n",
+            "pkg/a.py": "from pkg.base import Base\nREGISTRY = [Base]\n",
+            "pkg/base.py": "",
+            "pkg/b.py": "from pkg import REGISTRY\n",
+        },
+    )
     assert find_cycles(import_graph(pkg)) == []
     (pkg / "base.py").write_text("from pkg import REGISTRY\n")
     assert find_cycles(import_graph(pkg)) == [["pkg", "pkg.a", "pkg.base"]]

@@ -26,13 +26,20 @@ def flow_file(engine_url, tmp_path_factory) -> Path:
     """Three chat calls through the gateway, saved by mitmproxy as `mitmdump -w FILE` saves them."""
     root = tmp_path_factory.mktemp("recorded")
     saved = root / "calls.flow"
-    with procs.gateway_running(engine_url, root / "flows", confdir=root / "conf", log=root / "gw.log",
-                               options={"save_stream_file": str(saved)}) as gw:
-        client = openai.OpenAI(api_key="k", base_url=SessionId("flows").base_url(gw.reverse_url, "/v1"),
-                               max_retries=0)
+    with procs.gateway_running(
+        engine_url,
+        root / "flows",
+        confdir=root / "conf",
+        log=root / "gw.log",
+        options={"save_stream_file": str(saved)},
+    ) as gw:
+        client = openai.OpenAI(
+            api_key="k", base_url=SessionId("flows").base_url(gw.reverse_url, "/v1"), max_retries=0
+        )
         for i in range(CALLS):
-            client.chat.completions.create(model="gpt", max_tokens=4,
-                                           messages=[{"role": "user", "content": f"call {i}"}])
+            client.chat.completions.create(
+                model="gpt", max_tokens=4, messages=[{"role": "user", "content": f"call {i}"}]
+            )
     return saved
 
 
@@ -49,8 +56,13 @@ def read_flows(path: Path) -> tuple[list, list[int]]:
 
 
 def import_flows(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([POLAR, "import-flows", *args], capture_output=True, text=True, timeout=120,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    return subprocess.run(
+        [POLAR, "import-flows", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+    )
 
 
 def imported_ids(out: Path) -> list[str]:
@@ -61,8 +73,11 @@ def imported_ids(out: Path) -> list[str]:
 def test_a_flow_file_cut_by_kill_9_imports_every_complete_flow(flow_file, tmp_path, where):
     flows, ends = read_flows(flow_file)
     assert len(flows) == CALLS
-    cut_at = {"mid-flow": (ends[1] + ends[2]) // 2, "in the length prefix": ends[1] + 1,
-              "before the last byte": ends[2] - 1}[where]
+    cut_at = {
+        "mid-flow": (ends[1] + ends[2]) // 2,
+        "in the length prefix": ends[1] + 1,
+        "before the last byte": ends[2] - 1,
+    }[where]
     cut = tmp_path / "cut.flow"
     cut.write_bytes(flow_file.read_bytes()[:cut_at])
     result = import_flows(str(cut), "-o", str(tmp_path / "out"))

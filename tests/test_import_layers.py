@@ -14,8 +14,10 @@ from tests.test_import_cycles import PACKAGE_ROOT, _write, import_graph
 
 # (importing package, imported package, why the edge is forbidden)
 FORBIDDEN = [
-    *((f"polar_mitm.{reader}", "polar_mitm.gateway", "records and the engine file are storage's")
-      for reader in ("reconstruct", "train", "rollout", "report")),
+    *(
+        (f"polar_mitm.{reader}", "polar_mitm.gateway", "records and the engine file are storage's")
+        for reader in ("reconstruct", "train", "rollout", "report")
+    ),
     ("polar_mitm.train", "polar_mitm.reconstruct", "the merged-sequence schema is storage's"),
 ]
 
@@ -26,16 +28,24 @@ def _within(module: str, package: str) -> bool:
 
 def forbidden_edges(graph: dict[str, set[str]], forbidden: list[tuple[str, str, str]]) -> list[str]:
     """One line per import that crosses a forbidden edge, sorted."""
-    return sorted(f"{module} → {target} ({why})"
-                  for module, targets in graph.items() for target in targets
-                  for source, banned, why in forbidden
-                  if _within(module, source) and _within(target, banned))
+    return sorted(
+        f"{module} → {target} ({why})"
+        for module, targets in graph.items()
+        for target in targets
+        for source, banned, why in forbidden
+        if _within(module, source) and _within(target, banned)
+    )
 
 
 def storage_escapes(graph: dict[str, set[str]], root: str = "polar_mitm") -> list[str]:
     """Imports from `storage` of any module of the package outside it (storage must sit below the rest)."""
-    return sorted(f"{module} → {target}" for module, targets in graph.items() if _within(module, f"{root}.storage")
-                  for target in targets if _within(target, root) and not _within(target, f"{root}.storage"))
+    return sorted(
+        f"{module} → {target}"
+        for module, targets in graph.items()
+        if _within(module, f"{root}.storage")
+        for target in targets
+        if _within(target, root) and not _within(target, f"{root}.storage")
+    )
 
 
 def test_readers_of_stored_data_do_not_import_its_writer():
@@ -52,15 +62,20 @@ def test_storage_imports_nothing_above_it():
 
 def test_the_layer_checks_find_a_lazy_forbidden_import(tmp_path: Path):
     """The checks must be able to fail: a function-level import across a forbidden edge is found."""
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/gateway/__init__.py": "",
-        "pkg/gateway/info.py": "ENGINE_FILE = '_engine.json'\n",
-        "pkg/storage/__init__.py": "",
-        "pkg/storage/rows.py": "def f():\n    from pkg.train import loop\n    return loop\n",
-        "pkg/train/__init__.py": "",
-        "pkg/train/loop.py": "def f():\n    from ..gateway.info import ENGINE_FILE\n    return ENGINE_FILE\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/gateway/__init__.py": "",
+            "pkg/gateway/info.py": "ENGINE_FILE = '_engine.json'\n",
+            "pkg/storage/__init__.py": "",
+            "pkg/storage/rows.py": "def f():\n    from pkg.train import loop\n    return loop\n",
+            "pkg/train/__init__.py": "",
+            "pkg/train/loop.py": "def f():\n    from ..gateway.info import ENGINE_FILE\n    return ENGINE_FILE\n",
+        },
+    )
     graph = import_graph(pkg)
-    assert forbidden_edges(graph, [("pkg.train", "pkg.gateway", "why")]) == ["pkg.train.loop → pkg.gateway.info (why)"]
+    assert forbidden_edges(graph, [("pkg.train", "pkg.gateway", "why")]) == [
+        "pkg.train.loop → pkg.gateway.info (why)"
+    ]
     assert storage_escapes(graph, "pkg") == ["pkg.storage.rows → pkg.train.loop"]

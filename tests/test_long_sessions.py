@@ -60,8 +60,13 @@ def merged_json(text: str, extra: dict[str, Any]) -> str:
     return json.dumps(merge(json.loads(text), extra), indent=2) + "\n"
 
 
-def tuned(base: Harness, *, json_files: dict[str, dict[str, Any]] | None = None,
-          toml_top: list[str] | None = None, env: dict[str, str] | None = None) -> Harness:
+def tuned(
+    base: Harness,
+    *,
+    json_files: dict[str, dict[str, Any]] | None = None,
+    toml_top: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Harness:
     """The preset with extra settings in its config files (JSON merged, TOML top-level lines) and environment."""
 
     class Tuned(type(base)):  # type: ignore[misc, valid-type]
@@ -99,38 +104,87 @@ def plans() -> dict[str, Plan]:
     return {
         # Claude Code: threshold = min(effective window × pct, effective window − 13k), effective window = window −
         # min(max output, 20k); the window env var is floored at 100k, the percentage is not.
-        "claude-code": Plan(tuned(HARNESSES["claude-code"], env={"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
-                                                                 "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "20"}),
-                            "proxy", "CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000 + CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=20 "
-                            "(auto-compact at 16k tokens)"),
+        "claude-code": Plan(
+            tuned(
+                HARNESSES["claude-code"],
+                env={"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "20"},
+            ),
+            "proxy",
+            "CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000 + CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=20 "
+            "(auto-compact at 16k tokens)",
+        ),
         # Codex: auto-compacts once the last response's total tokens reach the limit. A custom provider
         # (base-URL mode) compacts locally: a plain /responses call with its compaction prompt.
-        "codex": Plan(tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 12500"]),
-                      "base-url", "config.toml model_auto_compact_token_limit = 12500"),
+        "codex": Plan(
+            tuned(HARNESSES["codex"], toml_top=["model_auto_compact_token_limit = 12500"]),
+            "base-url",
+            "config.toml model_auto_compact_token_limit = 12500",
+        ),
         # Gemini CLI: compresses when the last prompt's token count ≥ model.compressionThreshold × tokenLimit, but
         # only history before a user message that is not a tool result (findCompressSplitPoint): inside one
         # prompt's tool loop there is none, so it compresses when a second prompt resumes the session (`-r
         # latest`), where the count is its estimate of the resumed history (~chars/4: ~3k tokens here).
-        "gemini": Plan(tuned(HARNESSES["gemini"], json_files={".gemini/settings.json": {
-            "model": {"compressionThreshold": 1500 / GEMINI_TOKEN_LIMIT}}}),
-            "base-url", "settings.json model.compressionThreshold = 1500/1048576; second prompt with -r latest",
+        "gemini": Plan(
+            tuned(
+                HARNESSES["gemini"],
+                json_files={
+                    ".gemini/settings.json": {"model": {"compressionThreshold": 1500 / GEMINI_TOKEN_LIMIT}}
+                },
+            ),
+            "base-url",
+            "settings.json model.compressionThreshold = 1500/1048576; second prompt with -r latest",
             script=long_session_script(a_steps=8, b_steps=0, a_lines=150, a_final="Phase A is done."),
-            b_steps=0, resume=["-r", "latest"]),
+            b_steps=0,
+            resume=["-r", "latest"],
+        ),
         # Qwen Code: auto threshold = min(pct × window, window − 20k − 13k) (pct × window below 33k).
-        "qwen": Plan(tuned(HARNESSES["qwen"], json_files={".qwen/settings.json": {
-            "model": {"generationConfig": {"contextWindowSize": 25000}}, "context": {"autoCompactThreshold": 0.86}}}),
-            "base-url", "settings.json contextWindowSize 25000, context.autoCompactThreshold 0.86 (21.5k)"),
+        "qwen": Plan(
+            tuned(
+                HARNESSES["qwen"],
+                json_files={
+                    ".qwen/settings.json": {
+                        "model": {"generationConfig": {"contextWindowSize": 25000}},
+                        "context": {"autoCompactThreshold": 0.86},
+                    }
+                },
+            ),
+            "base-url",
+            "settings.json contextWindowSize 25000, context.autoCompactThreshold 0.86 (21.5k)",
+        ),
         # opencode: compacts once the last step's tokens ≥ limit.context − limit.output.
-        "opencode": Plan(tuned(HARNESSES["opencode"], json_files={".config/opencode/opencode.json": {
-            "provider": {"polar": {"models": {"polar-model": {"limit": {"context": 15700, "output": 4096}}}}}}}),
-            "base-url", "opencode.json model limit {context: 15700, output: 4096}"),
+        "opencode": Plan(
+            tuned(
+                HARNESSES["opencode"],
+                json_files={
+                    ".config/opencode/opencode.json": {
+                        "provider": {
+                            "polar": {
+                                "models": {"polar-model": {"limit": {"context": 15700, "output": 4096}}}
+                            }
+                        }
+                    }
+                },
+            ),
+            "base-url",
+            "opencode.json model limit {context: 15700, output: 4096}",
+        ),
         # Pi: the threshold check runs only when the agent ends (after the answer), so a one-shot run compacts
         # mid-session only on an overflow: the engine's context is small and Pi compacts and retries. Each step adds
         # ~1140 prompt tokens (4786 → 5926 at the 4th/5th call, ± a few dozen with the machine's paths): 5600 leaves
         # the 4th call ~740 tokens of room and puts the 5th clearly over (6000 left it 0-70 tokens: a cut answer).
-        "pi": Plan(tuned(HARNESSES["pi"], json_files={".pi/agent/settings.json": {
-            "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 400}}}),
-            "base-url", "engine --context-length 5600 → overflow error → compact and retry", context_length=5600),
+        "pi": Plan(
+            tuned(
+                HARNESSES["pi"],
+                json_files={
+                    ".pi/agent/settings.json": {
+                        "compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 400}
+                    }
+                },
+            ),
+            "base-url",
+            "engine --context-length 5600 → overflow error → compact and retry",
+            context_length=5600,
+        ),
     }
 
 
@@ -139,8 +193,9 @@ def plans() -> dict[str, Plan]:
 
 def start_stack(root: Path, script: dict[str, Any], *, context_length: int | None) -> HarnessStack:
     """The scripted engine (with `--context-length` when given) and the gateway."""
-    return HarnessStack.start(root, script,
-                              engine_args=["--context-length", str(context_length)] if context_length else None)
+    return HarnessStack.start(
+        root, script, engine_args=["--context-length", str(context_length)] if context_length else None
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -152,13 +207,17 @@ def report_table(request):
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line("\nlong real sessions with the harness's own compaction:")
-        reporter.write_line(f"{'harness':22} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
-                            f"{'drops':>5} {'wall':>6}  breaks by reason")
+        reporter.write_line(
+            f"{'harness':22} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
+            f"{'drops':>5} {'wall':>6}  breaks by reason"
+        )
         for r in RESULTS:
             breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
-            reporter.write_line(f"{r['harness']:22} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
-                                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
-                                + (f"  → {r['reaction']}" if "reaction" in r else ""))
+            reporter.write_line(
+                f"{r['harness']:22} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
+                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
+                + (f"  → {r['reaction']}" if "reaction" in r else "")
+            )
 
 
 def merge_session(rows: list[dict[str, Any]], eot_id: int) -> tuple[list, dict[str, int], int]:
@@ -178,17 +237,35 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
     plan = plans()[name]
-    stack = start_stack(tmp_path_factory.mktemp(f"long-{name}"), plan.script, context_length=plan.context_length)
+    stack = start_stack(
+        tmp_path_factory.mktemp(f"long-{name}"), plan.script, context_length=plan.context_length
+    )
     try:
         session = f"long-{name}-{uuid.uuid4().hex[:8]}"
         work = stack.root / "work"
-        run = stack.run(plan.harness, PROMPT, mode=plan.mode, session=session, task="long-task",
-                        workspace=work, home=stack.root / "home", timeout=420)
+        run = stack.run(
+            plan.harness,
+            PROMPT,
+            mode=plan.mode,
+            session=session,
+            task="long-task",
+            workspace=work,
+            home=stack.root / "home",
+            timeout=420,
+        )
         if plan.resume is not None and run.returncode == 0:
             first_wall = run.wall_s
-            run = stack.run(plan.harness, "Continue with the next steps.", mode=plan.mode, session=session,
-                            task="long-task", workspace=work, home=stack.root / "home", timeout=300,
-                            args=plan.resume)
+            run = stack.run(
+                plan.harness,
+                "Continue with the next steps.",
+                mode=plan.mode,
+                session=session,
+                task="long-task",
+                workspace=work,
+                home=stack.root / "home",
+                timeout=300,
+                args=plan.resume,
+            )
             run.wall_s += first_wall
         rows = stack.records(session)
     finally:
@@ -196,13 +273,27 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     sequences, breaks, drops = merge_session(rows, eot)
     kinds = Counter(r["call_kind"] for r in rows)
-    result = {"harness": name, "calls": len(rows), "main": kinds["main"], "compactions": kinds["compaction"],
-              "errors": sum(r["status_code"] != 200 for r in rows), "chains": len(sequences), "drops": drops,
-              "breaks": breaks, "wall_s": run.wall_s}
+    result = {
+        "harness": name,
+        "calls": len(rows),
+        "main": kinds["main"],
+        "compactions": kinds["compaction"],
+        "errors": sum(r["status_code"] != 200 for r in rows),
+        "chains": len(sequences),
+        "drops": drops,
+        "breaks": breaks,
+        "wall_s": run.wall_s,
+    }
     RESULTS.append(result)
-    context = (run.describe() + f"\nlogs: {stack.root}\n{result}\n"
-               + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} "
-                           f"{r['finish_reason']}" for r in rows))
+    context = (
+        run.describe()
+        + f"\nlogs: {stack.root}\n{result}\n"
+        + "\n".join(
+            f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} "
+            f"{r['finish_reason']}"
+            for r in rows
+        )
+    )
 
     assert run.returncode == 0, context
     assert len(rows) >= 12, context
@@ -220,8 +311,11 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     assert breaks.get(BREAK_COMPACTION, 0) >= 1, context
     assert drops == 0, context
     chain_of = {rid: i for i, seq in enumerate(sequences) for rid in seq.request_ids}
-    before = [r for r in rows if r["seq"] < last_compaction and r["call_kind"] == "main" and r["request_id"]
-              in chain_of]
+    before = [
+        r
+        for r in rows
+        if r["seq"] < last_compaction and r["call_kind"] == "main" and r["request_id"] in chain_of
+    ]
     assert before and after, context
     assert chain_of[before[0]["request_id"]] != chain_of[after[-1]["request_id"]], context
 
@@ -230,10 +324,20 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
 
 SUBAGENT_TASK = "Run the subagent step and report back."
 SUBAGENT_SCRIPT = {
-    "turns": [{"text": "I will hand this to a subagent.", "tool_call": {
-        "name": ["Agent", "Task"], "arguments": {
-            "description": "Run the subagent step", "prompt": SUBAGENT_TASK, "subagent_type": "general-purpose",
-            "run_in_background": False}}}],
+    "turns": [
+        {
+            "text": "I will hand this to a subagent.",
+            "tool_call": {
+                "name": ["Agent", "Task"],
+                "arguments": {
+                    "description": "Run the subagent step",
+                    "prompt": SUBAGENT_TASK,
+                    "subagent_type": "general-purpose",
+                    "run_in_background": False,
+                },
+            },
+        }
+    ],
     "side": "Subagent step",
     "replies": [
         # main thread, once the Agent tool's result (the subagent's answer) is back
@@ -241,8 +345,14 @@ SUBAGENT_SCRIPT = {
         # the subagent, after its shell call
         {"when": "SUBAGENT-STEP", "text": "SUBAGENT-DONE: the step ran."},
         # the subagent's first call: its task is its user message
-        {"when": SUBAGENT_TASK, "text": "Running the step.", "tool_call": {
-            "name": ["Bash"], "arguments": {"command": "echo SUBAGENT-STEP", "description": "Run the step"}}},
+        {
+            "when": SUBAGENT_TASK,
+            "text": "Running the step.",
+            "tool_call": {
+                "name": ["Bash"],
+                "arguments": {"command": "echo SUBAGENT-STEP", "description": "Run the step"},
+            },
+        },
     ],
 }
 
@@ -258,24 +368,48 @@ def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_fact
     stack = start_stack(tmp_path_factory.mktemp("subagent"), SUBAGENT_SCRIPT, context_length=None)
     try:
         session = f"subagent-{uuid.uuid4().hex[:8]}"
-        run = stack.run(HARNESSES["claude-code"], "Have a subagent run the step.", mode="proxy", session=session,
-                        task="subagent-task", workspace=stack.root / "work", home=stack.root / "home", timeout=300)
+        run = stack.run(
+            HARNESSES["claude-code"],
+            "Have a subagent run the step.",
+            mode="proxy",
+            session=session,
+            task="subagent-task",
+            workspace=stack.root / "work",
+            home=stack.root / "home",
+            timeout=300,
+        )
         rows = stack.records(session)  # the subagent's calls are found by the parent's session id
     finally:
         stack.stop()
-    context = run.describe() + "\n" + "\n".join(
-        f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['finish_reason']} {first_user_text(r)[:80]}"
-        for r in rows)
+    context = (
+        run.describe()
+        + "\n"
+        + "\n".join(
+            f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['finish_reason']} {first_user_text(r)[:80]}"
+            for r in rows
+        )
+    )
     assert run.returncode == 0, context
     eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     sequences, breaks, drops = merge_session(rows, eot)
     main = [r for r in rows if r["call_kind"] == "main" and "subagent run the step" in first_user_text(r)]
-    sub = [r for r in rows if r["call_kind"] == "main" and SUBAGENT_TASK in first_user_text(r)
-           and r not in main]
+    sub = [
+        r for r in rows if r["call_kind"] == "main" and SUBAGENT_TASK in first_user_text(r) and r not in main
+    ]
     kinds = Counter(r["call_kind"] for r in rows)
-    RESULTS.append({"harness": "claude+agent", "calls": len(rows), "main": kinds["main"],
-                    "compactions": kinds["compaction"], "errors": sum(r["status_code"] != 200 for r in rows),
-                    "chains": len(sequences), "drops": drops, "breaks": breaks, "wall_s": run.wall_s})
+    RESULTS.append(
+        {
+            "harness": "claude+agent",
+            "calls": len(rows),
+            "main": kinds["main"],
+            "compactions": kinds["compaction"],
+            "errors": sum(r["status_code"] != 200 for r in rows),
+            "chains": len(sequences),
+            "drops": drops,
+            "breaks": breaks,
+            "wall_s": run.wall_s,
+        }
+    )
     assert len(main) >= 2 and len(sub) >= 2, context
     assert all(r["session_id"] == session and r["task_id"] == "subagent-task" for r in sub)
     texts = [tiny_engine.tokenizer.decode(r["completion_ids"], skip_special_tokens=True) for r in main]
@@ -283,7 +417,10 @@ def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_fact
     chain_of = {rid: i for i, seq in enumerate(sequences) for rid in seq.request_ids}
     main_chains = {chain_of[r["request_id"]] for r in main}
     sub_chains = {chain_of[r["request_id"]] for r in sub}
-    assert len(main_chains) == 1 and len(sub_chains) == 1 and main_chains != sub_chains, (main_chains, sub_chains)
+    assert len(main_chains) == 1 and len(sub_chains) == 1 and main_chains != sub_chains, (
+        main_chains,
+        sub_chains,
+    )
     assert drops == 0, context
 
 
@@ -292,8 +429,13 @@ def test_claude_code_subagent_has_its_own_chain_and_the_session_id(tmp_path_fact
 # The engine's context: the harness's first prompt (measured here, engine tokens) + ~3k, so phase A overflows
 # it after three steps. The harness presets are the plain ones (no compaction settings).
 OVERFLOW_CONTEXT = {"claude-code": 14900, "codex": 10800, "gemini": 12900, "qwen": 20300, "opencode": 10200}
-OVERFLOW_MODE = {"claude-code": "proxy", "codex": "base-url", "gemini": "base-url", "qwen": "base-url",
-                 "opencode": "base-url"}
+OVERFLOW_MODE = {
+    "claude-code": "proxy",
+    "codex": "base-url",
+    "gemini": "base-url",
+    "qwen": "base-url",
+    "opencode": "base-url",
+}
 OVERFLOW_SCRIPT = long_session_script(a_lines=150, b_steps=1)  # one call after the compaction is enough here
 # What each harness does, observed (Pi: see its long session above — it compacts and retries once).
 OVERFLOW_REACTION = {
@@ -309,32 +451,67 @@ OVERFLOW_REACTION = {
 def test_context_overflow_reaction(tmp_path_factory, tiny_engine, name):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
-    stack = start_stack(tmp_path_factory.mktemp(f"overflow-{name}"), OVERFLOW_SCRIPT,
-                        context_length=OVERFLOW_CONTEXT[name])
+    stack = start_stack(
+        tmp_path_factory.mktemp(f"overflow-{name}"), OVERFLOW_SCRIPT, context_length=OVERFLOW_CONTEXT[name]
+    )
     try:
         session = f"overflow-{name}-{uuid.uuid4().hex[:8]}"
-        run = stack.run(HARNESSES[name], PROMPT, mode=OVERFLOW_MODE[name], session=session, task="overflow-task",
-                        workspace=stack.root / "work", home=stack.root / "home", timeout=300)
+        run = stack.run(
+            HARNESSES[name],
+            PROMPT,
+            mode=OVERFLOW_MODE[name],
+            session=session,
+            task="overflow-task",
+            workspace=stack.root / "work",
+            home=stack.root / "home",
+            timeout=300,
+        )
         rows = stack.records(session)
     finally:
         stack.stop()
     errors = [r for r in rows if r["status_code"] != 200]
-    context = run.describe() + "\n" + "\n".join(
-        f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} {r['finish_reason']} "
-        f"{(r['error'] or '')[:90]}" for r in rows)
+    context = (
+        run.describe()
+        + "\n"
+        + "\n".join(
+            f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} {r['finish_reason']} "
+            f"{(r['error'] or '')[:90]}"
+            for r in rows
+        )
+    )
     assert errors, context  # the engine's context was overflowed
     assert all("context length" in (r["error"] or "") for r in errors), context
     first_error = min(r["seq"] for r in errors)
     compacted = any(r["call_kind"] == "compaction" and r["seq"] > first_error for r in rows)
-    retried = any(r["call_kind"] == "main" and r["status_code"] == 200 and r["seq"] > first_error for r in rows)
-    reaction = ("compacts and retries" if compacted and retried else "compacts" if compacted
-                else "retries without compacting" if retried else "stops with the error")
+    retried = any(
+        r["call_kind"] == "main" and r["status_code"] == 200 and r["seq"] > first_error for r in rows
+    )
+    reaction = (
+        "compacts and retries"
+        if compacted and retried
+        else "compacts"
+        if compacted
+        else "retries without compacting"
+        if retried
+        else "stops with the error"
+    )
     eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     sequences, breaks, drops = merge_session(rows, eot)
     kinds = Counter(r["call_kind"] for r in rows)
-    RESULTS.append({"harness": f"{name} (overflow)", "calls": len(rows), "main": kinds["main"],
-                    "compactions": kinds["compaction"], "errors": len(errors), "chains": len(sequences),
-                    "drops": drops, "breaks": breaks, "wall_s": run.wall_s, "reaction": reaction})
+    RESULTS.append(
+        {
+            "harness": f"{name} (overflow)",
+            "calls": len(rows),
+            "main": kinds["main"],
+            "compactions": kinds["compaction"],
+            "errors": len(errors),
+            "chains": len(sequences),
+            "drops": drops,
+            "breaks": breaks,
+            "wall_s": run.wall_s,
+            "reaction": reaction,
+        }
+    )
     assert drops == 0, context
     assert reaction == OVERFLOW_REACTION[name], context
 
@@ -348,22 +525,39 @@ def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine)
     stack = start_stack(tmp_path_factory.mktemp("codex-v2"), SCRIPT, context_length=None)
     try:
         session = f"codex-v2-{uuid.uuid4().hex[:8]}"
-        run = stack.run(plans()["codex"].harness, PROMPT, mode="proxy", session=session, task="long-task",
-                        workspace=stack.root / "work", home=stack.root / "home", timeout=300)
+        run = stack.run(
+            plans()["codex"].harness,
+            PROMPT,
+            mode="proxy",
+            session=session,
+            task="long-task",
+            workspace=stack.root / "work",
+            home=stack.root / "home",
+            timeout=300,
+        )
         rows = stack.records(session)
     finally:
         stack.stop()
-    context = (run.describe() + "\n" + "\n".join(f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} "
-                                                  f"{r['stream']} {r['path']}" for r in rows))
+    context = (
+        run.describe()
+        + "\n"
+        + "\n".join(
+            f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['stream']} {r['path']}" for r in rows
+        )
+    )
     assert run.returncode == 0, context
     compactions = [r for r in rows if r["call_kind"] == "compaction"]
     assert compactions, context
     # v2: a streamed /responses call whose input ends with a compaction_trigger item, answered with one compaction
     # item; the session goes on from the summary (the B steps, then the final answer), in a new chain.
     assert all(r["path"].endswith("/responses") and r["stream"] for r in compactions), context
-    assert all(json.loads(r["request_json"])["input"][-1]["type"] == "compaction_trigger" for r in compactions)
-    assert all([item["type"] for item in json.loads(r["response_json"])["output"]] == ["compaction"]
-               for r in compactions), context
+    assert all(
+        json.loads(r["request_json"])["input"][-1]["type"] == "compaction_trigger" for r in compactions
+    )
+    assert all(
+        [item["type"] for item in json.loads(r["response_json"])["output"]] == ["compaction"]
+        for r in compactions
+    ), context
     last_compaction = max(r["seq"] for r in compactions)
     after = [r for r in rows if r["seq"] > last_compaction and r["call_kind"] == "main"]
     assert any(PHASE_B in r["messages_json"] for r in after), context

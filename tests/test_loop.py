@@ -17,17 +17,28 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [0, 1], ids=["sequential", "overlap"])
 def test_loop_iterations_train_push_and_record_new_weight_versions(tmp_path, overlap):
-    cfg = LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=tmp_path / "run", iterations=2, group_size=2,
-                     concurrency=2, model="tiny", script=EXAMPLES / "policy.json", learning_rate=1e-2,
-                     max_tokens=128, overlap=overlap)
+    cfg = LoopConfig(
+        tasks=EXAMPLES / "tasks.jsonl",
+        run_dir=tmp_path / "run",
+        iterations=2,
+        group_size=2,
+        concurrency=2,
+        model="tiny",
+        script=EXAMPLES / "policy.json",
+        learning_rate=1e-2,
+        max_tokens=128,
+        overlap=overlap,
+    )
     results = Loop(cfg).run()
     assert [r.iteration for r in results] == [0, 1]
     for r in results:
         assert r.sessions == 6 and r.requests >= 6 and r.sequences >= 3 and r.trainable_tokens > 0
     # Each iteration's training pushed new weights to the engine: versions grow.
     assert int(results[1].weight_version) > int(results[0].weight_version) > 0
-    versions = [{row["weight_version"] for row in read_all(tmp_path / "run" / f"iter-{k}" / "flows").to_pylist()}
-                for k in (0, 1)]
+    versions = [
+        {row["weight_version"] for row in read_all(tmp_path / "run" / f"iter-{k}" / "flows").to_pylist()}
+        for k in (0, 1)
+    ]
     assert versions[0] == {"0"}
     # Sequential: iteration 1 samples from iteration 0's pushed weights. With overlap it starts one version behind,
     # while iteration 0 trains; calls made after the push (a rollout slower than the training) sample the new one.
@@ -44,12 +55,23 @@ def test_loop_iterations_train_push_and_record_new_weight_versions(tmp_path, ove
 @pytest.mark.slow
 def test_loop_trains_with_two_data_parallel_processes(tmp_path):
     """`--train-processes 2`: the GRPO step runs as `polar-mitm grpo` in two torchrun processes (gloo on CPU)."""
-    cfg = LoopConfig(tasks=EXAMPLES / "tasks.jsonl", run_dir=tmp_path / "run", iterations=1, group_size=2,
-                     concurrency=2, model="tiny", script=EXAMPLES / "policy.json", learning_rate=1e-2,
-                     max_tokens=128, train_processes=2)
+    cfg = LoopConfig(
+        tasks=EXAMPLES / "tasks.jsonl",
+        run_dir=tmp_path / "run",
+        iterations=1,
+        group_size=2,
+        concurrency=2,
+        model="tiny",
+        script=EXAMPLES / "policy.json",
+        learning_rate=1e-2,
+        max_tokens=128,
+        train_processes=2,
+    )
     results = Loop(cfg).run()
     train = tmp_path / "run" / "iter-0" / "train"
     result = json.loads((train / "result.json").read_text())
     assert result["steps"] > 0 and results[0].weight_version == result["weight_version"] != "0"
-    assert (train / "model.safetensors").exists() and (tmp_path / "run" / "iter-0" / "data_stats.json").exists()
+    assert (train / "model.safetensors").exists() and (
+        tmp_path / "run" / "iter-0" / "data_stats.json"
+    ).exists()
     assert result["processes"] == 2

@@ -21,17 +21,28 @@ from polar_mitm.storage.records import read_all
 
 # case → (what the model writes, what the harness must see as text)
 CASES = {
-    "broken-json": ('<tool_call>\n{"name": "shell", "arguments": {"command": "ls"\n</tool_call>',
-                    '{"name": "shell", "arguments": {"command": "ls"'),
+    "broken-json": (
+        '<tool_call>\n{"name": "shell", "arguments": {"command": "ls"\n</tool_call>',
+        '{"name": "shell", "arguments": {"command": "ls"',
+    ),
     "unclosed-think": ("<think>\nI should list the files first", "I should list the files first"),
-    "unknown-tool": ('<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',
-                     '"name": "delete_everything"'),
-    "array-arguments": ('<tool_call>\n{"name": "shell", "arguments": [1, 2]}\n</tool_call>', '"arguments": [1, 2]'),
-    "unterminated-call": ('Let me look.\n<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}',
-                          "Let me look."),
+    "unknown-tool": (
+        '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',
+        '"name": "delete_everything"',
+    ),
+    "array-arguments": (
+        '<tool_call>\n{"name": "shell", "arguments": [1, 2]}\n</tool_call>',
+        '"arguments": [1, 2]',
+    ),
+    "unterminated-call": (
+        'Let me look.\n<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}',
+        "Let me look.",
+    ),
 }
-SCRIPT = {"turns": ["unused"], "replies": [{"when": f"case:{name}", "text": text}
-                                           for name, (text, _) in CASES.items()]}
+SCRIPT = {
+    "turns": ["unused"],
+    "replies": [{"when": f"case:{name}", "text": text} for name, (text, _) in CASES.items()],
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +50,22 @@ def malformed_gateway(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("malformed")
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    with procs.engine_and_gateway(root / "flows", confdir=root / "conf", engine_args=["--script", str(script)],
-                                  engine_log=root / "engine.log", gateway_log=root / "gateway.log") as (_, gw):
+    with procs.engine_and_gateway(
+        root / "flows",
+        confdir=root / "conf",
+        engine_args=["--script", str(script)],
+        engine_log=root / "engine.log",
+        gateway_log=root / "gateway.log",
+    ) as (_, gw):
         yield gw
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("provider", list(DRIVERS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_malformed_model_output_reaches_the_sdk_as_text(malformed_gateway, tiny_engine, case, provider, stream):
+def test_malformed_model_output_reaches_the_sdk_as_text(
+    malformed_gateway, tiny_engine, case, provider, stream
+):
     session = f"bad-{case}-{provider}-{uuid.uuid4().hex[:6]}"
     base = base_url_for(provider, malformed_gateway.reverse_url, SessionId(session).path_prefix)
     result = DRIVERS[provider](f"case:{case}", api_key="sk-test", base_url=base, stream=stream, max_turns=1)
@@ -73,10 +91,13 @@ def test_malformed_model_output_reaches_the_sdk_as_text(malformed_gateway, tiny_
 def test_engine_parser_keeps_unrunnable_calls_as_text():
     from polar_mitm.engine.parsers import parse_output
 
-    text = ('<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
-    parsed = parse_output(text, tool_call_parser="qwen25", reasoning_parser="qwen3", tools_given=True,
-                          offered=["shell"])
+    text = (
+        '<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    )
+    parsed = parse_output(
+        text, tool_call_parser="qwen25", reasoning_parser="qwen3", tools_given=True, offered=["shell"]
+    )
     assert [c.name for c in parsed.tool_calls] == ["shell"]
     assert '"name": "nope"' in parsed.content
 
@@ -85,9 +106,17 @@ def test_gateway_turns_an_engines_unknown_tool_call_into_text():
     from polar_mitm.conversation import Completion, ToolCall, harness_safe
 
     # SGLang with SGLANG_FORWARD_UNKNOWN_TOOLS passes calls of tools the request never offered.
-    completion = Completion(id="x", model="m", content="", reasoning=None, finish_reason="tool_calls",
-                            tool_calls=[ToolCall("c1", "rm_rf", "{}"), ToolCall("c2", "shell", "[1]")],
-                            prompt_ids=[1], completion_ids=[2, 3], completion_logprobs=[-0.1, -0.2])
+    completion = Completion(
+        id="x",
+        model="m",
+        content="",
+        reasoning=None,
+        finish_reason="tool_calls",
+        tool_calls=[ToolCall("c1", "rm_rf", "{}"), ToolCall("c2", "shell", "[1]")],
+        prompt_ids=[1],
+        completion_ids=[2, 3],
+        completion_logprobs=[-0.1, -0.2],
+    )
     harness_safe(completion, ["shell"])
     assert completion.tool_calls == [] and completion.finish_reason == "stop"
     assert '"name": "rm_rf"' in completion.content and '"arguments": [1]' in completion.content

@@ -25,7 +25,9 @@ SMALL = {"object_store_memory": 80 << 20}
 def cluster():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **SMALL})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **SMALL}
+    )
     workers = [cluster.add_node(num_cpus=1, resources={"polar_rollout": 1}, **SMALL) for _ in range(2)]
     cluster.wait_for_nodes()
     yield cluster, workers
@@ -35,9 +37,14 @@ def cluster():
 @pytest.fixture(scope="module")
 def scripted_engines(tmp_path_factory):
     """Two embedded engines playing the CPU demo's scripted choice policy (as `polar-mitm loop` starts one)."""
-    started = [procs.start_engine("tiny", log=tmp_path_factory.mktemp(f"engine{k}") / "engine.log",
-                                  extra_args=["--threads", "1", "--script", str(EXAMPLES / "policy.json")])
-               for k in range(2)]
+    started = [
+        procs.start_engine(
+            "tiny",
+            log=tmp_path_factory.mktemp(f"engine{k}") / "engine.log",
+            extra_args=["--threads", "1", "--script", str(EXAMPLES / "policy.json")],
+        )
+        for k in range(2)
+    ]
     yield [url for _, url in started]
     for proc, _ in started:
         procs.stop(proc)
@@ -55,11 +62,30 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
     ray_cluster, _ = cluster
     before = engines.worker_versions(scripted_engines)
     run = tmp_path / "run"
-    done = subprocess.run(cli("loop", str(EXAMPLES / "tasks.jsonl"), "--iterations", "1", "-g", "4", "-c", "2",
-                              "--engine", ",".join(scripted_engines), "--ray", ray_cluster.address,
-                              "-o", str(run), "--learning-rate", "1e-2"),
-                          capture_output=True, text=True, timeout=900, env={"HF_HUB_OFFLINE": "1",
-                                                                            **_env()})
+    done = subprocess.run(
+        cli(
+            "loop",
+            str(EXAMPLES / "tasks.jsonl"),
+            "--iterations",
+            "1",
+            "-g",
+            "4",
+            "-c",
+            "2",
+            "--engine",
+            ",".join(scripted_engines),
+            "--ray",
+            ray_cluster.address,
+            "-o",
+            str(run),
+            "--learning-rate",
+            "1e-2",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"HF_HUB_OFFLINE": "1", **_env()},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     it = run / "iter-0"
     node_dirs = sorted((it / "flows").glob("node-*"))
@@ -75,7 +101,9 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
     assert len(report["per_node"]) == 2 and not report["dead_nodes"]
     # The weights were pushed to both engines (the router does not forward the push): same new version.
     after = engines.worker_versions(scripted_engines)
-    assert len(set(after.values())) == 1 and int(next(iter(after.values()))) > max(int(v) for v in before.values())
+    assert len(set(after.values())) == 1 and int(next(iter(after.values()))) > max(
+        int(v) for v in before.values()
+    )
     merged = pq.read_table(it / "merged").to_pylist()
     assert merged and all(sum(r["loss_mask"]) > 0 for r in merged)
     assert (it / "train" / "metrics.jsonl").exists()
@@ -83,23 +111,51 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
 
 CURL_THEN_SLEEP = (
     "cmd:curl -sf {base_url}/v1/chat/completions -H 'content-type: application/json' "
-    "-d '{{\"model\": \"m\", \"max_tokens\": 2, \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}' "
+    '-d \'{{"model": "m", "max_tokens": 2, "messages": [{{"role": "user", "content": "hi"}}]}}\' '
     "> /dev/null && sleep 3"
 )
 
 
 def test_a_worker_node_killed_mid_rollout_loses_nothing_finished_and_counts_nothing_twice(
-        cluster, scripted_engines, tmp_path):
+    cluster, scripted_engines, tmp_path
+):
     ray_cluster, workers = cluster
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"task_id": f"t{k}", "prompt": "p", "eval": {"command": "true"}}) + "\n"
-                             for k in range(2)))
+    tasks.write_text(
+        "".join(
+            json.dumps({"task_id": f"t{k}", "prompt": "p", "eval": {"command": "true"}}) + "\n"
+            for k in range(2)
+        )
+    )
     work, out = tmp_path / "work", tmp_path / "flows"
-    driver = subprocess.Popen(cli("rollout", str(tasks), "--harness", CURL_THEN_SLEEP, "-g", "6", "-c", "2",
-                                  "--ready-buffer", "0", "--engine", scripted_engines[0], "--ray",
-                                  ray_cluster.address, "--out", str(out), "--rewards", str(tmp_path / "r.parquet"),
-                                  "--work-dir", str(work)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    driver = subprocess.Popen(
+        cli(
+            "rollout",
+            str(tasks),
+            "--harness",
+            CURL_THEN_SLEEP,
+            "-g",
+            "6",
+            "-c",
+            "2",
+            "--ready-buffer",
+            "0",
+            "--engine",
+            scripted_engines[0],
+            "--ray",
+            ray_cluster.address,
+            "--out",
+            str(out),
+            "--rewards",
+            str(tmp_path / "r.parquet"),
+            "--work-dir",
+            str(work),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
     victim = workers[1]
     logs = work / "logs" / node_name(victim)
     deadline = time.monotonic() + 300
@@ -123,7 +179,9 @@ def test_a_worker_node_killed_mid_rollout_loses_nothing_finished_and_counts_noth
     lost = report["lost_attempts"]
     assert lost and all(a["session_id"] not in by_session for a in lost)  # a lost attempt has no reward row
     for attempt in lost:  # ... and its sample was run again and counted once, under a new id
-        again = [r for r in rewards if (r["task_id"], r["sample_index"]) == (attempt["task_id"], attempt["index"])]
+        again = [
+            r for r in rewards if (r["task_id"], r["sample_index"]) == (attempt["task_id"], attempt["index"])
+        ]
         assert len(again) == 1 and again[0]["status"] in ("ok", "node_lost")
     # The dead node's finished sessions kept their records (its journal compacted by the driver).
     dead_rows = read_all(out / f"node-{dead}", include_journal=False).to_pylist()

@@ -13,8 +13,12 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_merge.py
 
 @pytest.mark.slow
 def test_bench_merge_runs_and_prints_the_comparison():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--requests", "150", "--concurrency", "4"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--requests", "150", "--concurrency", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "generated 150 requests" in out

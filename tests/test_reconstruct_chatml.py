@@ -23,11 +23,44 @@ from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
 from polar_mitm.reconstruct.turns import sequences_from_table
 from polar_mitm.storage.records import RECORD_SCHEMA
 
-TOOLS = [{"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-WORDS = ["hello", " world", "über", " 数据", " 🙂", "def", " foo", "(x)", ":", "\n", "  ", "return", " x", "=",
-         "1", "ls", " -la", '"a b"', " ok", "\t", "cat", " out.txt"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+WORDS = [
+    "hello",
+    " world",
+    "über",
+    " 数据",
+    " 🙂",
+    "def",
+    " foo",
+    "(x)",
+    ":",
+    "\n",
+    "  ",
+    "return",
+    " x",
+    "=",
+    "1",
+    "ls",
+    " -la",
+    '"a b"',
+    " ok",
+    "\t",
+    "cat",
+    " out.txt",
+]
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
@@ -46,13 +79,14 @@ def eot() -> int:
 
 
 def render(messages: list[dict]) -> list[int]:
-    ids = tokenizer().apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+    ids = tokenizer().apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return list(ids)
 
 
 def is_prefix(a: list[int], b: list[int]) -> bool:
-    return len(a) <= len(b) and b[:len(a)] == a
+    return len(a) <= len(b) and b[: len(a)] == a
 
 
 class ChatSession:
@@ -83,61 +117,107 @@ class ChatSession:
         command = self.text(1, 3)
         full = (f"<think>\n{think}\n</think>\n\n" if think is not None else "") + content
         if kind.endswith("tool"):
-            full += "\n<tool_call>\n" + json.dumps({"name": "shell", "arguments": {"command": command}}) + \
-                    "\n</tool_call>"
+            full += (
+                "\n<tool_call>\n"
+                + json.dumps({"name": "shell", "arguments": {"command": command}})
+                + "\n</tool_call>"
+            )
         ids = self.sample_ids(full)
         truncated = kind == "truncate"
         if truncated:
-            ids = ids[:self.draw(st.integers(1, len(ids)))]
+            ids = ids[: self.draw(st.integers(1, len(ids)))]
             finish = "length"
         else:
             ids = ids + [eot()]
             finish = "tool_calls" if kind.endswith("tool") else "stop"
         request_id = f"r{len(self.rows):03d}"
-        self.rows.append(dict(
-            schema_version=1, request_id=request_id, session_id="chat", seq=len(self.rows),
-            started_at=T0 + timedelta(seconds=len(self.rows)), finished_at=T0, provider="openai_chat",
-            path="/v1/chat/completions", stream=False, prompt_ids=prompt, completion_ids=ids,
-            completion_logprobs=[-0.5] * len(ids), finish_reason=finish, weight_version="0"))
+        self.rows.append(
+            dict(
+                schema_version=1,
+                request_id=request_id,
+                session_id="chat",
+                seq=len(self.rows),
+                started_at=T0 + timedelta(seconds=len(self.rows)),
+                finished_at=T0,
+                provider="openai_chat",
+                path="/v1/chat/completions",
+                stream=False,
+                prompt_ids=prompt,
+                completion_ids=ids,
+                completion_logprobs=[-0.5] * len(ids),
+                finish_reason=finish,
+                weight_version="0",
+            )
+        )
         # Expected chain: the agent's own, unless it restarted or the template rewrote what its last call saw.
         rewritten = agent["chain"] is not None and not is_prefix(agent["last_prompt"], prompt)
         self.rewrites += rewritten and not new_chain
         if agent["chain"] is not None and not (rewritten or new_chain or agent["last_truncated"]):
             start = len(agent["last_prompt"])
-            self.drifted += prompt[start:prompt.index(eot(), start)] != agent["last_sampled"][:-1]
+            self.drifted += prompt[start : prompt.index(eot(), start)] != agent["last_sampled"][:-1]
         if new_chain or agent["chain"] is None or rewritten:
             agent["chain"] = []
             self.expected.append(agent["chain"])
         agent["chain"].append(request_id)
         agent["last_prompt"], agent["last_sampled"], agent["last_truncated"] = prompt, ids, truncated
-        self.turn_info[request_id] = {"prompt": prompt, "sampled": ids, "content": content, "truncated": truncated}
+        self.turn_info[request_id] = {
+            "prompt": prompt,
+            "sampled": ids,
+            "content": content,
+            "truncated": truncated,
+        }
 
         seen = tokenizer().decode(ids[:-1] if not truncated else ids)
         if truncated:
-            agent["messages"] += [{"role": "assistant", "content": seen}, {"role": "user", "content": "continue"}]
+            agent["messages"] += [
+                {"role": "assistant", "content": seen},
+                {"role": "user", "content": "continue"},
+            ]
         elif kind.endswith("tool"):
             body = (f"<think>\n{think}\n</think>\n\n" if think is not None else "") + content
             agent["messages"] += [
-                {"role": "assistant", "content": body, "tool_calls": [
-                    {"type": "function", "function": {"name": "shell", "arguments": {"command": command}}}]},
-                {"role": "tool", "content": self.text()}]
+                {
+                    "role": "assistant",
+                    "content": body,
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "shell", "arguments": {"command": command}}}
+                    ],
+                },
+                {"role": "tool", "content": self.text()},
+            ]
         else:
-            agent["messages"] += [{"role": "assistant", "content": full}, {"role": "user", "content": self.text()}]
+            agent["messages"] += [
+                {"role": "assistant", "content": full},
+                {"role": "user", "content": self.text()},
+            ]
 
 
 @st.composite
 def chat_sessions(draw) -> ChatSession:
     session = ChatSession(draw)
-    agents = [{"messages": [{"role": "system", "content": f"You are agent {a}."},
-                            {"role": "user", "content": f"Task {a}: " + session.text()}],
-               "chain": None, "last_prompt": None, "last_sampled": None, "last_truncated": False}
-              for a in range(draw(st.integers(1, 2)))]
+    agents = [
+        {
+            "messages": [
+                {"role": "system", "content": f"You are agent {a}."},
+                {"role": "user", "content": f"Task {a}: " + session.text()},
+            ],
+            "chain": None,
+            "last_prompt": None,
+            "last_sampled": None,
+            "last_truncated": False,
+        }
+        for a in range(draw(st.integers(1, 2)))
+    ]
     for _ in range(draw(st.integers(1, 7))):
         agent = agents[draw(st.integers(0, len(agents) - 1))]
-        action = draw(st.sampled_from(["tool", "answer", "think_tool", "think_answer", "truncate", "retry",
-                                       "compact"]))
+        action = draw(
+            st.sampled_from(["tool", "answer", "think_tool", "think_answer", "truncate", "retry", "compact"])
+        )
         if action == "compact":
-            agent["messages"] = [agent["messages"][0], {"role": "user", "content": "Summary: " + session.text()}]
+            agent["messages"] = [
+                agent["messages"][0],
+                {"role": "user", "content": "Summary: " + session.text()},
+            ]
             agent["chain"] = None
             action = "tool"
         if action == "retry":
@@ -173,13 +253,13 @@ def test_context_between_turns_starts_where_the_rendered_answer_ends(session):
         for k in range(1, seq.n_turns):
             before, turn = session.turn_info[seq.request_ids[k - 1]], session.turn_info[seq.request_ids[k]]
             end_previous = starts[k - 1] + len(before["sampled"])
-            context = tok.decode(ids[end_previous:starts[k]].tolist())
+            context = tok.decode(ids[end_previous : starts[k]].tolist())
             # ChatML: the answer's <|im_end|> (sampled, or the prompt's after a truncated turn), then a new message.
             assert context.startswith("<|im_end|>\n<|im_start|>" if before["truncated"] else "\n<|im_start|>")
             assert context.endswith("<|im_start|>assistant\n")
             # What lies between the previous prompt and this context is the previous answer as rendered.
             n_context = int(starts[k] - end_previous)
-            echoed = tok.decode(turn["prompt"][len(before["prompt"]):len(turn["prompt"]) - n_context])
+            echoed = tok.decode(turn["prompt"][len(before["prompt"]) : len(turn["prompt"]) - n_context])
             if not before["truncated"]:
                 assert echoed.endswith("<|im_end|>") and before["content"].strip() in echoed
 
@@ -189,8 +269,13 @@ def test_generated_sessions_hold_drift_rewrites_and_several_chains():
     seen = {"drift": 0, "rewrite": 0, "several chains": 0, "truncated": 0}
 
     # derandomize: a fixed set of examples, so the guard cannot fail by chance (a random 60 once held no rewrite)
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(session=chat_sessions())
     def collect(session):
         seen["drift"] += session.drifted
@@ -207,20 +292,39 @@ def test_echoed_answers_drift_from_the_sampled_ids_and_still_merge():
     tok = tokenizer()
     messages = [{"role": "system", "content": "You are agent 0."}, {"role": "user", "content": "Say hello."}]
     text = "hello world, über 数据"
-    sampled = [i for piece in ("hel", "lo wor", "ld, ü", "ber 数", "据") for i in tok.encode(
-        piece, add_special_tokens=False)] + [eot()]
+    sampled = [
+        i
+        for piece in ("hel", "lo wor", "ld, ü", "ber 数", "据")
+        for i in tok.encode(piece, add_special_tokens=False)
+    ] + [eot()]
     p0 = render(messages)
     p1 = render(messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}])
-    echoed = p1[len(p0):p1.index(eot(), len(p0))]
+    echoed = p1[len(p0) : p1.index(eot(), len(p0))]
     assert echoed != sampled[:-1] and tok.decode(echoed) == tok.decode(sampled[:-1]) == text
-    rows = [dict(schema_version=1, request_id=f"r{i}", session_id="s", seq=i, started_at=T0, finished_at=T0,
-                 provider="openai_chat", path="/v1/chat/completions", stream=False, prompt_ids=p,
-                 completion_ids=s, completion_logprobs=[-1.0] * len(s), finish_reason="stop")
-            for i, (p, s) in enumerate([(p0, sampled), (p1, tok.encode("hi", add_special_tokens=False) + [eot()])])]
+    rows = [
+        dict(
+            schema_version=1,
+            request_id=f"r{i}",
+            session_id="s",
+            seq=i,
+            started_at=T0,
+            finished_at=T0,
+            provider="openai_chat",
+            path="/v1/chat/completions",
+            stream=False,
+            prompt_ids=p,
+            completion_ids=s,
+            completion_logprobs=[-1.0] * len(s),
+            finish_reason="stop",
+        )
+        for i, (p, s) in enumerate(
+            [(p0, sampled), (p1, tok.encode("hi", add_special_tokens=False) + [eot()])]
+        )
+    ]
     merged, summary = merge_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), eot_token_id=eot())
     assert summary.sequences == 1
     (ids,) = merged["input_ids"].to_pylist()
-    assert ids[len(p0):len(p0) + len(sampled)] == sampled  # the sampled ids, not the echo
+    assert ids[len(p0) : len(p0) + len(sampled)] == sampled  # the sampled ids, not the echo
     assert tok.decode(ids).endswith("again<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>")
 
 
@@ -232,10 +336,24 @@ def test_thinking_stripped_from_history_keeps_the_sampled_thinking():
     p1 = render(messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Q2"}])
     assert "weigh options" not in tok.decode(p1)  # the template dropped the thinking
     sampled = tok.encode(answer, add_special_tokens=False) + [eot()]
-    rows = [dict(schema_version=1, request_id=f"r{i}", session_id="s", seq=i, started_at=T0, finished_at=T0,
-                 provider="openai_chat", path="/v1/chat/completions", stream=False, prompt_ids=p,
-                 completion_ids=s, completion_logprobs=[-1.0] * len(s), finish_reason="stop")
-            for i, (p, s) in enumerate([(p0, sampled), (p1, [eot()])])]
+    rows = [
+        dict(
+            schema_version=1,
+            request_id=f"r{i}",
+            session_id="s",
+            seq=i,
+            started_at=T0,
+            finished_at=T0,
+            provider="openai_chat",
+            path="/v1/chat/completions",
+            stream=False,
+            prompt_ids=p,
+            completion_ids=s,
+            completion_logprobs=[-1.0] * len(s),
+            finish_reason="stop",
+        )
+        for i, (p, s) in enumerate([(p0, sampled), (p1, [eot()])])
+    ]
     merged, summary = merge_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA), eot_token_id=eot())
     assert summary.sequences == 1
     text = tok.decode(merged["input_ids"].to_pylist()[0])
@@ -246,9 +364,19 @@ def test_thinking_stripped_from_history_keeps_the_sampled_thinking():
 def test_a_new_user_message_after_kept_thinking_rewrites_history_and_starts_a_new_sequence(kind):
     """Qwen3 keeps thinking in tool-call turns after the last user message and drops it once a new one comes."""
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
-    call = {"role": "assistant", "content": "<think>\nplan\n</think>\n\nrun", "tool_calls": [
-        {"type": "function", "function": {"name": "shell", "arguments": {"command": "ls"}}}]}
+    call = {
+        "role": "assistant",
+        "content": "<think>\nplan\n</think>\n\nrun",
+        "tool_calls": [{"type": "function", "function": {"name": "shell", "arguments": {"command": "ls"}}}],
+    }
     p1 = render(messages + [call, {"role": "tool", "content": "a.txt"}])
-    p2 = render(messages + [call, {"role": "tool", "content": "a.txt"}, {"role": "assistant", "content": "done"},
-                            {"role": "user", "content": "Q2"}])
+    p2 = render(
+        messages
+        + [
+            call,
+            {"role": "tool", "content": "a.txt"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "Q2"},
+        ]
+    )
     assert not is_prefix(p1, p2)

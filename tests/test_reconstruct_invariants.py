@@ -22,21 +22,35 @@ S1 = [1006, EOT]
 
 
 def row(request_id: str, seq: int, prompt, sampled, finish: str = "stop", logprobs=None) -> dict:
-    return dict(schema_version=1, request_id=request_id, session_id="s", seq=seq, started_at=T0, finished_at=T0,
-                provider="openai_chat", path="/v1/chat/completions", stream=False, prompt_ids=prompt,
-                completion_ids=sampled, finish_reason=finish,
-                completion_logprobs=logprobs if logprobs is not None else
-                [-0.5 - i for i in range(len(sampled or []))])
+    return dict(
+        schema_version=1,
+        request_id=request_id,
+        session_id="s",
+        seq=seq,
+        started_at=T0,
+        finished_at=T0,
+        provider="openai_chat",
+        path="/v1/chat/completions",
+        stream=False,
+        prompt_ids=prompt,
+        completion_ids=sampled,
+        finish_reason=finish,
+        completion_logprobs=logprobs
+        if logprobs is not None
+        else [-0.5 - i for i in range(len(sampled or []))],
+    )
 
 
 @pytest.fixture
 def good():
-    records = pa.Table.from_pylist([row("a", 0, P0, S0), row("b", 1, P1, S1), row("err", 2, P1, [], "error")],
-                                   schema=RECORD_SCHEMA)
+    records = pa.Table.from_pylist(
+        [row("a", 0, P0, S0), row("b", 1, P1, S1), row("err", 2, P1, [], "error")], schema=RECORD_SCHEMA
+    )
     merged, _ = merge_table(records, eot_token_id=EOT, check=False)
     (seq,) = sequences_from_table(merged)
-    seq.input_ids, seq.loss_mask, seq.logprobs = (np.array(a) for a in (seq.input_ids, seq.loss_mask,
-                                                                        seq.logprobs))
+    seq.input_ids, seq.loss_mask, seq.logprobs = (
+        np.array(a) for a in (seq.input_ids, seq.loss_mask, seq.logprobs)
+    )
     return records, seq
 
 
@@ -136,17 +150,24 @@ def test_turns_out_of_order_are_caught():
 
 
 def test_invalid_records_are_excluded_not_trained():
-    records = pa.Table.from_pylist([
-        row("ok", 0, P0, S0),
-        row("no-prompt", 1, None, S0),
-        row("misaligned", 2, P0, S0, logprobs=[-1.0]),
-        row("empty", 3, P0, []),
-        row("aborted", 4, P0, [1002], "abort"),
-    ], schema=RECORD_SCHEMA)
+    records = pa.Table.from_pylist(
+        [
+            row("ok", 0, P0, S0),
+            row("no-prompt", 1, None, S0),
+            row("misaligned", 2, P0, S0, logprobs=[-1.0]),
+            row("empty", 3, P0, []),
+            row("aborted", 4, P0, [1002], "abort"),
+        ],
+        schema=RECORD_SCHEMA,
+    )
     merged, summary = merge_table(records, eot_token_id=EOT)
     assert merged["request_ids"].to_pylist() == [["ok"]]
-    assert summary.excluded == {"abort": 1, "empty completion": 1, "logprobs missing or misaligned": 1,
-                                "missing prompt ids": 1}
+    assert summary.excluded == {
+        "abort": 1,
+        "empty completion": 1,
+        "logprobs missing or misaligned": 1,
+        "missing prompt ids": 1,
+    }
 
 
 def test_a_sampled_token_hidden_from_the_loss_is_caught_even_with_logprob_zero():

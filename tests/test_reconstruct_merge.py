@@ -35,13 +35,24 @@ def session_rows(session: str, turns: int, *, task: str | None = None, first_seq
     for i in range(turns):
         prompt = history + GEN
         sampled = [9707 + i, 11, 1879, EOT]
-        rows.append(Record(
-            request_id=f"{session}-{i}", session_id=session, task_id=task, seq=first_seq + i,
-            started_at=T0 + timedelta(seconds=i), finished_at=T0 + timedelta(seconds=i, milliseconds=5),
-            provider="openai_chat", path="/v1/chat/completions", stream=False, finish_reason="stop",
-            prompt_ids=prompt, completion_ids=sampled, completion_logprobs=[-0.1 * (j + 1) for j in range(4)],
-            weight_version=str(i),
-        ).__dict__)
+        rows.append(
+            Record(
+                request_id=f"{session}-{i}",
+                session_id=session,
+                task_id=task,
+                seq=first_seq + i,
+                started_at=T0 + timedelta(seconds=i),
+                finished_at=T0 + timedelta(seconds=i, milliseconds=5),
+                provider="openai_chat",
+                path="/v1/chat/completions",
+                stream=False,
+                finish_reason="stop",
+                prompt_ids=prompt,
+                completion_ids=sampled,
+                completion_logprobs=[-0.1 * (j + 1) for j in range(4)],
+                weight_version=str(i),
+            ).__dict__
+        )
         history = prompt + sampled + [NL] + block(USER, [3000 + i])
     return rows
 
@@ -55,9 +66,20 @@ def write_shard(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture
 def flows(tmp_path) -> Path:
     """Three sessions spread over two shards, interleaved, plus an error record."""
-    a, b, c = session_rows("sess-a", 3, task="t1"), session_rows("sess-b", 2, task="t1"), session_rows("sess-c", 4)
-    error = dict(a[1], request_id="sess-a-err", seq=10, finish_reason="error", completion_ids=[],
-                 completion_logprobs=[], error="engine_error: down")
+    a, b, c = (
+        session_rows("sess-a", 3, task="t1"),
+        session_rows("sess-b", 2, task="t1"),
+        session_rows("sess-c", 4),
+    )
+    error = dict(
+        a[1],
+        request_id="sess-a-err",
+        seq=10,
+        finish_reason="error",
+        completion_ids=[],
+        completion_logprobs=[],
+        error="engine_error: down",
+    )
     write_shard(tmp_path / "flows" / "records-0001.parquet", [a[0], b[0], c[0], c[1], a[1]])
     write_shard(tmp_path / "flows" / "records-0002.parquet", [b[1], c[2], a[2], error, c[3]])
     return tmp_path / "flows"
@@ -107,13 +129,17 @@ def test_small_shards_hold_every_sequence_once(flows, tmp_path):
     assert len(summary.shards) == 3
     ids = read_output(out)["request_ids"].to_pylist()
     assert sorted(r for group in ids for r in group) == sorted(
-        f"sess-{s}-{i}" for s, n in (("a", 3), ("b", 2), ("c", 4)) for i in range(n))
+        f"sess-{s}-{i}" for s, n in (("a", 3), ("b", 2), ("c", 4)) for i in range(n)
+    )
 
 
 def test_merge_reads_a_file_uri_and_a_single_file(flows, tmp_path):
     by_uri = merge([flows.resolve().as_uri()], str(tmp_path / "uri"), eot_token=str(EOT))
-    by_file = merge([str(flows / "records-0001.parquet"), str(flows / "records-0002.parquet")],
-                    str(tmp_path / "files"), eot_token=str(EOT))
+    by_file = merge(
+        [str(flows / "records-0001.parquet"), str(flows / "records-0002.parquet")],
+        str(tmp_path / "files"),
+        eot_token=str(EOT),
+    )
     assert by_uri.sequences == by_file.sequences == 3
     assert read_output(tmp_path / "uri").equals(read_output(tmp_path / "files"))
 
@@ -163,32 +189,44 @@ def test_per_request_makes_one_sequence_per_call(flows, tmp_path):
 
 def test_rewards_from_jsonl_are_joined_and_missing_ones_kept_as_null(flows, tmp_path):
     rewards = tmp_path / "rewards.jsonl"
-    rewards.write_text('{"session_id": "sess-a", "reward": 1.0}\n\n{"session_id": "sess-c", "reward": 0.25, '
-                       '"task_id": "t2"}\n')
+    rewards.write_text(
+        '{"session_id": "sess-a", "reward": 1.0}\n\n{"session_id": "sess-c", "reward": 0.25, '
+        '"task_id": "t2"}\n'
+    )
     summary = merge([str(flows)], str(tmp_path / "merged"), eot_token=str(EOT), rewards=str(rewards))
     table = read_output(tmp_path / "merged")
     assert table["reward"].to_pylist() == [1.0, None, 0.25]
-    assert table["task_id"].to_pylist() == ["t1", "t1", "t2"]  # filled from the rewards where records had none
+    assert table["task_id"].to_pylist() == [
+        "t1",
+        "t1",
+        "t2",
+    ]  # filled from the rewards where records had none
     assert (summary.rewarded_sessions, summary.unrewarded_sessions) == (2, 1)
 
 
 def test_rewards_from_parquet_with_drop_unrewarded(flows, tmp_path):
     rewards = tmp_path / "rewards.parquet"
-    pq.write_table(pa.table({"session_id": ["sess-b", "sess-c"], "reward": [0.5, None],
-                             "status": ["ok", "cut"]}), rewards)
-    summary = merge([str(flows)], str(tmp_path / "merged"), eot_token=str(EOT), rewards=str(rewards),
-                    drop_unrewarded=True)
+    pq.write_table(
+        pa.table({"session_id": ["sess-b", "sess-c"], "reward": [0.5, None], "status": ["ok", "cut"]}),
+        rewards,
+    )
+    summary = merge(
+        [str(flows)], str(tmp_path / "merged"), eot_token=str(EOT), rewards=str(rewards), drop_unrewarded=True
+    )
     table = read_output(tmp_path / "merged")
     assert table["session_id"].to_pylist() == ["sess-b"] and table["reward"].to_pylist() == [0.5]
     assert summary.dropped_unrewarded_sequences == 2 and summary.unrewarded_sessions == 2
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ('{"session_id": "a", "reward": 1}\n{"session_id": "a", "reward": 0}\n', "two different rewards"),
-    ('{"session_id": "a", "reward": "high"}\n', "finite number"),
-    ('{"reward": 1}\n', "session_id"),
-    ('{"session_id": "a", "reward": 1}\nnot json\n', "line 2"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"session_id": "a", "reward": 1}\n{"session_id": "a", "reward": 0}\n', "two different rewards"),
+        ('{"session_id": "a", "reward": "high"}\n', "finite number"),
+        ('{"reward": 1}\n', "session_id"),
+        ('{"session_id": "a", "reward": 1}\nnot json\n', "line 2"),
+    ],
+)
 def test_bad_rewards_files_are_rejected_with_the_line(tmp_path, content, message):
     path = tmp_path / "rewards.jsonl"
     path.write_text(content)

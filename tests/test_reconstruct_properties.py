@@ -104,13 +104,24 @@ class SessionSimulator:
         return self.draw(st.lists(st.sampled_from(WORDS), min_size=lo, max_size=hi))
 
     def record(self, prompt: list[int], sampled: list[int] | None, finish: str) -> dict:
-        logprobs = None if sampled is None else [-(0.125 * (i % 7) + 0.01 * self.seq) for i in range(len(sampled))]
+        logprobs = (
+            None if sampled is None else [-(0.125 * (i % 7) + 0.01 * self.seq) for i in range(len(sampled))]
+        )
         row = dict(
-            schema_version=1, request_id=f"{self.session_id}-r{self.seq:03d}", session_id=self.session_id,
-            task_id=self.task_id, seq=self.seq, started_at=T0 + timedelta(milliseconds=self.seq),
-            finished_at=T0 + timedelta(milliseconds=self.seq + 1), provider="openai_chat",
-            path="/v1/chat/completions", stream=False, prompt_ids=list(prompt), completion_ids=sampled,
-            completion_logprobs=logprobs, finish_reason=finish,
+            schema_version=1,
+            request_id=f"{self.session_id}-r{self.seq:03d}",
+            session_id=self.session_id,
+            task_id=self.task_id,
+            seq=self.seq,
+            started_at=T0 + timedelta(milliseconds=self.seq),
+            finished_at=T0 + timedelta(milliseconds=self.seq + 1),
+            provider="openai_chat",
+            path="/v1/chat/completions",
+            stream=False,
+            prompt_ids=list(prompt),
+            completion_ids=sampled,
+            completion_logprobs=logprobs,
+            finish_reason=finish,
             weight_version=self.draw(st.sampled_from(["0", "1", "2", "10"])),
             error="engine_error: boom" if finish == "error" else None,
         )
@@ -124,14 +135,15 @@ class SessionSimulator:
         think = [THINK, *self.words(1, 4), END_THINK, NL, NL] if thinking else []
         body = self.words(1, 8)
         sampled = think + body + ([] if truncated else [EOT])
-        row = self.record(prompt, sampled, "length" if truncated else self.draw(st.sampled_from(["stop",
-                                                                                                "tool_calls"])))
+        row = self.record(
+            prompt, sampled, "length" if truncated else self.draw(st.sampled_from(["stop", "tool_calls"]))
+        )
         if agent.chain is None:
             agent.chain = ExpectedChain()
             self.chains.append(agent.chain)
             context = prompt
         else:
-            context = prompt[agent.close + (1 if agent.closed else 0):]
+            context = prompt[agent.close + (1 if agent.closed else 0) :]
         chain = agent.chain
         chain.request_ids.append(row["request_id"])
         chain.ids += context + sampled
@@ -149,8 +161,11 @@ class SessionSimulator:
         agent.history = prompt + echo + [EOT, NL] + tool_result
 
     def step(self, agent: Agent) -> None:
-        action = self.draw(st.sampled_from(["turn", "turn", "turn", "think", "truncate", "retry", "error",
-                                            "abort", "compact", "rewrite"]))
+        action = self.draw(
+            st.sampled_from(
+                ["turn", "turn", "turn", "think", "truncate", "retry", "error", "abort", "compact", "rewrite"]
+            )
+        )
         if action == "compact":
             # The harness rewrites its history into a summary: nothing before can be extended.
             self.compactions += 1
@@ -162,7 +177,7 @@ class SessionSimulator:
             self.rewrites += 1
             start, length = agent.first_tool
             cleared = block(USER, [1100, 1700 + self.rewrites])  # never the same twice
-            agent.history = agent.history[:start] + cleared + agent.history[start + length:]
+            agent.history = agent.history[:start] + cleared + agent.history[start + length :]
             agent.first_tool = (start, len(cleared))
             agent.chain = None
         elif action in ("error", "abort"):
@@ -192,8 +207,11 @@ def simulated_sessions(draw, max_sessions: int = 2) -> Simulated:
         for a in range(n_agents):
             # Distinct system prompts and first messages: a subagent never extends another agent's prompt.
             system = [2000 + a, *sim.words(0, 3)]
-            agents.append(Agent(system=system, history=block(SYSTEM, system) + block(USER, [3000 + a,
-                                                                                           *sim.words(0, 3)])))
+            agents.append(
+                Agent(
+                    system=system, history=block(SYSTEM, system) + block(USER, [3000 + a, *sim.words(0, 3)])
+                )
+            )
         for _ in range(draw(st.integers(1, 10))):
             sim.step(agents[draw(st.integers(0, n_agents - 1))])
         rows += sim.rows
@@ -270,10 +288,13 @@ def naive_prefix_merging(rows: list[dict], eot: int) -> list[list[str]]:
         best = None
         for chain in chains:
             tip = chain["tip"]
-            if chain["open"] and prompt[:len(tip)] == tip and (
-                    best is None or (len(tip), chain["stamp"]) > (len(best["tip"]), best["stamp"])):
+            if (
+                chain["open"]
+                and prompt[: len(tip)] == tip
+                and (best is None or (len(tip), chain["stamp"]) > (len(best["tip"]), best["stamp"]))
+            ):
                 best = chain
-        if best is not None and eot in prompt[len(best["tip"]):]:
+        if best is not None and eot in prompt[len(best["tip"]) :]:
             for other in chains:  # the harness went on from best's sample: chains at the same tip are done
                 other["open"] = other["open"] and (other is best or other["tip"] != best["tip"])
             best["ids"].append(turn.request_id)
@@ -311,7 +332,9 @@ def test_the_simulator_produces_the_hard_cases():
     """Guard against a simulator that silently stopped generating drift, retries or compaction."""
     seen = {"drift": 0, "retry": 0, "compaction": 0, "rewrite": 0, "subagents": 0}
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True)  # a fixed set: never fails by chance
+    @settings(
+        max_examples=60, deadline=None, database=None, derandomize=True
+    )  # a fixed set: never fails by chance
     @given(sim=simulated_sessions())
     def collect(sim):
         seen["drift"] += sim.drifted
@@ -328,9 +351,24 @@ def test_the_simulator_produces_the_hard_cases():
 
 
 def rows_of(*calls: tuple[list[int], list[int], str], session: str = "s") -> list[dict]:
-    return [dict(schema_version=1, request_id=f"r{i}", session_id=session, seq=i, started_at=T0, finished_at=T0,
-                 provider="openai_chat", path="/v1/chat/completions", stream=False, prompt_ids=p, completion_ids=s,
-                 completion_logprobs=[-1.0] * len(s), finish_reason=f) for i, (p, s, f) in enumerate(calls)]
+    return [
+        dict(
+            schema_version=1,
+            request_id=f"r{i}",
+            session_id=session,
+            seq=i,
+            started_at=T0,
+            finished_at=T0,
+            provider="openai_chat",
+            path="/v1/chat/completions",
+            stream=False,
+            prompt_ids=p,
+            completion_ids=s,
+            completion_logprobs=[-1.0] * len(s),
+            finish_reason=f,
+        )
+        for i, (p, s, f) in enumerate(calls)
+    ]
 
 
 SYS = block(SYSTEM, [1000]) + block(USER, [1001])
@@ -340,7 +378,9 @@ def test_truncated_turn_keeps_the_prompts_end_of_turn_as_context():
     p0 = SYS + GEN
     s0 = [1002, 1003]  # finish length: no <|im_end|> sampled
     p1 = p0 + [1002, 1600, 1601, EOT, NL] + block(USER, [1004]) + GEN
-    merged, _ = merge_table(as_table(rows_of((p0, s0, "length"), (p1, [1005, EOT], "stop"))), eot_token_id=EOT)
+    merged, _ = merge_table(
+        as_table(rows_of((p0, s0, "length"), (p1, [1005, EOT], "stop"))), eot_token_id=EOT
+    )
     (ids,), (mask,) = merged["input_ids"].to_pylist(), merged["loss_mask"].to_pylist()
     assert ids == p0 + s0 + [EOT, NL] + block(USER, [1004]) + GEN + [1005, EOT]
     assert mask == [0] * len(p0) + [1, 1] + [0] * (2 + len(block(USER, [1004])) + len(GEN)) + [1, 1]
@@ -366,8 +406,9 @@ def test_a_retried_prompt_starts_a_new_chain_and_later_turns_follow_the_retry():
 def test_a_prompt_that_grew_without_a_closed_turn_starts_a_new_sequence():
     p0 = SYS + GEN
     p1 = p0 + [1002, 1003]  # prefill-style continuation: no <|im_end|> after the tip
-    merged, summary = merge_table(as_table(rows_of((p0, [1001, EOT], "stop"), (p1, [1004, EOT], "stop"))),
-                                  eot_token_id=EOT)
+    merged, summary = merge_table(
+        as_table(rows_of((p0, [1001, EOT], "stop"), (p1, [1004, EOT], "stop"))), eot_token_id=EOT
+    )
     assert merged["request_ids"].to_pylist() == [["r0"], ["r1"]]
     assert summary.breaks == {prefix_merging.BREAK_NO_EOT: 1}
 
@@ -377,8 +418,12 @@ def test_compaction_starts_a_new_sequence_and_polar_would_drop_the_rest():
     p1 = p0 + [1001, EOT, NL] + block(USER, [1004]) + GEN
     compacted = block(SYSTEM, [1000]) + block(USER, [1200]) + GEN
     p3 = compacted + [1006, EOT, NL] + block(USER, [1004]) + GEN
-    rows = rows_of((p0, [1001, EOT], "stop"), (p1, [1002, EOT], "stop"), (compacted, [1006, EOT], "stop"),
-                   (p3, [1007, EOT], "stop"))
+    rows = rows_of(
+        (p0, [1001, EOT], "stop"),
+        (p1, [1002, EOT], "stop"),
+        (compacted, [1006, EOT], "stop"),
+        (p3, [1007, EOT], "stop"),
+    )
     merged, summary = merge_table(as_table(rows), eot_token_id=EOT)
     assert merged["request_ids"].to_pylist() == [["r0", "r1"], ["r2", "r3"]]
     assert summary.breaks == {BREAK_NO_PREFIX: 1}
@@ -401,7 +446,9 @@ def test_weight_versions_are_ordered_numerically_and_task_id_is_kept():
 
 def test_routing_compares_tokens_with_at_most_one_chain_per_request(monkeypatch):
     """Many unrelated chains in one session: the hash table, not a token scan, picks the chain."""
-    rows = rows_of(*[(block(SYSTEM, [1000 + i % 7, 5000 + i]) + GEN, [1001, EOT], "stop") for i in range(400)])
+    rows = rows_of(
+        *[(block(SYSTEM, [1000 + i % 7, 5000 + i]) + GEN, [1001, EOT], "stop") for i in range(400)]
+    )
     turns, _ = prepare_session(turns_from_table(as_table(rows)))
     calls = {"n": 0}
     real = np.array_equal
@@ -426,10 +473,14 @@ def test_a_discarded_retry_does_not_catch_a_call_after_the_history_is_rewritten(
     tool = block(USER, [1100, 1004])
     p1 = p0 + [1002, EOT, NL] + tool + GEN  # continues from the retry's answer (1002), not the first (1001)
     p2 = p1 + [1003, EOT, NL] + block(USER, [1100, 1005]) + GEN
-    cleared = p0 + [1002, EOT, NL] + block(USER, [1100, 1700]) + p2[len(p0) + 3 + len(tool):]
-    rows = rows_of((p0, [1001, EOT], "stop"), (p0, [1002, EOT], "stop"), (p1, [1003, EOT], "stop"),
-                   (p2, [1006, EOT], "stop"), (cleared + [1006, EOT, NL] + block(USER, [9]) + GEN, [1007, EOT],
-                                               "stop"))
+    cleared = p0 + [1002, EOT, NL] + block(USER, [1100, 1700]) + p2[len(p0) + 3 + len(tool) :]
+    rows = rows_of(
+        (p0, [1001, EOT], "stop"),
+        (p0, [1002, EOT], "stop"),
+        (p1, [1003, EOT], "stop"),
+        (p2, [1006, EOT], "stop"),
+        (cleared + [1006, EOT, NL] + block(USER, [9]) + GEN, [1007, EOT], "stop"),
+    )
     merged, summary = merge_table(as_table(rows), eot_token_id=EOT)
     # r0's chain ends at the retry; r4 (after the rewrite) extends no live chain, although p0 is its prefix.
     assert merged["request_ids"].to_pylist() == [["r0"], ["r1", "r2", "r3"], ["r4"]]

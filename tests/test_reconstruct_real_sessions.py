@@ -46,9 +46,18 @@ def test_real_sessions_route_like_a_naive_scan(merged, sessions):
     eot = merged[0].eot_token_id
     for turns in sessions.values():
         kept, _ = prepare_session(turns)
-        rows = [{"request_id": t.request_id, "session_id": t.session_id, "seq": t.seq, "finish_reason":
-                 t.finish_reason, "prompt_ids": t.prompt_ids.tolist(), "completion_ids": t.completion_ids.tolist(),
-                 "completion_logprobs": t.completion_logprobs.tolist()} for t in kept]
+        rows = [
+            {
+                "request_id": t.request_id,
+                "session_id": t.session_id,
+                "seq": t.seq,
+                "finish_reason": t.finish_reason,
+                "prompt_ids": t.prompt_ids.tolist(),
+                "completion_ids": t.completion_ids.tolist(),
+                "completion_logprobs": t.completion_logprobs.tolist(),
+            }
+            for t in kept
+        ]
         got = [s.request_ids for s in build_prefix_merging(kept, eot_token_id=eot).sequences]
         assert got == naive_prefix_merging(rows, eot)
 
@@ -57,8 +66,9 @@ def test_sessions_polar_keeps_whole_become_one_sequence(merged, sessions):
     """Where Polar's routing never breaks, prefix_merging must give the same single sequence."""
     summary, table = merged
     by_session = defaultdict(list)
-    for session_id, request_ids in zip(table["session_id"].to_pylist(), table["request_ids"].to_pylist(),
-                                       strict=True):
+    for session_id, request_ids in zip(
+        table["session_id"].to_pylist(), table["request_ids"].to_pylist(), strict=True
+    ):
         by_session[session_id].append(request_ids)
     whole = 0
     for session_id, turns in sessions.items():

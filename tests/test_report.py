@@ -75,7 +75,9 @@ def test_report_shows_iterations_curves_merge_tasks(report_html, demo_run):
 
 
 def test_token_viewer_carries_ids_logprobs_masks_and_turns(report_html, demo_run):
-    tokens = [attrs for tag, attrs in parse(report_html) if tag == "span" and "tk" in (attrs.get("class") or "")]
+    tokens = [
+        attrs for tag, attrs in parse(report_html) if tag == "span" and "tk" in (attrs.get("class") or "")
+    ]
     sampled = [a for a in tokens if "m1" in (a.get("class") or "")]
     assert len(tokens) > 500 and 0 < len(sampled) < len(tokens)
     assert all(float(a["data-lp"]) < 0 and "--s:" in (a.get("style") or "") for a in sampled)
@@ -88,10 +90,15 @@ def test_report_command_on_stage_directories(demo_run, tmp_path):
     run_dir, _ = demo_run
     for stage in ("iter-0/merged", "iter-0/train", "iter-0"):
         out = tmp_path / (stage.replace("/", "-") + ".html")
-        done = subprocess.run([POLAR, "report", str(run_dir / stage), "-o", str(out)], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [POLAR, "report", str(run_dir / stage), "-o", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         assert out.exists() and "<svg" in out.read_text()
-    empty = subprocess.run([POLAR, "report", str(tmp_path / "nothing-here")], capture_output=True, text=True,
-                           timeout=120)
+    empty = subprocess.run(
+        [POLAR, "report", str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=120
+    )
     assert empty.returncode == 2 and "not a directory" in empty.stderr

@@ -18,8 +18,8 @@ from polar_mitm.storage.records import read_all
 # A real HTTP client as the "harness": two chat calls through the gateway, each naming its session.
 CURL_TWICE = (
     "cmd:for turn in 1 2; do curl -sf {base_url}/v1/chat/completions -H 'content-type: application/json' "
-    "-d '{{\"model\": \"m\", \"max_tokens\": 4, \"messages\": [{{\"role\": \"user\", "
-    "\"content\": \"session {session} turn '$turn'\"}}]}}' > /dev/null || exit 1; done; echo hello > out.txt"
+    '-d \'{{"model": "m", "max_tokens": 4, "messages": [{{"role": "user", '
+    '"content": "session {session} turn \'$turn\'"}}]}}\' > /dev/null || exit 1; done; echo hello > out.txt'
 )
 
 
@@ -40,8 +40,9 @@ def run(tasks_file: Path, harness: str, gateway, tmp_path: Path, **cfg):
 
 def test_sixteen_concurrent_sessions_lose_no_record_and_mix_none(gateway, tmp_path):
     tasks = write_tasks(tmp_path / "t.jsonl", [task(f"conc{i}") for i in range(4)])
-    summary = run(tasks, CURL_TWICE, gateway, tmp_path, group_size=4, concurrency=16, init_workers=4,
-                  ready_buffer=16)
+    summary = run(
+        tasks, CURL_TWICE, gateway, tmp_path, group_size=4, concurrency=16, init_workers=4, ready_buffer=16
+    )
     assert len(summary.sessions) == 16 and all(s.status == "ok" and s.reward == 1.0 for s in summary.sessions)
     rows = read_all(gateway.out_dir).to_pylist()
     for s in summary.sessions:
@@ -55,8 +56,9 @@ def test_timed_out_harness_keeps_its_partial_trace_and_gets_the_failure_reward(g
     one_call_then_hang = CURL_TWICE.replace("for turn in 1 2", "for turn in 1") + "; sleep 60"
     tasks = write_tasks(tmp_path / "t.jsonl", [task("slow", timeouts={"run": 3})])
     started = time.monotonic()
-    summary = run(tasks, one_call_then_hang, gateway, tmp_path, group_size=2, concurrency=2,
-                  failure_reward=-1.0)
+    summary = run(
+        tasks, one_call_then_hang, gateway, tmp_path, group_size=2, concurrency=2, failure_reward=-1.0
+    )
     assert time.monotonic() - started < 30
     rows = read_all(gateway.out_dir).to_pylist()
     for s in summary.sessions:
@@ -65,9 +67,14 @@ def test_timed_out_harness_keeps_its_partial_trace_and_gets_the_failure_reward(g
 
 
 def test_rewards_follow_the_checker_and_are_written(gateway, tmp_path):
-    tasks = write_tasks(tmp_path / "t.jsonl", [
-        task("passes"), task("fails", eval={"command": "test -f missing.txt"}),
-        task("scored", eval={"command": "echo 'score: 0.25'", "reward": "stdout"})])
+    tasks = write_tasks(
+        tmp_path / "t.jsonl",
+        [
+            task("passes"),
+            task("fails", eval={"command": "test -f missing.txt"}),
+            task("scored", eval={"command": "echo 'score: 0.25'", "reward": "stdout"}),
+        ],
+    )
     summary = run(tasks, CURL_TWICE, gateway, tmp_path, group_size=2, concurrency=4)
     rewards = {s.task.task_id: s.reward for s in summary.sessions}
     assert rewards == {"passes": 1.0, "fails": 0.0, "scored": 0.25}
@@ -94,8 +101,9 @@ def test_ready_buffer_keeps_run_workers_busy(gateway, tmp_path):
     tasks = write_tasks(tmp_path / "t.jsonl", [task("slowinit", workspace={"setup": ["sleep 0.6"]})])
     harness = "cmd:sleep 0.3; echo hello > out.txt"
     without = run(tasks, harness, gateway, tmp_path / "a", group_size=8, concurrency=2, ready_buffer=0)
-    with_buffer = run(tasks, harness, gateway, tmp_path / "b", group_size=8, concurrency=2, ready_buffer=4,
-                      init_workers=6)
+    with_buffer = run(
+        tasks, harness, gateway, tmp_path / "b", group_size=8, concurrency=2, ready_buffer=4, init_workers=6
+    )
     assert with_buffer.run_utilisation > without.run_utilisation + 0.25
     assert with_buffer.wall_seconds < without.wall_seconds
 
@@ -114,6 +122,12 @@ def test_relative_workspace_root_still_gives_the_harness_its_workspace(gateway, 
     monkeypatch.chdir(tmp_path)
     tasks = write_tasks(tmp_path / "t.jsonl", [task("rel")])
     config = RolloutConfig(workspace_root=Path("relative-ws"), group_size=1, concurrency=1)
-    summary = asyncio.run(Rollout(load_tasks(tasks), HarnessSpec("cmd:echo hello > {workspace}/out.txt"),
-                                  GatewayEndpoints(gateway.reverse_url), config).run())
+    summary = asyncio.run(
+        Rollout(
+            load_tasks(tasks),
+            HarnessSpec("cmd:echo hello > {workspace}/out.txt"),
+            GatewayEndpoints(gateway.reverse_url),
+            config,
+        ).run()
+    )
     assert summary.sessions[0].status == "ok" and summary.sessions[0].reward == 1.0

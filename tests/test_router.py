@@ -12,8 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def start_engine(tmp_path_factory, name: str) -> tuple:
-    return procs.start_engine("tiny", log=tmp_path_factory.mktemp(name) / "engine.log",
-                              extra_args=["--threads", "1"])
+    return procs.start_engine(
+        "tiny", log=tmp_path_factory.mktemp(name) / "engine.log", extra_args=["--threads", "1"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,9 @@ def two_engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(two_engines, tmp_path_factory):
-    with engines.attached(",".join(two_engines), log=tmp_path_factory.mktemp("router") / "router.log") as found:
+    with engines.attached(
+        ",".join(two_engines), log=tmp_path_factory.mktemp("router") / "router.log"
+    ) as found:
         yield found
 
 
@@ -56,8 +59,9 @@ def test_router_drops_token_ids_so_each_gateway_is_pinned_to_one_worker(router, 
 def test_push_with_one_engine_down_fails_naming_it(two_engines, tiny_model_dir, tmp_path_factory):
     proc, doomed = start_engine(tmp_path_factory, "doomed")
     try:
-        with engines.attached(f"{two_engines[0]},{doomed}",
-                              log=tmp_path_factory.mktemp("router2") / "router.log") as pair:
+        with engines.attached(
+            f"{two_engines[0]},{doomed}", log=tmp_path_factory.mktemp("router2") / "router.log"
+        ) as pair:
             procs.stop(proc)  # the engine goes down after the router registered it
             with pytest.raises(EngineSyncError) as failure:
                 push_weights(pair.url, tiny_model_dir)

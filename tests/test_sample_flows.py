@@ -23,7 +23,9 @@ def model_flows():
 def test_flows_hold_every_provider_and_no_secret():
     flows = model_flows()
     # Every provider API (the compaction endpoint records as the Responses provider it belongs to).
-    assert {f.metadata["polar_record"]["provider"] for f in flows} == {codec.name for codec in CODECS.values()}
+    assert {f.metadata["polar_record"]["provider"] for f in flows} == {
+        codec.name for codec in CODECS.values()
+    }
     raw = FLOW_FILE.read_bytes()
     assert b"sk-sample-not-a-secret" not in raw
     for f in flows:
@@ -48,8 +50,12 @@ def test_recorded_answers_parse_with_the_official_sdks():
     import openai.types.responses as orr
     from google.genai import types as gt
 
-    validators = {"anthropic": at.Message, "openai_chat": oc.ChatCompletion, "openai_responses": orr.Response,
-                  "google": gt.GenerateContentResponse}
+    validators = {
+        "anthropic": at.Message,
+        "openai_chat": oc.ChatCompletion,
+        "openai_responses": orr.Response,
+        "google": gt.GenerateContentResponse,
+    }
     for flow in model_flows():
         record = flow.metadata["polar_record"]
         validators[record["provider"]].model_validate(json.loads(record["response_json"]))

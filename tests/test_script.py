@@ -11,8 +11,14 @@ from polar_mitm.harness.policy import HELLO_SCRIPT
 
 ADAPTIVE = {
     "turns": [
-        {"text": "On it.", "tool_call": {"name": ["Bash", "exec_command", "bash"], "arguments": {"command": "ls"},
-                                         "arguments_by_name": {"exec_command": {"cmd": "ls"}}}},
+        {
+            "text": "On it.",
+            "tool_call": {
+                "name": ["Bash", "exec_command", "bash"],
+                "arguments": {"command": "ls"},
+                "arguments_by_name": {"exec_command": {"cmd": "ls"}},
+            },
+        },
         "All done.",
     ],
     "side": "A title",
@@ -28,8 +34,9 @@ def tokenizer(tiny_model_dir):
 
 
 def prompt(tokenizer, messages, tools=None):
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def script(tokenizer, spec=ADAPTIVE) -> Script:
@@ -46,8 +53,10 @@ USER = [{"role": "user", "content": "list files"}]
 def test_first_offered_candidate_is_called_with_its_own_argument_shape(tokenizer):
     s = script(tokenizer)
     ids = prompt(tokenizer, USER)
-    assert call_of(s.text_for(ids, ["Read", "exec_command", "bash"])) == {"name": "exec_command",
-                                                                         "arguments": {"cmd": "ls"}}
+    assert call_of(s.text_for(ids, ["Read", "exec_command", "bash"])) == {
+        "name": "exec_command",
+        "arguments": {"cmd": "ls"},
+    }
     assert call_of(s.text_for(ids, ["bash"])) == {"name": "bash", "arguments": {"command": "ls"}}
     assert s.text_for(ids, ["bash"]).startswith("On it.\n<tool_call>")
     assert s.ids_for(ids, ["bash"])[-1] == tokenizer.eos_token_id
@@ -75,9 +84,17 @@ def test_replies_match_the_prompt_text(tokenizer):
 
 def test_turn_follows_the_number_of_assistant_turns_in_the_history(tokenizer):
     s = script(tokenizer)
-    history = [*USER, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    ]
     tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
     assert s.turn_index(prompt(tokenizer, history, tools)) == 1
     assert s.text_for(prompt(tokenizer, history, tools), ["bash"]) == "All done."
@@ -87,11 +104,23 @@ def test_plain_list_scripts_and_string_names_keep_working(tokenizer):
     s = script(tokenizer, [{"tool_call": {"name": "shell", "arguments": {"command": "ls"}}}, "ok"])
     ids = prompt(tokenizer, USER)
     assert call_of(s.text_for(ids, ["bash"])) == {"name": "shell", "arguments": {"command": "ls"}}
-    assert turn_text({"tool_call": {"name": ["a", "b"]}}, ["b"]) == '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    assert (
+        turn_text({"tool_call": {"name": ["a", "b"]}}, ["b"])
+        == '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    )
 
 
-@pytest.mark.parametrize("bad", [[], {"turns": []}, [{"tool_call": {"arguments": {}}}], [{"tool_call": {"name": []}}],
-                                 [42], {"turns": ["x"], "replies": [{"when": "y"}]}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [],
+        {"turns": []},
+        [{"tool_call": {"arguments": {}}}],
+        [{"tool_call": {"name": []}}],
+        [42],
+        {"turns": ["x"], "replies": [{"when": "y"}]},
+    ],
+)
 def test_malformed_scripts_are_refused(tokenizer, bad):
     with pytest.raises(ScriptError):
         script(tokenizer, bad)

@@ -56,11 +56,17 @@ def test_the_forms_are_the_documented_strings():
     assert ids.base_url("http://gw:8081/", "/v1") == "http://gw:8081/t/suite%2Ft/s/s%201/v1"
     no_task = SessionId("s1", "")  # an empty task is no task
     assert (no_task.compact, no_task.path_prefix, no_task.proxy_user, no_task.api_key) == (
-        "s1", "/s/s1", "s1", "polar-s1")
+        "s1",
+        "/s/s1",
+        "s1",
+        "polar-s1",
+    )
 
 
-@pytest.mark.parametrize("path", ["/v1/messages", "/s/", "/s//v1", "/t/tk/v1/messages", "/t//s/x", "s/x/v1",
-                                  "/x/s/abc", "/t/a/b/s/c"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/messages", "/s/", "/s//v1", "/t/tk/v1/messages", "/t//s/x", "s/x/v1", "/x/s/abc", "/t/a/b/s/c"],
+)
 def test_paths_without_a_well_formed_prefix_are_left_alone(path):
     assert session_ids.parse_path(path) == (None, path)
 

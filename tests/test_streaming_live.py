@@ -27,8 +27,10 @@ SYSTEM = "You are a coding agent."
 USER_TEXT = "Write hello into out.txt"
 SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 SCRIPT = [
-    {"text": "<think>\nThe user wants a file.\n</think>\n\nLet me write the file.",
-     "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}}},
+    {
+        "text": "<think>\nThe user wants a file.\n</think>\n\nLet me write the file.",
+        "tool_call": {"name": "shell", "arguments": {"command": "echo hello > out.txt"}},
+    },
     "Done: out.txt now says hello.",
 ]
 FINAL_TEXT = "Done: out.txt now says hello."
@@ -36,6 +38,7 @@ PROVIDERS = ["anthropic", "openai_chat", "openai_responses", "google"]
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
+
 
 def _engine(tmp_path_factory, name: str, extra: list[str]):
     root = tmp_path_factory.mktemp(name)
@@ -46,8 +49,9 @@ def _engine(tmp_path_factory, name: str, extra: list[str]):
 
 def _gateway(tmp_path_factory, name: str, engine: str, options: dict[str, str] | None = None):
     root = tmp_path_factory.mktemp(name)
-    gw = procs.start_gateway(engine, root / "flows", confdir=root / "conf", log=root / "gateway.log",
-                             options=options)
+    gw = procs.start_gateway(
+        engine, root / "flows", confdir=root / "conf", log=root / "gateway.log", options=options
+    )
     gw.log = root / "gateway.log"
     return gw
 
@@ -103,6 +107,7 @@ def prefill_gateway(prefill_engine, tmp_path_factory):
 
 # -- one turn per SDK --------------------------------------------------------------------------------------------
 
+
 class Turn:
     """One model call through an official SDK: what the client parsed, and the history for the next call."""
 
@@ -124,10 +129,16 @@ def _anthropic(base: str | None, history: list, stream: bool) -> Turn:
     else:
         msg = client.messages.create(**kwargs)
     calls = [b for b in msg.content if b.type == "tool_use"]
-    history = history + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]}]
+    history = history + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]}
+    ]
     if calls:
-        history.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id, "content": "ok"}
-                                                    for c in calls]})
+        history.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": c.id, "content": "ok"} for c in calls],
+            }
+        )
     text = "".join(b.text for b in msg.content if b.type == "text")
     return Turn(text, [(c.name, c.input) for c in calls], events, history)
 
@@ -136,22 +147,43 @@ def _openai_chat(base: str | None, history: list, stream: bool) -> Turn:
     import openai
 
     client = openai.OpenAI(api_key=API_KEY, base_url=base, max_retries=0)
-    tools = [{"type": "function", "function": {"name": "shell", "description": "Run a shell command",
-                                               "parameters": SHELL_SCHEMA}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA},
+        }
+    ]
     messages = history or [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TEXT}]
     events: list[str] = []
     if stream:
-        chunks = list(client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="gpt-4.1",
+                messages=messages,
+                tools=tools,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         events = ["usage" if chunk.usage else "chunk" for chunk in chunks]
         content, joined = join_chat_stream(chunks)
         calls = [(c["id"], c["name"], c["arguments"]) for c in joined]
     else:
-        message = client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
+        message = (
+            client.chat.completions.create(model="gpt-4.1", messages=messages, tools=tools).choices[0].message
+        )
         content = message.content or ""
         calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    history = messages + [{"role": "assistant", "content": content or None, "tool_calls": [
-        {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls] or None}]
+    history = messages + [
+        {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls
+            ]
+            or None,
+        }
+    ]
     history += [{"role": "tool", "tool_call_id": i, "content": "ok"} for i, _, _ in calls]
     return Turn(content, [(n, json.loads(a)) for _, n, a in calls], events, history)
 
@@ -160,11 +192,24 @@ def _openai_responses(base: str | None, history: list, stream: bool) -> Turn:
     import openai
 
     client = openai.OpenAI(api_key=API_KEY, base_url=base, max_retries=0)
-    tools = [{"type": "function", "name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA,
-              "strict": False}]
+    tools = [
+        {
+            "type": "function",
+            "name": "shell",
+            "description": "Run a shell command",
+            "parameters": SHELL_SCHEMA,
+            "strict": False,
+        }
+    ]
     items = history or [{"role": "user", "content": USER_TEXT}]
-    kwargs = dict(model="gpt-5-codex", input=items, tools=tools, instructions=SYSTEM, store=False,
-                  include=["reasoning.encrypted_content"])
+    kwargs = dict(
+        model="gpt-5-codex",
+        input=items,
+        tools=tools,
+        instructions=SYSTEM,
+        store=False,
+        include=["reasoning.encrypted_content"],
+    )
     events: list[str] = []
     if stream:
         with client.responses.stream(**kwargs) as s:
@@ -183,17 +228,25 @@ def _google(base: str | None, history: list, stream: bool) -> Turn:
     from google.genai import types
 
     client = genai.Client(api_key=API_KEY, http_options=types.HttpOptions(base_url=base) if base else None)
-    tool = types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA)])
+    tool = types.Tool(
+        function_declarations=[
+            types.FunctionDeclaration(
+                name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA
+            )
+        ]
+    )
     config = types.GenerateContentConfig(
-        tools=[tool], system_instruction=SYSTEM,
-        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+        tools=[tool],
+        system_instruction=SYSTEM,
+        automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True),
+    )
     contents = history or [types.Content(role="user", parts=[types.Part(text=USER_TEXT)])]
     events: list[str] = []
     if stream:
         parts: list = []
-        for chunk in client.models.generate_content_stream(model="gemini-2.5-flash", contents=contents,
-                                                           config=config):
+        for chunk in client.models.generate_content_stream(
+            model="gemini-2.5-flash", contents=contents, config=config
+        ):
             events.append(str(chunk.candidates[0].finish_reason) if chunk.candidates else "chunk")
             if chunk.candidates and chunk.candidates[0].content and chunk.candidates[0].content.parts:
                 parts += chunk.candidates[0].content.parts
@@ -203,14 +256,24 @@ def _google(base: str | None, history: list, stream: bool) -> Turn:
     calls = [p.function_call for p in parts if p.function_call]
     history = contents + [types.Content(role="model", parts=parts)]
     if calls:
-        history.append(types.Content(role="user", parts=[
-            types.Part.from_function_response(name=c.name, response={"output": "ok"}) for c in calls]))
+        history.append(
+            types.Content(
+                role="user",
+                parts=[
+                    types.Part.from_function_response(name=c.name, response={"output": "ok"}) for c in calls
+                ],
+            )
+        )
     text = "".join(p.text or "" for p in parts if not p.thought and p.text)
     return Turn(text, [(c.name, dict(c.args or {})) for c in calls], events, history)
 
 
-TURNS = {"anthropic": _anthropic, "openai_chat": _openai_chat, "openai_responses": _openai_responses,
-         "google": _google}
+TURNS = {
+    "anthropic": _anthropic,
+    "openai_chat": _openai_chat,
+    "openai_responses": _openai_responses,
+    "google": _google,
+}
 
 
 def _base(provider: str, gw, mode: str, session: str) -> str | None:
@@ -225,32 +288,65 @@ def _session(provider: str, gw, mode: str, session: str, stream: bool, monkeypat
     if mode == "proxy":
         monkeypatch.setenv("HTTPS_PROXY", f"http://{session}:x@127.0.0.1:{gw.proxy_port}")
         monkeypatch.setenv("SSL_CERT_FILE", str(gw.ca_bundle()))
-        for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy", "https_proxy"):
+        for name in (
+            "NO_PROXY",
+            "no_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "https_proxy",
+        ):
             monkeypatch.delenv(name, raising=False)
     base = _base(provider, gw, mode, session)
-    first = TURNS[provider](base, [] if provider in ("openai_chat", "openai_responses", "google") else [
-        {"role": "user", "content": USER_TEXT}], stream)
+    first = TURNS[provider](
+        base,
+        []
+        if provider in ("openai_chat", "openai_responses", "google")
+        else [{"role": "user", "content": USER_TEXT}],
+        stream,
+    )
     second = TURNS[provider](base, first.history, stream)
     return [first, second]
 
 
 # -- records -------------------------------------------------------------------------------------------------------
 
+
 def _records(gw, session: str) -> list[dict[str, Any]]:
     deadline = time.monotonic() + 10
     while True:
-        rows = sorted((r for r in read_all(gw.out_dir).to_pylist() if r["session_id"] == session),
-                      key=lambda r: r["seq"])
+        rows = sorted(
+            (r for r in read_all(gw.out_dir).to_pylist() if r["session_id"] == session),
+            key=lambda r: r["seq"],
+        )
         if rows or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
 
 
 # Per-call identities and clocks: the only fields a streamed and an answered-whole call may differ in.
-VOLATILE_FIELDS = {"request_id", "session_id", "started_at", "finished_at", "stream", "request_json",
-                   "harness_ids_json"}
-VOLATILE_KEYS = {"id", "call_id", "tool_use_id", "tool_call_id", "created", "created_at", "completed_at",
-                 "responseId", "signature", "encrypted_content"}
+VOLATILE_FIELDS = {
+    "request_id",
+    "session_id",
+    "started_at",
+    "finished_at",
+    "stream",
+    "request_json",
+    "harness_ids_json",
+}
+VOLATILE_KEYS = {
+    "id",
+    "call_id",
+    "tool_use_id",
+    "tool_call_id",
+    "created",
+    "created_at",
+    "completed_at",
+    "responseId",
+    "signature",
+    "encrypted_content",
+}
 CALL_ID = re.compile(r"(toolu_)?call_[0-9a-f]{24}")
 
 
@@ -267,12 +363,15 @@ def _normalised(value: Any) -> Any:
 
 def _comparable(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k not in VOLATILE_FIELDS}
-    out["path"] = row["path"].replace(":streamGenerateContent", ":generateContent")  # Google streams by method
+    out["path"] = row["path"].replace(
+        ":streamGenerateContent", ":generateContent"
+    )  # Google streams by method
     for key in ("response_json", "messages_json"):
         out[key] = _normalised(json.loads(row[key])) if row[key] else None
     meta = json.loads(row["engine_meta_json"] or "{}")  # the rest of meta_info is timing
-    out["engine_meta_json"] = {k: meta.get(k) for k in ("finish_reason", "prompt_tokens", "completion_tokens",
-                                                        "weight_version")}
+    out["engine_meta_json"] = {
+        k: meta.get(k) for k in ("finish_reason", "prompt_tokens", "completion_tokens", "weight_version")
+    }
     return out
 
 
@@ -287,6 +386,7 @@ def _assert_same_records(streamed: list[dict], whole: list[dict]) -> None:
 
 
 # -- the tests -----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["proxy", "reverse"])
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -324,12 +424,18 @@ def test_messages_prompt_mode_streams_live_with_equal_records(gateways, monkeypa
 def test_anthropic_stream_carries_thinking_text_and_tool_use_blocks(gateways):
     """The reasoning arrives as a thinking block (with its signature), then text, then one tool_use block."""
     gw = gateways["tokens"]
-    body = {"model": "claude-sonnet-4-6", "max_tokens": 256, "stream": True, "system": SYSTEM,
-            "messages": [{"role": "user", "content": USER_TEXT}],
-            "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}]}
+    body = {
+        "model": "claude-sonnet-4-6",
+        "max_tokens": 256,
+        "stream": True,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": USER_TEXT}],
+        "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}],
+    }
     url = SessionId(f"blocks-{uuid.uuid4().hex[:6]}").base_url(gw.reverse_url, "/v1/messages")
-    with httpx.stream("POST", url, json=body,
-                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60) as resp:
+    with httpx.stream(
+        "POST", url, json=body, headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60
+    ) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts == ["thinking", "text", "tool_use"]
@@ -346,7 +452,9 @@ def test_first_content_event_arrives_while_the_engine_is_still_generating(slow_g
     running_at_first_content = None
     pieces = []
     url = SessionId(f"ttfb-{uuid.uuid4().hex[:6]}").base_url(slow_gateway.reverse_url, "/v1/chat/completions")
-    with httpx.stream("POST", url, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120) as resp:
+    with httpx.stream(
+        "POST", url, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120
+    ) as resp:
         request_id = resp.headers["x-polar-request-id"]
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
@@ -366,12 +474,18 @@ def test_client_disconnect_mid_stream_stops_the_engine_and_records_abort(slow_ga
     """The harness hangs up after the first text: the engine aborts the generation (its stats show it stopped
     early) and the record is `abort` with the ids and logprobs sampled so far."""
     session = f"abort-{uuid.uuid4().hex[:6]}"
-    body = {"model": "claude-sonnet-4-6", "max_tokens": 256, "stream": True, "system": SYSTEM,
-            "messages": [{"role": "user", "content": USER_TEXT}],
-            "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}]}
+    body = {
+        "model": "claude-sonnet-4-6",
+        "max_tokens": 256,
+        "stream": True,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": USER_TEXT}],
+        "tools": [{"name": "shell", "description": "Run", "input_schema": SHELL_SCHEMA}],
+    }
     url = SessionId(session).base_url(slow_gateway.reverse_url, "/v1/messages")
-    with httpx.stream("POST", url, json=body,
-                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60) as resp:
+    with httpx.stream(
+        "POST", url, json=body, headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60
+    ) as resp:
         request_id = resp.headers["x-polar-request-id"]
         for line in resp.iter_lines():
             if '"thinking_delta"' in line:
@@ -398,18 +512,24 @@ def test_client_disconnect_mid_stream_stops_the_engine_and_records_abort(slow_ga
 def test_keepalive_pings_during_a_slow_first_token_are_accepted_by_the_anthropic_sdk(prefill_gateway):
     import anthropic
 
-    body = {"model": "claude-sonnet-4-6", "max_tokens": 64, "stream": True,
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "claude-sonnet-4-6",
+        "max_tokens": 64,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     url = SessionId(f"ping-{uuid.uuid4().hex[:6]}").base_url(prefill_gateway.reverse_url, "/v1/messages")
-    with httpx.stream("POST", url, json=body, headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"},
-                      timeout=60) as resp:
+    with httpx.stream(
+        "POST", url, json=body, headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60
+    ) as resp:
         names = [line[7:] for line in resp.iter_lines() if line.startswith("event: ")]
     first_content = names.index("content_block_start")
     assert names[0] == "message_start" and names[first_content - 1] == "ping"
     assert names[:first_content].count("ping") >= 3  # 1.5 s of silence at a 0.25 s keep-alive
     client = anthropic.Anthropic(api_key=API_KEY, base_url=url.removesuffix("/v1/messages"), max_retries=0)
-    with client.messages.stream(model="claude-sonnet-4-6", max_tokens=64,
-                                messages=[{"role": "user", "content": "hi"}]) as s:
+    with client.messages.stream(
+        model="claude-sonnet-4-6", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
+    ) as s:
         message = s.get_final_message()
     # No tools offered: the script's first turn as plain text, parsed whole after the pings.
     assert message.stop_reason == "end_turn" and "Let me write the file." in message.content[-1].text
@@ -433,16 +553,29 @@ def test_engine_stream_adds_up_to_its_answer_for_greedy_random_text(engine_url):
     and reasoning, its sglext ids equal the response ids, and every token's logprob came with a chunk."""
     tools = [{"type": "function", "function": {"name": "shell", "parameters": SHELL_SCHEMA}}]
     for prompt, with_tools in (("Say something.", False), ("Run a command.", True), ("Think first.", True)):
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
-                                "temperature": 0, "logprobs": True}
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "logprobs": True,
+        }
         if with_tools:
             body["tools"] = tools
-        whole = httpx.post(f"{engine_url}/v1/chat/completions", timeout=60,
-                           json={**body, "return_token_ids": True}).json()["choices"][0]
+        whole = httpx.post(
+            f"{engine_url}/v1/chat/completions", timeout=60, json={**body, "return_token_ids": True}
+        ).json()["choices"][0]
         text, reasoning, logprobs, ext = "", "", [], {}
-        with httpx.stream("POST", f"{engine_url}/v1/chat/completions", timeout=60,
-                          json={**body, "stream": True, "return_input_ids_in_sglext": True,
-                                "return_output_ids_in_sglext": True}) as resp:
+        with httpx.stream(
+            "POST",
+            f"{engine_url}/v1/chat/completions",
+            timeout=60,
+            json={
+                **body,
+                "stream": True,
+                "return_input_ids_in_sglext": True,
+                "return_output_ids_in_sglext": True,
+            },
+        ) as resp:
             for line in resp.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -454,6 +587,9 @@ def test_engine_stream_adds_up_to_its_answer_for_greedy_random_text(engine_url):
                     logprobs += (choice.get("logprobs") or {}).get("content") or []
         assert text == (whole["message"]["content"] or "")
         assert reasoning == (whole["message"]["reasoning_content"] or "")
-        assert ext["output_ids"] == [whole["response_token_ids"]] and ext["input_ids"] == [whole["prompt_token_ids"]]
-        assert [e["logprob"] for e in logprobs] == pytest.approx([e["logprob"] for e in whole["logprobs"]["content"]],
-                                                                 abs=1e-5)
+        assert ext["output_ids"] == [whole["response_token_ids"]] and ext["input_ids"] == [
+            whole["prompt_token_ids"]
+        ]
+        assert [e["logprob"] for e in logprobs] == pytest.approx(
+            [e["logprob"] for e in whole["logprobs"]["content"]], abs=1e-5
+        )

@@ -19,10 +19,16 @@ from polar_mitm.sdk_agent import base_url_for
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
-SCHEMA = {"type": "object", "properties": {
-    "next_speaker": {"type": "string", "enum": ["user", "model"]},
-    "done": {"type": "boolean"},
-    "steps": {"type": "integer"}}, "required": ["next_speaker", "done", "steps"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "next_speaker": {"type": "string", "enum": ["user", "model"]},
+        "done": {"type": "boolean"},
+        "steps": {"type": "integer"},
+    },
+    "required": ["next_speaker", "done", "steps"],
+    "additionalProperties": False,
+}
 PROMPT = "Who speaks next? Answer in JSON."
 
 
@@ -30,8 +36,13 @@ PROMPT = "Who speaks next? Answer in JSON."
 def free_gateway(engine_url, tmp_path_factory):
     """The gateway in front of the unscripted tiny engine; budgets capped so a runaway answer stays short."""
     root = tmp_path_factory.mktemp("structured")
-    gw = procs.start_gateway(engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log",
-                             options={"polar_max_tokens": "64"})
+    gw = procs.start_gateway(
+        engine_url,
+        root / "flows",
+        confdir=root / "conf",
+        log=root / "gateway.log",
+        options={"polar_max_tokens": "64"},
+    )
     yield gw
     gw.stop()
 
@@ -40,9 +51,14 @@ def ask_openai_chat(base: str) -> str:
     import openai
 
     client = openai.OpenAI(api_key="sk-test", base_url=base, max_retries=0)
-    answer = client.chat.completions.create(model="gpt-4.1", messages=[{"role": "user", "content": PROMPT}],
-                                            response_format={"type": "json_schema", "json_schema": {
-                                                "name": "next", "schema": SCHEMA, "strict": True}})
+    answer = client.chat.completions.create(
+        model="gpt-4.1",
+        messages=[{"role": "user", "content": PROMPT}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "next", "schema": SCHEMA, "strict": True},
+        },
+    )
     return answer.choices[0].message.content
 
 
@@ -50,8 +66,12 @@ def ask_openai_responses(base: str) -> str:
     import openai
 
     client = openai.OpenAI(api_key="sk-test", base_url=base, max_retries=0)
-    answer = client.responses.create(model="gpt-5", input=PROMPT, store=False, text={"format": {
-        "type": "json_schema", "name": "next", "schema": SCHEMA, "strict": True}})
+    answer = client.responses.create(
+        model="gpt-5",
+        input=PROMPT,
+        store=False,
+        text={"format": {"type": "json_schema", "name": "next", "schema": SCHEMA, "strict": True}},
+    )
     return answer.output_text
 
 
@@ -60,10 +80,19 @@ def ask_google(base: str, field: str) -> str:
     from google.genai import types
 
     client = genai.Client(api_key="test", http_options=types.HttpOptions(base_url=base))
-    schema = SCHEMA if field == "response_json_schema" else {
-        "type": "OBJECT", "properties": {"next_speaker": {"type": "STRING", "enum": ["user", "model"]},
-                                         "done": {"type": "BOOLEAN"}, "steps": {"type": "INTEGER"}},
-        "required": ["next_speaker", "done", "steps"]}
+    schema = (
+        SCHEMA
+        if field == "response_json_schema"
+        else {
+            "type": "OBJECT",
+            "properties": {
+                "next_speaker": {"type": "STRING", "enum": ["user", "model"]},
+                "done": {"type": "BOOLEAN"},
+                "steps": {"type": "INTEGER"},
+            },
+            "required": ["next_speaker", "done", "steps"],
+        }
+    )
     config = types.GenerateContentConfig(response_mime_type="application/json", **{field: schema})
     return client.models.generate_content(model="gemini-2.5-flash", contents=PROMPT, config=config).text
 
@@ -72,9 +101,12 @@ def ask_anthropic(base: str) -> str:
     import anthropic
 
     client = anthropic.Anthropic(api_key="sk-test", base_url=base, max_retries=0)
-    answer = client.messages.create(model="claude-sonnet-4-6", max_tokens=64,
-                                    messages=[{"role": "user", "content": PROMPT}],
-                                    extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}})
+    answer = client.messages.create(
+        model="claude-sonnet-4-6",
+        max_tokens=64,
+        messages=[{"role": "user", "content": PROMPT}],
+        extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}},
+    )
     return "".join(block.text for block in answer.content if block.type == "text")
 
 
@@ -106,11 +138,12 @@ def test_masked_logprobs_are_at_least_the_models_own(tiny_engine):
     """SGLang's vocab mask comes before the softmax: a constrained token's logprob is renormalised upwards."""
     from polar_mitm.engine.sampling import SamplingParams
 
-    prompt = tiny_engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                       add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
-    params = SamplingParams.from_sglang({"max_new_tokens": 48, "json_schema": json.dumps(SCHEMA),
-                                         "sampling_seed": 3})
+    prompt = tiny_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    params = SamplingParams.from_sglang(
+        {"max_new_tokens": 48, "json_schema": json.dumps(SCHEMA), "sampling_seed": 3}
+    )
     gen = tiny_engine.generate(prompt, params)
     jsonschema.validate(json.loads(gen.text), SCHEMA)
     free = tiny_engine.score(prompt, gen.output_ids)
@@ -123,8 +156,14 @@ def test_a_schema_that_does_not_compile_is_a_client_error(free_gateway):
 
     client = openai.OpenAI(api_key="sk-test", base_url=f"{free_gateway.reverse_url}/v1", max_retries=0)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format={
-            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}},
+            },
+        )
 
 
 def test_constrained_calls_are_left_out_of_the_loss_and_counted(free_gateway, tiny_engine):
@@ -141,12 +180,17 @@ def test_constrained_calls_are_left_out_of_the_loss_and_counted(free_gateway, ti
     for session, kind in sessions.items():
         base_url = SessionId(session, "json-task").base_url(free_gateway.reverse_url, "/v1")
         client = openai.OpenAI(api_key="sk-test", base_url=base_url, max_retries=0)
-        extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "next", "schema": SCHEMA}}}
-                 if kind == "constrained" else {"max_tokens": 8})
+        extra = (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "next", "schema": SCHEMA}}}
+            if kind == "constrained"
+            else {"max_tokens": 8}
+        )
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], **extra)
     rows = [r for r in read_all(free_gateway.out_dir).to_pylist() if r["session_id"] in sessions]
-    table, _ = merge_table(pa.Table.from_pylist(rows, schema=RECORD_SCHEMA),
-                           eot_token_id=tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    table, _ = merge_table(
+        pa.Table.from_pylist(rows, schema=RECORD_SCHEMA),
+        eot_token_id=tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
     merged = sequences_from_table(table)
     by_kind = {sessions[s.session_id]: s for s in merged}
     assert list(by_kind["constrained"].turn_constrained) == [True]

@@ -33,7 +33,10 @@ from polar_mitm.storage.records import read_all
 
 SET = Path(__file__).resolve().parent.parent / "examples" / "swe_tasks"
 INSTANCES = [json.loads(line) for line in (SET / "instances.jsonl").read_text().splitlines()]
-WRONG = {w["instance_id"]: w["patch"] for w in map(json.loads, (SET / "wrong_patches.jsonl").read_text().splitlines())}
+WRONG = {
+    w["instance_id"]: w["patch"]
+    for w in map(json.loads, (SET / "wrong_patches.jsonl").read_text().splitlines())
+}
 # Harnesses here never reach a model: a closed port stands in for the gateway.
 NO_GATEWAY = GatewayEndpoints("http://127.0.0.1:9")
 
@@ -42,8 +45,22 @@ NO_GATEWAY = GatewayEndpoints("http://127.0.0.1:9")
 def swe_file(tmp_path_factory) -> Path:
     """`polar-mitm tasks swe` on the offline set: task file + grading specs + one venv root for the module."""
     root = tmp_path_factory.mktemp("swe")
-    result = CliRunner().invoke(app, ["tasks", "swe", str(SET / "instances.jsonl"), "-o", str(root / "tasks.jsonl"),
-                                      "--repos", str(SET), "--run-timeout", "240", "--eval-timeout", "120"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "tasks",
+            "swe",
+            str(SET / "instances.jsonl"),
+            "-o",
+            str(root / "tasks.jsonl"),
+            "--repos",
+            str(SET),
+            "--run-timeout",
+            "240",
+            "--eval-timeout",
+            "120",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return root / "tasks.jsonl"
 
@@ -63,8 +80,22 @@ def one_task_file(swe_file: Path, task_id: str, path: Path) -> Path:
 def rollout_cli(tasks: Path, harness: str, tmp_path: Path, *extra: str) -> list[dict]:
     """`polar-mitm rollout` as a user runs it; the rewards it wrote."""
     rewards = tmp_path / "rewards.jsonl"
-    result = CliRunner().invoke(app, ["rollout", str(tasks), "--harness", harness, "--out", str(tmp_path / "flows"),
-                                      "--rewards", str(rewards), "--work-dir", str(tmp_path / "run"), *extra])
+    result = CliRunner().invoke(
+        app,
+        [
+            "rollout",
+            str(tasks),
+            "--harness",
+            harness,
+            "--out",
+            str(tmp_path / "flows"),
+            "--rewards",
+            str(rewards),
+            "--work-dir",
+            str(tmp_path / "run"),
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return [json.loads(line) for line in rewards.read_text().splitlines()]
 
@@ -83,28 +114,47 @@ def test_the_offline_set_is_sound():
     assert len(INSTANCES) >= 5
     for instance in load_instances(SET / "instances.jsonl"):
         assert instance.repo == "jpvanhala/inflection" and instance.extra["patch"]
-        own = [t for t in instance.fail_to_pass if not t.split("::")[1].startswith(("test_ordinal_teens",
-               "test_underscore_splits", "test_parameterize_strips", "test_pluralize_words", "test_transliterate_",
-               "test_camelize_removes"))]
+        own = [
+            t
+            for t in instance.fail_to_pass
+            if not t.split("::")[1].startswith(
+                (
+                    "test_ordinal_teens",
+                    "test_underscore_splits",
+                    "test_parameterize_strips",
+                    "test_pluralize_words",
+                    "test_transliterate_",
+                    "test_camelize_removes",
+                )
+            )
+        ]
         assert own, f"{instance.instance_id}: breaks none of the project's own tests"
         assert len(instance.fail_to_pass) + len(instance.pass_to_pass) >= 400
-    assert "MIT" in (SET / "LICENSE.inflection").read_text() or "Permission is hereby granted" in (
-        SET / "LICENSE.inflection").read_text()
+    assert (
+        "MIT" in (SET / "LICENSE.inflection").read_text()
+        or "Permission is hereby granted" in (SET / "LICENSE.inflection").read_text()
+    )
 
 
 @pytest.mark.slow
-def test_every_instance_gold_patch_scores_one_no_change_and_wrong_patch_zero(swe_file, swe_tasks, tmp_path,
-                                                                             monkeypatch):
+def test_every_instance_gold_patch_scores_one_no_change_and_wrong_patch_zero(
+    swe_file, swe_tasks, tmp_path, monkeypatch
+):
     monkeypatch.setenv("SWE_PATCHES", str(patches_dir(tmp_path / "patches")))
     # Session 0 applies the gold patch, 1 changes nothing, 2 applies the wrong fix; no model is called, so the
     # rollout attaches to a closed port instead of starting an engine and a gateway.
-    harness = ('cmd:if [ {index} = 0 ]; then git apply "$SWE_PATCHES/gold/$POLAR_TASK.diff"; '
-               'elif [ {index} = 2 ]; then git apply "$SWE_PATCHES/wrong/$POLAR_TASK.diff"; fi')
-    rows = rollout_cli(swe_file, harness, tmp_path, "-g", "3", "-c", "2", "--gateway-url", "http://127.0.0.1:9")
+    harness = (
+        'cmd:if [ {index} = 0 ]; then git apply "$SWE_PATCHES/gold/$POLAR_TASK.diff"; '
+        'elif [ {index} = 2 ]; then git apply "$SWE_PATCHES/wrong/$POLAR_TASK.diff"; fi'
+    )
+    rows = rollout_cli(
+        swe_file, harness, tmp_path, "-g", "3", "-c", "2", "--gateway-url", "http://127.0.0.1:9"
+    )
     got = {(r["task_id"], r["sample_index"]): (r["status"], r["reward"]) for r in rows}
     expected = {(t, i): ("ok", 1.0 if i == 0 else 0.0) for t in swe_tasks for i in range(3)}
-    assert got == expected, {k: r["eval_output"][-600:] for r in rows
-                             if got[k := (r["task_id"], r["sample_index"])] != expected[k]}
+    assert got == expected, {
+        k: r["eval_output"][-600:] for r in rows if got[k := (r["task_id"], r["sample_index"])] != expected[k]
+    }
     env_root = Path(spec_of(swe_tasks[INSTANCES[0]["instance_id"]]).env_dir).parent
     assert len([p for p in env_root.iterdir() if p.is_dir()]) == len(swe_tasks)  # one venv per task, reused
     report_timing(rows)
@@ -138,7 +188,9 @@ def spec_of(task: Task) -> GradingSpec:
 def test_workspace_holds_only_the_base_commit_and_the_env_is_built_once(swe_tasks, tmp_path):
     task = swe_tasks["inflection__ordinal-teens"]
     first = asyncio.run(prepared_workspace(task, tmp_path / "a"))
-    log = subprocess.run(["git", "log", "--all", "--format=%H"], cwd=first, capture_output=True, text=True).stdout
+    log = subprocess.run(
+        ["git", "log", "--all", "--format=%H"], cwd=first, capture_output=True, text=True
+    ).stdout
     assert log.split() == [task.meta["swe"]["base_commit"]]  # no later commit, no other instance's tree
     started = time.monotonic()
     asyncio.run(prepared_workspace(task, tmp_path / "b"))
@@ -191,17 +243,20 @@ def write_instances(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda r: r.pop("base_commit"), "missing field base_commit"),
-    (lambda r: r.update(FAIL_TO_PASS="test_a, test_b"), "field FAIL_TO_PASS must be a list of test ids"),
-    (lambda r: r.update(FAIL_TO_PASS="[]"), "field FAIL_TO_PASS is empty"),
-    (lambda r: r.update(PASS_TO_PASS=[1, 2]), "field PASS_TO_PASS must be a list of test ids"),
-    (lambda r: r.update(base_commit="main; rm -rf /"), "field base_commit must be a hex commit id"),
-    (lambda r: r.update(repo="inflection"), "field repo must be OWNER/NAME"),
-    (lambda r: r.update(test_patch="just text"), "field test_patch"),
-    (lambda r: r.update(problem_statement=""), "field problem_statement must be a non-empty string"),
-    (lambda r: r.update(patch=7), "field patch must be a string"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.pop("base_commit"), "missing field base_commit"),
+        (lambda r: r.update(FAIL_TO_PASS="test_a, test_b"), "field FAIL_TO_PASS must be a list of test ids"),
+        (lambda r: r.update(FAIL_TO_PASS="[]"), "field FAIL_TO_PASS is empty"),
+        (lambda r: r.update(PASS_TO_PASS=[1, 2]), "field PASS_TO_PASS must be a list of test ids"),
+        (lambda r: r.update(base_commit="main; rm -rf /"), "field base_commit must be a hex commit id"),
+        (lambda r: r.update(repo="inflection"), "field repo must be OWNER/NAME"),
+        (lambda r: r.update(test_patch="just text"), "field test_patch"),
+        (lambda r: r.update(problem_statement=""), "field problem_statement must be a non-empty string"),
+        (lambda r: r.update(patch=7), "field patch must be a string"),
+    ],
+)
 def test_a_bad_instance_is_named_with_its_line_and_field(tmp_path, change, message):
     rows = [dict(i) for i in INSTANCES[:3]]
     change(rows[1])
@@ -228,8 +283,14 @@ def test_options_are_checked_and_other_sources_and_images_are_used(tmp_path):
         write_tasks(instances, SweOptions(prompt_template="Fix {issue}"), tmp_path / "t.jsonl")
     with pytest.raises(InstanceError, match="no mirror of jpvanhala/inflection"):
         write_tasks(instances, SweOptions(repos=tmp_path), tmp_path / "t.jsonl")
-    tasks = write_tasks(instances, SweOptions(image="swebench/sweb.eval.x86_64.{docker_id}:latest",
-                                              prompt_template="{repo}: {problem_statement}"), tmp_path / "t.jsonl")
+    tasks = write_tasks(
+        instances,
+        SweOptions(
+            image="swebench/sweb.eval.x86_64.{docker_id}:latest",
+            prompt_template="{repo}: {problem_statement}",
+        ),
+        tmp_path / "t.jsonl",
+    )
     assert tasks[0]["workspace"]["git"] == "https://github.com/jpvanhala/inflection.git"
     assert tasks[0]["prompt"].startswith("jpvanhala/inflection: ordinalize()")
     spec = GradingSpec.load(Path(tasks[0]["swe"]["spec"]))
@@ -241,29 +302,47 @@ def test_parquet_and_json_instance_files_with_list_columns_load(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{**i, "FAIL_TO_PASS": json.loads(i["FAIL_TO_PASS"]), "PASS_TO_PASS": json.loads(i["PASS_TO_PASS"])}
-            for i in INSTANCES]
+    rows = [
+        {**i, "FAIL_TO_PASS": json.loads(i["FAIL_TO_PASS"]), "PASS_TO_PASS": json.loads(i["PASS_TO_PASS"])}
+        for i in INSTANCES
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "instances.parquet")
     (tmp_path / "instances.json").write_text(json.dumps(INSTANCES))
-    expected = [(i.instance_id, i.fail_to_pass, i.pass_to_pass) for i in load_instances(SET / "instances.jsonl")]
+    expected = [
+        (i.instance_id, i.fail_to_pass, i.pass_to_pass) for i in load_instances(SET / "instances.jsonl")
+    ]
     for name in ("instances.parquet", "instances.json"):
         got = [(i.instance_id, i.fail_to_pass, i.pass_to_pass) for i in load_instances(tmp_path / name)]
         assert got == expected, name
     rows[2]["FAIL_TO_PASS"] = None
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
-    with pytest.raises(InstanceError, match=r"bad.parquet:row 2: instance 'inflection__parameterize-trailing-sep"
-                                            r"arator': missing field FAIL_TO_PASS"):
+    with pytest.raises(
+        InstanceError,
+        match=r"bad.parquet:row 2: instance 'inflection__parameterize-trailing-sep"
+        r"arator': missing field FAIL_TO_PASS",
+    ):
         load_instances(tmp_path / "bad.parquet")
 
 
 def test_tests_run_in_the_instance_image_with_the_workspace_mounted(tmp_path):
-    spec = GradingSpec(instance_id="a__b-1", base_commit="abc1234", test_patch=INSTANCES[0]["test_patch"],
-                       fail_to_pass=["t"], pass_to_pass=[], image="sweb.eval.x86_64.a_1776_b-1:latest",
-                       env_dir=str(tmp_path / "env"), container_setup="conda activate testbed")
+    spec = GradingSpec(
+        instance_id="a__b-1",
+        base_commit="abc1234",
+        test_patch=INSTANCES[0]["test_patch"],
+        fail_to_pass=["t"],
+        pass_to_pass=[],
+        image="sweb.eval.x86_64.a_1776_b-1:latest",
+        env_dir=str(tmp_path / "env"),
+        container_setup="conda activate testbed",
+    )
     argv, _ = suite_argv(spec, tmp_path / "ws")
     assert argv[:3] == ["docker", "run", "--rm"] and f"{tmp_path / 'ws'}:/testbed" in argv
-    assert argv[-4:] == ["sweb.eval.x86_64.a_1776_b-1:latest", "bash", "-c",
-                         "conda activate testbed && python -m pytest -rA --tb=no -p no:cacheprovider test_inflection.py"]
+    assert argv[-4:] == [
+        "sweb.eval.x86_64.a_1776_b-1:latest",
+        "bash",
+        "-c",
+        "conda activate testbed && python -m pytest -rA --tb=no -p no:cacheprovider test_inflection.py",
+    ]
     spec.container = "apptainer"
     argv, _ = suite_argv(spec, tmp_path / "ws")
     assert argv[:2] == ["apptainer", "exec"] and str(tmp_path / "env" / "image.sif") in argv
@@ -283,7 +362,9 @@ def codex_or_skip() -> None:
 
 def rollout_through(gateway: procs.GatewayProcess, task: Task, tmp_path: Path):
     endpoints = GatewayEndpoints(gateway.reverse_url, gateway.proxy_url, gateway.ca_bundle())
-    config = RolloutConfig(group_size=1, concurrency=1, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs")
+    config = RolloutConfig(
+        group_size=1, concurrency=1, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"
+    )
     session = asyncio.run(Rollout([task], HarnessSpec("codex"), endpoints, config).run()).sessions[0]
     rows = [r for r in read_all(gateway.out_dir).to_pylist() if r["session_id"] == session.session_id]
     log = (tmp_path / "logs" / f"{session.session_id}.log").read_text(errors="replace")[-3000:]
@@ -291,13 +372,21 @@ def rollout_through(gateway: procs.GatewayProcess, task: Task, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_codex_applies_the_gold_patch_with_its_shell_tool_through_the_gateway(swe_file, tmp_path, tiny_engine):
+def test_codex_applies_the_gold_patch_with_its_shell_tool_through_the_gateway(
+    swe_file, tmp_path, tiny_engine
+):
     codex_or_skip()
     task_id = "inflection__pluralize-sh"
     gold = next(i for i in INSTANCES if i["instance_id"] == task_id)["patch"]
     script = tmp_path / "policy.json"
-    script.write_text(json.dumps(shell_script([f"git apply - <<'POLAR_PATCH_EOF'\n{gold}POLAR_PATCH_EOF"],
-                                              "Fixed: words ending in 'sh' take 'es'.")))
+    script.write_text(
+        json.dumps(
+            shell_script(
+                [f"git apply - <<'POLAR_PATCH_EOF'\n{gold}POLAR_PATCH_EOF"],
+                "Fixed: words ending in 'sh' take 'es'.",
+            )
+        )
+    )
     # `polar-mitm rollout` starts the scripted tiny engine and the gateway itself; Codex runs in proxy mode.
     tasks = one_task_file(swe_file, task_id, tmp_path / "one.jsonl")
     [row] = rollout_cli(tasks, "codex", tmp_path, "-g", "1", "-c", "1", "--script", str(script))
@@ -316,15 +405,21 @@ def test_the_unscripted_tiny_model_scores_zero_and_its_run_is_recorded(swe_tasks
     codex_or_skip()
     task = swe_tasks["inflection__ordinal-teens"]
     # A short answer budget: the untrained model's text is noise, and a long one only costs time.
-    with procs.engine_and_gateway(tmp_path / "flows", confdir=tmp_path / "conf", engine_args=["--threads", "1"],
-                                  engine_log=tmp_path / "engine.log", gateway_log=tmp_path / "gateway.log",
-                                  gateway_options={"polar_max_tokens": "48"}) as (_, gateway):
+    with procs.engine_and_gateway(
+        tmp_path / "flows",
+        confdir=tmp_path / "conf",
+        engine_args=["--threads", "1"],
+        engine_log=tmp_path / "engine.log",
+        gateway_log=tmp_path / "gateway.log",
+        gateway_options={"polar_max_tokens": "48"},
+    ) as (_, gateway):
         session, rows, context = rollout_through(gateway, task, tmp_path)
     assert session.status in ("ok", "crashed") and session.reward == 0.0, context
     assert rows and all(r["completion_ids"] for r in rows if r["status_code"] == 200), context
 
 
 # -- hostile test patches and workspaces: grading touches nothing outside the workspace ----------------------------
+
 
 def creating(path: str, source: str = "/dev/null") -> str:
     """A test_patch that creates the file `path` (as the diff names it, b/ prefix included)."""
@@ -341,19 +436,28 @@ ESCAPING_PATCHES = [
 
 
 @pytest.mark.parametrize(("test_patch", "message"), ESCAPING_PATCHES)
-def test_an_instance_whose_test_patch_leaves_the_repository_is_refused_by_tasks_swe(tmp_path, test_patch, message):
+def test_an_instance_whose_test_patch_leaves_the_repository_is_refused_by_tasks_swe(
+    tmp_path, test_patch, message
+):
     rows = [dict(INSTANCES[0]), {**INSTANCES[1], "test_patch": test_patch}]
     path = write_instances(tmp_path / "hostile.jsonl", rows)
     out = tmp_path / "tasks.jsonl"
     result = CliRunner().invoke(app, ["tasks", "swe", str(path), "-o", str(out), "--repos", str(SET)])
     assert result.exit_code == 2 and not out.exists(), result.output
-    assert f"hostile.jsonl:2: instance {INSTANCES[1]['instance_id']!r}: field test_patch: path" in result.output
+    assert (
+        f"hostile.jsonl:2: instance {INSTANCES[1]['instance_id']!r}: field test_patch: path" in result.output
+    )
     assert message in result.output, result.output
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def small_workspace(root: Path) -> tuple[Path, str]:
@@ -369,12 +473,25 @@ def small_workspace(root: Path) -> tuple[Path, str]:
 
 def grade_with_the_grader(workspace: Path, base_commit: str, test_patch: str, root: Path) -> str:
     """`python -m polar_mitm.rollout.swe_grading grade SPEC SHA256` in the workspace, as the eval command runs it."""
-    spec = GradingSpec(instance_id="hostile__x-1", base_commit=base_commit, test_patch=test_patch,
-                       fail_to_pass=["tests/test_new.py::test_new"], pass_to_pass=[], env_dir=str(root / "env"))
+    spec = GradingSpec(
+        instance_id="hostile__x-1",
+        base_commit=base_commit,
+        test_patch=test_patch,
+        fail_to_pass=["tests/test_new.py::test_new"],
+        pass_to_pass=[],
+        env_dir=str(root / "env"),
+    )
     digest = spec.save(root / "spec.json")
-    done = subprocess.run([sys.executable, "-m", "polar_mitm.rollout.swe_grading", "grade", str(root / "spec.json"),
-                           digest], cwd=workspace, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.rstrip().splitlines()[-1] == "reward: 0", done.stdout + done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "polar_mitm.rollout.swe_grading", "grade", str(root / "spec.json"), digest],
+        cwd=workspace,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.rstrip().splitlines()[-1] == "reward: 0", (
+        done.stdout + done.stderr
+    )
     return done.stdout
 
 
@@ -405,8 +522,9 @@ def test_a_hand_written_spec_naming_paths_outside_the_workspace_deletes_nothing(
     assert "GRADING_ERROR" in out and ("is absolute" in out or "'..'" in out), out
 
 
-@pytest.mark.parametrize("layout", ["test dir linked out", "parent of a test dir linked out",
-                                    "base test file's dir linked out"])
+@pytest.mark.parametrize(
+    "layout", ["test dir linked out", "parent of a test dir linked out", "base test file's dir linked out"]
+)
 def test_a_workspace_symlink_out_of_the_workspace_is_never_followed_by_grading(tmp_path, layout):
     workspace, base = small_workspace(tmp_path)
     outside = tmp_path / "outside"
@@ -414,7 +532,9 @@ def test_a_workspace_symlink_out_of_the_workspace_is_never_followed_by_grading(t
         victim, test_patch = sentinel(outside, "victim"), creating("b/tests/victim")
         shutil.rmtree(workspace / "tests")
         (workspace / "tests").symlink_to(outside)
-    elif layout == "parent of a test dir linked out":  # tests/data/victim, with tests/data → outside/ (a folder)
+    elif (
+        layout == "parent of a test dir linked out"
+    ):  # tests/data/victim, with tests/data → outside/ (a folder)
         victim, test_patch = sentinel(outside, "victim", directory=True), creating("b/tests/data/victim")
         (workspace / "tests" / "data").symlink_to(outside)
     else:  # a file of the base commit, its folder a link to a copy outside
@@ -463,7 +583,9 @@ def test_a_venv_changed_after_init_is_refused_by_grading_and_rebuilt_by_the_next
     env = Path(spec_of(task).env_dir)
     [site_packages] = env.glob("lib/python*/site-packages")
     # An agent's leftover: code that every later test run in this venv would execute.
-    (site_packages / "polar_cheat.pth").write_text(f"import pathlib; pathlib.Path({str(tmp_path)!r}, 'PWNED').touch()\n")
+    (site_packages / "polar_cheat.pth").write_text(
+        f"import pathlib; pathlib.Path({str(tmp_path)!r}, 'PWNED').touch()\n"
+    )
     code, out = asyncio.run(run_shell(task.eval_command, workspace, 120))
     assert not (tmp_path / "PWNED").exists(), out
     assert code == 0 and "changed since INIT built it" in out and "GRADING_ERROR" in out, out

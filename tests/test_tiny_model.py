@@ -23,8 +23,9 @@ def test_size_context_and_special_token_ids(tiny_engine):
     assert n_params < 6_000_000
     assert tiny_engine.model.config.max_position_embeddings >= 65536
     tok = tiny_engine.tokenizer
-    assert [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_call>", "</tool_call>", "<think>")] == [
-        151645, 151657, 151658, 151667]
+    assert [
+        tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<tool_call>", "</tool_call>", "<think>")
+    ] == [151645, 151657, 151658, 151667]
     # Qwen's BPE: known production ids for plain text.
     assert tok.encode("Hello world!") == [9707, 1879, 0]
 
@@ -34,8 +35,14 @@ def test_chat_template_renders_tools_tool_calls_and_thinking(tiny_engine):
     tools = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object"}}}]
     messages = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "ok", "reasoning_content": "think first",
-         "tool_calls": [{"type": "function", "function": {"name": "shell", "arguments": '{"command": "ls"}'}}]},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "reasoning_content": "think first",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "shell", "arguments": '{"command": "ls"}'}}
+            ],
+        },
         {"role": "tool", "content": "a.txt"},
     ]
     text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)

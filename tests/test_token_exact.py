@@ -27,17 +27,34 @@ from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import RECORD_SCHEMA, read_all
 
 THINKING = "I should look before I write anything."
-SCRIPT = {"turns": [
-    {"text": f"<think>\n{THINKING}\n</think>\n\nRunning `ls -la`.",
-     "tool_call": {"name": "shell", "arguments": {"command": "ls -la", "timeout": 10}}},
-    {"text": "Now the file.", "tool_call": {"name": "shell", "arguments": {"command": "echo hi > out.txt"}}},
-    {"text": "Checking it.", "tool_call": {"name": "shell", "arguments": {"command": "cat out.txt"}}},
-    "Done: out.txt says hi.",
-]}
-TOOLS = [{"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command.",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
-                   "required": ["command"]}}}]
+SCRIPT = {
+    "turns": [
+        {
+            "text": f"<think>\n{THINKING}\n</think>\n\nRunning `ls -la`.",
+            "tool_call": {"name": "shell", "arguments": {"command": "ls -la", "timeout": 10}},
+        },
+        {
+            "text": "Now the file.",
+            "tool_call": {"name": "shell", "arguments": {"command": "echo hi > out.txt"}},
+        },
+        {"text": "Checking it.", "tool_call": {"name": "shell", "arguments": {"command": "cat out.txt"}}},
+        "Done: out.txt says hi.",
+    ]
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
 PROMPT = "Write hi into out.txt and check it."
 
 
@@ -56,16 +73,19 @@ def exact_engine_url(tiny_model_dir, tmp_path_factory):
 
 def start_gateway(engine_url: str, root: Path, **options: str) -> procs.GatewayProcess:
     root.mkdir(parents=True, exist_ok=True)
-    return procs.start_gateway(engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log",
-                               options=options)
+    return procs.start_gateway(
+        engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log", options=options
+    )
 
 
 @pytest.fixture(scope="module")
 def gateways(exact_engine_url, tmp_path_factory):
     """One gateway per prompt mode, in front of the same scripted engine."""
     root = tmp_path_factory.mktemp("token-exact-gateways")
-    started = {mode: start_gateway(exact_engine_url, root / mode, polar_prompt_mode=mode)
-               for mode in ("tokens", "messages")}
+    started = {
+        mode: start_gateway(exact_engine_url, root / mode, polar_prompt_mode=mode)
+        for mode in ("tokens", "messages")
+    }
     yield started
     for gw in started.values():
         gw.stop()
@@ -77,8 +97,12 @@ def gateways(exact_engine_url, tmp_path_factory):
 def client_for(gw: procs.GatewayProcess, session: str):
     from openai import OpenAI
 
-    return OpenAI(base_url=SessionId(session).base_url(gw.reverse_url, "/v1"), api_key="sk-test",
-                  max_retries=0, timeout=120)
+    return OpenAI(
+        base_url=SessionId(session).base_url(gw.reverse_url, "/v1"),
+        api_key="sk-test",
+        max_retries=0,
+        timeout=120,
+    )
 
 
 def assistant_copy(message, *, compact: bool) -> dict[str, Any]:
@@ -87,19 +111,23 @@ def assistant_copy(message, *, compact: bool) -> dict[str, Any]:
     for call in message.tool_calls or []:
         args = json.loads(call.function.arguments)
         text = json.dumps(args, separators=(",", ":")) if compact else call.function.arguments
-        calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                                     "arguments": text}})
+        calls.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": text}}
+        )
     out: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
     if calls:
         out["tool_calls"] = calls
     return out
 
 
-def run_agent(client, messages: list[dict[str, Any]] | None = None, *, compact: bool = True,
-              max_turns: int = 6) -> list[dict[str, Any]]:
+def run_agent(
+    client, messages: list[dict[str, Any]] | None = None, *, compact: bool = True, max_turns: int = 6
+) -> list[dict[str, Any]]:
     """Turns until the model stops calling tools; tool results are canned. Returns the final history."""
-    messages = messages or [{"role": "system", "content": "You are a careful coding agent."},
-                            {"role": "user", "content": PROMPT}]
+    messages = messages or [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "user", "content": PROMPT},
+    ]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, temperature=1.0)
         message = reply.choices[0].message
@@ -135,9 +163,9 @@ def max_logprob_gap(tiny_engine, sequences) -> float:
     worst = 0.0
     for seq in sequences:
         ids = [int(t) for t in seq.input_ids]
-        scored = tiny_engine.score(ids[:seq.prompt_len], ids[seq.prompt_len:])
-        mask = np.asarray(seq.loss_mask[seq.prompt_len:], dtype=bool)
-        recorded = np.asarray(seq.logprobs[seq.prompt_len:])[mask]
+        scored = tiny_engine.score(ids[: seq.prompt_len], ids[seq.prompt_len :])
+        mask = np.asarray(seq.loss_mask[seq.prompt_len :], dtype=bool)
+        recorded = np.asarray(seq.logprobs[seq.prompt_len :])[mask]
         worst = max(worst, float(np.abs(np.asarray(scored)[mask] - recorded).max()))
     return worst
 
@@ -162,7 +190,7 @@ def test_tokens_mode_trains_every_sampled_token_in_its_sampling_context(gateways
     assert [r["spliced_turns"] for r in rows] == [0, 1, 2, 3]
     for before, after in zip(rows, rows[1:], strict=False):  # the engine saw the sampled ids verbatim
         stream = before["prompt_ids"] + before["completion_ids"]
-        assert after["prompt_ids"][:len(stream)] == stream
+        assert after["prompt_ids"][: len(stream)] == stream
     # The thinking block stays in the stream although the client dropped it.
     assert THINKING in tiny_engine.tokenizer.decode(rows[1]["prompt_ids"])
     sequences, summary = merged(records, eot_id)
@@ -191,8 +219,10 @@ def test_messages_mode_drifts_on_the_same_client(gateways, tiny_engine, eot_id):
 
 
 def first_turn(client) -> list[dict[str, Any]]:
-    messages = [{"role": "system", "content": "You are a careful coding agent."},
-                {"role": "user", "content": PROMPT}]
+    messages = [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "user", "content": PROMPT},
+    ]
     reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
     message = reply.choices[0].message
     messages.append(assistant_copy(message, compact=True))
@@ -250,13 +280,17 @@ def test_compaction_and_interleaved_threads_get_their_own_chains(gateways, eot_i
     client = client_for(gw, session)
     main = first_turn(client)
     sub = [{"role": "system", "content": "You are a sub-agent."}, {"role": "user", "content": "List files."}]
-    reply = client.chat.completions.create(model="tiny", messages=sub, tools=TOOLS)  # a sub-agent's first call
+    reply = client.chat.completions.create(
+        model="tiny", messages=sub, tools=TOOLS
+    )  # a sub-agent's first call
     sub.append(assistant_copy(reply.choices[0].message, compact=True))
     sub.append({"role": "tool", "tool_call_id": reply.choices[0].message.tool_calls[0].id, "content": "a b"})
     continue_with(client, main)  # main thread turn 2
     continue_with(client, sub)  # sub-agent turn 2
-    compacted = [{"role": "system", "content": "You are a careful coding agent."},
-                 {"role": "user", "content": "Summary so far: the file was written. Check it."}]
+    compacted = [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "user", "content": "Summary so far: the file was written. Check it."},
+    ]
     continue_with(client, compacted)  # history rewritten by a compaction
     rows = session_records(gw, session).to_pylist()
     assert [r["prompt_mode"] for r in rows] == ["messages", "messages", "tokens", "tokens", "messages"]
@@ -289,8 +323,9 @@ def test_gateway_restart_opens_a_new_chain_cleanly(exact_engine_url, tmp_path, e
 
 
 @pytest.mark.slow
-def test_a_renderer_that_disagrees_with_the_engine_falls_back_to_messages(exact_engine_url, tiny_model_dir,
-                                                                           tmp_path):
+def test_a_renderer_that_disagrees_with_the_engine_falls_back_to_messages(
+    exact_engine_url, tiny_model_dir, tmp_path
+):
     """The gateway never trusts its own rendering: a tokenizer whose template differs is caught on call 1."""
     other = tmp_path / "other-tokenizer"
     other.mkdir()
@@ -305,7 +340,9 @@ def test_a_renderer_that_disagrees_with_the_engine_falls_back_to_messages(exact_
         config["chat_template"] = "{{- 'Preamble.\\n' }}" + config["chat_template"]
         (other / "tokenizer_config.json").write_text(json.dumps(config))
     session = f"mismatch-{uuid.uuid4().hex[:8]}"
-    gw = start_gateway(exact_engine_url, tmp_path / "gw", polar_prompt_mode="tokens", polar_tokenizer=str(other))
+    gw = start_gateway(
+        exact_engine_url, tmp_path / "gw", polar_prompt_mode="tokens", polar_tokenizer=str(other)
+    )
     try:
         run_agent(client_for(gw, session))
         rows = session_records(gw, session).to_pylist()

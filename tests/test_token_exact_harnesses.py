@@ -40,8 +40,9 @@ def stack(request, tmp_path_factory):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
     mode = request.param
-    stack = HarnessStack.start(tmp_path_factory.mktemp(f"exact-{mode}"), SCRIPT,
-                               gateway_options={"polar_prompt_mode": mode})
+    stack = HarnessStack.start(
+        tmp_path_factory.mktemp(f"exact-{mode}"), SCRIPT, gateway_options={"polar_prompt_mode": mode}
+    )
     stack.prompt_mode = mode
     yield stack
     stack.stop()
@@ -61,8 +62,11 @@ def report_table(request):
             cells = []
             for mode in ("tokens", "messages"):
                 r = RESULTS.get((name, mode))
-                cells.append(f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}"
-                             if r else "–")
+                cells.append(
+                    f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}"
+                    if r
+                    else "–"
+                )
             reporter.write_line(f"{name:12} {cells[0]:>30} {cells[1]:>30}")
 
 
@@ -71,9 +75,11 @@ def max_logprob_gap(tiny_engine, sequences) -> float:
     worst = 0.0
     for seq in sequences:
         ids = [int(t) for t in seq.input_ids]
-        scored = np.asarray(tiny_engine.score(ids[:seq.prompt_len], ids[seq.prompt_len:]))
-        mask = np.asarray(seq.loss_mask[seq.prompt_len:], dtype=bool)
-        worst = max(worst, float(np.abs(scored[mask] - np.asarray(seq.logprobs[seq.prompt_len:])[mask]).max()))
+        scored = np.asarray(tiny_engine.score(ids[: seq.prompt_len], ids[seq.prompt_len :]))
+        mask = np.asarray(seq.loss_mask[seq.prompt_len :], dtype=bool)
+        worst = max(
+            worst, float(np.abs(scored[mask] - np.asarray(seq.logprobs[seq.prompt_len :])[mask]).max())
+        )
     return worst
 
 
@@ -89,16 +95,29 @@ def fidelity(rows: list[dict[str, Any]], eot_id: int, tiny_engine) -> dict[str, 
         f = sequence_fidelity(seq.input_ids, seq.loss_mask, seq.request_ids, prompts)
         exact, sampled = exact + f.exact_tokens, sampled + f.sampled_tokens
         main_sequences += bool(main_ids & set(seq.request_ids))
-    return {"exact": exact, "sampled": sampled, "share": exact / sampled, "main_sequences": main_sequences,
-            "logprob_gap": max_logprob_gap(tiny_engine, sequences)}
+    return {
+        "exact": exact,
+        "sampled": sampled,
+        "share": exact / sampled,
+        "main_sequences": main_sequences,
+        "logprob_gap": max_logprob_gap(tiny_engine, sequences),
+    }
 
 
 @pytest.mark.parametrize("name", list(HARNESSES))
 def test_harness_session_is_context_exact_in_tokens_mode(stack, tiny_engine, tmp_path, name):
     mode = stack.prompt_mode
     session = f"{name}-{mode}-{uuid.uuid4().hex[:8]}"
-    run = stack.run(HARNESSES[name], PROMPT, mode="proxy", session=session, task="exact-task",
-                    workspace=tmp_path / "work", home=tmp_path / "home", timeout=300)
+    run = stack.run(
+        HARNESSES[name],
+        PROMPT,
+        mode="proxy",
+        session=session,
+        task="exact-task",
+        workspace=tmp_path / "work",
+        home=tmp_path / "home",
+        timeout=300,
+    )
     rows = stack.records(session)
     context = run.describe() + f"\nlogs: {stack.root}"
     assert run.returncode == 0, context

@@ -49,11 +49,16 @@ def chat_session(gateway, task: str, session: str, sampling: list[dict]) -> None
 
     base_url = base_url_for("openai_chat", gateway.reverse_url, SessionId(session, task).path_prefix)
     client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
-    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": USER_TEXT}]
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": USER_TEXT},
+    ]
     for fields in sampling:
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, **fields)
-        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
-                     {"role": "user", "content": "Go on."}]
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
 
 
 SESSIONS: dict[str, tuple[str, list[dict]]] = {  # session → (task, sampling per call)
@@ -73,8 +78,12 @@ def captured(gateway, tiny_engine) -> dict[str, MergedSequence]:
     for session, (task, sampling) in SESSIONS.items():
         chat_session(gateway, task, f"ic17-{session}", sampling)
     records = read_all(gateway.out_dir)
-    ours = records.filter(pc.is_in(records["session_id"], value_set=pa.array([f"ic17-{s}" for s in SESSIONS])))
-    merged, _ = merge_table(ours, builder="prefix_merging", eot_token_id=eot_from_tokenizer(tiny_engine.tokenizer))
+    ours = records.filter(
+        pc.is_in(records["session_id"], value_set=pa.array([f"ic17-{s}" for s in SESSIONS]))
+    )
+    merged, _ = merge_table(
+        ours, builder="prefix_merging", eot_token_id=eot_from_tokenizer(tiny_engine.tokenizer)
+    )
     out = {}
     for i, seq in enumerate(sequences_from_table(merged)):
         name = seq.session_id.removeprefix("ic17-")
@@ -86,12 +95,22 @@ def captured(gateway, tiny_engine) -> dict[str, MergedSequence]:
 def make_trainer(sequences: list[MergedSequence], out: Path, **overrides) -> PolarGRPOTrainer:
     from polar_mitm.engine.model_zoo import resolve_model
 
-    settings_ = dict(output_dir=str(out), per_device_train_batch_size=len(sequences), max_steps=1, report_to=[],
-                     disable_tqdm=True, learning_rate=1e-2, seed=0)
+    settings_ = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=len(sequences),
+        max_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        seed=0,
+    )
     settings_.update(overrides)
     data_options = {k: settings_.pop(k) for k in ("keep_truncated_sampling",) if k in settings_}
-    return PolarGRPOTrainer(str(resolve_model("tiny")), args=PolarGRPOConfig(**settings_),
-                            train_data=build_training_data(sequences, **data_options))
+    return PolarGRPOTrainer(
+        str(resolve_model("tiny")),
+        args=PolarGRPOConfig(**settings_),
+        train_data=build_training_data(sequences, **data_options),
+    )
 
 
 def step0_ratios(trainer: PolarGRPOTrainer) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -105,7 +124,9 @@ def metrics(run: Path) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_rows_sampled_at_t07_through_the_gateway_have_step0_ratio_1_with_the_default_config(captured, tmp_path):
+def test_rows_sampled_at_t07_through_the_gateway_have_step0_ratio_1_with_the_default_config(
+    captured, tmp_path
+):
     rows = [captured[f"t07-{g}"] for g in range(4)]
     assert all(t == pytest.approx(0.7) for s in rows for t in s.turn_temperature)
     assert any(s.n_turns == 2 for s in rows)
@@ -145,7 +166,8 @@ def test_greedy_and_truncated_calls_are_excluded_from_the_loss_and_counted(captu
     second_turn = source.turn_starts[1]
     assert sum(mixed["loss_mask"]) == sum(source.loss_mask[second_turn:])  # only the sampled turn trains
     assert stats["excluded_sampled_tokens"] == sum(sum(captured[s].loss_mask) for s in sessions) - sum(
-        sum(r["loss_mask"]) for r in data.rows)
+        sum(r["loss_mask"]) for r in data.rows
+    )
     # Kept on request: greedy turns are scored at T=1 (what the engine recorded), truncated ones at their T.
     trainer = make_trainer(rows, tmp_path / "keep", keep_truncated_sampling=True)
     assert trainer.train_data.stats.excluded_greedy_turns == 0 and len(trainer.train_data.rows) == 4
@@ -156,19 +178,36 @@ def test_greedy_and_truncated_calls_are_excluded_from_the_loss_and_counted(captu
 # -- in-process rows (exact behaviour logprobs from the same tiny model) ------------------------------------------
 
 
-def scored(engine, task: str, session: str, completion_texts: list[str], *, temperature: float = 1.0,
-           reward: float = 0.0, suffix: str = "", shift: float = 0.0) -> MergedSequence:
+def scored(
+    engine,
+    task: str,
+    session: str,
+    completion_texts: list[str],
+    *,
+    temperature: float = 1.0,
+    reward: float = 0.0,
+    suffix: str = "",
+    shift: float = 0.0,
+) -> MergedSequence:
     """A merged sequence as if sampled: prompt, then per turn a context (after the first) and sampled ids scored by
     the model at `temperature`."""
     tok = engine.tokenizer
-    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{USER_TEXT}{suffix}"}],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"{USER_TEXT}{suffix}"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     mask, logprobs, starts = [0] * len(ids), [0.0] * len(ids), []
     prompt_len = len(ids)
     for k, text in enumerate(completion_texts):
         if k:
-            context = tok.encode("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
-                                 add_special_tokens=False)
+            context = tok.encode(
+                "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
+                add_special_tokens=False,
+            )
             ids += context
             mask += [0] * len(context)
             logprobs += [0.0] * len(context)
@@ -180,17 +219,39 @@ def scored(engine, task: str, session: str, completion_texts: list[str], *, temp
         logprobs += [lp + shift for lp in lps]
     n = len(completion_texts)
     return MergedSequence(
-        sequence_id=f"{session}:r0", session_id=session, task_id=task, input_ids=ids, loss_mask=mask,
-        logprobs=logprobs, prompt_len=prompt_len, request_ids=[f"{session}-r{k}" for k in range(n)], n_turns=n,
-        builder="prefix_merging", weight_version_min="0", weight_version_max="0", reward=reward,
-        turn_starts=starts, turn_temperature=[temperature] * n, turn_top_p=[1.0] * n, turn_top_k=[-1] * n,
-        turn_min_p=[0.0] * n, turn_greedy=[False] * n)
+        sequence_id=f"{session}:r0",
+        session_id=session,
+        task_id=task,
+        input_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        prompt_len=prompt_len,
+        request_ids=[f"{session}-r{k}" for k in range(n)],
+        n_turns=n,
+        builder="prefix_merging",
+        weight_version_min="0",
+        weight_version_max="0",
+        reward=reward,
+        turn_starts=starts,
+        turn_temperature=[temperature] * n,
+        turn_top_p=[1.0] * n,
+        turn_top_k=[-1] * n,
+        turn_min_p=[0.0] * n,
+        turn_greedy=[False] * n,
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 70), batch=st.integers(1, 16), seed=st.integers(0, 3), spread=st.integers(1, 50),
-       repeat=st.integers(1, 3))
-def test_sampler_uses_every_row_exactly_once_per_epoch_without_padding_repeats(n, batch, seed, spread, repeat):
+@given(
+    n=st.integers(1, 70),
+    batch=st.integers(1, 16),
+    seed=st.integers(0, 3),
+    spread=st.integers(1, 50),
+    repeat=st.integers(1, 3),
+)
+def test_sampler_uses_every_row_exactly_once_per_epoch_without_padding_repeats(
+    n, batch, seed, spread, repeat
+):
     lengths = [(i * 7919) % spread + 1 for i in range(n)]
     chunks = length_buckets(lengths, batch, seed=seed)
     sources = padding_sources(lengths, batch)
@@ -213,8 +274,10 @@ def test_sampler_uses_every_row_exactly_once_per_epoch_without_padding_repeats(n
 def test_grpo_loss_gives_a_session_split_in_3_sequences_the_weight_of_one(tiny_engine, tmp_path):
     # Session "split" has three sequences, session "whole" one; all four hold the same tokens. Rewards 1 and 0 give
     # advantages +a and -a: with one unit of weight per session the two sessions' gradients cancel exactly.
-    split = [replace(scored(tiny_engine, "task", "split", ["Done."], reward=1.0), sequence_id=f"split:{k}")
-             for k in range(3)]
+    split = [
+        replace(scored(tiny_engine, "task", "split", ["Done."], reward=1.0), sequence_id=f"split:{k}")
+        for k in range(3)
+    ]
     whole = scored(tiny_engine, "task", "whole", ["Done."], reward=0.0)
 
     def grad_norm(**overrides) -> float:
@@ -222,7 +285,9 @@ def test_grpo_loss_gives_a_session_split_in_3_sequences_the_weight_of_one(tiny_e
         batch = trainer._generate_and_score_completions(trainer.train_data.rows)
         trainer.model.zero_grad()
         trainer.compute_loss(trainer.model, batch).backward()
-        return float(torch.sqrt(sum((p.grad ** 2).sum() for p in trainer.model.parameters() if p.grad is not None)))
+        return float(
+            torch.sqrt(sum((p.grad**2).sum() for p in trainer.model.parameters() if p.grad is not None))
+        )
 
     weighted = grad_norm()
     unweighted = grad_norm(session_weighting=False)
@@ -231,8 +296,10 @@ def test_grpo_loss_gives_a_session_split_in_3_sequences_the_weight_of_one(tiny_e
 
 
 def test_kl_with_a_200_nat_gap_on_a_context_token_keeps_loss_and_gradients_finite(tiny_engine, tmp_path):
-    rows = [scored(tiny_engine, "task", f"s{g}", ["Sure.", "Done."], reward=float(g), suffix=" " * g)
-            for g in range(2)]
+    rows = [
+        scored(tiny_engine, "task", f"s{g}", ["Sure.", "Done."], reward=float(g), suffix=" " * g)
+        for g in range(2)
+    ]
     trainer = make_trainer(rows, tmp_path / "run", beta=0.04)
     batch = trainer._generate_and_score_completions(trainer.train_data.rows)
     context = (batch["completion_mask"].bool() & ~batch["tool_mask"].bool()).nonzero()
@@ -253,8 +320,18 @@ def test_kl_with_a_200_nat_gap_on_a_context_token_keeps_loss_and_gradients_finit
 
 
 def test_shifted_behaviour_logprobs_are_reported_on_every_step(tiny_engine, tmp_path):
-    rows = [scored(tiny_engine, f"task-{g // 2}", f"s{g}", ["Sure, writing it now."], reward=float(g % 2),
-                   suffix=" " * g, shift=1.0) for g in range(4)]
+    rows = [
+        scored(
+            tiny_engine,
+            f"task-{g // 2}",
+            f"s{g}",
+            ["Sure, writing it now."],
+            reward=float(g % 2),
+            suffix=" " * g,
+            shift=1.0,
+        )
+        for g in range(4)
+    ]
     run = tmp_path / "run"
     trainer = make_trainer(rows, run, per_device_train_batch_size=2, max_steps=3)
     trainer.train()

@@ -22,16 +22,37 @@ from polar_mitm.train.data import build_training_data, load_sequences, truncate
 from polar_mitm.train.stats import version_distance
 
 
-def seq(session: str, task: str | None, reward: float | None, *, prompt: int = 3, sampled: int = 2,
-        tail_context: int = 0, sampled_again: int = 0, version: str = "0", sid: str | None = None) -> MergedSequence:
+def seq(
+    session: str,
+    task: str | None,
+    reward: float | None,
+    *,
+    prompt: int = 3,
+    sampled: int = 2,
+    tail_context: int = 0,
+    sampled_again: int = 0,
+    version: str = "0",
+    sid: str | None = None,
+) -> MergedSequence:
     """prompt (mask 0) + sampled + optional context (a tool result, mask 0) + sampled again."""
     ids = list(range(100, 100 + prompt + sampled + tail_context + sampled_again))
     mask = [0] * prompt + [1] * sampled + [0] * tail_context + [1] * sampled_again
     logprobs = [-0.5 - 0.01 * i if m else 0.0 for i, m in enumerate(mask)]
-    return MergedSequence(sequence_id=sid or f"{session}-{len(ids)}", session_id=session, task_id=task,
-                          input_ids=ids, loss_mask=mask, logprobs=logprobs, prompt_len=prompt, request_ids=["r"],
-                          n_turns=1 + bool(sampled_again), builder="prefix_merging", weight_version_min=version,
-                          weight_version_max=version, reward=reward)
+    return MergedSequence(
+        sequence_id=sid or f"{session}-{len(ids)}",
+        session_id=session,
+        task_id=task,
+        input_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        prompt_len=prompt,
+        request_ids=["r"],
+        n_turns=1 + bool(sampled_again),
+        builder="prefix_merging",
+        weight_version_min=version,
+        weight_version_max=version,
+        reward=reward,
+    )
 
 
 def test_mean_std_advantages_match_trl_formula():
@@ -64,8 +85,12 @@ def test_zero_variance_and_singleton_groups_get_exactly_zero():
 
 
 def test_every_sequence_of_a_session_shares_its_advantage_and_unrewarded_sessions_are_left_out():
-    sequences = [seq("a", "t", 1.0, sid="a1"), seq("a", "t", 1.0, sid="a2", prompt=5),
-                 seq("b", "t", 0.0, sid="b1"), seq("c", "t", None, sid="c1")]
+    sequences = [
+        seq("a", "t", 1.0, sid="a1"),
+        seq("a", "t", 1.0, sid="a2", prompt=5),
+        seq("b", "t", 0.0, sid="b1"),
+        seq("c", "t", None, sid="c1"),
+    ]
     data = build_training_data(sequences)
     by_id = {r["sequence_id"]: r for r in data.rows}
     assert set(by_id) == {"a1", "a2", "b1"}
@@ -74,7 +99,9 @@ def test_every_sequence_of_a_session_shares_its_advantage_and_unrewarded_session
 
 
 def test_group_size_check_counts_mismatched_groups():
-    sequences = [seq(f"s{i}", "t4", float(i % 2)) for i in range(4)] + [seq(f"u{i}", "t3", float(i)) for i in range(3)]
+    sequences = [seq(f"s{i}", "t4", float(i % 2)) for i in range(4)] + [
+        seq(f"u{i}", "t3", float(i)) for i in range(3)
+    ]
     data = build_training_data(sequences, group_size=4)
     assert data.stats.group_sizes == {3: 1, 4: 1}
     assert data.stats.group_size_mismatches == 1
@@ -99,12 +126,15 @@ def test_max_length_drops_sequences_without_sampled_tokens_and_reports_truncatio
     assert data.stats.truncated == 1 and data.stats.dropped_no_sampled_tokens == 1
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda s: s.logprobs.pop(), "lengths differ"),
-    (lambda s: s.logprobs.__setitem__(4, float("nan")), "not a finite"),
-    (lambda s: s.logprobs.__setitem__(4, float("-inf")), "not a finite"),
-    (lambda s: s.loss_mask.__setitem__(0, 1), "inside the prompt"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda s: s.logprobs.pop(), "lengths differ"),
+        (lambda s: s.logprobs.__setitem__(4, float("nan")), "not a finite"),
+        (lambda s: s.logprobs.__setitem__(4, float("-inf")), "not a finite"),
+        (lambda s: s.loss_mask.__setitem__(0, 1), "inside the prompt"),
+    ],
+)
 def test_reading_rejects_rows_that_break_the_merged_invariants(tmp_path, corrupt, message):
     bad = seq("a", "t", 1.0)
     corrupt(bad)
@@ -116,10 +146,14 @@ def test_reading_rejects_rows_that_break_the_merged_invariants(tmp_path, corrupt
 def test_load_sequences_round_trips_a_directory_of_shards(tmp_path):
     sequences = [seq(f"s{i}", "t", float(i)) for i in range(5)]
     (tmp_path / "sub").mkdir()
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences[:2]], schema=MERGED_SCHEMA),
-                   tmp_path / "a.parquet")
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences[2:]], schema=MERGED_SCHEMA),
-                   tmp_path / "sub" / "b.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([s.to_row() for s in sequences[:2]], schema=MERGED_SCHEMA),
+        tmp_path / "a.parquet",
+    )
+    pq.write_table(
+        pa.Table.from_pylist([s.to_row() for s in sequences[2:]], schema=MERGED_SCHEMA),
+        tmp_path / "sub" / "b.parquet",
+    )
     back = load_sequences(tmp_path)
     assert sorted(s.session_id for s in back) == [f"s{i}" for i in range(5)]
     assert back[0].input_ids == sequences[0].input_ids
@@ -127,8 +161,12 @@ def test_load_sequences_round_trips_a_directory_of_shards(tmp_path):
 
 
 def test_collate_splits_every_row_at_the_shortest_prompt_and_pads_only_on_the_right():
-    rows = build_training_data([seq("a", "t", 1.0, prompt=3, sampled=2, tail_context=2, sampled_again=1),
-                                seq("b", "t", 0.0, prompt=5, sampled=1)]).rows
+    rows = build_training_data(
+        [
+            seq("a", "t", 1.0, prompt=3, sampled=2, tail_context=2, sampled_again=1),
+            seq("b", "t", 0.0, prompt=5, sampled=1),
+        ]
+    ).rows
     batch = collate(rows, pad_token_id=0)
     assert batch["prompt_ids"].shape == (2, 3) and bool(batch["prompt_mask"].all())
     a, b = rows
@@ -151,7 +189,7 @@ def test_length_buckets_waste_less_padding_than_random_batches_and_cover_every_r
     assert sorted(i for b in buckets for i in b) == list(range(200))
     shuffled = list(range(200))
     rng.shuffle(shuffled)
-    random_batches = [shuffled[i:i + 8] for i in range(0, 200, 8)]
+    random_batches = [shuffled[i : i + 8] for i in range(0, 200, 8)]
     assert padding_fraction(lengths, buckets) < 0.1 < 0.4 < padding_fraction(lengths, random_batches)
 
 

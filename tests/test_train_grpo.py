@@ -29,17 +29,30 @@ TOOL_RESULT = "out.txt written"
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "system", "content": "You are a coding agent."},
-                                               {"role": "user", "content": text}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
 
-def generate(url: str, prompt_ids: list[int], *, seed: int, max_new_tokens: int = 12,
-             temperature: float = 1.0) -> tuple[list[int], list[float], str]:
+def generate(
+    url: str, prompt_ids: list[int], *, seed: int, max_new_tokens: int = 12, temperature: float = 1.0
+) -> tuple[list[int], list[float], str]:
     """SGLang-native /generate on the served engine: (sampled ids, their logprobs, weight_version)."""
-    body = {"input_ids": prompt_ids, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                                "sampling_seed": seed, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt_ids,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "sampling_seed": seed,
+            "ignore_eos": True,
+        },
+    }
     answer = httpx.post(f"{url}/generate", json=body, timeout=120).raise_for_status().json()
     meta = answer["meta_info"]
     logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
@@ -50,41 +63,72 @@ def generate(url: str, prompt_ids: list[int], *, seed: int, max_new_tokens: int 
 def served_rollouts(url: str, tokenizer, *, group_size: int = 3, seed: int = 0) -> list[MergedSequence]:
     """Real captured sequences: per task, `group_size` sessions; every other session has a second turn after a
     tool result, merged into one sequence (sampled, context, sampled) as prefix_merging builds them."""
-    suffix = tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{TOOL_RESULT}\n</tool_response>"
-                              "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    suffix = tokenizer.encode(
+        f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{TOOL_RESULT}\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
     sequences = []
     for t, text in enumerate(PROMPTS):
         prompt = chat_prompt(tokenizer, text)
         for g in range(group_size):
             s = seed * 1000 + t * 10 + g
             ids, logprobs, version = generate(url, prompt, seed=s)
-            input_ids, mask, lps = [*prompt, *ids], [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + logprobs
+            input_ids, mask, lps = (
+                [*prompt, *ids],
+                [0] * len(prompt) + [1] * len(ids),
+                [0.0] * len(prompt) + logprobs,
+            )
             if g % 2:
                 more, more_lps, _ = generate(url, [*input_ids, *suffix], seed=s + 5, max_new_tokens=8)
                 input_ids += [*suffix, *more]
                 mask += [0] * len(suffix) + [1] * len(more)
                 lps += [0.0] * len(suffix) + more_lps
-            sequences.append(MergedSequence(
-                sequence_id=f"seq-{t}-{g}", session_id=f"sess-{t}-{g}", task_id=f"task-{t}", input_ids=input_ids,
-                loss_mask=mask, logprobs=lps, prompt_len=len(prompt), request_ids=[f"req-{t}-{g}"],
-                n_turns=1 + g % 2, builder="prefix_merging", weight_version_min=version,
-                weight_version_max=version, reward=float((t + g) % 3) / 2))
+            sequences.append(
+                MergedSequence(
+                    sequence_id=f"seq-{t}-{g}",
+                    session_id=f"sess-{t}-{g}",
+                    task_id=f"task-{t}",
+                    input_ids=input_ids,
+                    loss_mask=mask,
+                    logprobs=lps,
+                    prompt_len=len(prompt),
+                    request_ids=[f"req-{t}-{g}"],
+                    n_turns=1 + g % 2,
+                    builder="prefix_merging",
+                    weight_version_min=version,
+                    weight_version_max=version,
+                    reward=float((t + g) % 3) / 2,
+                )
+            )
     return sequences
 
 
 def write_shard(sequences: list[MergedSequence], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in sequences], schema=MERGED_SCHEMA),
-                   directory / "part-0.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([s.to_row() for s in sequences], schema=MERGED_SCHEMA),
+        directory / "part-0.parquet",
+    )
     return directory
 
 
-def make_trainer(model_dir: Path, rows_from: list[MergedSequence], out: Path, **overrides) -> PolarGRPOTrainer:
-    settings = dict(output_dir=str(out), per_device_train_batch_size=len(rows_from), max_steps=1,
-                    report_to=[], disable_tqdm=True, learning_rate=1e-2, seed=0)
+def make_trainer(
+    model_dir: Path, rows_from: list[MergedSequence], out: Path, **overrides
+) -> PolarGRPOTrainer:
+    settings = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=len(rows_from),
+        max_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        seed=0,
+    )
     settings.update(overrides)
-    return PolarGRPOTrainer(str(model_dir), args=PolarGRPOConfig(**settings),
-                            train_data=build_training_data(rows_from))
+    return PolarGRPOTrainer(
+        str(model_dir), args=PolarGRPOConfig(**settings), train_data=build_training_data(rows_from)
+    )
 
 
 def recomputed_logps(trainer: PolarGRPOTrainer, rows: list[dict]) -> tuple[torch.Tensor, dict]:
@@ -94,7 +138,8 @@ def recomputed_logps(trainer: PolarGRPOTrainer, rows: list[dict]) -> tuple[torch
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention, batch["completion_ids"].size(1))
+            trainer.model, input_ids, attention, batch["completion_ids"].size(1)
+        )
     return logps, batch
 
 
@@ -141,8 +186,13 @@ def test_stale_rollouts_are_anchored_on_current_logprobs_and_weighted_by_truncat
     other_weights = resolve_model("tiny", seed=1)  # the policy moved on since the engine sampled
     # The shared engine may have been updated by other tests: count three versions on from what it recorded.
     (sampled_version,) = {r.weight_version_min for r in rollouts}
-    trainer = make_trainer(other_weights, rollouts, tmp_path / "run",
-                           policy_weight_version=str(int(sampled_version) + 3), stale_is_clip_max=1.2)
+    trainer = make_trainer(
+        other_weights,
+        rollouts,
+        tmp_path / "run",
+        policy_weight_version=str(int(sampled_version) + 3),
+        stale_is_clip_max=1.2,
+    )
     rows = trainer.train_data.rows
     assert {trainer.staleness(r["weight_version"]) for r in rows} == {3}
     current, batch = recomputed_logps(trainer, rows)
@@ -157,8 +207,9 @@ def test_stale_rollouts_are_anchored_on_current_logprobs_and_weighted_by_truncat
     assert torch.allclose((batch["advantages"] / base)[weighted], expected[weighted], atol=1e-4)
     assert bool((raw[weighted] > 1.2).any())  # some were truncated
 
-    plain = make_trainer(other_weights, rollouts, tmp_path / "plain", policy_weight_version="3",
-                         stale_correction="none")
+    plain = make_trainer(
+        other_weights, rollouts, tmp_path / "plain", policy_weight_version="3", stale_correction="none"
+    )
     _, batch = recomputed_logps(plain, plain.train_data.rows)
     assert torch.equal(batch["old_per_token_logps"], batch["sampling_per_token_logps"])
     assert batch["advantages"].dim() == 1
@@ -179,18 +230,55 @@ def test_zero_variance_groups_leave_every_parameter_unchanged(rollouts, tiny_mod
     assert any(not torch.equal(before[k], v) for k, v in moving.model.state_dict().items())
 
 
-def test_grpo_command_trains_writes_a_checkpoint_metrics_tensorboard_and_plots(rollouts, tiny_model_dir, tmp_path):
+def test_grpo_command_trains_writes_a_checkpoint_metrics_tensorboard_and_plots(
+    rollouts, tiny_model_dir, tmp_path
+):
     data = write_shard(rollouts, tmp_path / "merged")
     run = tmp_path / "runs" / "cli"
-    run_cli("grpo", "--data", str(data), "--model", str(tiny_model_dir), "--output-dir", str(run),
-            "--max-steps", "3", "--learning-rate", "1e-2", "--per-device-batch-size", "3",
-            "--gradient-accumulation-steps", "2", "--num-generations", "3", "--beta", "0.04", "--epsilon-high", "0.28",
-            "--max-length", "40", "--advantage", "leave_one_out", "--temperature", "1.0")
+    run_cli(
+        "grpo",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(run),
+        "--max-steps",
+        "3",
+        "--learning-rate",
+        "1e-2",
+        "--per-device-batch-size",
+        "3",
+        "--gradient-accumulation-steps",
+        "2",
+        "--num-generations",
+        "3",
+        "--beta",
+        "0.04",
+        "--epsilon-high",
+        "0.28",
+        "--max-length",
+        "40",
+        "--advantage",
+        "leave_one_out",
+        "--temperature",
+        "1.0",
+    )
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    for key in ("loss", "reward", "reward_std", "advantages/mean", "advantages/std", "clip_ratio/region_mean", "kl",
-                "staleness/mean", "tokens_per_second", "grad_norm"):
+    for key in (
+        "loss",
+        "reward",
+        "reward_std",
+        "advantages/mean",
+        "advantages/std",
+        "clip_ratio/region_mean",
+        "kl",
+        "staleness/mean",
+        "tokens_per_second",
+        "grad_norm",
+    ):
         assert all(r.get(key) is not None and math.isfinite(r[key]) for r in steps), key
     assert any("importance_ratio/mean" in r for r in steps)  # from step 2 on, the rollouts are stale
     assert steps[0]["staleness/max"] == 0 and steps[-1]["staleness/max"] == 2
@@ -210,9 +298,26 @@ def test_lora_writes_adapters_and_a_merged_model_the_engine_loads(rollouts, tiny
 
     data = write_shard(rollouts, tmp_path / "merged")
     run = tmp_path / "lora"
-    run_cli("grpo", "--data", str(data), "--model", str(tiny_model_dir), "--output-dir", str(run), "--lora",
-            "--lora-r", "4", "--max-steps", "2", "--learning-rate", "5e-2", "--per-device-batch-size", "9",
-            "--report-to", "none")
+    run_cli(
+        "grpo",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(run),
+        "--lora",
+        "--lora-r",
+        "4",
+        "--max-steps",
+        "2",
+        "--learning-rate",
+        "5e-2",
+        "--per-device-batch-size",
+        "9",
+        "--report-to",
+        "none",
+    )
     assert (run / "adapter_config.json").exists() and (run / "adapter_model.safetensors").exists()
     merged, original = safetensors_of(run / "merged"), safetensors_of(tiny_model_dir)
     assert set(merged) == set(original)
@@ -230,20 +335,40 @@ def own_engine(tmp_path):
     procs.stop(proc)
 
 
-def test_push_to_engine_changes_its_weight_version_and_outputs(own_engine, tiny_engine, tiny_model_dir, tmp_path):
+def test_push_to_engine_changes_its_weight_version_and_outputs(
+    own_engine, tiny_engine, tiny_model_dir, tmp_path
+):
     prompt = chat_prompt(tiny_engine.tokenizer, PROMPTS[0])
     before_ids, _, before_version = generate(own_engine, prompt, seed=1, max_new_tokens=16, temperature=0.0)
     assert before_version == "0"
     data = write_shard(served_rollouts(own_engine, tiny_engine.tokenizer, seed=7), tmp_path / "merged")
     run = tmp_path / "push"
-    run_cli("grpo", "--data", str(data), "--model", str(tiny_model_dir), "--output-dir", str(run),
-            "--max-steps", "2", "--learning-rate", "5e-2", "--per-device-batch-size", "9", "--report-to", "none",
-            "--push-to-engine", own_engine)
+    run_cli(
+        "grpo",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(run),
+        "--max-steps",
+        "2",
+        "--learning-rate",
+        "5e-2",
+        "--per-device-batch-size",
+        "9",
+        "--report-to",
+        "none",
+        "--push-to-engine",
+        own_engine,
+    )
     info = httpx.get(f"{own_engine}/model_info", timeout=30).json()
     assert info["weight_version"] == "2"  # the data's version "0" plus two optimizer steps
     after_ids, _, after_version = generate(own_engine, prompt, seed=1, max_new_tokens=16, temperature=0.0)
     assert after_version == "2" and after_ids != before_ids
     # `polar-mitm sync` puts the original weights back, under a version of our choosing.
     run_cli("sync", "--engine", own_engine, "--model", str(tiny_model_dir), "--weight-version", "7")
-    restored_ids, _, restored_version = generate(own_engine, prompt, seed=1, max_new_tokens=16, temperature=0.0)
+    restored_ids, _, restored_version = generate(
+        own_engine, prompt, seed=1, max_new_tokens=16, temperature=0.0
+    )
     assert restored_version == "7" and restored_ids == before_ids

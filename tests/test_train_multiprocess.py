@@ -21,9 +21,29 @@ pytestmark = pytest.mark.slow
 
 
 def grpo(launcher: list[str], data: Path, out: Path, model: Path, per_device: int) -> list[dict]:
-    args = ["-m", "polar_mitm.cli", "grpo", "--data", str(data), "--model", str(model), "-o", str(out),
-            "--max-steps", "2", "--learning-rate", "3e-3", "--per-device-batch-size", str(per_device),
-            "--gradient-accumulation-steps", "2", "--temperature", "0.05", "--report-to", "none"]
+    args = [
+        "-m",
+        "polar_mitm.cli",
+        "grpo",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "-o",
+        str(out),
+        "--max-steps",
+        "2",
+        "--learning-rate",
+        "3e-3",
+        "--per-device-batch-size",
+        str(per_device),
+        "--gradient-accumulation-steps",
+        "2",
+        "--temperature",
+        "0.05",
+        "--report-to",
+        "none",
+    ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -34,8 +54,10 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tiny_model_d
     engine = Engine(tiny_model_dir)
     rollouts = sample_rollouts(engine, make_toy_task(engine, temperature=0.05), seed=3)
     (tmp_path / "merged").mkdir()
-    pq.write_table(pa.Table.from_pylist([s.to_row() for s in rollouts], schema=MERGED_SCHEMA),
-                   tmp_path / "merged" / "part-0.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([s.to_row() for s in rollouts], schema=MERGED_SCHEMA),
+        tmp_path / "merged" / "part-0.parquet",
+    )
     torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
     two = grpo(torchrun, tmp_path / "merged", tmp_path / "two", tiny_model_dir, per_device=4)
     one = grpo([sys.executable], tmp_path / "merged", tmp_path / "one", tiny_model_dir, per_device=8)

@@ -31,8 +31,20 @@ WARNING = "listening beyond loopback without proxyauth"
 
 def start_mitmdump(cwd: Path, engine_url: str, port: int, *extra: str) -> subprocess.Popen:
     """The README's capture command (plus where to find the engine and a private confdir)."""
-    cmd = [str(BIN / "mitmdump"), "-s", str(procs.addon_path()), *extra, "--listen-port", str(port),
-           "--set", "polar_out=flows", "--set", f"polar_backend={engine_url}", "--set", f"confdir={cwd / 'conf'}"]
+    cmd = [
+        str(BIN / "mitmdump"),
+        "-s",
+        str(procs.addon_path()),
+        *extra,
+        "--listen-port",
+        str(port),
+        "--set",
+        "polar_out=flows",
+        "--set",
+        f"polar_backend={engine_url}",
+        "--set",
+        f"confdir={cwd / 'conf'}",
+    ]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -53,16 +65,25 @@ def chat_through_proxy(port: int, ca_bundle: Path, task: str, session: str) -> N
     from openai import OpenAI
 
     proxy = SessionId(session, task).proxy_url(f"127.0.0.1:{port}")
-    http_client = httpx.Client(proxy=proxy, verify=ssl.create_default_context(cafile=str(ca_bundle)), timeout=120)
+    http_client = httpx.Client(
+        proxy=proxy, verify=ssl.create_default_context(cafile=str(ca_bundle)), timeout=120
+    )
     client = OpenAI(api_key="sk-usage-test", http_client=http_client)
-    answer = client.chat.completions.create(model="gpt-4o-mini", max_tokens=12,
-                                            messages=[{"role": "user", "content": "Say hi."}])
+    answer = client.chat.completions.create(
+        model="gpt-4o-mini", max_tokens=12, messages=[{"role": "user", "content": "Say hi."}]
+    )
     assert answer.choices[0].finish_reason == "length"  # the random model never stops on its own
 
 
 def polar(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "polar-mitm"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [str(BIN / "polar-mitm"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @pytest.mark.slow
@@ -72,11 +93,16 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
     try:
         procs.wait_port(port, timeout=60, proc=gateway)
         wait_for(lambda: (tmp_path / "conf" / "mitmproxy-ca-cert.pem").exists(), 30, "mitmproxy CA")
-        bundle = procs.write_ca_bundle(tmp_path / "conf" / "mitmproxy-ca-cert.pem", tmp_path / "ca-bundle.pem")
+        bundle = procs.write_ca_bundle(
+            tmp_path / "conf" / "mitmproxy-ca-cert.pem", tmp_path / "ca-bundle.pem"
+        )
         for session in ("s-1", "s-2"):
             chat_through_proxy(port, bundle, "greet", session)
-        wait_for(lambda: "eot_token_id" in json.loads((tmp_path / "flows" / ENGINE_FILE).read_text() or "{}"),
-                 60, "the gateway's engine description")
+        wait_for(
+            lambda: "eot_token_id" in json.loads((tmp_path / "flows" / ENGINE_FILE).read_text() or "{}"),
+            60,
+            "the gateway's engine description",
+        )
     finally:
         procs.stop(gateway, timeout=30)
         output = gateway.stdout.read() if gateway.stdout else ""
@@ -84,7 +110,9 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
     rows = read_all(tmp_path / "flows").to_pylist()
     assert len(rows) == 2 and {r["finish_reason"] for r in rows} == {"length"}
     engine = json.loads((tmp_path / "flows" / ENGINE_FILE).read_text())
-    assert engine["eot_token_id"] == 151645 and Path(engine["tokenizer_path"]).is_dir()  # <|im_end|> of Qwen's
+    assert (
+        engine["eot_token_id"] == 151645 and Path(engine["tokenizer_path"]).is_dir()
+    )  # <|im_end|> of Qwen's
 
     merged = polar(tmp_path, "merge", "flows/")
     assert merged.returncode == 0, merged.stdout + merged.stderr
@@ -92,7 +120,9 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
     assert summary["eot_token_id"] == 151645 and ENGINE_FILE in summary["eot_source"]
     assert summary["sequences"] == 2
 
-    (tmp_path / "rewards.jsonl").write_text('{"session_id": "s-1", "reward": 1}\n{"session_id": "s-2", "reward": 0}\n')
+    (tmp_path / "rewards.jsonl").write_text(
+        '{"session_id": "s-1", "reward": 1}\n{"session_id": "s-2", "reward": 0}\n'
+    )
     rewarded = polar(tmp_path, "merge", "flows/", "--rewards", "rewards.jsonl")
     assert rewarded.returncode == 0, rewarded.stdout + rewarded.stderr
     trained = polar(tmp_path, "grpo", "--data", "merged/")
@@ -115,16 +145,19 @@ def test_merge_flags_still_override_the_recorded_engine(tmp_path):
         recorded_eot([str(tmp_path), str(other)])
 
 
-@pytest.mark.parametrize(("modes", "host", "proxyauth", "warns"), [
-    (["regular"], "", None, True),  # mitmproxy's default: every interface
-    (["regular"], "0.0.0.0", None, True),
-    (["regular"], "127.0.0.1", None, False),
-    (["regular"], "::1", None, False),
-    (["regular"], "localhost", None, False),
-    (["regular"], "", "user:secret", False),  # a password is asked: the user means it
-    (["regular@8080", "reverse:http://127.0.0.1:9@127.0.0.1:8081"], "", None, True),  # one listener open
-    (["reverse:http://127.0.0.1:9@127.0.0.1:8081"], "", None, False),  # bound in the mode spec
-])
+@pytest.mark.parametrize(
+    ("modes", "host", "proxyauth", "warns"),
+    [
+        (["regular"], "", None, True),  # mitmproxy's default: every interface
+        (["regular"], "0.0.0.0", None, True),
+        (["regular"], "127.0.0.1", None, False),
+        (["regular"], "::1", None, False),
+        (["regular"], "localhost", None, False),
+        (["regular"], "", "user:secret", False),  # a password is asked: the user means it
+        (["regular@8080", "reverse:http://127.0.0.1:9@127.0.0.1:8081"], "", None, True),  # one listener open
+        (["reverse:http://127.0.0.1:9@127.0.0.1:8081"], "", None, False),  # bound in the mode spec
+    ],
+)
 def test_exposure_warning_names_listeners_beyond_loopback(modes, host, proxyauth, warns):
     assert (exposure_warning(modes, host, proxyauth) is not None) is warns
 

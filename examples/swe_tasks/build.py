@@ -39,10 +39,16 @@ SDIST_SHA256 = "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417
 SOURCE, TESTS = "inflection/__init__.py", "test_inflection.py"
 # Generated or build-only files of the sdist stay out of the repository.
 SKIP = ("PKG-INFO", "inflection.egg-info", "__pycache__")
-GIT_ENV = {"GIT_AUTHOR_NAME": "inflection sdist", "GIT_AUTHOR_EMAIL": "sdist@example.invalid",
-           "GIT_COMMITTER_NAME": "inflection sdist", "GIT_COMMITTER_EMAIL": "sdist@example.invalid",
-           "GIT_AUTHOR_DATE": "2020-08-27T00:00:00+00:00", "GIT_COMMITTER_DATE": "2020-08-27T00:00:00+00:00",
-           "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "inflection sdist",
+    "GIT_AUTHOR_EMAIL": "sdist@example.invalid",
+    "GIT_COMMITTER_NAME": "inflection sdist",
+    "GIT_COMMITTER_EMAIL": "sdist@example.invalid",
+    "GIT_AUTHOR_DATE": "2020-08-27T00:00:00+00:00",
+    "GIT_COMMITTER_DATE": "2020-08-27T00:00:00+00:00",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "HOME": "/nonexistent",
+}
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,8 @@ class Bug:
 
 
 BUGS = (
-    Bug("ordinal-teens",
+    Bug(
+        "ordinal-teens",
         "    if number % 100 in (11, 12, 13):",
         "    if number % 10 in (11, 12, 13):",
         "ordinalize() gives the wrong suffix for 11, 12 and 13\n\n`inflection.ordinalize(11)` returns `'11st'`, "
@@ -69,8 +76,10 @@ BUGS = (
         "    numbers = (11, 12, 13, 111, 1012, -113)\n"
         "    assert [inflection.ordinalize(n) for n in numbers] == [\n"
         "        '11th', '12th', '13th', '111th', '1012th', '-113th']\n",
-        "    if number in (11, 12, 13):"),
-    Bug("underscore-acronym",
+        "    if number in (11, 12, 13):",
+    ),
+    Bug(
+        "underscore-acronym",
         "    word = re.sub(r\"([A-Z]+)([A-Z][a-z])\", r'\\1_\\2', word)",
         "    word = re.sub(r\"([A-Z]+)([A-Z][a-z])\", r'\\1\\2', word)",
         "underscore() glues an acronym to the next word\n\n`inflection.underscore('SSLError')` returns "
@@ -79,8 +88,10 @@ BUGS = (
         "def test_underscore_splits_an_acronym_from_the_next_word():\n"
         "    assert inflection.underscore('SSLError') == 'ssl_error'\n"
         "    assert inflection.underscore('XMLHttpRequest') == 'xml_http_request'\n",
-        "    word = re.sub(r\"([A-Z])([A-Z])\", r'\\1_\\2', word)"),
-    Bug("parameterize-trailing-separator",
+        "    word = re.sub(r\"([A-Z])([A-Z])\", r'\\1_\\2', word)",
+    ),
+    Bug(
+        "parameterize-trailing-separator",
         "        string = re.sub(r\"(?i)^{sep}|{sep}$\".format(sep=re_sep), '', string)",
         "        string = re.sub(r\"(?i)^{sep}\".format(sep=re_sep), '', string)",
         "parameterize() leaves a separator at the end\n\n`inflection.parameterize('Donald E. Knuth')` works, but "
@@ -89,8 +100,10 @@ BUGS = (
         "def test_parameterize_strips_a_trailing_separator():\n"
         "    assert inflection.parameterize('Hello, World!') == 'hello-world'\n"
         "    assert inflection.parameterize('Hello, World!', '_') == 'hello_world'\n",
-        "        string = re.sub(r\"(?i)^{sep}\".format(sep=re_sep), '', string).rstrip('-')"),
-    Bug("pluralize-sh",
+        "        string = re.sub(r\"(?i)^{sep}\".format(sep=re_sep), '', string).rstrip('-')",
+    ),
+    Bug(
+        "pluralize-sh",
         "    (r\"(?i)(x|ch|ss|sh)$\", r'\\1es'),",
         "    (r\"(?i)(x|ch|ss)$\", r'\\1es'),",
         "pluralize() of words ending in 'sh' only appends 's'\n\n`inflection.pluralize('wish')` returns `'wishs'`, "
@@ -99,8 +112,10 @@ BUGS = (
         "def test_pluralize_words_ending_in_sh():\n"
         "    words = ('brush', 'dish', 'Crash')\n"
         "    assert [inflection.pluralize(w) for w in words] == ['brushes', 'dishes', 'Crashes']\n",
-        "    (r\"(?i)(x|ch|ss|s)$\", r'\\1es'),"),
-    Bug("transliterate-accents",
+        "    (r\"(?i)(x|ch|ss|s)$\", r'\\1es'),",
+    ),
+    Bug(
+        "transliterate-accents",
         "    normalized = unicodedata.normalize('NFKD', string)",
         "    normalized = unicodedata.normalize('NFC', string)",
         "transliterate() drops accented letters instead of replacing them\n\n`inflection.transliterate('älämölö')` "
@@ -108,17 +123,20 @@ BUGS = (
         "`parameterize('Malmö')` gives `'malm'` instead of `'malmo'`.",
         "def test_transliterate_keeps_the_base_letter():\n"
         "    assert inflection.transliterate('Crème brûlée') == 'Creme brulee'\n",
-        "    normalized = unicodedata.normalize('NFKC', string)"),
-    Bug("camelize-underscore",
-        "        return re.sub(r\"(?:^|_)(.)\", lambda m: m.group(1).upper(), string)",
-        "        return re.sub(r\"(?:^|_)([a-z])\", lambda m: m.group(1).upper(), string)",
+        "    normalized = unicodedata.normalize('NFKC', string)",
+    ),
+    Bug(
+        "camelize-underscore",
+        '        return re.sub(r"(?:^|_)(.)", lambda m: m.group(1).upper(), string)',
+        '        return re.sub(r"(?:^|_)([a-z])", lambda m: m.group(1).upper(), string)',
         "camelize() keeps underscores before capitals and digits\n\n`inflection.camelize('Camel_Case')` returns "
         "`'Camel_Case'`, `camelize('user_ID')` returns `'User_ID'` and `camelize('version_2_beta')` returns "
         "`'Version_2Beta'`. Every underscore should go: `'CamelCase'`, `'UserID'`, `'Version2Beta'`.",
         "def test_camelize_removes_every_underscore():\n"
         "    assert inflection.camelize('user_ID') == 'UserID'\n"
         "    assert inflection.camelize('version_2_beta') == 'Version2Beta'\n",
-        "        return re.sub(r\"(?:^|_)([a-zA-Z])\", lambda m: m.group(1).upper(), string)"),
+        '        return re.sub(r"(?:^|_)([a-zA-Z])", lambda m: m.group(1).upper(), string)',
+    ),
 )
 
 
@@ -135,8 +153,22 @@ def git(*args: str, cwd: Path, index: Path | None = None, stdin: str | None = No
 
 def fetch_sdist(tmp: Path) -> Path:
     """Download the sdist with pip and check it is the expected file; the extracted source directory."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    f"{PROJECT}=={VERSION}", "-d", str(tmp)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"{PROJECT}=={VERSION}",
+            "-d",
+            str(tmp),
+        ],
+        check=True,
+    )
     archive = tmp / f"{PROJECT}-{VERSION}.tar.gz"
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
@@ -160,8 +192,13 @@ def replace_once(path: Path, old: str, new: str) -> None:
 
 def run_suite(work: Path) -> dict[str, str]:
     """The project's tests with pytest -rA, parsed by swebench's parse_log_pytest: test id → status."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-rA", "--tb=no", "-p", "no:cacheprovider", TESTS],
-                          cwd=work, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "--tb=no", "-p", "no:cacheprovider", TESTS],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     return swebench_harness().log_parsers.PARSER_REGISTRY["parse_log_pytest"](done.stdout, None)
 
 
@@ -198,14 +235,26 @@ def build_instance(bug: Bug, sdist: Path, repo: Path, tmp: Path) -> tuple[dict, 
     fail_to_pass = sorted(t for t, s in before.items() if s != "PASSED" and after.get(t) == "PASSED")
     pass_to_pass = sorted(t for t, s in before.items() if s == "PASSED" and after.get(t) == "PASSED")
     check_lists(instance_id, before, after, fail_to_pass)
-    instance = {"instance_id": instance_id, "repo": REPO, "base_commit": commit, "version": VERSION,
-                "problem_statement": bug.problem, "hints_text": "", "created_at": GIT_ENV["GIT_AUTHOR_DATE"],
-                "environment_setup_commit": commit, "patch": gold_patch, "test_patch": test_patch,
-                "FAIL_TO_PASS": json.dumps(fail_to_pass), "PASS_TO_PASS": json.dumps(pass_to_pass)}
+    instance = {
+        "instance_id": instance_id,
+        "repo": REPO,
+        "base_commit": commit,
+        "version": VERSION,
+        "problem_statement": bug.problem,
+        "hints_text": "",
+        "created_at": GIT_ENV["GIT_AUTHOR_DATE"],
+        "environment_setup_commit": commit,
+        "patch": gold_patch,
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": json.dumps(fail_to_pass),
+        "PASS_TO_PASS": json.dumps(pass_to_pass),
+    }
     return instance, {"instance_id": instance_id, "patch": wrong_patch}
 
 
-def check_lists(instance_id: str, before: dict[str, str], after: dict[str, str], fail_to_pass: list[str]) -> None:
+def check_lists(
+    instance_id: str, before: dict[str, str], after: dict[str, str], fail_to_pass: list[str]
+) -> None:
     """The instance is sound: its bug breaks the project's own tests, the gold patch fixes all and breaks none."""
     own = [t for t in fail_to_pass if not t.endswith(REGRESSION_TESTS)]
     if not own:
@@ -233,8 +282,10 @@ def main() -> None:
         (HERE / "wrong_patches.jsonl").write_text("".join(json.dumps(w) + "\n" for w in wrong))
         shutil.copy(sdist / "LICENSE", HERE / "LICENSE.inflection")
     for instance in instances:
-        print(f"{instance['instance_id']}: FAIL_TO_PASS {len(json.loads(instance['FAIL_TO_PASS']))}, "
-              f"PASS_TO_PASS {len(json.loads(instance['PASS_TO_PASS']))}")
+        print(
+            f"{instance['instance_id']}: FAIL_TO_PASS {len(json.loads(instance['FAIL_TO_PASS']))}, "
+            f"PASS_TO_PASS {len(json.loads(instance['PASS_TO_PASS']))}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,22 @@ DEFAULT_CODEC: Codec = CODECS["openai_chat"]
 # The API the engine itself serves (SGLang's OpenAI-compatible `/v1/chat/completions`).
 ENGINE_CODEC: Codec = CODECS["openai_chat"]
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "ENGINE_CODEC", "Codec", "GatewayError", "HttpAnswer", "sdk_base_url",
-           "by_headers", "by_host", "by_path", "detect", "is_compaction_path", "provider_for", "websocket_codec"]
+__all__ = [
+    "CODECS",
+    "DEFAULT_CODEC",
+    "ENGINE_CODEC",
+    "Codec",
+    "GatewayError",
+    "HttpAnswer",
+    "sdk_base_url",
+    "by_headers",
+    "by_host",
+    "by_path",
+    "detect",
+    "is_compaction_path",
+    "provider_for",
+    "websocket_codec",
+]
 
 
 def by_path(path: str) -> Codec | None:

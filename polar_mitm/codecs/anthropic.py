@@ -34,21 +34,39 @@ from polar_mitm.conversation import Completion, Conversation, Message, Tool, Too
 _BILLING_LINE = re.compile(r"^[ \t]*x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE | re.IGNORECASE)
 
 # Blocks of Anthropic-executed (server) tools: the engine cannot run them, and they carry nothing it could use.
-_IGNORED_BLOCKS = frozenset({
-    "redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
-    "code_execution_tool_result", "bash_code_execution_tool_result", "text_editor_code_execution_tool_result",
-    "tool_search_tool_result", "container_upload",
-})
+_IGNORED_BLOCKS = frozenset(
+    {
+        "redacted_thinking",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "tool_search_tool_result",
+        "container_upload",
+    }
+)
 _MEDIA_BLOCKS = frozenset({"image", "document"})
 
 _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
-_STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn",
-                "error": "end_turn"}
+_STOP_REASON = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "abort": "end_turn",
+    "error": "end_turn",
+}
 
 # Anthropic's error type follows the HTTP status.
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 500: "api_error",
-                529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+    529: "overloaded_error",
+}
 _EXPECTED = "{where}: expected {what}, got {got}"  # Anthropic's wording of a wrongly typed field
 
 _STREAM_CHUNK_CHARS = 16
@@ -99,16 +117,23 @@ class AnthropicCodec(Codec):
     def encode_stream(self, conv: Conversation, completion: Completion) -> Iterator[bytes]:
         """message_start, ping, each content block (start, deltas, stop), message_delta, message_stop."""
         start = _message_head(conv, completion)
-        start["usage"]["output_tokens"] = min(1, completion.completion_tokens)  # as the API does before sampling
+        start["usage"]["output_tokens"] = min(
+            1, completion.completion_tokens
+        )  # as the API does before sampling
         yield sse_event({"type": "message_start", "message": start}, event="message_start")
         yield sse_event({"type": "ping"}, event="ping")
         for index, block in enumerate(_content_blocks(completion)):
             for event in _block_events(index, block):
                 yield sse_event(event, event=event["type"])
         stop_reason, stop_sequence = _stop_reason(conv, completion)
-        yield sse_event({"type": "message_delta",
-                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                         "usage": _usage(completion)}, event="message_delta")
+        yield sse_event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": _usage(completion),
+            },
+            event="message_delta",
+        )
         yield sse_event({"type": "message_stop"}, event="message_stop")
 
     def encode_error(self, error: GatewayError) -> HttpAnswer:
@@ -117,8 +142,11 @@ class AnthropicCodec(Codec):
         error_type = _ERROR_TYPES.get(status, "api_error")
         # Claude Code compacts and retries on exactly this wording: /^prompt is too long: \d+ tokens > \d+ maximum$/
         message = error.worded("prompt is too long: {n} tokens > {limit} maximum")
-        payload = {"type": "error", "error": {"type": error_type, "message": message},
-                   "request_id": f"req_{uuid.uuid4().hex}"}
+        payload = {
+            "type": "error",
+            "error": {"type": error_type, "message": message},
+            "request_id": f"req_{uuid.uuid4().hex}",
+        }
         return HttpAnswer.json(status, payload)
 
     # -- auxiliary endpoints --------------------------------------------------------------------------------------
@@ -135,9 +163,12 @@ class AnthropicCodec(Codec):
         found = _MODELS_PATH.search(path.rstrip("/"))
         if found is not None and found.group("model_id"):
             return _model_info(unquote(found.group("model_id")))
-        return {"data": [_model_info(model_id) for model_id in model_ids], "has_more": False,
-                "first_id": model_ids[0] if model_ids else None,
-                "last_id": model_ids[-1] if model_ids else None}
+        return {
+            "data": [_model_info(model_id) for model_id in model_ids],
+            "has_more": False,
+            "first_id": model_ids[0] if model_ids else None,
+            "last_id": model_ids[-1] if model_ids else None,
+        }
 
 
 # -- decoding ---------------------------------------------------------------------------------------------------------
@@ -303,8 +334,9 @@ def _decode_assistant(blocks: list[Any], where: str, tool_names: dict[str, str])
             calls.append(call)
         elif kind not in _IGNORED_BLOCKS:
             raise invalid_request(f"{at}.type: unsupported assistant content block {kind!r}")
-    return Message(role="assistant", content="\n".join(texts), reasoning="\n".join(thoughts) or None,
-                   tool_calls=calls)
+    return Message(
+        role="assistant", content="\n".join(texts), reasoning="\n".join(thoughts) or None, tool_calls=calls
+    )
 
 
 def _decode_tool_use(block: dict[str, Any], where: str) -> ToolCall:
@@ -315,7 +347,9 @@ def _decode_tool_use(block: dict[str, Any], where: str) -> ToolCall:
     return ToolCall(id=call_id, name=name, arguments=json.dumps(tool_input, ensure_ascii=False))
 
 
-def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str], loaded: set[str]) -> list[Message]:
+def _decode_user(
+    blocks: list[Any], where: str, tool_names: dict[str, str], loaded: set[str]
+) -> list[Message]:
     """Tool results first (each its own tool message, in order), then the user's text as one user message.
 
     Chat templates expect tool results right after the assistant turn that called the tools.
@@ -336,8 +370,9 @@ def _decode_user(blocks: list[Any], where: str, tool_names: dict[str, str], load
     return results
 
 
-def _decode_tool_result(block: dict[str, Any], where: str, tool_names: dict[str, str],
-                        loaded: set[str]) -> Message:
+def _decode_tool_result(
+    block: dict[str, Any], where: str, tool_names: dict[str, str], loaded: set[str]
+) -> Message:
     call_id = _expect(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
     content = block.get("content")
     if content is None:
@@ -368,8 +403,10 @@ def _decode_tools(value: Any, loaded: set[str]) -> list[Tool]:
     """
     if value is None:
         return []
-    decoded = (_decode_tool(raw, f"tools.{i}", loaded)
-               for i, raw in enumerate(_expect(value, list, "tools", "a list")))
+    decoded = (
+        _decode_tool(raw, f"tools.{i}", loaded)
+        for i, raw in enumerate(_expect(value, list, "tools", "a list"))
+    )
     return [tool for tool in decoded if tool is not None]
 
 
@@ -384,7 +421,9 @@ def _decode_tool(raw: Any, where: str, loaded: set[str]) -> Tool | None:
     description = raw.get("description")
     return Tool(
         name=name,
-        description="" if description is None else _expect(description, str, f"{where}.description", "a string"),
+        description=""
+        if description is None
+        else _expect(description, str, f"{where}.description", "a string"),
         parameters=_expect(schema, dict, f"{where}.input_schema", "an object"),
     )
 
@@ -406,13 +445,25 @@ def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
 
 def _message_head(conv: Conversation, completion: Completion) -> dict[str, Any]:
     """The Message fields shared by the JSON answer and the stream's message_start."""
-    return {"id": _message_id(completion.id), "type": "message", "role": "assistant", "model": conv.model,
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(completion)}
+    return {
+        "id": _message_id(completion.id),
+        "type": "message",
+        "role": "assistant",
+        "model": conv.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(completion),
+    }
 
 
 def _usage(completion: Completion) -> dict[str, int]:
-    return {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return {
+        "input_tokens": completion.prompt_tokens,
+        "output_tokens": completion.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
 
 def _anthropic_id(prefix: str, raw_id: str) -> str:
@@ -441,13 +492,24 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
 def _content_blocks(completion: Completion) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if completion.reasoning:
-        blocks.append({"type": "thinking", "thinking": completion.reasoning,
-                       "signature": _signature(completion.reasoning)})
+        blocks.append(
+            {
+                "type": "thinking",
+                "thinking": completion.reasoning,
+                "signature": _signature(completion.reasoning),
+            }
+        )
     if completion.content:
         blocks.append({"type": "text", "text": completion.content})
     for call in completion.tool_calls:
-        blocks.append({"type": "tool_use", "id": _anthropic_id("toolu_", call.id), "name": call.name,
-                       "input": _tool_input(call)})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": _anthropic_id("toolu_", call.id),
+                "name": call.name,
+                "input": _tool_input(call),
+            }
+        )
     return blocks or [{"type": "text", "text": ""}]
 
 
@@ -492,5 +554,10 @@ def _block_delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_info(model_id: str) -> dict[str, Any]:
-    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": _MODEL_CREATED_AT,
-            "lifecycle": "active"}
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": model_id,
+        "created_at": _MODEL_CREATED_AT,
+        "lifecycle": "active",
+    }

@@ -26,8 +26,15 @@ ErrorKind = Literal[
 ]
 
 # The HTTP status of each error kind; a codec overrides those its API answers differently (`Codec.error_status`).
-ERROR_STATUS: dict[str, int] = {"invalid_request": 400, "context_length": 400, "not_found": 404, "overloaded": 503,
-                                "engine_error": 502, "too_large": 413, "internal": 500}
+ERROR_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "context_length": 400,
+    "not_found": 404,
+    "overloaded": 503,
+    "engine_error": 502,
+    "too_large": 413,
+    "internal": 500,
+}
 
 
 class GatewayError(Exception):

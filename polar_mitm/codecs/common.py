@@ -33,6 +33,7 @@ def invalid_request(message: str) -> GatewayError:
 
 # ---- the request body --------------------------------------------------------------------------------------
 
+
 def nesting_exceeds(value: Any, limit: int) -> bool:
     """Is `value` (parsed JSON) nested more than `limit` containers deep? Iterative: deep input is the threat."""
     if not isinstance(value, dict | list):
@@ -60,6 +61,7 @@ def parse_body(raw: bytes) -> Any:
 
 
 # ---- field validation --------------------------------------------------------------------------------------
+
 
 def expect(value: Any, kind: type | tuple[type, ...], where: str, what: str, wording: str = MUST_BE) -> Any:
     """`value` if it is a `kind`, else a client error worded by `wording` ({where}, {what}, {got}: the type sent).
@@ -146,7 +148,7 @@ def stream_pieces(text: str, size: int, *, at_whitespace: bool = False) -> list[
     words arrive whole. The answer is complete before a replayed stream starts: pieces only pace its rendering.
     """
     if not at_whitespace:
-        return [text[i:i + size] for i in range(0, len(text), size)]
+        return [text[i : i + size] for i in range(0, len(text), size)]
     pieces: list[str] = []
     piece = ""
     for word in _WORDS.findall(text):

@@ -36,8 +36,13 @@ _COUNT_PATH = re.compile(_MODEL + r":countTokens$")
 _MODELS_PATH = re.compile(r"/models(?:/(?P<name>[^/:]+))?$")
 
 # Google's canonical error status follows the HTTP code.
-_ERROR_STATUS_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT", 500: "INTERNAL",
-                       503: "UNAVAILABLE"}
+_ERROR_STATUS_NAMES = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    413: "INVALID_ARGUMENT",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 _FINISH: dict[FinishReason, str] = {
     "stop": "STOP",
     "tool_calls": "STOP",  # Gemini ends a function-calling turn with STOP, not a dedicated reason
@@ -45,8 +50,13 @@ _FINISH: dict[FinishReason, str] = {
     "abort": "OTHER",
     "error": "OTHER",
 }
-_TOOL_CHOICE = {"AUTO": "auto", "VALIDATED": "auto", "MODE_UNSPECIFIED": "auto", "ANY": "required",
-                "NONE": "none"}
+_TOOL_CHOICE = {
+    "AUTO": "auto",
+    "VALIDATED": "auto",
+    "MODE_UNSPECIFIED": "auto",
+    "ANY": "required",
+    "NONE": "none",
+}
 _UNSUPPORTED_PARTS = ("inlineData", "fileData", "executableCode", "codeExecutionResult", "videoMetadata")
 _MAX_SCHEMA_DEPTH = 64  # a deeper schema is abuse, and would otherwise end in a RecursionError
 _STREAM_PIECE_CHARS = 80  # text is re-chunked for streaming; Gemini sends pieces of roughly this size
@@ -107,7 +117,9 @@ class GoogleCodec(Codec):
         """Google's `{"error": {"code", "message", "status"}}` with the matching HTTP status."""
         code = self.status_for(error)
         status = _ERROR_STATUS_NAMES.get(code, "INTERNAL")
-        message = error.worded("The input token count ({n}) exceeds the maximum number of tokens allowed ({limit}).")
+        message = error.worded(
+            "The input token count ({n}) exceeds the maximum number of tokens allowed ({limit})."
+        )
         return HttpAnswer.json(code, {"error": {"code": code, "message": message, "status": status}})
 
     # --- auxiliary endpoints -----------------------------------------------------------------------------
@@ -124,10 +136,12 @@ class GoogleCodec(Codec):
         inner = _get(request, "generateContentRequest")
         if inner is not None:
             inner = require_dict(inner, "generateContentRequest")
-            return _decode_generate_request(inner, model or _model_name(_opt_str(inner, "model")),
-                                            require_contents=False)
-        return _decode_generate_request({"contents": _get(request, "contents") or []}, model,
-                                        require_contents=False)
+            return _decode_generate_request(
+                inner, model or _model_name(_opt_str(inner, "model")), require_contents=False
+            )
+        return _decode_generate_request(
+            {"contents": _get(request, "contents") or []}, model, require_contents=False
+        )
 
     def encode_count_tokens(self, n_tokens: int) -> dict[str, Any]:
         """A CountTokensResponse."""
@@ -184,7 +198,9 @@ def _opt_number(obj: dict[str, Any], key: str) -> float | None:
     return None if value is None else finite_number(value, f"generationConfig.{key}")
 
 
-def _opt_int(obj: dict[str, Any], key: str, minimum: int = -INT32_MAX, maximum: int = INT32_MAX) -> int | None:
+def _opt_int(
+    obj: dict[str, Any], key: str, minimum: int = -INT32_MAX, maximum: int = INT32_MAX
+) -> int | None:
     """An integer field within [minimum, maximum] (`1e30` parses as a whole float: out of range, not a crash)."""
     value = _opt_number(obj, key)
     return None if value is None else integer(value, f"generationConfig.{key}", minimum, maximum)
@@ -215,7 +231,9 @@ def _system_messages(instruction: Any) -> list[Message]:
         return []
     if isinstance(instruction, str):  # not the REST shape, but SDK-style clients send it
         return [Message(role="system", content=instruction)]
-    parts = _list(_get(require_dict(instruction, "systemInstruction"), "parts") or [], "systemInstruction.parts")
+    parts = _list(
+        _get(require_dict(instruction, "systemInstruction"), "parts") or [], "systemInstruction.parts"
+    )
     texts = []
     for part in parts:
         part = require_dict(part, "systemInstruction.parts[]")
@@ -257,13 +275,16 @@ def _content_messages(contents: list[Any]) -> list[Message]:
     for i, content in enumerate(contents):
         content = require_dict(content, f"contents[{i}]")
         role = _opt_str(content, "role") or "user"
-        parts = [require_dict(p, f"contents[{i}].parts[]") for p in _list(_get(content, "parts") or [], "parts")]
+        parts = [
+            require_dict(p, f"contents[{i}].parts[]") for p in _list(_get(content, "parts") or [], "parts")
+        ]
         if not parts:  # as Google answers: a turn holds at least one part, and a part holds data
             raise invalid_request(f"contents[{i}].parts must not be empty")
         for j, part in enumerate(parts):
             if not part:
-                raise invalid_request(f"contents[{i}].parts[{j}] must hold data (text, functionCall, "
-                                      "functionResponse)")
+                raise invalid_request(
+                    f"contents[{i}].parts[{j}] must hold data (text, functionCall, functionResponse)"
+                )
             _reject_unsupported(part)
         if role == "model":
             messages.extend(_model_turn(parts, ids))
@@ -279,8 +300,10 @@ def _content_messages(contents: list[Any]) -> list[Message]:
 def _reject_unsupported(part: dict[str, Any]) -> None:
     for key in _UNSUPPORTED_PARTS:
         if _get(part, key) is not None:
-            raise invalid_request(f"{key} parts are not supported: this gateway serves a text-only model "
-                           "(images/files are not supported)")
+            raise invalid_request(
+                f"{key} parts are not supported: this gateway serves a text-only model "
+                "(images/files are not supported)"
+            )
 
 
 def _model_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
@@ -300,8 +323,11 @@ def _model_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
     if not (texts or thoughts or calls):
         return []
     # Streamed answers come back split into many parts: joining without a separator restores the text.
-    return [Message(role="assistant", content="".join(texts), reasoning="".join(thoughts) or None,
-                    tool_calls=calls)]
+    return [
+        Message(
+            role="assistant", content="".join(texts), reasoning="".join(thoughts) or None, tool_calls=calls
+        )
+    ]
 
 
 def _user_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
@@ -315,8 +341,11 @@ def _user_turn(parts: list[dict[str, Any]], ids: _CallIds) -> list[Message]:
             name, payload, given = _named_payload(response, "functionResponse", "response")
             if _get(response, "parts"):
                 raise invalid_request("functionResponse.parts (images/files) are not supported")
-            results.append(Message(role="tool", name=name, tool_call_id=ids.for_result(name, given),
-                                   content=_json(payload)))
+            results.append(
+                Message(
+                    role="tool", name=name, tool_call_id=ids.for_result(name, given), content=_json(payload)
+                )
+            )
         text = _opt_str(part, "text")
         if text is not None:
             texts.append(text)
@@ -375,12 +404,16 @@ def _json_schema(schema: dict[str, Any], depth: int) -> dict[str, Any]:
             if value.upper() != "TYPE_UNSPECIFIED":
                 out["type"] = value.lower()
         elif key in ("properties",):
-            out[key] = {prop: _json_schema(require_dict(sub, f"properties.{prop}"), depth + 1)
-                        for prop, sub in require_dict(value, key).items()}
+            out[key] = {
+                prop: _json_schema(require_dict(sub, f"properties.{prop}"), depth + 1)
+                for prop, sub in require_dict(value, key).items()
+            }
         elif key == "items":
             out[key] = _json_schema(require_dict(value, key), depth + 1)
         elif key in ("anyOf", "any_of"):
-            out["anyOf"] = [_json_schema(require_dict(sub, "anyOf[]"), depth + 1) for sub in _list(value, key)]
+            out["anyOf"] = [
+                _json_schema(require_dict(sub, "anyOf[]"), depth + 1) for sub in _list(value, key)
+            ]
         elif key != "nullable":
             out[key] = value
     if schema.get("nullable") is True and isinstance(out.get("type"), str):
@@ -420,8 +453,9 @@ def _apply_generation_config(conv: Conversation, value: Any) -> None:
         raise invalid_request("generationConfig.stopSequences must be strings")
     conv.stop = list(stops)
     conv.thinking = _thinking(_get(config, "thinkingConfig"))
-    conv.response_format = structured.from_google(_get(config, "responseJsonSchema"), _get(config, "responseSchema"),
-                                                  _get(config, "responseMimeType"))
+    conv.response_format = structured.from_google(
+        _get(config, "responseJsonSchema"), _get(config, "responseSchema"), _get(config, "responseMimeType")
+    )
 
 
 def _thinking(value: Any) -> bool | None:
@@ -457,8 +491,15 @@ def _call_parts(completion: Completion) -> list[dict[str, Any]]:
     for call in completion.tool_calls:
         args = call.arguments_obj()
         # Gemini's args is always an object; keep anything else verbatim rather than drop it.
-        parts.append({"functionCall": {"name": call.name, "args": args if isinstance(args, dict)
-                                       else {"_raw": call.arguments}, "id": call.id}})
+        parts.append(
+            {
+                "functionCall": {
+                    "name": call.name,
+                    "args": args if isinstance(args, dict) else {"_raw": call.arguments},
+                    "id": call.id,
+                }
+            }
+        )
     return parts
 
 
@@ -470,8 +511,9 @@ def _usage(completion: Completion) -> dict[str, int]:
     }
 
 
-def _chunk(conv: Conversation, completion: Completion, parts: list[dict[str, Any]], *,
-           final: bool) -> dict[str, Any]:
+def _chunk(
+    conv: Conversation, completion: Completion, parts: list[dict[str, Any]], *, final: bool
+) -> dict[str, Any]:
     """One GenerateContentResponse; the final one carries finishReason and usage."""
     candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
     response: dict[str, Any] = {"candidates": [candidate]}
@@ -489,8 +531,11 @@ def _pieces(text: str) -> list[str]:
 
 def _stream_chunks(conv: Conversation, completion: Completion) -> Iterator[dict[str, Any]]:
     """Thoughts, then text in pieces, then all function calls in one chunk; the last chunk finishes."""
-    part_groups = [[{"text": piece, "thought": True}] for part in _reasoning_parts(conv, completion)
-                   for piece in _pieces(part["text"])]
+    part_groups = [
+        [{"text": piece, "thought": True}]
+        for part in _reasoning_parts(conv, completion)
+        for piece in _pieces(part["text"])
+    ]
     part_groups += [[{"text": piece}] for piece in _pieces(completion.content)]
     if completion.tool_calls:
         part_groups.append(_call_parts(completion))

@@ -41,8 +41,19 @@ from polar_mitm.codecs.openai_common import (
 from polar_mitm.conversation import Completion, Conversation, Message, Tool, ToolCall
 
 # Request fields with no engine meaning, kept for the record (and for echoes).
-_EXTRA_KEYS = ("metadata", "user", "n", "parallel_tool_calls", "seed", "response_format", "service_tier",
-               "store", "logprobs", "top_logprobs", "prompt_cache_key")
+_EXTRA_KEYS = (
+    "metadata",
+    "user",
+    "n",
+    "parallel_tool_calls",
+    "seed",
+    "response_format",
+    "service_tier",
+    "store",
+    "logprobs",
+    "top_logprobs",
+    "prompt_cache_key",
+)
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio")
 
 
@@ -99,8 +110,14 @@ class OpenAIChatCodec(OpenAICodec):
         return {
             **_head(conv, completion),
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": _finish_reason(completion)}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(completion),
+                }
+            ],
             "usage": _usage(completion),
         }
 
@@ -133,6 +150,7 @@ class OpenAIChatCodec(OpenAICodec):
 
 # ---- decoding helpers --------------------------------------------------------------------------------------
 
+
 def _decode_messages(raw: list[Any]) -> list[Message]:
     messages: list[Message] = []
     legacy_call_ids: dict[str, str] = {}  # legacy `function_call` name → the id given to it
@@ -147,13 +165,24 @@ def _decode_messages(raw: list[Any]) -> list[Message]:
         elif role == "assistant":
             messages.append(_decode_assistant(msg, i, legacy_call_ids))
         elif role == "tool":
-            messages.append(Message(role="tool", content=_text(msg.get("content"), f"{where}.content"),
-                                    tool_call_id=optional_str(msg, "tool_call_id", f"{where}."),
-                                    name=optional_str(msg, "name", f"{where}.")))
+            messages.append(
+                Message(
+                    role="tool",
+                    content=_text(msg.get("content"), f"{where}.content"),
+                    tool_call_id=optional_str(msg, "tool_call_id", f"{where}."),
+                    name=optional_str(msg, "name", f"{where}."),
+                )
+            )
         elif role == "function":  # legacy function result: matched to its call by name
             name = require_str(msg.get("name"), f"{where}.name")
-            messages.append(Message(role="tool", content=_text(msg.get("content"), f"{where}.content"),
-                                    tool_call_id=legacy_call_ids.get(name), name=name))
+            messages.append(
+                Message(
+                    role="tool",
+                    content=_text(msg.get("content"), f"{where}.content"),
+                    tool_call_id=legacy_call_ids.get(name),
+                    name=name,
+                )
+            )
         else:
             raise invalid_request(f"{where}.role must be one of system, developer, user, assistant, tool")
     return messages
@@ -162,22 +191,29 @@ def _decode_messages(raw: list[Any]) -> list[Message]:
 def _decode_assistant(msg: dict[str, Any], index: int, legacy_call_ids: dict[str, str]) -> Message:
     where = f"messages[{index}]"
     raw_calls = msg.get("tool_calls") or []
-    calls = [_decode_tool_call(call, f"{where}.tool_calls[{j}]", f"call_{index}_{j}")
-             for j, call in enumerate(require_list(raw_calls, f"{where}.tool_calls"))]
+    calls = [
+        _decode_tool_call(call, f"{where}.tool_calls[{j}]", f"call_{index}_{j}")
+        for j, call in enumerate(require_list(raw_calls, f"{where}.tool_calls"))
+    ]
     legacy = msg.get("function_call")
     if legacy is not None:
         function = require_dict(legacy, f"{where}.function_call")
-        call = ToolCall(id=f"call_{index}",
-                        name=require_str(function.get("name"), f"{where}.function_call.name"),
-                        arguments=arguments_text(function.get("arguments"),
-                                                 f"{where}.function_call.arguments"))
+        call = ToolCall(
+            id=f"call_{index}",
+            name=require_str(function.get("name"), f"{where}.function_call.name"),
+            arguments=arguments_text(function.get("arguments"), f"{where}.function_call.arguments"),
+        )
         legacy_call_ids[call.name] = call.id
         calls.append(call)
     # Reasoning sent back by the harness: `reasoning_content` (SGLang, DeepSeek) or `reasoning` (OpenRouter).
     candidates = (msg.get("reasoning_content"), msg.get("reasoning"))
     reasoning = next((r for r in candidates if isinstance(r, str) and r), None)
-    return Message(role="assistant", content=_text(msg.get("content"), f"{where}.content"),
-                   reasoning=reasoning, tool_calls=calls)
+    return Message(
+        role="assistant",
+        content=_text(msg.get("content"), f"{where}.content"),
+        reasoning=reasoning,
+        tool_calls=calls,
+    )
 
 
 def _decode_tool_call(raw: Any, where: str, fallback_id: str) -> ToolCall:
@@ -186,11 +222,17 @@ def _decode_tool_call(raw: Any, where: str, fallback_id: str) -> ToolCall:
     if call.get("type") == "custom":  # a custom (free-form) tool call: its text becomes the `input` argument
         custom = require_dict(call.get("custom"), f"{where}.custom")
         input_text = require_str(custom.get("input", ""), f"{where}.custom.input")
-        return ToolCall(id=call_id, name=require_str(custom.get("name"), f"{where}.custom.name"),
-                        arguments=custom_tool_arguments(input_text))
+        return ToolCall(
+            id=call_id,
+            name=require_str(custom.get("name"), f"{where}.custom.name"),
+            arguments=custom_tool_arguments(input_text),
+        )
     function = require_dict(call.get("function"), f"{where}.function")
-    return ToolCall(id=call_id, name=require_str(function.get("name"), f"{where}.function.name"),
-                    arguments=arguments_text(function.get("arguments"), f"{where}.function.arguments"))
+    return ToolCall(
+        id=call_id,
+        name=require_str(function.get("name"), f"{where}.function.name"),
+        arguments=arguments_text(function.get("arguments"), f"{where}.function.arguments"),
+    )
 
 
 def _text(content: Any, where: str) -> str:
@@ -200,8 +242,10 @@ def _text(content: Any, where: str) -> str:
 
 def _decode_tools(body: dict[str, Any]) -> list[Tool]:
     if body.get("tools") is None and body.get("functions") is not None:  # legacy `functions`
-        return [_decode_function(fn, f"functions[{j}]")
-                for j, fn in enumerate(require_list(body["functions"], "functions"))]
+        return [
+            _decode_function(fn, f"functions[{j}]")
+            for j, fn in enumerate(require_list(body["functions"], "functions"))
+        ]
     tools = []
     for j, raw in enumerate(require_list(body.get("tools") or [], "tools")):
         where = f"tools[{j}]"
@@ -211,9 +255,13 @@ def _decode_tools(body: dict[str, Any]) -> list[Tool]:
             tools.append(_decode_function(tool.get("function"), f"{where}.function"))
         elif kind == "custom":
             custom = require_dict(tool.get("custom"), f"{where}.custom")
-            tools.append(Tool(name=require_str(custom.get("name"), f"{where}.custom.name"),
-                              description=optional_str(custom, "description", f"{where}.custom.") or "",
-                              parameters=custom_tool_parameters(custom.get("format"))))
+            tools.append(
+                Tool(
+                    name=require_str(custom.get("name"), f"{where}.custom.name"),
+                    description=optional_str(custom, "description", f"{where}.custom.") or "",
+                    parameters=custom_tool_parameters(custom.get("format")),
+                )
+            )
         # other tool kinds are hosted by OpenAI: nothing a local model can call
     return tools
 
@@ -224,8 +272,11 @@ def _decode_function(raw: Any, where: str) -> Tool:
     if not name:
         raise invalid_request(f"{where}.name must not be empty")
     parameters = optional_dict(function, "parameters", f"{where}.")
-    return Tool(name=name, description=optional_str(function, "description", f"{where}.") or "",
-                parameters=parameters if parameters is not None else {"type": "object", "properties": {}})
+    return Tool(
+        name=name,
+        description=optional_str(function, "description", f"{where}.") or "",
+        parameters=parameters if parameters is not None else {"type": "object", "properties": {}},
+    )
 
 
 def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
@@ -261,10 +312,15 @@ def _decode_thinking(body: dict[str, Any]) -> bool | None:
 
 # ---- encoding helpers --------------------------------------------------------------------------------------
 
+
 def _head(conv: Conversation, completion: Completion) -> dict[str, Any]:
     # The weight version is exactly what `system_fingerprint` means: which backend state produced the answer.
-    return {"id": "chatcmpl-" + id_core(completion.id), "created": int(time.time()),
-            "model": conv.model or completion.model, "system_fingerprint": completion.weight_version}
+    return {
+        "id": "chatcmpl-" + id_core(completion.id),
+        "created": int(time.time()),
+        "model": conv.model or completion.model,
+        "system_fingerprint": completion.weight_version,
+    }
 
 
 def _content(completion: Completion) -> str | None:
@@ -274,8 +330,11 @@ def _content(completion: Completion) -> str | None:
 
 
 def _tool_call_json(call: ToolCall, index: int) -> dict[str, Any]:
-    return {"id": call.id or f"call_{index}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return {
+        "id": call.id or f"call_{index}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def _finish_reason(completion: Completion) -> str:
@@ -285,5 +344,8 @@ def _finish_reason(completion: Completion) -> str:
 
 
 def _usage(completion: Completion) -> dict[str, int]:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+    }

@@ -17,9 +17,14 @@ from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
 from polar_mitm.codecs.common import invalid_request, require_dict, require_list, require_str
 
 # OpenAI error `code` per gateway error kind, as OpenAI's own API answers them (the type follows the status).
-_ERROR_CODES: dict[str, str] = {"context_length": "context_length_exceeded", "not_found": "unknown_url",
-                                "overloaded": "engine_unavailable", "engine_error": "engine_error",
-                                "too_large": "request_too_large", "internal": "internal_error"}
+_ERROR_CODES: dict[str, str] = {
+    "context_length": "context_length_exceeded",
+    "not_found": "unknown_url",
+    "overloaded": "engine_unavailable",
+    "engine_error": "engine_error",
+    "too_large": "request_too_large",
+    "internal": "internal_error",
+}
 
 # Characters per streamed delta: small enough that harnesses render progressively, large enough to keep the
 # replay short (the answer is complete before the stream starts).
@@ -62,10 +67,21 @@ def openai_error_answer(error: GatewayError, status: int) -> HttpAnswer:
     """`{"error": {message, type, param, code}}` with the status OpenAI uses for this kind of failure."""
     error_type = "invalid_request_error" if status < 500 else "server_error"
     # OpenAI's wording; harnesses match the code (Codex) or "maximum context length" (AI SDK, Qwen Code).
-    message = error.worded("This model's maximum context length is {limit} tokens. However, your messages "
-                           "resulted in {n} tokens. Please reduce the length of the messages.")
-    return HttpAnswer.json(status, {"error": {"message": message, "type": error_type, "param": None,
-                                              "code": _ERROR_CODES.get(error.kind)}})
+    message = error.worded(
+        "This model's maximum context length is {limit} tokens. However, your messages "
+        "resulted in {n} tokens. Please reduce the length of the messages."
+    )
+    return HttpAnswer.json(
+        status,
+        {
+            "error": {
+                "message": message,
+                "type": error_type,
+                "param": None,
+                "code": _ERROR_CODES.get(error.kind),
+            }
+        },
+    )
 
 
 def id_core(engine_id: str) -> str:
@@ -81,6 +97,7 @@ def path_only(path: str) -> str:
 
 
 # ---- OpenAI request fields ---------------------------------------------------------------------------
+
 
 def parse_stop(value: Any) -> list[str]:
     """`stop`: a string or a list of strings."""
@@ -109,10 +126,14 @@ def content_text(content: Any, where: str, text_parts: tuple[str, ...], media_pa
         elif kind == "refusal":
             texts.append(require_str(part.get("refusal"), f"{where}[{j}].refusal"))
         elif kind in media_parts:
-            raise invalid_request(f"{where}[{j}]: {kind} content is not supported (images, audio and files are not "
-                                  "supported: the model is text-only)")
+            raise invalid_request(
+                f"{where}[{j}]: {kind} content is not supported (images, audio and files are not "
+                "supported: the model is text-only)"
+            )
         else:
-            raise invalid_request(f"{where}[{j}].type {kind!r} is not a supported content part type (text only)")
+            raise invalid_request(
+                f"{where}[{j}].type {kind!r} is not a supported content part type (text only)"
+            )
     return "".join(texts)
 
 

@@ -53,15 +53,24 @@ from polar_mitm.conversation import Completion, Conversation, Message, Tool, Too
 
 _SEALED_PREFIX = "polar-mitm.v1."
 # Our compaction instruction (OpenAI's own is not public); the same task Codex's local compaction gives the model.
-COMPACT_INSTRUCTION = ("You are performing a CONTEXT CHECKPOINT COMPACTION. Summarise the conversation so far "
-                       "for another model that will resume the task: the goal, what was done, what is left.")
+COMPACT_INSTRUCTION = (
+    "You are performing a CONTEXT CHECKPOINT COMPACTION. Summarise the conversation so far "
+    "for another model that will resume the task: the goal, what was done, what is left."
+)
 COMPACTION_TRIGGER = "compaction_trigger"  # the input item that makes a Responses call a compaction (v2)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 # Request settings kept in `Conversation.extra` (for the record and the Response echo), with their JSON types.
 _EXTRA_TYPES: dict[str, tuple[type, ...]] = {
-    "store": (bool,), "include": (list,), "parallel_tool_calls": (bool,), "metadata": (dict,),
-    "prompt_cache_key": (str,), "instructions": (str,), "text": (dict,), "reasoning": (dict,), "user": (str,),
+    "store": (bool,),
+    "include": (list,),
+    "parallel_tool_calls": (bool,),
+    "metadata": (dict,),
+    "prompt_cache_key": (str,),
+    "instructions": (str,),
+    "text": (dict,),
+    "reasoning": (dict,),
+    "user": (str,),
     "previous_response_id": (str,),
 }
 # Echoed only when the SDK's Response type knows the value: an unknown one is still honoured, just not echoed.
@@ -96,7 +105,9 @@ class OpenAIResponsesCodec(OpenAICodec):
             items = require_list(raw_input if raw_input is not None else [], "input")
             for i, item in enumerate(items):
                 history.add(item, f"input[{i}]")
-            compaction = bool(items) and isinstance(items[-1], dict) and items[-1].get("type") == COMPACTION_TRIGGER
+            compaction = (
+                bool(items) and isinstance(items[-1], dict) and items[-1].get("type") == COMPACTION_TRIGGER
+            )
         if not history.messages:
             raise invalid_request("input must contain at least one message")
         tools, echoed_tools = _decode_tools(body.get("tools"))
@@ -117,7 +128,9 @@ class OpenAIResponsesCodec(OpenAICodec):
             extra=extra,
             response_format=structured.from_responses_text(body.get("text")),
         )
-        if compaction:  # remote compaction v2: the thread + our instruction, answered as free text with no tools
+        if (
+            compaction
+        ):  # remote compaction v2: the thread + our instruction, answered as free text with no tools
             conv.messages.append(Message(role="user", content=COMPACT_INSTRUCTION))
             conv.tool_choice, conv.response_format, conv.compaction = "none", None, True
         return conv
@@ -132,8 +145,14 @@ class OpenAIResponsesCodec(OpenAICodec):
         """created → in_progress → each output item's events → completed (or incomplete)."""
         final = _response(conv, completion, id_core(completion.id))
         events = _EventCounter()
-        started = {**final, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None,
-                   "completed_at": None}
+        started = {
+            **final,
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
+            "incomplete_details": None,
+            "completed_at": None,
+        }
         yield events.emit("response.created", response=started)
         yield events.emit("response.in_progress", response=started)
         for index, item in enumerate(final["output"]):
@@ -142,6 +161,7 @@ class OpenAIResponsesCodec(OpenAICodec):
 
 
 # ---- decoding helpers --------------------------------------------------------------------------------------
+
 
 def _reject_server_state(body: dict[str, Any]) -> None:
     """History kept by OpenAI's servers (`store`) cannot be resolved here: the harness must send it all."""
@@ -175,23 +195,31 @@ class _History:
             text = _reasoning_text(item, where)
             self.pending_reasoning = "\n\n".join(t for t in (self.pending_reasoning, text) if t)
         elif kind == "function_call":
-            self._call(require_str(item.get("call_id"), f"{where}.call_id"),
-                       require_str(item.get("name"), f"{where}.name"),
-                       arguments_text(item.get("arguments"), f"{where}.arguments"))
+            self._call(
+                require_str(item.get("call_id"), f"{where}.call_id"),
+                require_str(item.get("name"), f"{where}.name"),
+                arguments_text(item.get("arguments"), f"{where}.arguments"),
+            )
         elif kind == "custom_tool_call":
-            self._call(require_str(item.get("call_id"), f"{where}.call_id"),
-                       require_str(item.get("name"), f"{where}.name"),
-                       custom_tool_arguments(require_str(item.get("input"), f"{where}.input")))
+            self._call(
+                require_str(item.get("call_id"), f"{where}.call_id"),
+                require_str(item.get("name"), f"{where}.name"),
+                custom_tool_arguments(require_str(item.get("input"), f"{where}.input")),
+            )
         elif kind == "local_shell_call":
             action = require_dict(item.get("action"), f"{where}.action")
             call_id = require_str(item.get("call_id") or item.get("id"), f"{where}.call_id")
             self._call(call_id, "local_shell", arguments_text(action, f"{where}.action"))
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            self._result(require_str(item.get("call_id"), f"{where}.call_id"),
-                         _output_text(item.get("output"), f"{where}.output"))
+            self._result(
+                require_str(item.get("call_id"), f"{where}.call_id"),
+                _output_text(item.get("output"), f"{where}.output"),
+            )
         elif kind == "local_shell_call_output":
-            self._result(require_str(item.get("call_id") or item.get("id"), f"{where}.id"),
-                         require_str(item.get("output"), f"{where}.output"))
+            self._result(
+                require_str(item.get("call_id") or item.get("id"), f"{where}.id"),
+                require_str(item.get("output"), f"{where}.output"),
+            )
         elif kind in ("compaction", "compaction_summary"):
             # A summary from `…/responses/compact` (responses_compact.py): the thread continues from its text.
             summary = unseal_reasoning(str(item.get("encrypted_content") or ""))
@@ -199,8 +227,10 @@ class _History:
                 self.pending_reasoning = None
                 self.messages.append(Message(role="user", content=summary))
         elif kind == "item_reference":
-            raise invalid_request(f"{where}: item_reference needs stored responses, which are not supported; "
-                          "send the full input")
+            raise invalid_request(
+                f"{where}: item_reference needs stored responses, which are not supported; "
+                "send the full input"
+            )
         elif not isinstance(kind, str):
             raise invalid_request(f"{where}.type must be a string")
         # Other items (hosted-tool calls such as web_search_call, a compaction_trigger — which, last, makes the
@@ -229,8 +259,9 @@ class _History:
 
     def _result(self, call_id: str, output: str) -> None:
         self.pending_reasoning = None
-        self.messages.append(Message(role="tool", content=output, tool_call_id=call_id,
-                                     name=self.call_names.get(call_id)))
+        self.messages.append(
+            Message(role="tool", content=output, tool_call_id=call_id, name=self.call_names.get(call_id))
+        )
 
     def _take_reasoning(self) -> str | None:
         reasoning, self.pending_reasoning = self.pending_reasoning, None
@@ -259,9 +290,10 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     for key, separator in (("content", ""), ("summary", "\n\n")):
         parts = item.get(key)
         if parts:
-            return separator.join(require_str(require_dict(part, f"{where}.{key}[{j}]").get("text"),
-                                              f"{where}.{key}[{j}].text")
-                                  for j, part in enumerate(require_list(parts, f"{where}.{key}")))
+            return separator.join(
+                require_str(require_dict(part, f"{where}.{key}[{j}]").get("text"), f"{where}.{key}[{j}].text")
+                for j, part in enumerate(require_list(parts, f"{where}.{key}"))
+            )
     return ""
 
 
@@ -303,8 +335,11 @@ def _is_input_format(value: Any) -> bool:
         return False
     if value.get("type") == "text":
         return True
-    return (value.get("type") == "grammar" and value.get("syntax") in ("lark", "regex")
-            and isinstance(value.get("definition"), str))
+    return (
+        value.get("type") == "grammar"
+        and value.get("syntax") in ("lark", "regex")
+        and isinstance(value.get("definition"), str)
+    )
 
 
 def _decode_tool_choice(value: Any) -> str | dict[str, Any] | None:
@@ -358,12 +393,13 @@ def unseal_reasoning(sealed: str) -> str | None:
     if not sealed.startswith(_SEALED_PREFIX):
         return None
     try:
-        return base64.urlsafe_b64decode(sealed[len(_SEALED_PREFIX):].encode()).decode()
+        return base64.urlsafe_b64decode(sealed[len(_SEALED_PREFIX) :].encode()).decode()
     except (binascii.Error, ValueError):
         return None
 
 
 # ---- encoding helpers --------------------------------------------------------------------------------------
+
 
 def _response(conv: Conversation, completion: Completion, core: str) -> dict[str, Any]:
     extra = conv.extra
@@ -388,8 +424,10 @@ def _response(conv: Conversation, completion: Completion, core: str) -> dict[str
         "parallel_tool_calls": extra.get("parallel_tool_calls", True),
         "previous_response_id": None,
         "prompt_cache_key": extra.get("prompt_cache_key"),
-        "reasoning": {"effort": _known(reasoning.get("effort"), _EFFORTS),
-                      "summary": _known(reasoning.get("summary"), _SUMMARIES)},
+        "reasoning": {
+            "effort": _known(reasoning.get("effort"), _EFFORTS),
+            "summary": _known(reasoning.get("summary"), _SUMMARIES),
+        },
         "store": extra.get("store", False),  # nothing is ever stored here
         "temperature": conv.temperature if conv.temperature is not None else 1.0,
         # Plain text whatever format was asked: the engine's output is not schema-constrained.
@@ -429,24 +467,49 @@ def _output_items(conv: Conversation, completion: Completion, core: str) -> list
         return [compaction_item(completion, core)]
     items: list[dict[str, Any]] = []
     if completion.reasoning:
-        reasoning: dict[str, Any] = {"id": f"rs_{core}", "type": "reasoning",
-                                     "summary": [{"type": "summary_text", "text": completion.reasoning}]}
+        reasoning: dict[str, Any] = {
+            "id": f"rs_{core}",
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": completion.reasoning}],
+        }
         if "reasoning.encrypted_content" in conv.extra.get("include", []):
             reasoning["encrypted_content"] = seal_reasoning(completion.reasoning)
         items.append(reasoning)
     if completion.content or not completion.tool_calls:
         status = "incomplete" if completion.finish_reason == "length" else "completed"
-        items.append({"id": f"msg_{core}", "type": "message", "role": "assistant", "status": status,
-                      "content": [_output_text_part(completion.content)]})
+        items.append(
+            {
+                "id": f"msg_{core}",
+                "type": "message",
+                "role": "assistant",
+                "status": status,
+                "content": [_output_text_part(completion.content)],
+            }
+        )
     custom_names = set(conv.extra.get("custom_tools", []))
     for index, call in enumerate(completion.tool_calls):
         call_id = call.id or f"call_{core}_{index}"
         if call.name in custom_names:
-            items.append({"id": f"ctc_{core}_{index}", "type": "custom_tool_call", "call_id": call_id,
-                          "name": call.name, "input": _custom_input(call)})
+            items.append(
+                {
+                    "id": f"ctc_{core}_{index}",
+                    "type": "custom_tool_call",
+                    "call_id": call_id,
+                    "name": call.name,
+                    "input": _custom_input(call),
+                }
+            )
         else:
-            items.append({"id": f"fc_{core}_{index}", "type": "function_call", "call_id": call_id,
-                          "name": call.name, "arguments": call.arguments, "status": "completed"})
+            items.append(
+                {
+                    "id": f"fc_{core}_{index}",
+                    "type": "function_call",
+                    "call_id": call_id,
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "status": "completed",
+                }
+            )
     return items
 
 
@@ -466,8 +529,10 @@ def _usage(completion: Completion) -> dict[str, Any]:
     cached = completion.meta_info.get("cached_tokens")
     return {
         "input_tokens": completion.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else 0,
-                                 "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": cached if isinstance(cached, int) else 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": completion.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": completion.prompt_tokens + completion.completion_tokens,
@@ -475,6 +540,7 @@ def _usage(completion: Completion) -> dict[str, Any]:
 
 
 # ---- the event stream --------------------------------------------------------------------------------------
+
 
 class _EventCounter:
     """Numbers events: every Responses stream event carries an increasing `sequence_number`."""
@@ -492,37 +558,53 @@ def _stream_reasoning(events: _EventCounter, index: int, item: dict[str, Any]) -
     yield events.emit("response.output_item.added", output_index=index, item={**item, "summary": []})
     ids = {"item_id": item["id"], "output_index": index}
     for summary_index, part in enumerate(item["summary"]):
-        yield events.emit("response.reasoning_summary_part.added", **ids, summary_index=summary_index,
-                          part={"type": "summary_text", "text": ""})
+        yield events.emit(
+            "response.reasoning_summary_part.added",
+            **ids,
+            summary_index=summary_index,
+            part={"type": "summary_text", "text": ""},
+        )
         for piece in stream_pieces(part["text"], DELTA_CHARS):
-            yield events.emit("response.reasoning_summary_text.delta", **ids, summary_index=summary_index,
-                              delta=piece)
-        yield events.emit("response.reasoning_summary_text.done", **ids, summary_index=summary_index,
-                          text=part["text"])
-        yield events.emit("response.reasoning_summary_part.done", **ids, summary_index=summary_index,
-                          part=part)
+            yield events.emit(
+                "response.reasoning_summary_text.delta", **ids, summary_index=summary_index, delta=piece
+            )
+        yield events.emit(
+            "response.reasoning_summary_text.done", **ids, summary_index=summary_index, text=part["text"]
+        )
+        yield events.emit(
+            "response.reasoning_summary_part.done", **ids, summary_index=summary_index, part=part
+        )
     yield events.emit("response.output_item.done", output_index=index, item=item)
 
 
 def _stream_message(events: _EventCounter, index: int, item: dict[str, Any]) -> Iterator[bytes]:
-    yield events.emit("response.output_item.added", output_index=index,
-                      item={**item, "status": "in_progress", "content": []})
+    yield events.emit(
+        "response.output_item.added",
+        output_index=index,
+        item={**item, "status": "in_progress", "content": []},
+    )
     ids = {"item_id": item["id"], "output_index": index}
     for content_index, part in enumerate(item["content"]):
-        yield events.emit("response.content_part.added", **ids, content_index=content_index,
-                          part=_output_text_part(""))
+        yield events.emit(
+            "response.content_part.added", **ids, content_index=content_index, part=_output_text_part("")
+        )
         for piece in stream_pieces(part["text"], DELTA_CHARS):
-            yield events.emit("response.output_text.delta", **ids, content_index=content_index, delta=piece,
-                              logprobs=[])
-        yield events.emit("response.output_text.done", **ids, content_index=content_index, text=part["text"],
-                          logprobs=[])
+            yield events.emit(
+                "response.output_text.delta", **ids, content_index=content_index, delta=piece, logprobs=[]
+            )
+        yield events.emit(
+            "response.output_text.done", **ids, content_index=content_index, text=part["text"], logprobs=[]
+        )
         yield events.emit("response.content_part.done", **ids, content_index=content_index, part=part)
     yield events.emit("response.output_item.done", output_index=index, item=item)
 
 
 def _stream_function_call(events: _EventCounter, index: int, item: dict[str, Any]) -> Iterator[bytes]:
-    yield events.emit("response.output_item.added", output_index=index,
-                      item={**item, "arguments": "", "status": "in_progress"})
+    yield events.emit(
+        "response.output_item.added",
+        output_index=index,
+        item={**item, "arguments": "", "status": "in_progress"},
+    )
     ids = {"item_id": item["id"], "output_index": index}
     for piece in stream_pieces(item["arguments"], DELTA_CHARS):
         yield events.emit("response.function_call_arguments.delta", **ids, delta=piece)
@@ -541,8 +623,11 @@ def _stream_custom_tool_call(events: _EventCounter, index: int, item: dict[str, 
 
 def compaction_added(events: _EventCounter, index: int, item_id: str) -> bytes:
     """A compaction item opens empty: its sealed summary comes only with output_item.done."""
-    return events.emit("response.output_item.added", output_index=index,
-                       item={"id": item_id, "type": "compaction", "encrypted_content": ""})
+    return events.emit(
+        "response.output_item.added",
+        output_index=index,
+        item={"id": item_id, "type": "compaction", "encrypted_content": ""},
+    )
 
 
 def compaction_compacting(events: _EventCounter, index: int, item_id: str) -> bytes:

@@ -26,7 +26,9 @@ __all__ = ["COMPACT_INSTRUCTION", "ResponsesCompactCodec"]
 class ResponsesCompactCodec(OpenAIResponsesCodec):
     """`…/responses/compact`: a Responses request in, a compaction answer out (never streamed)."""
 
-    key: ClassVar[str] = "openai_responses_compact"  # its CODECS key; records keep provider "openai_responses"
+    key: ClassVar[str] = (
+        "openai_responses_compact"  # its CODECS key; records keep provider "openai_responses"
+    )
     hosts: ClassVar[tuple[str, ...]] = ()  # the Responses codec answers for the host
     call_path: ClassVar[str] = "/responses/compact"
     websocket_first: ClassVar[bool] = False
@@ -46,13 +48,22 @@ class ResponsesCompactCodec(OpenAIResponsesCodec):
         return conv
 
     def encode_response(self, conv: Conversation, completion: Completion) -> dict[str, Any]:
-        kept = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-                for text in conv.extra.get("kept_user_messages", [])]
+        kept = [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+            for text in conv.extra.get("kept_user_messages", [])
+        ]
         compaction = compaction_item(completion, uuid.uuid4().hex)
-        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response.compaction", "created_at": int(time.time()),
-                "output": [*kept, compaction],
-                "usage": {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
-                          "total_tokens": completion.prompt_tokens + completion.completion_tokens}}
+        return {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": [*kept, compaction],
+            "usage": {
+                "input_tokens": completion.prompt_tokens,
+                "output_tokens": completion.completion_tokens,
+                "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+            },
+        }
 
     def encode_stream(self, conv: Conversation, completion: Completion) -> Iterator[bytes]:
         raise NotImplementedError("responses/compact is never streamed")

@@ -40,7 +40,9 @@ def from_openai_chat(value: Any) -> ResponseFormat | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise invalid_request("response_format.json_schema must be an object")
-        return json_schema_format(spec.get("schema", {"type": "object"}), spec.get("name", ""), spec.get("strict"))
+        return json_schema_format(
+            spec.get("schema", {"type": "object"}), spec.get("name", ""), spec.get("strict")
+        )
     raise invalid_request(f"response_format.type {kind!r} is not supported")
 
 
@@ -74,7 +76,7 @@ def from_anthropic(body: dict[str, Any]) -> ResponseFormat | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise invalid_request("output_format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+        raise invalid_request('output_format must be {"type": "json_schema", "schema": {...}}')
     return json_schema_format(fmt.get("schema"))
 
 
@@ -111,8 +113,22 @@ def lower_type_names(schema: Any) -> Any:
     return out
 
 
-_OPENAPI_KEYS = {"description", "enum", "format", "minimum", "maximum", "minItems", "maxItems", "minLength",
-                 "maxLength", "pattern", "title", "default", "minProperties", "maxProperties"}
+_OPENAPI_KEYS = {
+    "description",
+    "enum",
+    "format",
+    "minimum",
+    "maximum",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "title",
+    "default",
+    "minProperties",
+    "maxProperties",
+}
 
 
 def openapi_to_json_schema(schema: Any) -> dict[str, Any]:

@@ -42,7 +42,9 @@ class ChatJob:
 
     @property
     def want_sglext_ids(self) -> tuple[bool, bool]:
-        return bool(self.body.get("return_input_ids_in_sglext")), bool(self.body.get("return_output_ids_in_sglext"))
+        return bool(self.body.get("return_input_ids_in_sglext")), bool(
+            self.body.get("return_output_ids_in_sglext")
+        )
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -68,7 +70,13 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
         raise ChatRequestError("messages must be a non-empty list")
     out = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        if not isinstance(msg, dict) or msg.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
             raise ChatRequestError(f"messages[{i}]: needs a role of system|developer|user|assistant|tool")
         role = "system" if msg["role"] == "developer" else msg["role"]
         item: dict[str, Any] = {"role": role, "content": _text_of(msg.get("content"), f"messages[{i}]")}
@@ -133,9 +141,16 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
     top = body.get("top_logprobs") or 0
     if not isinstance(top, int) or not 0 <= top <= 20:
         raise ChatRequestError("top_logprobs must be an integer in [0, 20]")
-    return ChatJob(body=body, prompt_ids=list(prompt_ids), params=params, logprobs=bool(body.get("logprobs")),
-                   top_logprobs=top, tools_given=bool(tools), stream=bool(body.get("stream")),
-                   tool_names=tool_names_of(tools))
+    return ChatJob(
+        body=body,
+        prompt_ids=list(prompt_ids),
+        params=params,
+        logprobs=bool(body.get("logprobs")),
+        top_logprobs=top,
+        tools_given=bool(tools),
+        stream=bool(body.get("stream")),
+        tool_names=tool_names_of(tools),
+    )
 
 
 def constraint_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -188,12 +203,19 @@ def matched_stop(gen: Generation):
 
 def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, Any]:
     """The non-streaming chat completion, with SGLang's token-id and meta-info extensions when asked."""
-    parsed = parse_output(gen.text, tool_call_parser=engine.tool_call_parser,
-                          reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given,
-                          offered=job.tool_names)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None,
-                               "reasoning_content": parsed.reasoning,
-                               "tool_calls": [c.to_openai(i) for i, c in enumerate(parsed.tool_calls)] or None}
+    parsed = parse_output(
+        gen.text,
+        tool_call_parser=engine.tool_call_parser,
+        reasoning_parser=engine.reasoning_parser,
+        tools_given=job.tools_given,
+        offered=job.tool_names,
+    )
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": parsed.content or None,
+        "reasoning_content": parsed.reasoning,
+        "tool_calls": [c.to_openai(i) for i, c in enumerate(parsed.tool_calls)] or None,
+    }
     if message["content"] is None and not parsed.tool_calls:
         message["content"] = ""
     choice: dict[str, Any] = {
@@ -204,10 +226,14 @@ def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, An
         "matched_stop": matched_stop(gen),
     }
     if job.logprobs:
-        choice["logprobs"] = {"content": [
-            token_logprob_entry(engine, tid, lp, top)
-            for tid, lp, top in zip(gen.output_ids, gen.output_logprobs, gen.output_top_logprobs, strict=True)
-        ]}
+        choice["logprobs"] = {
+            "content": [
+                token_logprob_entry(engine, tid, lp, top)
+                for tid, lp, top in zip(
+                    gen.output_ids, gen.output_logprobs, gen.output_top_logprobs, strict=True
+                )
+            ]
+        }
     if job.body.get("return_token_ids"):
         choice["prompt_token_ids"] = gen.prompt_ids
         choice["response_token_ids"] = gen.output_ids
@@ -225,19 +251,32 @@ def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, An
 
 
 def usage(gen: Generation) -> dict[str, int]:
-    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.output_ids),
-            "total_tokens": len(gen.prompt_ids) + len(gen.output_ids)}
+    return {
+        "prompt_tokens": len(gen.prompt_ids),
+        "completion_tokens": len(gen.output_ids),
+        "total_tokens": len(gen.prompt_ids) + len(gen.output_ids),
+    }
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict, *, finish_reason=None, logprobs=None,
-          matched=None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chunk(
+    request_id: str, model: str, created: int, delta: dict, *, finish_reason=None, logprobs=None, matched=None
+) -> dict:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     if finish_reason is not None:
         choice["matched_stop"] = matched
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def new_request_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
-

@@ -44,7 +44,9 @@ class ConstraintSpec:
 
 def spec_from_params(json_schema: str | None, regex: str | None, ebnf: str | None) -> ConstraintSpec | None:
     """SGLang allows at most one of the three."""
-    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)) if v is not None]
+    given = [
+        (k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)) if v is not None
+    ]
     if len(given) > 1:
         raise ConstraintError("only one of json_schema, regex and ebnf may be given")
     if not given:
@@ -93,8 +95,9 @@ class GrammarCompiler:
                 backend = copy.copy(self._hf_tokenizer.backend_tokenizer)
                 backend.no_padding()
                 backend.no_truncation()
-                self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self._eos)
+                self._lltok = llguidance.LLTokenizer(
+                    backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos
+                )
             return self._lltok
 
     def compile(self, spec: ConstraintSpec) -> Constraint:
@@ -129,14 +132,14 @@ class Constraint:
 
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         bits = (self._bitmask[0].unsqueeze(1) >> self._bits) & 1  # (words, 32), little-endian bit order
-        return bits.flatten()[:self.vocab_size].bool()
+        return bits.flatten()[: self.vocab_size].bool()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with forbidden tokens at -inf (SGLang's vocab mask); logits beyond the vocabulary too."""
         mask = self.allowed()
         if logits.numel() > mask.numel():  # padded embedding rows are never tokens
             mask = torch.cat([mask, torch.zeros(logits.numel() - mask.numel(), dtype=torch.bool)])
-        return logits.masked_fill(~mask[:logits.numel()], float("-inf"))
+        return logits.masked_fill(~mask[: logits.numel()], float("-inf"))
 
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):

@@ -51,7 +51,9 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     queue_s: float = 0.0
-    constraint: str | None = None  # json_schema | regex | ebnf when decoding was constrained (logprobs masked)
+    constraint: str | None = (
+        None  # json_schema | regex | ebnf when decoding was constrained (logprobs masked)
+    )
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` for this generation."""
@@ -76,9 +78,16 @@ class Generation:
 class Engine:
     """A transformers causal LM behind a lock: one generation at a time, so requests never corrupt each other."""
 
-    def __init__(self, model_path: str | Path, *, served_model_name: str | None = None,
-                 context_length: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, script_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        served_model_name: str | None = None,
+        context_length: int | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        script_path: str | Path | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.model_path = Path(model_path)
@@ -102,7 +111,9 @@ class Engine:
         if script_path is not None:
             from polar_mitm.engine.script import Script
 
-            eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(self.eos_ids)
+            eos = (
+                self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(self.eos_ids)
+            )
             self.script = Script.load(script_path, self.tokenizer, eos)
 
     @staticmethod
@@ -129,9 +140,11 @@ class Engine:
         model = self._load_model(Path(model_path))
         with self._lock:
             self.model = model
-            self.weight_version = str(weight_version) if weight_version else str(int(self.weight_version) + 1
-                                                                                 if self.weight_version.isdigit()
-                                                                                 else 1)
+            self.weight_version = (
+                str(weight_version)
+                if weight_version
+                else str(int(self.weight_version) + 1 if self.weight_version.isdigit() else 1)
+            )
         return self.weight_version
 
     # -- forward passes ------------------------------------------------------------------------------------------
@@ -140,7 +153,7 @@ class Engine:
         """Run `ids` through the model in chunks, filling `cache`; return the last position's logits."""
         logits = None
         for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor([ids[start:start + PREFILL_CHUNK]], dtype=torch.long)
+            chunk = torch.tensor([ids[start : start + PREFILL_CHUNK]], dtype=torch.long)
             out = self.model(input_ids=chunk, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
         assert logits is not None
@@ -168,7 +181,9 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+    def score(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
         """Logprobs of `completion_ids` after `prompt_ids` under the current weights (a plain forward pass)."""
         self.check_prompt(prompt_ids)
         if not completion_ids:
@@ -206,8 +221,11 @@ class Engine:
         max_new = min(params.max_new_tokens, self.context_length - len(prompt_ids))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         rng = torch.Generator()
-        rng.manual_seed(params.sampling_seed if params.sampling_seed is not None
-                        else int.from_bytes(uuid.uuid4().bytes[:6], "little"))
+        rng.manual_seed(
+            params.sampling_seed
+            if params.sampling_seed is not None
+            else int.from_bytes(uuid.uuid4().bytes[:6], "little")
+        )
         queued = time.perf_counter()
         with self._lock:
             gen.weight_version = self.weight_version
@@ -219,7 +237,11 @@ class Engine:
             forced = None
             if self.script is not None:
                 candidates = self.script.candidate_ids_for(prompt_ids, tool_names)
-                forced = candidates[0] if len(candidates) == 1 else self._choose(prompt_ids, candidates, params, rng)
+                forced = (
+                    candidates[0]
+                    if len(candidates) == 1
+                    else self._choose(prompt_ids, candidates, params, rng)
+                )
             # A scripted turn is written by the test, not sampled: no grammar applies to it.
             spec = None if forced else spec_from_params(params.json_schema, params.regex, params.ebnf)
             constraint = self.grammars.compile(spec) if spec is not None else None
@@ -232,7 +254,9 @@ class Engine:
                 if cancelled is not None and cancelled.is_set():
                     gen.finish_reason = {"type": "abort", "message": "client disconnected"}
                     break
-                forced_id = forced[len(gen.output_ids)] if forced and len(gen.output_ids) < len(forced) else None
+                forced_id = (
+                    forced[len(gen.output_ids)] if forced and len(gen.output_ids) < len(forced) else None
+                )
                 if constraint is not None:  # SGLang's vocab mask: before temperature, so logprobs are masked
                     logits = constraint.apply(logits)
                 step = self._sample(logits, params, rng, top_logprobs_num, forced_id)
@@ -255,15 +279,17 @@ class Engine:
                 if n >= max_new:
                     gen.finish_reason = {"type": "length", "length": n}
                     break
-                out = self.model(input_ids=torch.tensor([[step.token_id]]), use_cache=True,
-                                 **{self._cache_kw: cache})
+                out = self.model(
+                    input_ids=torch.tensor([[step.token_id]]), use_cache=True, **{self._cache_kw: cache}
+                )
                 logits = out.logits[0, -1].float()
             gen.decode_s = time.perf_counter() - t1
         gen.text = self.output_text(gen.output_ids, params, gen.finish_reason)
         return gen
 
-    def _choose(self, prompt_ids: list[int], candidates: list[list[int]], params: SamplingParams,
-                rng: torch.Generator) -> list[int]:
+    def _choose(
+        self, prompt_ids: list[int], candidates: list[list[int]], params: SamplingParams, rng: torch.Generator
+    ) -> list[int]:
         """Sample one scripted candidate by the model's probability of the whole answer (caller holds the lock).
 
         The logprobs are the ones decoding will record for the chosen candidate: log_softmax(logits / T) at each of
@@ -283,8 +309,14 @@ class Engine:
             return candidates[max(range(len(candidates)), key=probabilities.__getitem__)]
         return candidates[int(torch.multinomial(torch.tensor(probabilities), 1, generator=rng))]
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
-                top_logprobs_num: int, forced_id: int | None = None) -> TokenStep:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        rng: torch.Generator,
+        top_logprobs_num: int,
+        forced_id: int | None = None,
+    ) -> TokenStep:
         temperature = GREEDY_SCORING_TEMPERATURE if params.greedy else params.temperature
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if forced_id is not None:  # scripted policy: the token is given, its logprob is still the model's

@@ -22,8 +22,12 @@ class ParsedCall:
     arguments: str  # a JSON object, as text
 
     def to_openai(self, index: int) -> dict:
-        return {"id": self.id, "index": index, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "index": index,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -42,12 +46,13 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
         head, _, rest = text.partition("</think>")
         return head.replace("<think>", "", 1).strip("\n"), rest.lstrip("\n")
     if stripped.startswith("<think>"):
-        return stripped[len("<think>"):].strip("\n"), ""
+        return stripped[len("<think>") :].strip("\n"), ""
     return None, text
 
 
-def parse_tool_calls(text: str, parser: str,
-                     offered: Collection[str] | None = None) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(
+    text: str, parser: str, offered: Collection[str] | None = None
+) -> tuple[str, list[ParsedCall]]:
     """(content, calls). A block that is not a valid call stays in the content, as text.
 
     Valid: a JSON object `{"name": str, "arguments"|"parameters": object}` naming a tool the request offers
@@ -65,7 +70,7 @@ def parse_tool_calls(text: str, parser: str,
         call = _valid_call(match.group(1), offered)
         if call is None:
             continue
-        kept.append(text[last:match.start()])
+        kept.append(text[last : match.start()])
         last = match.end()
         calls.append(call)
     kept.append(text[last:])
@@ -89,12 +94,19 @@ def _valid_call(block: str, offered: Collection[str] | None) -> ParsedCall | Non
             return None
     if not isinstance(args, dict) or (offered is not None and name not in offered):
         return None
-    return ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name,
-                      arguments=json.dumps(args, ensure_ascii=False))
+    return ParsedCall(
+        id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=json.dumps(args, ensure_ascii=False)
+    )
 
 
-def parse_output(text: str, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool,
-                 offered: Collection[str] | None = None) -> ParsedOutput:
+def parse_output(
+    text: str,
+    *,
+    tool_call_parser: str,
+    reasoning_parser: str,
+    tools_given: bool,
+    offered: Collection[str] | None = None,
+) -> ParsedOutput:
     """Reasoning, content and tool calls of a finished completion (`offered`: the request's tool names)."""
     reasoning, rest = split_reasoning(text, reasoning_parser)
     content, calls = parse_tool_calls(rest, tool_call_parser if tools_given else "none", offered)
@@ -110,8 +122,14 @@ class StreamingSplitter:
 
     TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
-    def __init__(self, *, tool_call_parser: str, reasoning_parser: str, tools_given: bool,
-                 offered: Collection[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tool_call_parser: str,
+        reasoning_parser: str,
+        tools_given: bool,
+        offered: Collection[str] | None = None,
+    ) -> None:
         self.tools = tools_given and tool_call_parser != "none"
         self.offered = offered
         self.reasoning = reasoning_parser != "none"
@@ -125,7 +143,7 @@ class StreamingSplitter:
             if self.mode == "start":
                 stripped = self.buffer.lstrip()
                 if self.reasoning and stripped.startswith("<think>"):
-                    self.buffer = stripped[len("<think>"):].lstrip("\n")
+                    self.buffer = stripped[len("<think>") :].lstrip("\n")
                     self.mode = "reasoning"
                     continue
                 if not final and self.reasoning and "<think>".startswith(stripped):
@@ -137,7 +155,7 @@ class StreamingSplitter:
                 if idx >= 0:
                     if idx:
                         out.append(("reasoning", self.buffer[:idx].rstrip("\n")))
-                    self.buffer = self.buffer[idx + len("</think>"):].lstrip("\n")
+                    self.buffer = self.buffer[idx + len("</think>") :].lstrip("\n")
                     self.mode = "content"
                     continue
                 safe = self._safe_prefix(final)
@@ -166,7 +184,7 @@ class StreamingSplitter:
                         self.buffer = ""
                     break
                 block = self.buffer[: idx + len("</tool_call>")]
-                self.buffer = self.buffer[idx + len("</tool_call>"):]
+                self.buffer = self.buffer[idx + len("</tool_call>") :]
                 content, calls = parse_tool_calls(block, "qwen25", self.offered)
                 if calls:
                     out.extend(("tool_call", c) for c in calls)

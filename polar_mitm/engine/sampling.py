@@ -8,18 +8,46 @@ from typing import Any
 from polar_mitm.greedy import is_greedy
 
 # Every key SGLang's `sampling_params` accepts; anything else is a 400, as on SGLang.
-SGLANG_SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "json_schema", "regex", "ebnf",
-    "structural_tag", "custom_params", "logit_bias", "sampling_seed", "stream_interval",
-})
+SGLANG_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "n",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "custom_params",
+        "logit_bias",
+        "sampling_seed",
+        "stream_interval",
+    }
+)
 # Accepted by SGLang but not implemented by this CPU engine: only their neutral values are allowed, so a request
 # never silently samples from a different distribution than the one whose logprobs we report.
 NEUTRAL_ONLY = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
-    "structural_tag": None, "logit_bias": None,
-    "stop_regex": None, "custom_params": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stop_regex": None,
+    "custom_params": None,
 }
 
 
@@ -55,7 +83,9 @@ class SamplingParams:
         for key, neutral in NEUTRAL_ONLY.items():
             value = raw.pop(key, None)
             if value is not None and value != neutral:
-                raise SamplingError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+                raise SamplingError(
+                    f"sampling_params.{key}={value!r} is not supported by the embedded engine"
+                )
         for key in ("spaces_between_special_tokens", "stream_interval"):
             raw.pop(key, None)
         known = {f.name for f in fields(cls)}

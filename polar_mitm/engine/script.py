@@ -64,9 +64,12 @@ class ScriptedCall:
         names = raw["name"] if isinstance(raw["name"], list) else [raw["name"]]
         if not names or not all(isinstance(n, str) for n in names):
             raise ScriptError(f"tool_call name must be a string or a non-empty list of strings: {raw!r}")
-        return cls(names=names, arguments=dict(raw.get("arguments") or {}),
-                   arguments_by_name=dict(raw.get("arguments_by_name") or {}),
-                   adaptive=isinstance(raw["name"], list))
+        return cls(
+            names=names,
+            arguments=dict(raw.get("arguments") or {}),
+            arguments_by_name=dict(raw.get("arguments_by_name") or {}),
+            adaptive=isinstance(raw["name"], list),
+        )
 
     def choose(self, offered: Sequence[str] | None) -> str | None:
         """The name to call given the request's tool names (None: unknown, take the first candidate)."""
@@ -158,13 +161,22 @@ class Script:
         self.turns = [ScriptedTurn.parse(t) for t in turns]
         self.side: str | None = spec.get("side")
         replies = spec.get("replies") or []
-        if not all(isinstance(r, dict) and "when" in r and ({"text", "tool_call", "choices"} & r.keys())
-                   for r in replies):
-            raise ScriptError(f"replies must be objects with `when` and a turn (text/tool_call/choices): {replies!r}")
+        if not all(
+            isinstance(r, dict) and "when" in r and ({"text", "tool_call", "choices"} & r.keys())
+            for r in replies
+        ):
+            raise ScriptError(
+                f"replies must be objects with `when` and a turn (text/tool_call/choices): {replies!r}"
+            )
         # (substring of the prompt, only at this turn index or any, the turn to play)
         self.replies: list[tuple[str, int | None, ScriptedTurn | ScriptedChoice]] = [
-            (str(r["when"]), r.get("turn"),
-             ScriptedTurn.parse({k: v for k, v in r.items() if k not in ("when", "turn")})) for r in replies]
+            (
+                str(r["when"]),
+                r.get("turn"),
+                ScriptedTurn.parse({k: v for k, v in r.items() if k not in ("when", "turn")}),
+            )
+            for r in replies
+        ]
         self.tokenizer, self.eos_id = tokenizer, eos_id
         start = tokenizer.convert_tokens_to_ids(IM_START)
         role = tokenizer.encode(ASSISTANT_TOKEN_TEXT, add_special_tokens=False)
@@ -178,7 +190,7 @@ class Script:
     def turn_index(self, prompt_ids: list[int]) -> int:
         """Assistant turns already in the prompt (the generation prompt's own header is not counted)."""
         m, n = self.marker, len(self.marker)
-        count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i:i + n] == m)
+        count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i : i + n] == m)
         return max(count - 1, 0)
 
     def texts_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[str]:
@@ -198,7 +210,9 @@ class Script:
         texts = []
         for option in options:
             side_request = tool_names is not None and not tool_names
-            if replied and not option.calls:  # a plain-text reply wins over everything, side requests included
+            if (
+                replied and not option.calls
+            ):  # a plain-text reply wins over everything, side requests included
                 text = option.text
             else:
                 text = None if side_request else option.render(tool_names)
@@ -212,7 +226,9 @@ class Script:
         """The first candidate text of the next turn."""
         return self.texts_for(prompt_ids, tool_names)[0]
 
-    def candidate_ids_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[list[int]]:
+    def candidate_ids_for(
+        self, prompt_ids: list[int], tool_names: Sequence[str] | None = None
+    ) -> list[list[int]]:
         """Token ids (ending with the end-of-turn token) of each candidate for the next turn."""
         out = []
         for text in self.texts_for(prompt_ids, tool_names):

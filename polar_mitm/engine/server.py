@@ -33,8 +33,10 @@ BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
 
 
 def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None, "code": status},
-                        status_code=status)
+    return JSONResponse(
+        {"object": "error", "message": message, "type": kind, "param": None, "code": status},
+        status_code=status,
+    )
 
 
 async def read_json(request: Request) -> Any:
@@ -56,8 +58,9 @@ class Pacing:
     token_delay: float = 0.0
     first_token_delay: float = 0.0
 
-    def wrap(self, on_token: Callable[[TokenStep], None] | None,
-             cancelled: threading.Event) -> Callable[[TokenStep], None] | None:
+    def wrap(
+        self, on_token: Callable[[TokenStep], None] | None, cancelled: threading.Event
+    ) -> Callable[[TokenStep], None] | None:
         if not (self.token_delay or self.first_token_delay):
             return on_token
         sent = [0]
@@ -82,8 +85,13 @@ class EngineStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # finished generations, newest last
 
     def as_json(self) -> dict[str, Any]:
-        return {"started": self.started, "finished": self.finished, "aborted": self.aborted,
-                "running": dict(self.running), "recent": list(self.recent)}
+        return {
+            "started": self.started,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "running": dict(self.running),
+            "recent": list(self.recent),
+        }
 
 
 class EngineServer:
@@ -93,17 +101,25 @@ class EngineServer:
         self.engine = engine
         self.pacing = pacing or Pacing()
         self.stats = EngineStats()
-        self._cancels: dict[str, threading.Event] = {}  # running request id → its cancel flag (/abort_request)
+        self._cancels: dict[
+            str, threading.Event
+        ] = {}  # running request id → its cancel flag (/abort_request)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _tracked(self, request_id: str, run: Callable[[threading.Event, Callable[[TokenStep], None] | None],
-                                                     Generation]) -> Callable[..., Generation]:
+    def _tracked(
+        self,
+        request_id: str,
+        run: Callable[[threading.Event, Callable[[TokenStep], None] | None], Generation],
+    ) -> Callable[..., Generation]:
         """`run` with its cancel flag registered under `request_id`, paced, and counted in the stats.
 
         Runs in the worker thread; the stats are only touched there and read whole by /engine_stats.
         """
-        def tracked(cancelled: threading.Event, on_token: Callable[[TokenStep], None] | None = None) -> Generation:
+
+        def tracked(
+            cancelled: threading.Event, on_token: Callable[[TokenStep], None] | None = None
+        ) -> Generation:
             stats = self.stats
             self._cancels[request_id] = cancelled
             stats.started += 1
@@ -126,12 +142,19 @@ class EngineServer:
                     stats.aborted += 1
                 else:
                     stats.finished += 1
-                stats.recent.append({"request_id": request_id, "finish_reason": kind,
-                                     "completion_tokens": len(gen.output_ids) if gen is not None else 0})
+                stats.recent.append(
+                    {
+                        "request_id": request_id,
+                        "finish_reason": kind,
+                        "completion_tokens": len(gen.output_ids) if gen is not None else 0,
+                    }
+                )
 
         return tracked
 
-    async def _run_generation(self, request: Request, run: Callable[[threading.Event], Generation]) -> Generation:
+    async def _run_generation(
+        self, request: Request, run: Callable[[threading.Event], Generation]
+    ) -> Generation:
         """Generate in a worker thread; a client disconnect sets the cancel flag, which stops decoding."""
         cancelled = threading.Event()
         task = asyncio.get_running_loop().run_in_executor(None, run, cancelled)
@@ -193,19 +216,39 @@ class EngineServer:
 
     async def model_info(self, request: Request) -> Response:
         e = self.engine
-        return JSONResponse({
-            "model_path": str(e.model_path), "tokenizer_path": str(e.model_path), "is_generation": True,
-            "served_model_name": e.served_model_name, "weight_version": e.weight_version,
-            "context_length": e.context_length, "tool_call_parser": e.tool_call_parser,
-            "reasoning_parser": e.reasoning_parser, "eos_token_ids": sorted(e.eos_ids),
-            "engine": "polar-mitm-embedded", "model_meta": e.model_meta,
-        })
+        return JSONResponse(
+            {
+                "model_path": str(e.model_path),
+                "tokenizer_path": str(e.model_path),
+                "is_generation": True,
+                "served_model_name": e.served_model_name,
+                "weight_version": e.weight_version,
+                "context_length": e.context_length,
+                "tool_call_parser": e.tool_call_parser,
+                "reasoning_parser": e.reasoning_parser,
+                "eos_token_ids": sorted(e.eos_ids),
+                "engine": "polar-mitm-embedded",
+                "model_meta": e.model_meta,
+            }
+        )
 
     async def models(self, request: Request) -> Response:
         e = self.engine
-        return JSONResponse({"object": "list", "data": [{
-            "id": e.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-            "root": str(e.model_path), "max_model_len": e.context_length}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": e.served_model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "sglang",
+                        "root": str(e.model_path),
+                        "max_model_len": e.context_length,
+                    }
+                ],
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -214,17 +257,23 @@ class EngineServer:
                 raise chat.ChatRequestError("request body must be a JSON object")
             tok = self.engine.tokenizer
             if body.get("messages") is not None:
-                ids = tok.apply_chat_template(chat.normalise_messages(body["messages"]), tools=body.get("tools"),
-                                              add_generation_prompt=body.get("add_generation_prompt", True),
-                                              tokenize=True, return_dict=False,
-                                              **(body.get("chat_template_kwargs") or {}))
+                ids = tok.apply_chat_template(
+                    chat.normalise_messages(body["messages"]),
+                    tools=body.get("tools"),
+                    add_generation_prompt=body.get("add_generation_prompt", True),
+                    tokenize=True,
+                    return_dict=False,
+                    **(body.get("chat_template_kwargs") or {}),
+                )
             elif isinstance(body.get("prompt"), str):
                 ids = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", False))
             else:
                 raise chat.ChatRequestError("give `prompt` (a string) or `messages`")
         except BAD_INPUT as exc:
             return error_response(str(exc))
-        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": self.engine.context_length})
+        return JSONResponse(
+            {"tokens": list(ids), "count": len(ids), "max_model_len": self.engine.context_length}
+        )
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         try:
@@ -236,11 +285,20 @@ class EngineServer:
             return error_response(str(exc))
         try:
             version = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.update_weights_from_disk, path, body.get("weight_version"))
+                None, self.engine.update_weights_from_disk, path, body.get("weight_version")
+            )
         except Exception as exc:  # a bad checkpoint must not take the server down
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400)
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
-                             "weight_version": version, "num_paused_requests": 0})
+            return JSONResponse(
+                {"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400
+            )
+        return JSONResponse(
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "weight_version": version,
+                "num_paused_requests": 0,
+            }
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -249,7 +307,8 @@ class EngineServer:
             self.engine.check_prompt(job.prompt_ids)
             if job.stream and (body.get("return_token_ids") or body.get("return_meta_info")):
                 raise chat.ChatRequestError(
-                    "return_token_ids/return_meta_info are non-streaming only; use return_*_ids_in_sglext")
+                    "return_token_ids/return_meta_info are non-streaming only; use return_*_ids_in_sglext"
+                )
         except BAD_INPUT as exc:
             return error_response(str(exc))
         rid = body.get("rid")
@@ -258,9 +317,21 @@ class EngineServer:
             return StreamingResponse(self._chat_stream(job, request_id), media_type="text/event-stream")
         top = job.top_logprobs if job.logprobs else 0
         try:
-            gen = await self._run_generation(request, self._tracked(request_id, lambda cancelled, on_token: (
-                self.engine.generate(job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token,
-                                     cancelled=cancelled, request_id=request_id, tool_names=job.tool_names))))
+            gen = await self._run_generation(
+                request,
+                self._tracked(
+                    request_id,
+                    lambda cancelled, on_token: self.engine.generate(
+                        job.prompt_ids,
+                        job.params,
+                        top_logprobs_num=top,
+                        on_token=on_token,
+                        cancelled=cancelled,
+                        request_id=request_id,
+                        tool_names=job.tool_names,
+                    ),
+                ),
+            )
         except BAD_INPUT as exc:
             return error_response(str(exc))
         return JSONResponse(chat.chat_response(self.engine, job, gen))
@@ -268,13 +339,27 @@ class EngineServer:
     async def _chat_stream(self, job: chat.ChatJob, request_id: str) -> AsyncIterator[bytes]:
         engine, model, created = self.engine, self.engine.served_model_name, int(time.time())
         top = job.top_logprobs if job.logprobs else 0
-        queue, cancelled = self._stream_steps(self._tracked(request_id, lambda c, on_token: engine.generate(
-            job.prompt_ids, job.params, top_logprobs_num=top, on_token=on_token, cancelled=c,
-            request_id=request_id, tool_names=job.tool_names)))
+        queue, cancelled = self._stream_steps(
+            self._tracked(
+                request_id,
+                lambda c, on_token: engine.generate(
+                    job.prompt_ids,
+                    job.params,
+                    top_logprobs_num=top,
+                    on_token=on_token,
+                    cancelled=c,
+                    request_id=request_id,
+                    tool_names=job.tool_names,
+                ),
+            )
+        )
         decoder = IncrementalText(engine.tokenizer, job.params)
-        splitter = StreamingSplitter(tool_call_parser=engine.tool_call_parser,
-                                     reasoning_parser=engine.reasoning_parser, tools_given=job.tools_given,
-                                     offered=job.tool_names)
+        splitter = StreamingSplitter(
+            tool_call_parser=engine.tool_call_parser,
+            reasoning_parser=engine.reasoning_parser,
+            tools_given=job.tools_given,
+            offered=job.tool_names,
+        )
         shaper = ParsedStream(tools_active=splitter.tools, reasoning_active=splitter.reasoning)
 
         def parse(text: str, final: bool = False) -> list[tuple[str, object]]:
@@ -289,20 +374,36 @@ class EngineServer:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    yield sse_event({"object": "error", "message": str(item), "type": "InternalServerError",
-                               "code": 500})
+                    yield sse_event(
+                        {"object": "error", "message": str(item), "type": "InternalServerError", "code": 500}
+                    )
                     break
                 if isinstance(item, Generation):
                     gen = item
                     pieces = parse(decoder.finish(gen), final=True)
                     for payload in self._deltas(pieces, calls):
                         yield sse_event(chat.chunk(request_id, model, created, payload))
-                    yield sse_event(chat.chunk(request_id, model, created, {},
-                                         finish_reason=chat.openai_finish_reason(gen, calls),
-                                         matched=chat.matched_stop(gen)))
+                    yield sse_event(
+                        chat.chunk(
+                            request_id,
+                            model,
+                            created,
+                            {},
+                            finish_reason=chat.openai_finish_reason(gen, calls),
+                            matched=chat.matched_stop(gen),
+                        )
+                    )
                     if job.include_usage:
-                        yield sse_event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": model, "choices": [], "usage": chat.usage(gen)})
+                        yield sse_event(
+                            {
+                                "id": request_id,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": chat.usage(gen),
+                            }
+                        )
                     want_in, want_out = job.want_sglext_ids
                     if want_in or want_out:
                         ext: dict[str, Any] = {}
@@ -311,21 +412,33 @@ class EngineServer:
                         if want_out:
                             ext["output_ids"] = [gen.output_ids]
                         ext["weight_version"] = gen.weight_version
-                        yield sse_event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": model, "choices": [], "sglext": ext})
+                        yield sse_event(
+                            {
+                                "id": request_id,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "sglext": ext,
+                            }
+                        )
                     break
                 step: TokenStep = item
                 logprobs = None
                 if job.logprobs:
-                    logprobs = {"content": [chat.token_logprob_entry(engine, step.token_id, step.logprob,
-                                                                     step.top_logprobs)]}
+                    logprobs = {
+                        "content": [
+                            chat.token_logprob_entry(engine, step.token_id, step.logprob, step.top_logprobs)
+                        ]
+                    }
                 pieces = parse(decoder.push(step.token_id))
                 deltas = list(self._deltas(pieces, calls))
                 if not deltas:
                     deltas = [{"content": ""}] if logprobs else []
                 for i, payload in enumerate(deltas):
-                    yield sse_event(chat.chunk(request_id, model, created, payload,
-                                               logprobs=logprobs if i == 0 else None))
+                    yield sse_event(
+                        chat.chunk(request_id, model, created, payload, logprobs=logprobs if i == 0 else None)
+                    )
             yield SSE_DONE
         finally:
             cancelled.set()  # client gone or stream over: stop decoding
@@ -366,23 +479,38 @@ class EngineServer:
             if not want_logprob:
                 meta.pop("output_token_logprobs")
             elif top:
-                meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in gen.output_top_logprobs]
+                meta["output_top_logprobs"] = [
+                    [[lp, tid, None] for lp, tid in row] for row in gen.output_top_logprobs
+                ]
             if not final:
                 meta["finish_reason"] = None
             return {"text": text, "output_ids": ids, "meta_info": meta}
 
         if body.get("stream"):
-            return StreamingResponse(self._generate_stream(prompt_ids, params, top, result),
-                                     media_type="text/event-stream")
-        gen = await self._run_generation(request, self._tracked(chat.new_request_id(), lambda cancelled, on_token: (
-            self.engine.generate(prompt_ids, params, top_logprobs_num=top, on_token=on_token,
-                                 cancelled=cancelled))))
+            return StreamingResponse(
+                self._generate_stream(prompt_ids, params, top, result), media_type="text/event-stream"
+            )
+        gen = await self._run_generation(
+            request,
+            self._tracked(
+                chat.new_request_id(),
+                lambda cancelled, on_token: self.engine.generate(
+                    prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=cancelled
+                ),
+            ),
+        )
         return JSONResponse(result(gen, gen.text, gen.output_ids, True))
 
     async def _generate_stream(self, prompt_ids, params, top, result) -> AsyncIterator[bytes]:
         # SGLang's default: each chunk is cumulative (full text and ids so far).
-        queue, cancelled = self._stream_steps(self._tracked(chat.new_request_id(), lambda c, on_token: (
-            self.engine.generate(prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=c))))
+        queue, cancelled = self._stream_steps(
+            self._tracked(
+                chat.new_request_id(),
+                lambda c, on_token: self.engine.generate(
+                    prompt_ids, params, top_logprobs_num=top, on_token=on_token, cancelled=c
+                ),
+            )
+        )
         partial = Generation(request_id="", prompt_ids=prompt_ids, weight_version=self.engine.weight_version)
         decoder = IncrementalDecoder(self.engine.tokenizer, params.skip_special_tokens)
         text = ""

@@ -75,11 +75,20 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "polar_model.json").write_text(json.dumps({
-            "kind": "smollm2", "build_version": BUILD_VERSION, "family": "llama",
-            "tool_call_parser": "qwen25", "reasoning_parser": "none", "source": PACKAGE,
-            "parameters": sum(p.numel() for p in model.parameters()),
-        }, indent=2))
+        (tmp / "polar_model.json").write_text(
+            json.dumps(
+                {
+                    "kind": "smollm2",
+                    "build_version": BUILD_VERSION,
+                    "family": "llama",
+                    "tool_call_parser": "qwen25",
+                    "reasoning_parser": "none",
+                    "source": PACKAGE,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                },
+                indent=2,
+            )
+        )
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -16,11 +16,13 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip
+        )
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
 
@@ -39,13 +41,13 @@ class IncrementalText:
     def push(self, token_id: int) -> str:
         self.text += self.decoder.push(token_id)
         upto = max(self.emitted, len(self.text) - self.hold)
-        delta = self.text[self.emitted:upto]
+        delta = self.text[self.emitted : upto]
         self.emitted = upto
         return delta
 
     def finish(self, gen: Generation) -> str:
         final = gen.text
-        delta = final[self.emitted:] if len(final) >= self.emitted else ""
+        delta = final[self.emitted :] if len(final) >= self.emitted else ""
         self.emitted = len(final)
         return delta
 
@@ -95,7 +97,7 @@ class ParsedStream:
         if not self.reasoning_started:
             text = text.lstrip("\n")
         body = text.rstrip("\n")
-        self.held_reasoning = text[len(body):]
+        self.held_reasoning = text[len(body) :]
         if not body:
             return []
         self.reasoning_started = True
@@ -114,7 +116,7 @@ class ParsedStream:
         if not self.content_started and self.calls:
             text = text.lstrip()
         body = text.rstrip()
-        self.held_content = text[len(body):]
+        self.held_content = text[len(body) :]
         if not body:
             return []
         self.content_started = True

@@ -17,19 +17,49 @@ from pathlib import Path
 
 # Qwen2.5/Qwen3 special tokens, in id order from 151643 (matches the released tokenizer_config.json).
 QWEN3_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
-    "</tool_response>", "<think>", "</think>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 )
 # Tokens the released Qwen3 tokenizer marks special=False: they stay visible in decoded text, so parsers see them.
-QWEN3_NON_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-                     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-                     "<think>", "</think>"}
-QWEN2_PRETOKENIZE_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN3_NON_SPECIAL = {
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+}
+QWEN2_PRETOKENIZE_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 FIRST_SPECIAL_ID = 151643
 PADDED_VOCAB_SIZE = 151936  # as in the released Qwen3 checkpoints
 TINY_CONTEXT = 131072
@@ -50,10 +80,12 @@ def build_qwen_tokenizer():
     converter = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN2_PRETOKENIZE_PATTERN)
     backend = converter.converted()
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     assert backend.get_vocab_size() == FIRST_SPECIAL_ID, backend.get_vocab_size()
     for tok in QWEN3_SPECIAL_TOKENS:  # one at a time: ids follow the production order
         if tok in QWEN3_NON_SPECIAL:
@@ -104,11 +136,20 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "polar_model.json").write_text(json.dumps({
-            "kind": "tiny", "seed": seed, "build_version": BUILD_VERSION, "family": "qwen3",
-            "tool_call_parser": "qwen25", "reasoning_parser": "qwen3",
-            "parameters": sum(p.numel() for p in model.parameters()),
-        }, indent=2))
+        (tmp / "polar_model.json").write_text(
+            json.dumps(
+                {
+                    "kind": "tiny",
+                    "seed": seed,
+                    "build_version": BUILD_VERSION,
+                    "family": "qwen3",
+                    "tool_call_parser": "qwen25",
+                    "reasoning_parser": "qwen3",
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                },
+                indent=2,
+            )
+        )
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

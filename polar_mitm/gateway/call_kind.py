@@ -22,12 +22,27 @@ from polar_mitm.conversation import Conversation
 COMPACTION_MARKERS = (
     ("claude-code", "Your task is to create a detailed summary of the conversation so far"),
     ("codex (local compaction)", "You are performing a CONTEXT CHECKPOINT COMPACTION"),
-    ("gemini", "You are a specialized system component responsible for distilling chat history into a structured"),
-    ("qwen", "You are the component that summarizes a conversation when its context window is about to overflow"),
-    ("opencode", "You are a context summarization agent. You are given a conversation between a user and an agent"),
+    (
+        "gemini",
+        "You are a specialized system component responsible for distilling chat history into a structured",
+    ),
+    (
+        "qwen",
+        "You are the component that summarizes a conversation when its context window is about to overflow",
+    ),
+    (
+        "opencode",
+        "You are a context summarization agent. You are given a conversation between a user and an agent",
+    ),
     ("pi", "The messages above are a conversation to summarize. Create a structured context checkpoint"),
-    ("pi (split turn)", "This is the PREFIX of a turn that was too large to keep. The SUFFIX (recent work) is"),
-    ("pi (later compaction)", "The messages above are NEW conversation messages to incorporate into the existing"),
+    (
+        "pi (split turn)",
+        "This is the PREFIX of a turn that was too large to keep. The SUFFIX (recent work) is",
+    ),
+    (
+        "pi (later compaction)",
+        "The messages above are NEW conversation messages to incorporate into the existing",
+    ),
 )
 
 

@@ -43,8 +43,9 @@ class CallContext:
         return row
 
 
-def fill_record(record: Record, conv: Conversation, completion: Completion, response: str | None,
-                status: int) -> None:
+def fill_record(
+    record: Record, conv: Conversation, completion: Completion, response: str | None, status: int
+) -> None:
     """A finished call's record: what the engine did (ids, logprobs, finish, sampling) and the answer sent."""
     record.model_used = completion.model
     record.prompt_ids, record.completion_ids = completion.prompt_ids, completion.completion_ids

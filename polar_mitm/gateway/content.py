@@ -19,8 +19,10 @@ BROTLI_STEP = 1 << 10
 
 
 def too_large(limit: int) -> GatewayError:
-    return GatewayError("too_large", f"the request body is larger than this gateway's limit of {limit >> 20} MiB "
-                                     f"(polar_max_body_mb)")
+    return GatewayError(
+        "too_large",
+        f"the request body is larger than this gateway's limit of {limit >> 20} MiB (polar_max_body_mb)",
+    )
 
 
 def decode_content(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -33,7 +35,9 @@ def decode_content(raw: bytes, encoding: str, limit: int) -> bytes:
         try:
             data = _decode_one(data, coding, limit)
         except (zlib.error, zstandard.ZstdError, brotli.error) as exc:
-            raise GatewayError("invalid_request", f"the request body is not valid {coding} data: {exc}") from exc
+            raise GatewayError(
+                "invalid_request", f"the request body is not valid {coding} data: {exc}"
+            ) from exc
         if len(data) > limit:
             raise too_large(limit)
     return data
@@ -53,7 +57,9 @@ def _decode_one(data: bytes, coding: str, limit: int) -> bytes:
         return _zstd(data, limit)
     if coding == "br":
         return _brotli(data, limit)
-    raise GatewayError("invalid_request", f"unsupported Content-Encoding {coding!r} (use gzip, deflate, br or zstd)")
+    raise GatewayError(
+        "invalid_request", f"unsupported Content-Encoding {coding!r} (use gzip, deflate, br or zstd)"
+    )
 
 
 def _zlib(data: bytes, wbits: int, limit: int) -> bytes:
@@ -87,7 +93,7 @@ def _brotli(data: bytes, limit: int) -> bytes:
     decoder = brotli.Decompressor()
     out = bytearray()
     for start in range(0, len(data), BROTLI_STEP):
-        out += decoder.process(data[start:start + BROTLI_STEP])
+        out += decoder.process(data[start : start + BROTLI_STEP])
         if len(out) > limit:
             raise too_large(limit)
     if not decoder.is_finished():

@@ -38,8 +38,9 @@ class EngineClient:
         # Created lazily: an aiohttp session belongs to the event loop that first uses it.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300,
-                                               keepalive_timeout=KEEPALIVE_SECONDS),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_SECONDS
+                ),
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5.0),
                 trust_env=False,  # never route engine traffic through the harness's HTTPS_PROXY (ourselves)
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
@@ -54,8 +55,9 @@ class EngineClient:
         try:
             for attempt in (1, 2):
                 try:
-                    async with self._client().request(method, self.base_url + path, data=body,
-                                                       headers={"content-type": "application/json"}) as resp:
+                    async with self._client().request(
+                        method, self.base_url + path, data=body, headers={"content-type": "application/json"}
+                    ) as resp:
                         raw = await resp.read()
                         status = resp.status
                     break
@@ -63,9 +65,13 @@ class EngineClient:
                     if attempt == 2:
                         raise
         except TimeoutError as exc:
-            raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
+            raise GatewayError(
+                "overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s"
+            ) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise GatewayError("overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}") from exc
+            raise GatewayError(
+                "overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}"
+            ) from exc
         if status >= 400:
             raise status_error(status, raw)
         return raw
@@ -78,15 +84,27 @@ class EngineClient:
         """
         try:
             try:
-                resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
-                                                 headers={"content-type": "application/json"})
-            except aiohttp.ServerDisconnectedError:  # a closing keep-alive connection: once more on a fresh one
-                resp = await self._client().post(self.base_url + "/v1/chat/completions", data=body,
-                                                 headers={"content-type": "application/json"})
+                resp = await self._client().post(
+                    self.base_url + "/v1/chat/completions",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                )
+            except (
+                aiohttp.ServerDisconnectedError
+            ):  # a closing keep-alive connection: once more on a fresh one
+                resp = await self._client().post(
+                    self.base_url + "/v1/chat/completions",
+                    data=body,
+                    headers={"content-type": "application/json"},
+                )
         except TimeoutError as exc:
-            raise GatewayError("overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s") from exc
+            raise GatewayError(
+                "overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s"
+            ) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise GatewayError("overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}") from exc
+            raise GatewayError(
+                "overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}"
+            ) from exc
         try:
             if resp.status >= 400:
                 raise status_error(resp.status, await resp.read())
@@ -121,9 +139,13 @@ class EngineClient:
         try:
             count = orjson.loads(raw)["count"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise GatewayError("engine_error", f"the engine's /tokenize answer has no count: {raw[:200]!r}") from exc
+            raise GatewayError(
+                "engine_error", f"the engine's /tokenize answer has no count: {raw[:200]!r}"
+            ) from exc
         if type(count) is not int or count < 0:
-            raise GatewayError("engine_error", f"the engine's /tokenize count is not a token count: {count!r}")
+            raise GatewayError(
+                "engine_error", f"the engine's /tokenize count is not a token count: {count!r}"
+            )
         return count
 
     async def model_info(self) -> dict[str, Any]:
@@ -155,12 +177,16 @@ class EngineClient:
 def status_error(status: int, raw: bytes) -> GatewayError:
     """The typed error of an engine answer with HTTP status >= 400."""
     if status >= 500:
-        return GatewayError("engine_error", f"the engine failed with HTTP {status}: "
-                                            f"{raw[:500].decode('utf-8', 'replace')}")
+        return GatewayError(
+            "engine_error", f"the engine failed with HTTP {status}: {raw[:500].decode('utf-8', 'replace')}"
+        )
     message = engine_error_message(raw)
     lowered = message.lower()
-    kind = "context_length" if ("context length" in lowered or "longer than" in lowered
-                                or "exceeds the maximum" in lowered) else "invalid_request"
+    kind = (
+        "context_length"
+        if ("context length" in lowered or "longer than" in lowered or "exceeds the maximum" in lowered)
+        else "invalid_request"
+    )
     counts = OVERFLOW_COUNTS.search(message) if kind == "context_length" else None
     tokens = (int(counts.group(1)), int(counts.group(2))) if counts else None
     return GatewayError(kind, message, tokens=tokens)
@@ -217,5 +243,3 @@ def engine_error_message(raw: bytes) -> str:
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             return err["message"]
     return str(data)[:500]
-
-

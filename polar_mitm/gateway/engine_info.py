@@ -17,9 +17,14 @@ from polar_mitm.storage.engine_info import engine_description, write_engine_file
 log = logging.getLogger(__name__)
 
 
-async def record_engine(out_dir: Path, backend: str, model_info: Callable[[], Awaitable[dict[str, Any]]],
-                        warm_renderer: Callable[[], Awaitable[Any]] | None = None, *,
-                        retry_seconds: float = 2.0) -> None:
+async def record_engine(
+    out_dir: Path,
+    backend: str,
+    model_info: Callable[[], Awaitable[dict[str, Any]]],
+    warm_renderer: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    retry_seconds: float = 2.0,
+) -> None:
     """Wait for the engine's /model_info (it may start after the gateway), then write the sidecar.
 
     `warm_renderer` (tokens mode) loads the engine's tokenizer now rather than on the first call; once it is loaded
@@ -35,6 +40,8 @@ async def record_engine(out_dir: Path, backend: str, model_info: Callable[[], Aw
     path = await asyncio.to_thread(write_engine_file, out_dir, engine_description(info, backend))
     renderer = await warm_renderer() if warm_renderer is not None else None
     if getattr(renderer, "eot_id", None) is not None:
-        description = engine_description(info, backend, eot_token_id=renderer.eot_id, eot_text=renderer.eot_text)
+        description = engine_description(
+            info, backend, eot_token_id=renderer.eot_id, eot_text=renderer.eot_text
+        )
         path = await asyncio.to_thread(write_engine_file, out_dir, description)
     log.info("engine recorded in %s", path)

@@ -47,10 +47,14 @@ class StreamAssembler:
     def feed(self, chunk: Any) -> list[Delta]:
         """The deltas one engine chunk brings (raises GatewayError on an in-stream engine error)."""
         if not isinstance(chunk, dict):
-            raise GatewayError("engine_error", f"the engine streamed a chunk that is not an object: {chunk!r:.200}")
+            raise GatewayError(
+                "engine_error", f"the engine streamed a chunk that is not an object: {chunk!r:.200}"
+            )
         if chunk.get("error") is not None or chunk.get("object") == "error":
             error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-            raise GatewayError("engine_error", f"the engine failed mid-stream: {error.get('message', error)!r:.500}")
+            raise GatewayError(
+                "engine_error", f"the engine failed mid-stream: {error.get('message', error)!r:.500}"
+            )
         self.chunks += 1
         self.id = self.id or str(chunk.get("id") or "")
         self.model = self.model or str(chunk.get("model") or "")
@@ -85,8 +89,10 @@ class StreamAssembler:
         if delta.get("tool_calls"):
             for piece in delta["tool_calls"]:
                 deltas += self._call_piece(piece)
-        for key, kind, store in (("reasoning_content", "reasoning", self.reasoning), ("content", "text",
-                                                                                    self.content)):
+        for key, kind, store in (
+            ("reasoning_content", "reasoning", self.reasoning),
+            ("content", "text", self.content),
+        ):
             text = delta.get(key)
             if isinstance(text, str) and text:
                 deltas += self._close_calls()
@@ -115,8 +121,10 @@ class StreamAssembler:
         return out
 
     def _close_calls(self) -> list[Delta]:
-        closed = [ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments) or "{}")
-                  for _, c in sorted(self._open.items())]
+        closed = [
+            ToolCall(id=c.id, name=c.name, arguments="".join(c.arguments) or "{}")
+            for _, c in sorted(self._open.items())
+        ]
         self._open.clear()
         self.calls += closed
         return [Delta("tool_call", call=call) for call in closed]
@@ -126,20 +134,43 @@ class StreamAssembler:
     def engine_response(self) -> dict[str, Any]:
         """The stream as the non-streamed engine answer would have said it (`Completion.from_engine_response`)."""
         finish = self.finish_reason or "stop"
-        meta = {"id": self.id, "prompt_tokens": len(self.input_ids or ()), "completion_tokens": len(
-            self.output_ids or ()), "finish_reason": {"type": "stop" if finish == "tool_calls" else finish,
-                                                     "matched": self.matched_stop},
-                "weight_version": self.weight_version, "streamed": True}
+        meta = {
+            "id": self.id,
+            "prompt_tokens": len(self.input_ids or ()),
+            "completion_tokens": len(self.output_ids or ()),
+            "finish_reason": {
+                "type": "stop" if finish == "tool_calls" else finish,
+                "matched": self.matched_stop,
+            },
+            "weight_version": self.weight_version,
+            "streamed": True,
+        }
         cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if isinstance(cached, int):
             meta["cached_tokens"] = cached
-        message = {"role": "assistant", "content": "".join(self.content),
-                   "reasoning_content": "".join(self.reasoning) or None,
-                   "tool_calls": [{"id": c.id, "type": "function",
-                                   "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]}
-        return {"id": self.id, "model": self.model, "choices": [{
-            "message": message, "finish_reason": finish, "prompt_token_ids": self.input_ids,
-            "response_token_ids": self.output_ids, "logprobs": {"content": self.logprobs}, "meta_info": meta}]}
+        message = {
+            "role": "assistant",
+            "content": "".join(self.content),
+            "reasoning_content": "".join(self.reasoning) or None,
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls
+            ],
+        }
+        return {
+            "id": self.id,
+            "model": self.model,
+            "choices": [
+                {
+                    "message": message,
+                    "finish_reason": finish,
+                    "prompt_token_ids": self.input_ids,
+                    "response_token_ids": self.output_ids,
+                    "logprobs": {"content": self.logprobs},
+                    "meta_info": meta,
+                }
+            ],
+        }
 
     def completion(self) -> Completion:
         """The finished Completion, validated as the non-streamed answer is; ValueError when the ids or logprobs
@@ -147,21 +178,32 @@ class StreamAssembler:
         if self.finish_reason is None:
             raise ValueError("the engine's stream ended without a finish reason")
         if self.input_ids is None or self.output_ids is None:
-            raise ValueError("the engine's stream has no sglext ids (return_input_ids_in_sglext / "
-                             "return_output_ids_in_sglext ignored?)")
+            raise ValueError(
+                "the engine's stream has no sglext ids (return_input_ids_in_sglext / "
+                "return_output_ids_in_sglext ignored?)"
+            )
         completion = Completion.from_engine_response(self.engine_response())
         return completion
 
     def display(self) -> Completion:
         """What the harness is shown when the ids did not add up: the text, calls and finish, no ids."""
-        finish = self.finish_reason if self.finish_reason in ("stop", "length", "tool_calls", "abort") else "stop"
+        finish = (
+            self.finish_reason if self.finish_reason in ("stop", "length", "tool_calls", "abort") else "stop"
+        )
         if self.calls and finish == "stop":
             finish = "tool_calls"
-        return Completion(id=self.id, model=self.model, content="".join(self.content),
-                          reasoning="".join(self.reasoning) or None, tool_calls=list(self.calls),
-                          finish_reason=finish,  # type: ignore[arg-type]
-                          prompt_ids=list(self.input_ids or ()), completion_ids=list(self.output_ids or ()),
-                          completion_logprobs=[], weight_version=self.weight_version)
+        return Completion(
+            id=self.id,
+            model=self.model,
+            content="".join(self.content),
+            reasoning="".join(self.reasoning) or None,
+            tool_calls=list(self.calls),
+            finish_reason=finish,  # type: ignore[arg-type]
+            prompt_ids=list(self.input_ids or ()),
+            completion_ids=list(self.output_ids or ()),
+            completion_logprobs=[],
+            weight_version=self.weight_version,
+        )
 
 
 def _flat(ids: Any) -> list[int]:

@@ -38,14 +38,17 @@ def exposed_listeners(modes: Sequence[str], listen_host: str, listen_port: int |
     return exposed
 
 
-def exposure_warning(modes: Sequence[str], listen_host: str, proxyauth: str | None,
-                     listen_port: int | None = None) -> str | None:
+def exposure_warning(
+    modes: Sequence[str], listen_host: str, proxyauth: str | None, listen_port: int | None = None
+) -> str | None:
     """The start-up warning, or None when every listener is on loopback or mitmproxy asks for a password."""
     if proxyauth:
         return None
     exposed = exposed_listeners(modes, listen_host, listen_port)
     if not exposed:
         return None
-    return (f"polar gateway listening beyond loopback without proxyauth: {', '.join(exposed)} — anyone who can "
-            "reach it can use the engine and write records. Bind to loopback (--listen-host 127.0.0.1) or set "
-            "proxyauth.")
+    return (
+        f"polar gateway listening beyond loopback without proxyauth: {', '.join(exposed)} — anyone who can "
+        "reach it can use the engine and write records. Bind to loopback (--listen-host 127.0.0.1) or set "
+        "proxyauth."
+    )

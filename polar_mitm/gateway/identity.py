@@ -23,14 +23,33 @@ from typing import Any
 from polar_mitm import session_ids
 from polar_mitm.session_ids import SessionId
 
-SECRET_HEADERS = frozenset({
-    "authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "api-key", "openai-api-key",
-    "cookie", "set-cookie", "x-stainless-api-key", "anthropic-api-key",
-})
+SECRET_HEADERS = frozenset(
+    {
+        "authorization",
+        "x-api-key",
+        "x-goog-api-key",
+        "proxy-authorization",
+        "api-key",
+        "openai-api-key",
+        "cookie",
+        "set-cookie",
+        "x-stainless-api-key",
+        "anthropic-api-key",
+    }
+)
 SECRET_QUERY_KEYS = frozenset({"key", "api_key", "apikey", "access_token"})
 # Harness-native session ids worth keeping in the record.
-HARNESS_ID_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id", "conversation-id",
-                      "conversation_id", "x-opencode-session", "x-gemini-session-id", "user-agent")
+HARNESS_ID_HEADERS = (
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-session-id",
+    "conversation-id",
+    "conversation_id",
+    "x-opencode-session",
+    "x-gemini-session-id",
+    "user-agent",
+)
 
 
 @dataclass
@@ -71,8 +90,14 @@ def strip_path_prefix(path: str) -> tuple[str, str | None, str | None]:
     return (rest, ids.task, ids.session) if ids else (path, None, None)
 
 
-def resolve(headers: dict[str, str], path: str, query: dict[str, str], *, proxy_user_name: str | None,
-            connection_id: str) -> tuple[Identity, str]:
+def resolve(
+    headers: dict[str, str],
+    path: str,
+    query: dict[str, str],
+    *,
+    proxy_user_name: str | None,
+    connection_id: str,
+) -> tuple[Identity, str]:
     """The caller's identity, and the request path with any `/s/SESSION` prefix removed.
 
     `headers` must have lower-case names.
@@ -126,8 +151,10 @@ def take_credentials(headers: Any, query: Any) -> Credentials:
     The first thing done with a request, so no later failure can leave a secret in the flow; identity reads them
     back from the returned value, and a request forwarded upstream gets them back (`restore_credentials`).
     """
-    taken = Credentials(headers=[(k, v) for k, v in _pairs(headers) if k.lower() in SECRET_HEADERS],
-                        query=[(k, v) for k, v in _pairs(query) if k.lower() in SECRET_QUERY_KEYS])
+    taken = Credentials(
+        headers=[(k, v) for k, v in _pairs(headers) if k.lower() in SECRET_HEADERS],
+        query=[(k, v) for k, v in _pairs(query) if k.lower() in SECRET_QUERY_KEYS],
+    )
     if taken.headers or taken.query:
         scrub_credentials(headers, query)
     return taken

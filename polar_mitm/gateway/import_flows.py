@@ -63,10 +63,14 @@ def _why_unreadable(path: Path, offset: int, flows: int, exc: Exception) -> str:
     else:  # `<length>:<payload><type>`: cut when the file ends before the type byte
         cut = bool(digits) and offset + len(digits) + 1 + int(digits) + 1 > size
     if cut:
-        return (f"{path}: file truncated after {flows} flows (an incomplete flow from byte {offset} to the end at "
-                f"{size}); the rest was not imported")
-    return (f"{path}: unreadable after {flows} flows (corrupt data at byte {offset} of {size}: {one_line(exc)}); "
-            f"the rest was not imported")
+        return (
+            f"{path}: file truncated after {flows} flows (an incomplete flow from byte {offset} to the end at "
+            f"{size}); the rest was not imported"
+        )
+    return (
+        f"{path}: unreadable after {flows} flows (corrupt data at byte {offset} of {size}: {one_line(exc)}); "
+        f"the rest was not imported"
+    )
 
 
 def read_flow_file(path: Path, problems: list[str] | None = None) -> Iterator[tuple[int, Any]]:
@@ -117,18 +121,31 @@ def record_from_engine_flow(flow, index: int) -> dict[str, Any] | None:
     started = datetime.fromtimestamp(flow.request.timestamp_start, tz=UTC)
     finished = datetime.fromtimestamp(flow.response.timestamp_end or flow.request.timestamp_start, tz=UTC)
     record = Record(
-        request_id=f"flow_{flow.id}", session_id=headers.get("x-polar-session") or f"flow-{flow.client_conn.id[:12]}",
-        task_id=headers.get("x-polar-task"), seq=index, started_at=started, finished_at=finished,
-        provider=ENGINE_CODEC.name, path=path, host=flow.request.pretty_host,
-        stream=bool(request.get("stream")), model_requested=request.get("model"), model_used=completion.model,
+        request_id=f"flow_{flow.id}",
+        session_id=headers.get("x-polar-session") or f"flow-{flow.client_conn.id[:12]}",
+        task_id=headers.get("x-polar-task"),
+        seq=index,
+        started_at=started,
+        finished_at=finished,
+        provider=ENGINE_CODEC.name,
+        path=path,
+        host=flow.request.pretty_host,
+        stream=bool(request.get("stream")),
+        model_requested=request.get("model"),
+        model_used=completion.model,
         request_json=json.dumps(request, ensure_ascii=False),
         messages_json=json.dumps(request.get("messages"), ensure_ascii=False),
         tools_json=json.dumps(request.get("tools") or [], ensure_ascii=False),
-        prompt_ids=completion.prompt_ids, completion_ids=completion.completion_ids,
-        completion_logprobs=completion.completion_logprobs, finish_reason=completion.finish_reason,
-        response_json=json.dumps(response, ensure_ascii=False), weight_version=completion.weight_version,
-        status_code=flow.response.status_code, session_source="flow",
-        prompt_tokens=completion.prompt_tokens, completion_tokens=completion.completion_tokens,
+        prompt_ids=completion.prompt_ids,
+        completion_ids=completion.completion_ids,
+        completion_logprobs=completion.completion_logprobs,
+        finish_reason=completion.finish_reason,
+        response_json=json.dumps(response, ensure_ascii=False),
+        weight_version=completion.weight_version,
+        status_code=flow.response.status_code,
+        session_source="flow",
+        prompt_tokens=completion.prompt_tokens,
+        completion_tokens=completion.completion_tokens,
     )
     return record.to_journal()
 

@@ -43,7 +43,9 @@ class Responder(Protocol):
 
     async def begin(self, status: int, content_type: str, headers: dict[str, str]) -> None: ...
 
-    async def send(self, data: bytes) -> None: ...  # raises ConnectionError (or OSError) when the client is gone
+    async def send(
+        self, data: bytes
+    ) -> None: ...  # raises ConnectionError (or OSError) when the client is gone
 
     async def end(self) -> None: ...
 
@@ -68,8 +70,13 @@ def live_engine_request(request: dict[str, Any], rid: str) -> None:
     (so the call can be aborted by name). `return_token_ids`/`return_meta_info` are refused with `stream: true`."""
     request.pop("return_token_ids", None)
     request.pop("return_meta_info", None)
-    request.update(stream=True, stream_options={"include_usage": True}, return_input_ids_in_sglext=True,
-                   return_output_ids_in_sglext=True, rid=rid)
+    request.update(
+        stream=True,
+        stream_options={"include_usage": True},
+        return_input_ids_in_sglext=True,
+        return_output_ids_in_sglext=True,
+        rid=rid,
+    )
 
 
 class LiveAnswer:
@@ -104,9 +111,19 @@ class LiveAnswer:
 class LiveCall:
     """One streamed model call, from the engine request to the durable record."""
 
-    def __init__(self, calls: CallContext, codec: Codec, conv: Conversation, record: Record, step: PromptStep,
-                 engine_body: bytes, disconnected: asyncio.Event | None, *, keepalive_seconds: float,
-                 prompt_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        calls: CallContext,
+        codec: Codec,
+        conv: Conversation,
+        record: Record,
+        step: PromptStep,
+        engine_body: bytes,
+        disconnected: asyncio.Event | None,
+        *,
+        keepalive_seconds: float,
+        prompt_tokens: int = 0,
+    ) -> None:
         self.calls, self.codec, self.conv, self.record, self.step = calls, codec, conv, record, step
         self.engine_body, self.disconnected = engine_body, disconnected
         self.keepalive_seconds = keepalive_seconds
@@ -144,7 +161,9 @@ class LiveCall:
     async def _after_error(self, err: GatewayError) -> dict[str, Any]:
         """The error answer and its record — unless the record is already written (one record per call)."""
         if self.row is not None:
-            log.error("live stream %s failed after its record was written: %s", self.record.request_id, err.message)
+            log.error(
+                "live stream %s failed after its record was written: %s", self.record.request_id, err.message
+            )
             await self._end()
             return self.row
         return await self._failed(err)
@@ -170,7 +189,9 @@ class LiveCall:
             async for _event, data in sse_frames(resp):
                 if data == b"[DONE]":
                     break
-                chunk = await offload(orjson.loads, len(data), data)  # the sglext ids of a long prompt: off the loop
+                chunk = await offload(
+                    orjson.loads, len(data), data
+                )  # the sglext ids of a long prompt: off the loop
                 self.queue.put_nowait(chunk)
             self.queue.put_nowait(END)
         except ValueError as exc:
@@ -227,9 +248,11 @@ class LiveCall:
             # The engine's id when its first chunk is here; else ours (a keep-alive came first). The finished
             # completion takes the same id, so the record's response matches what the harness was sent.
             head_id = self.assembler.id or f"chatcmpl-{self.record.request_id.removeprefix('req_')}"
-            self.encoder = live_stream(self.codec.name, self.conv,
-                                       StreamHead(id=head_id, model=self.assembler.model,
-                                                  prompt_tokens=self.prompt_tokens))
+            self.encoder = live_stream(
+                self.codec.name,
+                self.conv,
+                StreamHead(id=head_id, model=self.assembler.model, prompt_tokens=self.prompt_tokens),
+            )
         return self.encoder
 
     def _commit_bytes(self) -> bytes:
@@ -254,8 +277,11 @@ class LiveCall:
     async def _begin(self, status: int, content_type: str) -> None:
         assert self.out is not None
         try:
-            await self.out.begin(status, content_type, {"cache-control": "no-cache",
-                                                        "x-polar-request-id": self.record.request_id})
+            await self.out.begin(
+                status,
+                content_type,
+                {"cache-control": "no-cache", "x-polar-request-id": self.record.request_id},
+            )
         except (ConnectionError, OSError) as exc:
             raise _ClientGone from exc
 
@@ -285,7 +311,9 @@ class LiveCall:
             raise GatewayError("engine_error", "the engine's stream ended without any event")
         tail = self._encode(self.assembler.finish())
         try:
-            completion = await offload(self.assembler.completion, len(self.assembler.input_ids or ()) * ID_BYTES)
+            completion = await offload(
+                self.assembler.completion, len(self.assembler.input_ids or ()) * ID_BYTES
+            )
             problem = None
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             completion, problem = self.assembler.display(), str(exc)
@@ -402,7 +430,16 @@ class LiveCall:
 
 def unrunnable_as_text(call: ToolCall, offered: set[str]) -> str | None:
     """The text `harness_safe` shows in place of `call` when the harness cannot run it; None when it can."""
-    alone = Completion(id="", model="", content="", reasoning=None, tool_calls=[call], finish_reason="tool_calls",
-                       prompt_ids=[], completion_ids=[], completion_logprobs=[])
+    alone = Completion(
+        id="",
+        model="",
+        content="",
+        reasoning=None,
+        tool_calls=[call],
+        finish_reason="tool_calls",
+        prompt_ids=[],
+        completion_ids=[],
+        completion_logprobs=[],
+    )
     harness_safe(alone, offered)
     return None if alone.tool_calls else alone.content

@@ -12,8 +12,10 @@ import re
 
 # `scheme://userinfo@`: the user name may carry a session id, but both halves may be secrets in a raw line.
 USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://|\bCONNECT\s+)[^/\s@'\"]+@")
-AUTH_HEADER = re.compile(r"(?i)\b((?:proxy-)?authorization|x-api-key|x-goog-api-key|api-key)(['\"]?\s*[:=]\s*['\"]?)"
-                         r"[^'\"\r\n,}]+")
+AUTH_HEADER = re.compile(
+    r"(?i)\b((?:proxy-)?authorization|x-api-key|x-goog-api-key|api-key)(['\"]?\s*[:=]\s*['\"]?)"
+    r"[^'\"\r\n,}]+"
+)
 
 
 def redact(text: str) -> str:

@@ -35,7 +35,12 @@ from polar_mitm.storage.records import last_seq_by_session
 
 log = logging.getLogger(__name__)
 
-WRITER_OPTIONS = ("out", "rotate_mb", "rotate_seconds", "fsync")  # GatewayOptions fields the writer is made from
+WRITER_OPTIONS = (
+    "out",
+    "rotate_mb",
+    "rotate_seconds",
+    "fsync",
+)  # GatewayOptions fields the writer is made from
 ENGINE_OPTIONS = ("backend", "engine_timeout")
 PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend")
 
@@ -113,13 +118,22 @@ class PolarGateway:
         self._credentials: dict[str, ident.Credentials] = {}  # flow id → what requestheaders took off it
         self._handling: set[asyncio.Task] = set()  # calls answered inline (not via the live server)
         self.live = LiveServer()  # sends live-streamed answers, which mitmproxy streams on (live_server.py)
-        self._live_flows: dict[str, tuple[str, dict[str, Any], Any]] = {}  # flow id → (token, request, answer)
-        self._engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json once the engine answers
+        self._live_flows: dict[
+            str, tuple[str, dict[str, Any], Any]
+        ] = {}  # flow id → (token, request, answer)
+        self._engine_task: asyncio.Task | None = (
+            None  # writes <polar_out>/_engine.json once the engine answers
+        )
 
     def load(self, loader) -> None:
         for option in mitmproxy_options():
-            loader.add_option(option.name, option.typespec, option.default, option.help,
-                              choices=list(option.choices) if option.choices else None)
+            loader.add_option(
+                option.name,
+                option.typespec,
+                option.default,
+                option.help,
+                choices=list(option.choices) if option.choices else None,
+            )
         check_deferred_options(loader.master.options)
         log_redaction.install()
 
@@ -136,8 +150,11 @@ class PolarGateway:
         previous = self.options
         if options == previous:
             return
-        changed = {f for f in GatewayOptions.__dataclass_fields__
-                   if previous is None or getattr(options, f) != getattr(previous, f)}
+        changed = {
+            f
+            for f in GatewayOptions.__dataclass_fields__
+            if previous is None or getattr(options, f) != getattr(previous, f)
+        }
         writer, last_seq = self.writer, None
         if writer is None or changed & set(WRITER_OPTIONS):
             writer, last_seq = self._new_writer(options)
@@ -146,13 +163,21 @@ class PolarGateway:
             engine = EngineClient(options.backend, timeout=options.engine_timeout)
         prompts = self.prompts
         if prompts is None or changed & set(PROMPT_OPTIONS):
-            prompts = PromptBuilder(options.prompt_mode, tokenizer=options.tokenizer, model_info=engine.model_info)
+            prompts = PromptBuilder(
+                options.prompt_mode, tokenizer=options.tokenizer, model_info=engine.model_info
+            )
         gateway = Gateway(options, engine, writer, prompts)
         if last_seq is None and self.gateway is not None:
             gateway.continue_numbering(self.gateway)  # the same records folder: its numbering goes on
         elif last_seq:
             gateway.seed_sequences(last_seq)
-        self.options, self.writer, self.engine, self.prompts, self.gateway = options, writer, engine, prompts, gateway
+        self.options, self.writer, self.engine, self.prompts, self.gateway = (
+            options,
+            writer,
+            engine,
+            prompts,
+            gateway,
+        )
 
     def _refuse(self, message: str) -> NoReturn:
         if not self.is_running:
@@ -166,8 +191,12 @@ class PolarGateway:
         if previous is not None and previous.out_dir.resolve() == out.resolve():
             previous.close()  # one writer per journal folder
             previous = None
-        writer = RecordWriter(out, rotate_bytes=options.rotate_mb << 20, rotate_seconds=options.rotate_seconds,
-                              fsync=options.fsync)
+        writer = RecordWriter(
+            out,
+            rotate_bytes=options.rotate_mb << 20,
+            rotate_seconds=options.rotate_seconds,
+            fsync=options.fsync,
+        )
         try:
             writer.start()
         except OSError as exc:
@@ -182,15 +211,22 @@ class PolarGateway:
         # Never dial the real provider when a tunnel opens: model calls are answered here.
         if ctx.options.polar_passthrough == "block" and ctx.options.connection_strategy != "lazy":
             ctx.options.update(connection_strategy="lazy")
-        warning = exposure_warning(ctx.options.mode, ctx.options.listen_host, ctx.options.proxyauth,
-                                   ctx.options.listen_port)
+        warning = exposure_warning(
+            ctx.options.mode, ctx.options.listen_host, ctx.options.proxyauth, ctx.options.listen_port
+        )
         if warning:
             log.warning(warning)
         # Describe the engine next to the records (what merge needs), and load tokens mode's renderer now rather
         # than on the first call. A strong reference: the event loop keeps only weak ones to its tasks.
         if self.engine is not None and self.prompts is not None:
-            self._engine_task = asyncio.get_running_loop().create_task(record_engine(
-                Path(ctx.options.polar_out), ctx.options.polar_backend, self.engine.model_info, self.prompts.warm))
+            self._engine_task = asyncio.get_running_loop().create_task(
+                record_engine(
+                    Path(ctx.options.polar_out),
+                    ctx.options.polar_backend,
+                    self.engine.model_info,
+                    self.prompts.warm,
+                )
+            )
 
     # -- a flow's life -------------------------------------------------------------------------------------------
 
@@ -209,8 +245,9 @@ class PolarGateway:
         refused now (the body is read and dropped as it comes), and a chunked body is read by the loopback hop,
         which stops at the limit. Both answer the provider's 413 and are recorded.
         """
-        credentials = self._credentials[flow.id] = ident.take_credentials(flow.request.headers,
-                                                                          flow.request.query)
+        credentials = self._credentials[flow.id] = ident.take_credentials(
+            flow.request.headers, flow.request.query
+        )
         if self.gateway is None or self.closing or flow.response is not None:
             return  # `request` answers it
         length, chunked = body_framing(flow.request.headers)
@@ -244,10 +281,13 @@ class PolarGateway:
     async def _request(self, flow: http.HTTPFlow) -> None:
         if flow.id in self._live_flows:  # sent to the loopback hop at its headers (requestheaders)
             return
-        credentials = self._credentials.pop(flow.id, None) or ident.take_credentials(flow.request.headers,
-                                                                                       flow.request.query)
+        credentials = self._credentials.pop(flow.id, None) or ident.take_credentials(
+            flow.request.headers, flow.request.query
+        )
         if self.gateway is None:
-            flow.response = error_answer(503, "polar-mitm: the gateway is not configured; nothing is forwarded")
+            flow.response = error_answer(
+                503, "polar-mitm: the gateway is not configured; nothing is forwarded"
+            )
             return
         if self.closing:
             flow.response = error_answer(503, "polar-mitm: the gateway is shutting down")
@@ -280,7 +320,11 @@ class PolarGateway:
 
     def _answered_here(self, req: GatewayRequest) -> bool:
         """Whether the gateway answers `req` whatever its body (it is never forwarded upstream)."""
-        forwarding = req.mode == "regular" and self.gateway is not None and self.gateway.config.passthrough == "upstream"
+        forwarding = (
+            req.mode == "regular"
+            and self.gateway is not None
+            and self.gateway.config.passthrough == "upstream"
+        )
         return not forwarding or self._is_model_call(req)
 
     async def _handle(self, flow: http.HTTPFlow, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
@@ -290,7 +334,9 @@ class PolarGateway:
         task.add_done_callback(self._handling.discard)
         return await asyncio.shield(task)
 
-    async def handle_call(self, flow_id: str, client: Any, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
+    async def handle_call(
+        self, flow_id: str, client: Any, req: GatewayRequest
+    ) -> HttpAnswer | LiveAnswer | None:
         """Run one call with its own cancel, set when its connection closes, its stream resets or at shutdown."""
         cancel = req.disconnected = CallCancel()
         connection = client.id
@@ -317,16 +363,26 @@ class PolarGateway:
         if flows is not None:
             flows.discard(flow_id)
 
-    async def _go_live(self, flow: http.HTTPFlow, answer: LiveAnswer | DeferredCall, *,
-                       keep_body: bool = False) -> None:
+    async def _go_live(
+        self, flow: http.HTTPFlow, answer: LiveAnswer | DeferredCall, *, keep_body: bool = False
+    ) -> None:
         """Send the flow to the live server, which writes the answer as it is generated (see live_server.py)."""
         await self.live.start()
         token = self.live.register(answer)
         req = flow.request
-        self._live_flows[flow.id] = (token, {"scheme": req.scheme, "host": req.host, "port": req.port,
-                                             "path": req.path, "headers": req.headers.copy(),
-                                             "raw_content": req.raw_content,
-                                             "http_version": req.http_version}, answer)
+        self._live_flows[flow.id] = (
+            token,
+            {
+                "scheme": req.scheme,
+                "host": req.host,
+                "port": req.port,
+                "path": req.path,
+                "headers": req.headers.copy(),
+                "raw_content": req.raw_content,
+                "http_version": req.http_version,
+            },
+            answer,
+        )
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.live.port
         req.path = PATH_PREFIX + token
         if req.is_http2 or req.is_http3:  # the hop speaks HTTP/1.1, which wants a Host header
@@ -376,8 +432,12 @@ class PolarGateway:
     def _restore(flow: http.HTTPFlow, original: dict[str, Any]) -> None:
         """The request as the harness sent it (for `mitmdump -w` files and logs)."""
         req = flow.request
-        req.scheme, req.host, req.port, req.path = (original["scheme"], original["host"], original["port"],
-                                                    original["path"])
+        req.scheme, req.host, req.port, req.path = (
+            original["scheme"],
+            original["host"],
+            original["port"],
+            original["path"],
+        )
         req.headers = original["headers"]
         req.raw_content = original["raw_content"]
         req.http_version = original["http_version"]
@@ -425,8 +485,11 @@ class PolarGateway:
         grace = self.options.shutdown_grace_seconds if self.options is not None else 0.0
         await self._wait_calls(grace)
         if self._handling or self.live.busy:
-            log.warning("shutting down: aborting %d call(s) still running after %.0f s of grace",
-                        len(self._handling) + self.live.busy, grace)
+            log.warning(
+                "shutting down: aborting %d call(s) still running after %.0f s of grace",
+                len(self._handling) + self.live.busy,
+                grace,
+            )
             for cancel in list(self._calls.values()):
                 cancel.cancel(SHUTDOWN)
             self.live.stop_all(SHUTDOWN)
@@ -505,11 +568,16 @@ class DeferredCall:
             self.row = answer.row
             return
         if answer is None:  # cannot be forwarded from behind the hop: refused, as any unanswerable request
-            answer = DEFAULT_CODEC.encode_error(GatewayError("internal", "polar-mitm: this request has no answer"))
+            answer = DEFAULT_CODEC.encode_error(
+                GatewayError("internal", "polar-mitm: this request has no answer")
+            )
         self.row = (answer.meta or {}).get("polar_record")
         try:
-            await out.begin(answer.status, answer.content_type,
-                            {**(answer.headers or {}), "content-length": str(len(answer.body))})
+            await out.begin(
+                answer.status,
+                answer.content_type,
+                {**(answer.headers or {}), "content-length": str(len(answer.body))},
+            )
             await out.send(answer.body)
             await out.end()
         except (ConnectionError, OSError, RuntimeError):

@@ -38,53 +38,89 @@ class OptionError(ValueError):
 class GatewayOptions:
     """The gateway's options (`--set polar_<field>=value`), parsed and checked."""
 
-    backend: str = field(default="http://127.0.0.1:30000",
-                         metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`)."})
-    out: str = field(default="flows", metadata={"help": "Directory (created if missing) for the Parquet records."})
+    backend: str = field(
+        default="http://127.0.0.1:30000", metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`)."}
+    )
+    out: str = field(
+        default="flows", metadata={"help": "Directory (created if missing) for the Parquet records."}
+    )
     passthrough: Passthrough = field(
         default="block",
-        metadata={"help": "Non-model traffic: `block` (answer locally with a clear 404) or `upstream` (forward)."})
+        metadata={
+            "help": "Non-model traffic: `block` (answer locally with a clear 404) or `upstream` (forward)."
+        },
+    )
     temperature: float | None = field(
         default=None,
-        metadata={"help": "Force this sampling temperature on every call (RL wants the trainer's temperature)."})
+        metadata={
+            "help": "Force this sampling temperature on every call (RL wants the trainer's temperature)."
+        },
+    )
     top_p: float | None = field(default=None, metadata={"help": "Force this top_p on every call."})
     max_tokens: int = field(
         default=DEFAULT_MAX_TOKENS,
-        metadata={"help": "Cap each call's completion tokens, whatever the harness asks (0 = no cap). Bounds a "
-                          "degenerate RL sample; harnesses that send no max_tokens (Codex) get this budget."})
+        metadata={
+            "help": "Cap each call's completion tokens, whatever the harness asks (0 = no cap). Bounds a "
+            "degenerate RL sample; harnesses that send no max_tokens (Codex) get this budget."
+        },
+    )
     engine_timeout: int = field(default=600, metadata={"help": "Seconds to wait for the engine per call."})
-    rotate_mb: int = field(default=64, metadata={"help": "Compact the journal into a Parquet shard at this size."})
+    rotate_mb: int = field(
+        default=64, metadata={"help": "Compact the journal into a Parquet shard at this size."}
+    )
     rotate_seconds: int = field(default=300, metadata={"help": "… or at this age."})
     fsync: bool = field(
         default=True,
-        metadata={"help": "fsync each record before answering (off: a crash may lose the last ~1 s of records)."})
+        metadata={
+            "help": "fsync each record before answering (off: a crash may lose the last ~1 s of records)."
+        },
+    )
     models: tuple[str, ...] = field(
-        default=(), metadata={"help": "Extra model ids (comma-separated) for model listings."})
+        default=(), metadata={"help": "Extra model ids (comma-separated) for model listings."}
+    )
     max_body_mb: int = field(
         default=64,
-        metadata={"help": "Largest request body in MiB, compressed or decoded; larger ones get a provider-shaped "
-                          "413."})
+        metadata={
+            "help": "Largest request body in MiB, compressed or decoded; larger ones get a provider-shaped "
+            "413."
+        },
+    )
     prompt_mode: PromptMode = field(
         default="tokens",
-        metadata={"help": "`tokens`: send the engine the session's exact token stream + the new tail (every sampled "
-                          "token trained in the context it was sampled in); `messages`: the engine renders the "
-                          "harness's messages."})
+        metadata={
+            "help": "`tokens`: send the engine the session's exact token stream + the new tail (every sampled "
+            "token trained in the context it was sampled in); `messages`: the engine renders the "
+            "harness's messages."
+        },
+    )
     tokenizer: str = field(
         default="",
-        metadata={"help": "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path)."})
+        metadata={
+            "help": "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path)."
+        },
+    )
     stream: StreamMode = field(
         default="live",
-        metadata={"help": "Streamed calls: `live` (the engine streams; the harness gets events as tokens are "
-                          "sampled) or `replay` (answer whole from the engine, then replay it as SSE; for engines "
-                          "that cannot stream ids)."})
+        metadata={
+            "help": "Streamed calls: `live` (the engine streams; the harness gets events as tokens are "
+            "sampled) or `replay` (answer whole from the engine, then replay it as SSE; for engines "
+            "that cannot stream ids)."
+        },
+    )
     keepalive_seconds: float = field(
         default=10.0,
-        metadata={"help": "Live streams: send the provider's keep-alive (Anthropic ping, SSE comment) after this "
-                          "many seconds of silence, so harness idle timeouts do not fire (0 = never)."})
+        metadata={
+            "help": "Live streams: send the provider's keep-alive (Anthropic ping, SSE comment) after this "
+            "many seconds of silence, so harness idle timeouts do not fire (0 = never)."
+        },
+    )
     shutdown_grace_seconds: float = field(
         default=10.0,
-        metadata={"help": "On SIGTERM, how long calls in flight may run on to their end; then they are aborted and "
-                          "recorded `abort` with what was sampled, and the gateway exits."})
+        metadata={
+            "help": "On SIGTERM, how long calls in flight may run on to their end; then they are aborted and "
+            "recorded `abort` with what was sampled, and the gateway exits."
+        },
+    )
 
     # -- what the gateway derives from them ----------------------------------------------------------------------
 
@@ -141,8 +177,10 @@ def parse_options(values: Any) -> GatewayOptions:
     Raises `OptionError` naming the first option whose value the gateway cannot use.
     """
     types = _field_types()
-    parsed = {f.name: _parse(PREFIX + f.name, types[f.name], getattr(values, PREFIX + f.name))
-              for f in dataclasses.fields(GatewayOptions)}
+    parsed = {
+        f.name: _parse(PREFIX + f.name, types[f.name], getattr(values, PREFIX + f.name))
+        for f in dataclasses.fields(GatewayOptions)
+    }
     return GatewayOptions(**parsed)
 
 

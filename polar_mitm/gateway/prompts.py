@@ -40,8 +40,9 @@ class PromptStep:
 class PromptBuilder:
     """Builds each engine request's prompt per `mode`; keeps the session chains of tokens mode."""
 
-    def __init__(self, mode: str = "tokens", *, tokenizer: str = "", model_info=None,
-                 max_chain_tokens: int = 64 << 20) -> None:
+    def __init__(
+        self, mode: str = "tokens", *, tokenizer: str = "", model_info=None, max_chain_tokens: int = 64 << 20
+    ) -> None:
         if mode not in PROMPT_MODES:
             raise ValueError(f"polar_prompt_mode must be one of {PROMPT_MODES}, got {mode!r}")
         self.mode = mode
@@ -75,8 +76,9 @@ class PromptBuilder:
         """Load the engine's tokenizer now (tokens mode) instead of on the first call; None when not available."""
         return await self._renderer() if self.mode == "tokens" else None
 
-    async def prepare(self, session_id: str, conv: Conversation, request: dict[str, Any],
-                      call_kind: str | None = None) -> tuple[PromptStep, bytes]:
+    async def prepare(
+        self, session_id: str, conv: Conversation, request: dict[str, Any], call_kind: str | None = None
+    ) -> tuple[PromptStep, bytes]:
         """Decide the prompt of one call; returns the step and the engine request body (JSON bytes).
 
         `call_kind` (the record's): a compaction's commit marks the session; the next main call that opens a chain
@@ -98,8 +100,12 @@ class PromptBuilder:
             return plan, orjson.dumps(request)
 
         plan, body = await asyncio.to_thread(plan_and_dump)
-        step = PromptStep(mode="tokens" if plan.input_ids is not None else "messages", plan=plan,
-                          spliced_turns=plan.spliced_turns, reason=plan.reason)
+        step = PromptStep(
+            mode="tokens" if plan.input_ids is not None else "messages",
+            plan=plan,
+            spliced_turns=plan.spliced_turns,
+            reason=plan.reason,
+        )
         if plan.input_ids is None:
             # A chain's first call: the engine renders; our rendering must agree before any splice builds on it.
             step.check_ids = asyncio.ensure_future(asyncio.to_thread(renderer.encode, plan.text))
@@ -112,15 +118,21 @@ class PromptBuilder:
         if step.check_ids is not None:
             ours = await step.check_ids
             if ours != completion.prompt_ids:
-                log.warning("session %s: the gateway's rendering (%d ids) differs from the engine's (%d ids); "
-                            "messages mode for this session", step.plan.session_id, len(ours),
-                            len(completion.prompt_ids))
+                log.warning(
+                    "session %s: the gateway's rendering (%d ids) differs from the engine's (%d ids); "
+                    "messages mode for this session",
+                    step.plan.session_id,
+                    len(ours),
+                    len(completion.prompt_ids),
+                )
                 self._chains.fall_back(step.plan.session_id)
                 step.reason, step.spliced_turns = RENDERER_MISMATCH, 0
                 return
         elif completion.prompt_ids != step.plan.input_ids:
-            log.warning("session %s: the engine's prompt ids differ from the input_ids sent; chain not extended",
-                        step.plan.session_id)
+            log.warning(
+                "session %s: the engine's prompt ids differ from the input_ids sent; chain not extended",
+                step.plan.session_id,
+            )
             return
         await asyncio.to_thread(self._chains.commit, step.plan, completion)
 

@@ -37,7 +37,8 @@ class PromptRenderer:
         self.eot_id = eot_from_tokenizer(tokenizer)
         self.eot_text: str = tokenizer.convert_ids_to_tokens(self.eot_id)
         if self.eot_text not in tokenizer.all_special_tokens and self.eot_text not in getattr(
-                tokenizer, "added_tokens_encoder", {}):
+            tokenizer, "added_tokens_encoder", {}
+        ):
             # The tail rule needs the end-of-turn to be an added (special) token: BPE never merges across it.
             raise RendererError(f"end-of-turn token {self.eot_text!r} is not a special token of {source}")
 
@@ -45,8 +46,10 @@ class PromptRenderer:
     def load(cls, path: str) -> PromptRenderer:
         """The tokenizer (with its chat template) saved at `path`, offline."""
         if not Path(path).exists():
-            raise RendererError(f"tokenizer path {path!r} does not exist on the gateway's machine "
-                                f"(set polar_tokenizer to a local copy of the engine's tokenizer)")
+            raise RendererError(
+                f"tokenizer path {path!r} does not exist on the gateway's machine "
+                f"(set polar_tokenizer to a local copy of the engine's tokenizer)"
+            )
         try:
             from transformers import AutoTokenizer
 
@@ -61,8 +64,12 @@ class PromptRenderer:
         """The prompt text the engine renders for an engine chat request (generation prompt included)."""
         kwargs = request.get("chat_template_kwargs") or {}
         return self.tokenizer.apply_chat_template(
-            request["messages"], tools=request.get("tools") or None, add_generation_prompt=True, tokenize=False,
-            **kwargs)
+            request["messages"],
+            tools=request.get("tools") or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, no BOS/EOS added (what apply_chat_template does)."""
@@ -85,8 +92,9 @@ class RendererLoader:
         with self._lock:
             if self._future is None:
                 self._future = Future()
-                threading.Thread(target=self._load, args=(self._future, path_hint), name="polar-renderer",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._load, args=(self._future, path_hint), name="polar-renderer", daemon=True
+                ).start()
             return self._future
 
     def reset(self) -> None:
@@ -99,8 +107,12 @@ class RendererLoader:
             if not path:
                 raise RendererError("no tokenizer path (engine /model_info gave none; set polar_tokenizer)")
             renderer = PromptRenderer.load(path)
-            log.info("token-exact prompts: renderer loaded from %s (end-of-turn %r = %d)", path,
-                     renderer.eot_text, renderer.eot_id)
+            log.info(
+                "token-exact prompts: renderer loaded from %s (end-of-turn %r = %d)",
+                path,
+                renderer.eot_text,
+                renderer.eot_id,
+            )
             future.set_result(renderer)
         except Exception as exc:
             log.warning("token-exact prompts unavailable, using messages mode: %s", exc)

@@ -54,7 +54,9 @@ class GatewayRequest:
     connection_id: str
     content_encoding: str = ""  # of `body`; decoded by the gateway, off the event loop
     disconnected: asyncio.Event | None = None  # set when the harness's connection closes
-    body_too_large: bool = False  # refused at its headers (Content-Length) or as it arrived; `body` is not all
+    body_too_large: bool = (
+        False  # refused at its headers (Content-Length) or as it arrived; `body` is not all
+    )
 
 
 class ClientDisconnected(Exception):
@@ -64,8 +66,13 @@ class ClientDisconnected(Exception):
 class Gateway:
     """Answers model calls from the engine and records them; answers or blocks everything else."""
 
-    def __init__(self, config: GatewayOptions, engine: EngineClient, writer: RecordWriter,
-                 prompts: PromptBuilder | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayOptions,
+        engine: EngineClient,
+        writer: RecordWriter,
+        prompts: PromptBuilder | None = None,
+    ) -> None:
         self.config, self.engine, self.writer = config, engine, writer
         self.prompts = prompts or PromptBuilder("messages")
         self.calls = CallContext(engine, self.prompts, writer)
@@ -96,8 +103,9 @@ class Gateway:
             return await self._internal_error(req, exc)
 
     async def _route(self, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
-        who, path = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
-                                  connection_id=req.connection_id)
+        who, path = ident.resolve(
+            req.headers, req.path, req.query, proxy_user_name=req.proxy_user, connection_id=req.connection_id
+        )
         if req.headers.get("upgrade", "").lower() == "websocket":
             return self._no_websocket(req, path)
         if req.method == "POST":
@@ -117,9 +125,13 @@ class Gateway:
         if provider is None and req.mode == "regular" and self.config.passthrough == "upstream":
             return None
         shape = provider or DEFAULT_CODEC
-        return shape.encode_error(GatewayError(
-            "not_found", f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
-                         f"serves model APIs (set polar_passthrough=upstream to forward other traffic)"))
+        return shape.encode_error(
+            GatewayError(
+                "not_found",
+                f"polar-mitm: {req.method} {req.host}{path} is not a model call; this gateway only "
+                f"serves model APIs (set polar_passthrough=upstream to forward other traffic)",
+            )
+        )
 
     async def _detect(self, req: GatewayRequest, path: str) -> Codec | None:
         """The codec of a POST whose path is unknown, by its headers and body shape (None if not a model call)."""
@@ -146,8 +158,11 @@ class Gateway:
         times with backoff (~6 s) before it falls back to HTTPS, HTTP 426 makes it fall back at once.
         """
         shape = self._provider_for(req, path) or websocket_codec()
-        answer = shape.encode_error(GatewayError(
-            "not_found", "polar-mitm: WebSocket transport is not supported; use HTTPS (streaming SSE)"))
+        answer = shape.encode_error(
+            GatewayError(
+                "not_found", "polar-mitm: WebSocket transport is not supported; use HTTPS (streaming SSE)"
+            )
+        )
         answer.status = 426
         return answer
 
@@ -158,13 +173,18 @@ class Gateway:
 
     # -- auxiliary endpoints -------------------------------------------------------------------------------------
 
-    async def _count_tokens(self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec) -> HttpAnswer:
+    async def _count_tokens(
+        self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec
+    ) -> HttpAnswer:
         """Anthropic count_tokens / Google countTokens, counted by the engine's tokenizer; failures recorded."""
         try:
             raw = await self._body(req)
-            conv: Conversation = await offload(self._decode_count_tokens, len(raw), codec, raw, path, req.query)
-            n = await self.engine.count_tokens([m.to_engine() for m in conv.messages],
-                                               [t.to_engine() for t in conv.tools])
+            conv: Conversation = await offload(
+                self._decode_count_tokens, len(raw), codec, raw, path, req.query
+            )
+            n = await self.engine.count_tokens(
+                [m.to_engine() for m in conv.messages], [t.to_engine() for t in conv.tools]
+            )
         except GatewayError as err:
             answer = codec.encode_error(err)
             record = self._new_record(req, who, path, codec)
@@ -192,8 +212,13 @@ class Gateway:
         codec = self._shape_for(req, path)
         answer = codec.encode_error(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
         try:
-            who = ident.resolve(req.headers, req.path, req.query, proxy_user_name=req.proxy_user,
-                                connection_id=req.connection_id)[0]
+            who = ident.resolve(
+                req.headers,
+                req.path,
+                req.query,
+                proxy_user_name=req.proxy_user,
+                connection_id=req.connection_id,
+            )[0]
         except Exception:  # the identity itself may be what failed: record under the connection's id
             log.exception("identity unresolvable for the internal-error record")
             who = ident.Identity(session_id=f"conn-{req.connection_id}", task_id=None, source="connection")
@@ -214,14 +239,17 @@ class Gateway:
 
     # -- model calls ---------------------------------------------------------------------------------------------
 
-    async def _model_call(self, req: GatewayRequest, who: ident.Identity, path: str,
-                          codec: Codec) -> HttpAnswer | LiveAnswer:
+    async def _model_call(
+        self, req: GatewayRequest, who: ident.Identity, path: str, codec: Codec
+    ) -> HttpAnswer | LiveAnswer:
         record = self._new_record(req, who, path, codec)
         step: PromptStep | None = None
         try:
             raw_body = await self._body(req)
             record.request_json = raw_body.decode("utf-8", "replace") or None
-            conv, engine_request = await offload(self._prepare, len(raw_body), codec, raw_body, path, req.query)
+            conv, engine_request = await offload(
+                self._prepare, len(raw_body), codec, raw_body, path, req.query
+            )
             record.stream, record.model_requested = conv.stream, conv.model
             record.call_kind = call_kind(conv, path)
             record.output_constraint = (conv.response_format or {}).get("type")
@@ -232,12 +260,24 @@ class Gateway:
                 live_engine_request(engine_request, record.request_id)
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
             # (a compaction's commit marks the session for the next main call's new chain, replay and live alike)
-            step, engine_body = await self.prompts.prepare(who.session_id, conv, engine_request, record.call_kind)
+            step, engine_body = await self.prompts.prepare(
+                who.session_id, conv, engine_request, record.call_kind
+            )
             record.prompt_mode, record.splice_reason = step.mode, step.reason
             if live:
-                return LiveAnswer(LiveCall(self.calls, codec, conv, record, step, engine_body, req.disconnected,
-                                           keepalive_seconds=self.config.keepalive_seconds,
-                                           prompt_tokens=len(engine_request.get("input_ids") or ())))
+                return LiveAnswer(
+                    LiveCall(
+                        self.calls,
+                        codec,
+                        conv,
+                        record,
+                        step,
+                        engine_body,
+                        req.disconnected,
+                        keepalive_seconds=self.config.keepalive_seconds,
+                        prompt_tokens=len(engine_request.get("input_ids") or ()),
+                    )
+                )
             raw = await self._ask_engine(engine_body, req.disconnected)
             answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
             await self.prompts.complete(step, completion)
@@ -245,7 +285,9 @@ class Gateway:
         except ClientDisconnected:
             self._abandon(step)
             record.finish_reason, record.status_code = "abort", 499
-            record.error = f"abort: {reason_of(req.disconnected)} before the answer; the engine call was cancelled"
+            record.error = (
+                f"abort: {reason_of(req.disconnected)} before the answer; the engine call was cancelled"
+            )
             return with_record(HttpAnswer(499, b"", "text/plain"), await self._persist(record))
         except GatewayError as err:
             self._abandon(step)
@@ -270,9 +312,19 @@ class Gateway:
         """The record of a call, as an error until an answer fills it in (takes the session's next seq)."""
         started = datetime.now(UTC)
         return Record(
-            request_id=f"req_{uuid.uuid4().hex}", session_id=who.session_id, task_id=who.task_id,
-            seq=next(self._seq[who.session_id]), started_at=started, finished_at=started, provider=codec.name,
-            path=path, host=req.host, mode=req.mode, stream=False, finish_reason="error", session_source=who.source,
+            request_id=f"req_{uuid.uuid4().hex}",
+            session_id=who.session_id,
+            task_id=who.task_id,
+            seq=next(self._seq[who.session_id]),
+            started_at=started,
+            finished_at=started,
+            provider=codec.name,
+            path=path,
+            host=req.host,
+            mode=req.mode,
+            stream=False,
+            finish_reason="error",
+            session_source=who.source,
             harness_ids_json=orjson.dumps(who.harness_ids).decode() if who.harness_ids else None,
         )
 
@@ -297,8 +349,9 @@ class Gateway:
             raise ClientDisconnected
         return call.result()
 
-    def _prepare(self, codec: Codec, raw: bytes, path: str,
-                 query: dict[str, str]) -> tuple[Conversation, dict[str, Any]]:
+    def _prepare(
+        self, codec: Codec, raw: bytes, path: str, query: dict[str, str]
+    ) -> tuple[Conversation, dict[str, Any]]:
         body = parse_body(raw)
         conv = codec.decode_request(body, path, query)
         if conv.stream is False:
@@ -322,8 +375,12 @@ class Gateway:
         response = codec.encode_response(conv, completion)
         response_text = orjson.dumps(response).decode()
         if conv.stream:
-            answer = HttpAnswer(200, b"".join(codec.encode_stream(conv, completion)), "text/event-stream",
-                                {"cache-control": "no-cache"})
+            answer = HttpAnswer(
+                200,
+                b"".join(codec.encode_stream(conv, completion)),
+                "text/event-stream",
+                {"cache-control": "no-cache"},
+            )
         else:
             answer = HttpAnswer(200, response_text.encode(), "application/json")
         return answer, completion, response_text
@@ -337,8 +394,13 @@ class Gateway:
 # default `--sampling-defaults model` it would take the model's generation_config.json instead — so the gateway
 # always sends every field explicitly, and the record's values are the ones the engine used.
 # repetition_penalty is never recorded: it is pinned to neutral so a generation_config value cannot slip in.
-NEUTRAL_SAMPLING: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                                            "repetition_penalty": 1.0}
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def explicit_sampling(request: dict[str, Any]) -> dict[str, Any]:

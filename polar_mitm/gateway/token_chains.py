@@ -44,7 +44,9 @@ RETRY = "same prompt as a chain tip (retry): re-sent that call's exact prompt"
 ANSWER_DIFFERS = "the harness's previous assistant turn differs from what was sampled"
 RENDERER_MISMATCH = "the gateway's rendering differs from the engine's: session falls back to messages mode"
 SESSION_FALLBACK = "session in messages mode (renderer mismatch earlier)"
-COMPACTION = compaction_label.COMPACTION  # a main call's new chain after a compaction (merge counts it the same way)
+COMPACTION = (
+    compaction_label.COMPACTION
+)  # a main call's new chain after a compaction (merge counts it the same way)
 
 MAX_CHAINS_PER_SESSION = 16
 
@@ -82,7 +84,9 @@ class Plan:
     # too); None = no chain logic applied (the session is in messages mode).
     spliced_turns: int | None = 0
     reason: str | None = None  # why no splice (None: extended a chain)
-    call_kind: str | None = None  # the record's call_kind: who takes a compaction's label (compaction_label.py)
+    call_kind: str | None = (
+        None  # the record's call_kind: who takes a compaction's label (compaction_label.py)
+    )
 
 
 @dataclass
@@ -105,8 +109,9 @@ class TokenChains:
 
     # -- before the engine call --------------------------------------------------------------------------------
 
-    def plan(self, session_id: str, text: str, messages: list[Message], encode,
-             call_kind: str | None = None) -> Plan:
+    def plan(
+        self, session_id: str, text: str, messages: list[Message], encode, call_kind: str | None = None
+    ) -> Plan:
         """Route a call to a chain and build its prompt ids (`encode` tokenizes the tail text).
 
         `call_kind` (main | side | compaction, gateway/call_kind.py) decides which new chain after a compaction
@@ -136,7 +141,12 @@ class TokenChains:
                 plan.reason = NO_PREFIX
                 return plan
             plan.chain, plan.chain_stamp = chain, chain.stamp
-            engine_prompt, sampled, closed, turns = chain.engine_prompt, chain.sampled, chain.closed, chain.turns
+            engine_prompt, sampled, closed, turns = (
+                chain.engine_prompt,
+                chain.sampled,
+                chain.closed,
+                chain.turns,
+            )
             tip_len, n_tip, answer = len(chain.tip_text), chain.n_messages, chain.answer
         if len(text) == tip_len:  # a retry: sample again in the tip call's own context
             plan.input_ids, plan.retry, plan.reason = engine_prompt.tolist(), True, RETRY
@@ -152,7 +162,7 @@ class TokenChains:
             return plan
         # Closed answer: the tail starts after its end-of-turn. Cut short (no end-of-turn sampled): the tail
         # starts *at* the end-of-turn, so the stream still closes that turn — the merge rule, exactly.
-        tail = text[eot_at + len(self.eot_text):] if closed else text[eot_at:]
+        tail = text[eot_at + len(self.eot_text) :] if closed else text[eot_at:]
         plan.input_ids = np.concatenate([engine_prompt, sampled]).tolist() + encode(tail)
         plan.spliced_turns = turns
         return plan
@@ -178,8 +188,12 @@ class TokenChains:
         """Advance (or open) the chain with what the engine saw and sampled for this call."""
         prompt = np.asarray(completion.prompt_ids, dtype=np.int32)
         sampled = np.asarray(completion.completion_ids, dtype=np.int32)
-        answer = Message(role="assistant", content=completion.content, reasoning=completion.reasoning,
-                         tool_calls=list(completion.tool_calls))
+        answer = Message(
+            role="assistant",
+            content=completion.content,
+            reasoning=completion.reasoning,
+            tool_calls=list(completion.tool_calls),
+        )
         closed = len(sampled) > 0 and int(sampled[-1]) == self.eot_id
         with self._lock:
             session = self._sessions.get(plan.session_id)
@@ -189,26 +203,44 @@ class TokenChains:
                 return
             session.clock += 1
             chain = plan.chain
-            extend = chain is not None and not plan.retry and chain.stamp == plan.chain_stamp \
+            extend = (
+                chain is not None
+                and not plan.retry
+                and chain.stamp == plan.chain_stamp
                 and chain in session.chains
+            )
             turns = (plan.spliced_turns or 0) + 1
             if extend:
                 assert chain is not None
                 self._size -= chain.size()
                 chain.tip_text, chain.n_messages = plan.text, plan.n_messages
-                chain.engine_prompt, chain.sampled, chain.answer, chain.closed = prompt, sampled, answer, closed
+                chain.engine_prompt, chain.sampled, chain.answer, chain.closed = (
+                    prompt,
+                    sampled,
+                    answer,
+                    closed,
+                )
                 chain.turns, chain.stamp = turns, session.clock
                 self._size += chain.size()
             else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
-                chain = Chain(tip_text=plan.text, n_messages=plan.n_messages, engine_prompt=prompt,
-                              sampled=sampled, answer=answer, closed=closed, turns=turns, stamp=session.clock)
+                chain = Chain(
+                    tip_text=plan.text,
+                    n_messages=plan.n_messages,
+                    engine_prompt=prompt,
+                    sampled=sampled,
+                    answer=answer,
+                    closed=closed,
+                    turns=turns,
+                    stamp=session.clock,
+                )
                 session.chains.append(chain)
                 self._size += chain.size()
             for other in session.chains:  # the harness went on from this sample: its twins were discarded
                 if other is not chain and other.tip_text == chain.tip_text and not plan.retry:
                     other.retired = True
-            session.compacted = compaction_label.pending_after(session.compacted, plan.call_kind,
-                                                               opened=not extend and not plan.retry)
+            session.compacted = compaction_label.pending_after(
+                session.compacted, plan.call_kind, opened=not extend and not plan.retry
+            )
             self._trim(session)
             self._evict()
 
@@ -234,8 +266,11 @@ class TokenChains:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"sessions": len(self._sessions), "chains": sum(len(s.chains) for s in self._sessions.values()),
-                    "tokens": self._size}
+            return {
+                "sessions": len(self._sessions),
+                "chains": sum(len(s.chains) for s in self._sessions.values()),
+                "tokens": self._size,
+            }
 
 
 # -- does the harness's copy of the previous answer correspond to what was sampled? ---------------------------

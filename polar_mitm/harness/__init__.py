@@ -30,10 +30,23 @@ from polar_mitm.harness.opencode import OpenCode
 from polar_mitm.harness.pi import Pi
 from polar_mitm.harness.qwen import QwenCode
 
-HARNESSES: dict[str, Harness] = {h.name: h for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode())}
+HARNESSES: dict[str, Harness] = {
+    h.name: h for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode())
+}
 
-__all__ = ["HARNESSES", "MODES", "Harness", "HarnessError", "Hookup", "Mode", "Prepared", "ShellTool",
-           "base_environment", "get_harness", "rollout_launch"]
+__all__ = [
+    "HARNESSES",
+    "MODES",
+    "Harness",
+    "HarnessError",
+    "Hookup",
+    "Mode",
+    "Prepared",
+    "ShellTool",
+    "base_environment",
+    "get_harness",
+    "rollout_launch",
+]
 
 
 def get_harness(name: str) -> Harness:
@@ -43,9 +56,19 @@ def get_harness(name: str) -> Harness:
         raise HarnessError(f"unknown harness {name!r}; choose from {', '.join(HARNESSES)}") from None
 
 
-def rollout_launch(name: str, *, prompt: str, session: str, task: str | None, workspace: Path, reverse_url: str,
-                   proxy_url: str | None = None, ca_bundle: Path | None = None, mode: Mode | None = None,
-                   home: Path | None = None) -> tuple[list[str], dict[str, str]]:
+def rollout_launch(
+    name: str,
+    *,
+    prompt: str,
+    session: str,
+    task: str | None,
+    workspace: Path,
+    reverse_url: str,
+    proxy_url: str | None = None,
+    ca_bundle: Path | None = None,
+    mode: Mode | None = None,
+    home: Path | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """(argv, env) for one rollout session of a preset (used by `polar-mitm rollout --harness NAME`).
 
     Proxy mode when the gateway's proxy listener and CA bundle are given (the first-party request shape), else
@@ -53,7 +76,13 @@ def rollout_launch(name: str, *, prompt: str, session: str, task: str | None, wo
     """
     harness = get_harness(name)
     chosen: Mode = mode or ("proxy" if proxy_url and ca_bundle else "base-url")
-    hookup = Hookup(chosen, session=session, task=task, gateway_url=reverse_url,
-                    gateway_proxy=proxy_url or "http://127.0.0.1:8080", ca_bundle=ca_bundle)
+    hookup = Hookup(
+        chosen,
+        session=session,
+        task=task,
+        gateway_url=reverse_url,
+        gateway_proxy=proxy_url or "http://127.0.0.1:8080",
+        ca_bundle=ca_bundle,
+    )
     prepared = harness.prepare(hookup, home or workspace.parent / f"{workspace.name}.home")
     return harness.command(prompt), prepared.env

@@ -80,7 +80,9 @@ class Hookup:
         if self.task and (problem := id_problem(self.task, allow_slash=True)) is not None:
             raise HarnessError(f"the task id {problem}: {self.task!r}")
         if self.mode == "proxy" and self.ca_bundle is None:
-            raise HarnessError("proxy mode needs a CA bundle (system CAs + mitmproxy's CA) for the harness to trust")
+            raise HarnessError(
+                "proxy mode needs a CA bundle (system CAs + mitmproxy's CA) for the harness to trust"
+            )
 
     @property
     def session_id(self) -> SessionId:
@@ -192,8 +194,12 @@ class Harness:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             written.append(path)
-        env = {**home_env(home), **network_env(hookup, self.runtime), **self.unattended_env(),
-               **self.provider_env(hookup, home)}
+        env = {
+            **home_env(home),
+            **network_env(hookup, self.runtime),
+            **self.unattended_env(),
+            **self.provider_env(hookup, home),
+        }
         return Prepared(name=self.name, home=home, env=env, files=written)
 
     def executable(self, bin_dir: Path | None = None) -> Path:
@@ -213,8 +219,13 @@ class Harness:
 
 def home_env(home: Path) -> dict[str, str]:
     """HOME and the XDG directories inside it, so nothing of the caller's own config is read or written."""
-    return {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
-            "XDG_STATE_HOME": str(home / ".local/state"), "XDG_CACHE_HOME": str(home / ".cache")}
+    return {
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local/share"),
+        "XDG_STATE_HOME": str(home / ".local/state"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+    }
 
 
 def network_env(hookup: Hookup, runtime: Runtime) -> dict[str, str]:
@@ -247,9 +258,11 @@ def ca_env(runtime: Runtime, bundle: Path | None) -> dict[str, str]:
     if bundle is None:
         return {}
     path = str(bundle)
-    return {"node": {"NODE_EXTRA_CA_CERTS": path},
-            "rust": {"SSL_CERT_FILE": path},
-            "bun": {"NODE_EXTRA_CA_CERTS": path, "SSL_CERT_FILE": path}}[runtime]
+    return {
+        "node": {"NODE_EXTRA_CA_CERTS": path},
+        "rust": {"SSL_CERT_FILE": path},
+        "bun": {"NODE_EXTRA_CA_CERTS": path, "SSL_CERT_FILE": path},
+    }[runtime]
 
 
 def base_environment(extra_path: list[Path] | None = None) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """`polar-mitm harness …`: list the presets, print a harness's environment, or run it through the gateway.
 
-    polar-mitm harness env codex --session s1 --task t1 --mode proxy --gateway-proxy http://127.0.0.1:8080
-    eval "$(polar-mitm harness env claude-code --session s1 --mode base-url --gateway-url http://127.0.0.1:8081)"
-    polar-mitm harness run gemini "Write hello into out.txt" --session s1 --mode proxy
+polar-mitm harness env codex --session s1 --task t1 --mode proxy --gateway-proxy http://127.0.0.1:8080
+eval "$(polar-mitm harness env claude-code --session s1 --mode base-url --gateway-url http://127.0.0.1:8081)"
+polar-mitm harness run gemini "Write hello into out.txt" --session s1 --mode proxy
 """
 
 from __future__ import annotations
@@ -18,21 +18,36 @@ import typer
 from polar_mitm.harness import HARNESSES, MODES, HarnessError, Hookup, Prepared, base_environment, get_harness
 from polar_mitm.harness.base import REPO_ROOT
 
-harness_app = typer.Typer(help="Real agent CLIs (unmodified) through the gateway: HOME, environment, command.",
-                          no_args_is_help=True)
+harness_app = typer.Typer(
+    help="Real agent CLIs (unmodified) through the gateway: HOME, environment, command.", no_args_is_help=True
+)
 
 NameArg = Annotated[str, typer.Argument(help=f"One of: {', '.join(HARNESSES)}.")]
 SessionOpt = Annotated[str, typer.Option(help="Session id (recorded with every model call).")]
 TaskOpt = Annotated[str | None, typer.Option(help="Task id (optional).")]
-ModeOpt = Annotated[str, typer.Option(help="proxy (HTTPS_PROXY + mitmproxy CA) | base-url (provider base URL).")]
-ProxyOpt = Annotated[str, typer.Option("--gateway-proxy", help="The gateway's regular (HTTPS_PROXY) listener.")]
+ModeOpt = Annotated[
+    str, typer.Option(help="proxy (HTTPS_PROXY + mitmproxy CA) | base-url (provider base URL).")
+]
+ProxyOpt = Annotated[
+    str, typer.Option("--gateway-proxy", help="The gateway's regular (HTTPS_PROXY) listener.")
+]
 UrlOpt = Annotated[str, typer.Option("--gateway-url", help="The gateway's reverse (base-URL) listener.")]
-HomeOpt = Annotated[Path | None, typer.Option(help="HOME for the harness (default: a new temporary directory).")]
+HomeOpt = Annotated[
+    Path | None, typer.Option(help="HOME for the harness (default: a new temporary directory).")
+]
 ConfdirOpt = Annotated[Path, typer.Option(help="The gateway's mitmproxy confdir (its CA, for proxy mode).")]
 
 
-def prepare(name: str, session: str, task: str | None, mode: str, gateway_proxy: str, gateway_url: str,
-            home: Path | None, confdir: Path) -> Prepared:
+def prepare(
+    name: str,
+    session: str,
+    task: str | None,
+    mode: str,
+    gateway_proxy: str,
+    gateway_url: str,
+    home: Path | None,
+    confdir: Path,
+) -> Prepared:
     """Build the hook-up (and, in proxy mode, the CA bundle in HOME) and prepare the harness."""
     if mode not in MODES:
         raise typer.BadParameter(f"--mode must be one of {', '.join(MODES)}")
@@ -47,8 +62,14 @@ def prepare(name: str, session: str, task: str | None, mode: str, gateway_proxy:
         if not ca_cert.exists():
             raise typer.BadParameter(f"{ca_cert} not found: start the gateway once, or pass its --confdir")
         bundle = write_ca_bundle(ca_cert, home / "ca-bundle.pem")
-    hookup = Hookup(mode, session=session, task=task, gateway_proxy=gateway_proxy,  # type: ignore[arg-type]
-                    gateway_url=gateway_url, ca_bundle=bundle)
+    hookup = Hookup(
+        mode,
+        session=session,
+        task=task,
+        gateway_proxy=gateway_proxy,  # type: ignore[arg-type]
+        gateway_url=gateway_url,
+        ca_bundle=bundle,
+    )
     return harness.prepare(hookup, home)
 
 
@@ -63,9 +84,16 @@ def list_command() -> None:
 
 
 @harness_app.command("env")
-def env_command(name: NameArg, session: SessionOpt, task: TaskOpt = None, mode: ModeOpt = "proxy",
-                gateway_proxy: ProxyOpt = "http://127.0.0.1:8080", gateway_url: UrlOpt = "http://127.0.0.1:8081",
-                home: HomeOpt = None, confdir: ConfdirOpt = Path("~/.mitmproxy")) -> None:
+def env_command(
+    name: NameArg,
+    session: SessionOpt,
+    task: TaskOpt = None,
+    mode: ModeOpt = "proxy",
+    gateway_proxy: ProxyOpt = "http://127.0.0.1:8080",
+    gateway_url: UrlOpt = "http://127.0.0.1:8081",
+    home: HomeOpt = None,
+    confdir: ConfdirOpt = Path("~/.mitmproxy"),
+) -> None:
     """Write the harness's config files into HOME and print its environment as `export` lines."""
     try:
         prepared = prepare(name, session, task, mode, gateway_proxy, gateway_url, home, confdir)
@@ -79,11 +107,18 @@ def env_command(name: NameArg, session: SessionOpt, task: TaskOpt = None, mode: 
 
 
 @harness_app.command("run")
-def run_command(name: NameArg, prompt: Annotated[str, typer.Argument(help="The task for the agent.")],
-                session: SessionOpt, task: TaskOpt = None, mode: ModeOpt = "proxy",
-                gateway_proxy: ProxyOpt = "http://127.0.0.1:8080", gateway_url: UrlOpt = "http://127.0.0.1:8081",
-                home: HomeOpt = None, confdir: ConfdirOpt = Path("~/.mitmproxy"),
-                workspace: Annotated[Path, typer.Option(help="Where the agent works.")] = Path(".")) -> None:
+def run_command(
+    name: NameArg,
+    prompt: Annotated[str, typer.Argument(help="The task for the agent.")],
+    session: SessionOpt,
+    task: TaskOpt = None,
+    mode: ModeOpt = "proxy",
+    gateway_proxy: ProxyOpt = "http://127.0.0.1:8080",
+    gateway_url: UrlOpt = "http://127.0.0.1:8081",
+    home: HomeOpt = None,
+    confdir: ConfdirOpt = Path("~/.mitmproxy"),
+    workspace: Annotated[Path, typer.Option(help="Where the agent works.")] = Path("."),
+) -> None:
     """Run a one-shot prompt with the harness, hooked to the gateway (replaces this process)."""
     try:
         prepared = prepare(name, session, task, mode, gateway_proxy, gateway_url, home, confdir)

@@ -66,8 +66,12 @@ class Codex(Harness):
 
     def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:
         key = hookup.api_key
-        return {"CODEX_HOME": str(home / ".codex"), "CODEX_API_KEY": key, "OPENAI_API_KEY": key,
-                "POLAR_API_KEY": key}
+        return {
+            "CODEX_HOME": str(home / ".codex"),
+            "CODEX_API_KEY": key,
+            "OPENAI_API_KEY": key,
+            "POLAR_API_KEY": key,
+        }
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["exec", "--skip-git-repo-check", "--json", prompt]

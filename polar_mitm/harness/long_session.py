@@ -23,8 +23,10 @@ from polar_mitm.gateway.call_kind import COMPACTION_MARKERS
 from polar_mitm.harness.policy import GEMINI_ROUTER, SIDE_TEXT, shell_call
 
 PHASE_B = "PHASE-B-STARTS"
-SUMMARY = (f"<summary>\nThe user asked for a series of shell steps. The first steps ran and printed long number "
-           f"lists. {PHASE_B}: go on with the short steps.\n</summary>")
+SUMMARY = (
+    f"<summary>\nThe user asked for a series of shell steps. The first steps ran and printed long number "
+    f"lists. {PHASE_B}: go on with the short steps.\n</summary>"
+)
 FINAL = "Done: every step ran."
 
 
@@ -36,8 +38,9 @@ def b_marker(k: int) -> str:
     return f"STEP-B{k:02d}"
 
 
-def long_session_script(*, a_steps: int = 10, b_steps: int = 5, a_lines: int = 300,
-                        a_final: str | None = None) -> dict[str, Any]:
+def long_session_script(
+    *, a_steps: int = 10, b_steps: int = 5, a_lines: int = 300, a_final: str | None = None
+) -> dict[str, Any]:
     """The script (engine/script.py format). Each A step prints `a_lines` numbers of six digits (~7 tokens a
     line with Qwen's tokenizer, which splits digits).
 

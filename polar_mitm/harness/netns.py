@@ -37,8 +37,13 @@ class LoopbackNamespace:
             raise NamespaceUnavailable(f"missing {', '.join(missing)} (util-linux, iproute2)")
         flags = ["--user", "--map-root-user", "--net"] if self.user_ns else ["--net"]
         script = f"ip link set lo up && echo {READY} && exec sleep infinity"
-        self.holder = subprocess.Popen(["unshare", *flags, "--", "sh", "-c", script], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.holder = subprocess.Popen(
+            ["unshare", *flags, "--", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         assert self.holder.stdout is not None
         line = self._read_line(timeout)
         if line.strip() != READY:

@@ -26,17 +26,23 @@ class OpenCode(Harness):
     )
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
-        config: dict = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled"}
+        config: dict = {
+            "$schema": "https://opencode.ai/config.json",
+            "autoupdate": False,
+            "share": "disabled",
+        }
         if hookup.mode == "proxy":
             config["model"] = FIRST_PARTY_MODEL
         else:
             config["model"] = "polar/polar-model"
-            config["provider"] = {"polar": {
-                "npm": "@ai-sdk/openai-compatible",  # bundled in the binary: nothing is downloaded
-                "name": "polar-mitm",
-                "options": {"baseURL": hookup.base_url("/v1"), "apiKey": "{env:POLAR_API_KEY}"},
-                "models": {"polar-model": {"name": "polar-model"}},
-            }}
+            config["provider"] = {
+                "polar": {
+                    "npm": "@ai-sdk/openai-compatible",  # bundled in the binary: nothing is downloaded
+                    "name": "polar-mitm",
+                    "options": {"baseURL": hookup.base_url("/v1"), "apiKey": "{env:POLAR_API_KEY}"},
+                    "models": {"polar-model": {"name": "polar-model"}},
+                }
+            }
         return {".config/opencode/opencode.json": json.dumps(config, indent=2) + "\n"}
 
     def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:

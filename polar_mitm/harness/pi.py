@@ -28,20 +28,29 @@ class Pi(Harness):
         settings = {"defaultProvider": provider, "defaultModel": model, "enableInstallTelemetry": False}
         files = {".pi/agent/settings.json": json.dumps(settings, indent=2) + "\n"}
         if hookup.mode == "base-url":
-            models = {"providers": {provider: {
-                "baseUrl": hookup.base_url("/v1"),
-                "api": "openai-completions",
-                "apiKey": "POLAR_API_KEY",  # the name of the variable that holds it
-                # SGLang-style servers: a system message rather than `developer`, no reasoning_effort.
-                "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
-                "models": [{"id": model, "reasoning": True, "contextWindow": 131072, "maxTokens": 8192}],
-            }}}
+            models = {
+                "providers": {
+                    provider: {
+                        "baseUrl": hookup.base_url("/v1"),
+                        "api": "openai-completions",
+                        "apiKey": "POLAR_API_KEY",  # the name of the variable that holds it
+                        # SGLang-style servers: a system message rather than `developer`, no reasoning_effort.
+                        "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
+                        "models": [
+                            {"id": model, "reasoning": True, "contextWindow": 131072, "maxTokens": 8192}
+                        ],
+                    }
+                }
+            }
             files[".pi/agent/models.json"] = json.dumps(models, indent=2) + "\n"
         return files
 
     def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:
-        return {"PI_CODING_AGENT_DIR": str(home / ".pi" / "agent"), "OPENAI_API_KEY": hookup.api_key,
-                "POLAR_API_KEY": hookup.api_key}
+        return {
+            "PI_CODING_AGENT_DIR": str(home / ".pi" / "agent"),
+            "OPENAI_API_KEY": hookup.api_key,
+            "POLAR_API_KEY": hookup.api_key,
+        }
 
     def unattended_env(self) -> dict[str, str]:
         return {"PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}

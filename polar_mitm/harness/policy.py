@@ -12,11 +12,15 @@ from typing import Any
 from polar_mitm.harness import HARNESSES
 
 THINKING = "The user wants this done with one shell command; then I will check the result."
-GEMINI_ROUTER = {"when": "Complexity Score",
-                 "text": '{"complexity_reasoning": "A single shell command.", "complexity_score": 10}'}
+GEMINI_ROUTER = {
+    "when": "Complexity Score",
+    "text": '{"complexity_reasoning": "A single shell command.", "complexity_score": 10}',
+}
 # Claude Code's compaction turn (`/compact`) asks for a text-only summary of the conversation so far.
-CLAUDE_COMPACT = {"when": "CRITICAL: Respond with TEXT ONLY",
-                  "text": "<summary>\nThe user asked for hello in out.txt; it was written and checked.\n</summary>"}
+CLAUDE_COMPACT = {
+    "when": "CRITICAL: Respond with TEXT ONLY",
+    "text": "<summary>\nThe user asked for hello in out.txt; it was written and checked.\n</summary>",
+}
 SIDE_TEXT = "Write hello into out.txt"  # what title/summary side requests get: short and harmless
 
 

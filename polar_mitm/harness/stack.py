@@ -31,8 +31,10 @@ class HarnessRun:
 
     def describe(self) -> str:
         """For assertion messages: what ran and what it said."""
-        return (f"$ {' '.join(self.argv[-6:])}\nexit {self.returncode} after {self.wall_s:.1f}s\n"
-                f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+        return (
+            f"$ {' '.join(self.argv[-6:])}\nexit {self.returncode} after {self.wall_s:.1f}s\n"
+            f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+        )
 
 
 @dataclass
@@ -47,9 +49,16 @@ class HarnessStack:
     bin_dir: Path = field(default_factory=lambda: REPO_ROOT / "node_modules" / ".bin")
 
     @classmethod
-    def start(cls, root: Path, script: dict[str, Any], *, isolate: bool = True,
-              gateway_options: dict[str, str] | None = None, engine_threads: int | None = None,
-              engine_args: list[str] | None = None) -> HarnessStack:
+    def start(
+        cls,
+        root: Path,
+        script: dict[str, Any],
+        *,
+        isolate: bool = True,
+        gateway_options: dict[str, str] | None = None,
+        engine_threads: int | None = None,
+        engine_args: list[str] | None = None,
+    ) -> HarnessStack:
         root.mkdir(parents=True, exist_ok=True)
         script_file = root / "script.json"
         script_file.write_text(json.dumps(script, indent=1))
@@ -57,24 +66,53 @@ class HarnessStack:
         with ExitStack() as running:
             if netns is not None:
                 running.callback(netns.close)  # last: after the gateway and the engine inside it
-            extra = ["--script", str(script_file)] + (["--threads", str(engine_threads)] if engine_threads else [])
+            extra = ["--script", str(script_file)] + (
+                ["--threads", str(engine_threads)] if engine_threads else []
+            )
             extra += engine_args or []
-            _, gateway = running.enter_context(procs.engine_and_gateway(
-                root / "flows", confdir=root / "conf", model="tiny", engine_args=extra, engine_log=root / "engine.log",
-                gateway_log=root / "gateway.log", gateway_options=gateway_options, netns=netns))
-            return cls(root=root, netns=netns, isolation=isolation, gateway=gateway, running=running.pop_all())
+            _, gateway = running.enter_context(
+                procs.engine_and_gateway(
+                    root / "flows",
+                    confdir=root / "conf",
+                    model="tiny",
+                    engine_args=extra,
+                    engine_log=root / "engine.log",
+                    gateway_log=root / "gateway.log",
+                    gateway_options=gateway_options,
+                    netns=netns,
+                )
+            )
+            return cls(
+                root=root, netns=netns, isolation=isolation, gateway=gateway, running=running.pop_all()
+            )
 
     def stop(self) -> None:
         """The gateway, then the engine, then the namespace."""
         self.running.close()
 
     def hookup(self, mode: Mode, session: str, task: str | None = None) -> Hookup:
-        return Hookup(mode, session=session, task=task, gateway_proxy=self.gateway.proxy_url,
-                      gateway_url=self.gateway.reverse_url,
-                      ca_bundle=self.gateway.ca_bundle() if mode == "proxy" else None)
+        return Hookup(
+            mode,
+            session=session,
+            task=task,
+            gateway_proxy=self.gateway.proxy_url,
+            gateway_url=self.gateway.reverse_url,
+            ca_bundle=self.gateway.ca_bundle() if mode == "proxy" else None,
+        )
 
-    def run(self, harness: Harness, prompt: str, *, mode: Mode, session: str, task: str | None,
-            workspace: Path, home: Path, timeout: float = 240.0, args: list[str] | None = None) -> HarnessRun:
+    def run(
+        self,
+        harness: Harness,
+        prompt: str,
+        *,
+        mode: Mode,
+        session: str,
+        task: str | None,
+        workspace: Path,
+        home: Path,
+        timeout: float = 240.0,
+        args: list[str] | None = None,
+    ) -> HarnessRun:
         """Prepare HOME, then run the harness's one-shot prompt in `workspace` (inside the namespace)."""
         workspace.mkdir(parents=True, exist_ok=True)
         prepared = harness.prepare(self.hookup(mode, session, task), home)
@@ -83,9 +121,16 @@ class HarnessStack:
         started = time.monotonic()
         # Its own process group: on a timeout the harness's helpers (Codex's native binary under its Node
         # launcher, Gemini's relaunched child) go down with it and cannot hold our pipes open.
-        proc = subprocess.Popen(self.netns.wrap(argv) if self.netns else argv, cwd=workspace, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            self.netns.wrap(argv) if self.netns else argv,
+            cwd=workspace,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
             code = proc.returncode
@@ -93,9 +138,18 @@ class HarnessStack:
             procs.kill_group(proc.pid)
             out, err = proc.communicate()
             code, err = -9, err + f"\n[timed out after {timeout:.0f}s]"
-        procs.kill_group(proc.pid)  # helpers it left behind (a one-shot run owns nothing that should outlive it)
-        return HarnessRun(argv=argv, returncode=code, stdout=out, stderr=err, wall_s=time.monotonic() - started,
-                          session=session, workspace=workspace)
+        procs.kill_group(
+            proc.pid
+        )  # helpers it left behind (a one-shot run owns nothing that should outlive it)
+        return HarnessRun(
+            argv=argv,
+            returncode=code,
+            stdout=out,
+            stderr=err,
+            wall_s=time.monotonic() - started,
+            session=session,
+            workspace=workspace,
+        )
 
     def records(self, session: str) -> list[dict[str, Any]]:
         """This session's records (compacted shards and the live journal), in call order."""

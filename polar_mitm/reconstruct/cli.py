@@ -33,20 +33,37 @@ TURN_STYLE = "bold magenta"
 
 
 def merge_command(
-    inputs: Annotated[list[str] | None, typer.Argument(
-        help="Record shards: folders or files, local or any pyarrow filesystem URI (s3://, gs://, …).",
-        show_default="flows/")] = None,
+    inputs: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Record shards: folders or files, local or any pyarrow filesystem URI (s3://, gs://, …).",
+            show_default="flows/",
+        ),
+    ] = None,
     output: Annotated[str, typer.Option("--output", "-o", help="Where to write merged shards.")] = "merged/",
     builder: Annotated[BuilderName, typer.Option(help=BuilderName.__doc__)] = BuilderName.prefix_merging,
-    rewards: Annotated[str | None, typer.Option(
-        help="JSONL or Parquet with session_id, reward (optional task_id).")] = None,
-    eot_token: Annotated[str | None, typer.Option(
-        help="End-of-turn token: an id, or a token text with --tokenizer. Default: auto-detected.")] = None,
-    tokenizer: Annotated[str | None, typer.Option(
-        help="Tokenizer directory or `tiny`/`smollm2`, to find the end-of-turn token.")] = None,
-    drop_unrewarded: Annotated[bool, typer.Option(
-        help="Drop sequences of sessions without a reward (default: keep them with a null reward).")] = False,
-    check: Annotated[bool, typer.Option(help="Check the token-faithfulness invariants on every session.")] = True,
+    rewards: Annotated[
+        str | None, typer.Option(help="JSONL or Parquet with session_id, reward (optional task_id).")
+    ] = None,
+    eot_token: Annotated[
+        str | None,
+        typer.Option(
+            help="End-of-turn token: an id, or a token text with --tokenizer. Default: auto-detected."
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="Tokenizer directory or `tiny`/`smollm2`, to find the end-of-turn token."),
+    ] = None,
+    drop_unrewarded: Annotated[
+        bool,
+        typer.Option(
+            help="Drop sequences of sessions without a reward (default: keep them with a null reward)."
+        ),
+    ] = False,
+    check: Annotated[
+        bool, typer.Option(help="Check the token-faithfulness invariants on every session.")
+    ] = True,
 ) -> None:
     """Turn per-request records into training sequences (prefix_merging or per_request); nothing is dropped."""
     from rich.progress import (
@@ -58,15 +75,29 @@ def merge_command(
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn("[bold]merging"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("[bold]merging"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("records"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("merge", total=None)
         try:
-            summary = merge(inputs or ["flows/"], output, builder=builder.value, rewards=rewards,
-                            eot_token=eot_token, tokenizer=tokenizer, drop_unrewarded=drop_unrewarded, check=check,
-                            on_start=lambda total: progress.update(task, total=total),
-                            on_progress=lambda n: progress.advance(task, n))
+            summary = merge(
+                inputs or ["flows/"],
+                output,
+                builder=builder.value,
+                rewards=rewards,
+                eot_token=eot_token,
+                tokenizer=tokenizer,
+                drop_unrewarded=drop_unrewarded,
+                check=check,
+                on_start=lambda total: progress.update(task, total=total),
+                on_progress=lambda n: progress.advance(task, n),
+            )
         except StorageError as exc:  # MergeError, or inputs/output the stores cannot use
             console.print(f"[red]merge failed:[/] {markup_safe(exc)}", soft_wrap=True)
             raise typer.Exit(1) from exc
@@ -97,18 +128,34 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
     rows: list[tuple[str, str]] = [
         ("sessions", f"{summary.sessions:,}"),
         ("records read", f"{summary.records:,} from {summary.inputs} input(s)"),
-        ("excluded", f"{excluded:,}" + "".join(f"\n  {cause}: {n:,}" for cause, n in summary.excluded.items())),
+        (
+            "excluded",
+            f"{excluded:,}" + "".join(f"\n  {cause}: {n:,}" for cause, n in summary.excluded.items()),
+        ),
         ("requests merged", f"{summary.trainable_records:,}"),
         ("sequences", f"{summary.sequences:,}"),
         ("requests / sequence", f"{summary.records_per_sequence:.2f}"),
-        ("breaks (new sequence) by cause", (f"{sum(summary.breaks.values()):,}" + "".join(
-            f"\n  {cause}: {n:,}" for cause, n in summary.breaks.items())) if summary.builder == "prefix_merging"
-         else "– (one per request)"),
-        ("trainable / total tokens", f"{summary.trainable_tokens:,} / {summary.total_tokens:,} "
-                                     f"({_pct(summary.trainable_tokens, summary.total_tokens)})"),
+        (
+            "breaks (new sequence) by cause",
+            (
+                f"{sum(summary.breaks.values()):,}"
+                + "".join(f"\n  {cause}: {n:,}" for cause, n in summary.breaks.items())
+            )
+            if summary.builder == "prefix_merging"
+            else "– (one per request)",
+        ),
+        (
+            "trainable / total tokens",
+            f"{summary.trainable_tokens:,} / {summary.total_tokens:,} "
+            f"({_pct(summary.trainable_tokens, summary.total_tokens)})",
+        ),
     ]
-    rows.append(("context-exact sampled tokens", context_exact_text(summary.context_exact_tokens,
-                                                                    summary.context_checked_tokens)))
+    rows.append(
+        (
+            "context-exact sampled tokens",
+            context_exact_text(summary.context_exact_tokens, summary.context_checked_tokens),
+        )
+    )
     if summary.eot_token_id is not None:
         rows.append(("end-of-turn token", f"{summary.eot_token_id} ({markup_safe(summary.eot_source)})"))
     if summary.rewarded_sessions or summary.unrewarded_sessions:
@@ -143,7 +190,8 @@ def find_sequences(data: str, ident: str) -> pa.Table:
     if len(wanted) == 0:
         requests = keys["request_ids"].combine_chunks()
         rows = pc.list_parent_indices(requests).to_numpy()[
-            pc.equal(pc.list_flatten(requests), ident).to_numpy(zero_copy_only=False)]
+            pc.equal(pc.list_flatten(requests), ident).to_numpy(zero_copy_only=False)
+        ]
         wanted = pc.take(keys["sequence_id"], pa.array(np.unique(rows)))
     if len(wanted) == 0:
         return keys.schema.empty_table()
@@ -173,7 +221,9 @@ def _elide(text: str, limit: int) -> str:
     return f"{text[:half]} … [{len(text) - 2 * half:,} characters elided; --full shows all] … {text[-half:]}"
 
 
-def render_sequence(seq: MergedSequence, tokenizer, *, logprobs: bool = False, context_chars: int = 1500) -> Text:
+def render_sequence(
+    seq: MergedSequence, tokenizer, *, logprobs: bool = False, context_chars: int = 1500
+) -> Text:
     """A sequence as Rich text: context dim, sampled ids green, a marker before each turn's sampled ids."""
 
     def decode(ids: np.ndarray) -> str:
@@ -209,11 +259,15 @@ def _header(seq: MergedSequence) -> Table:
     table.add_column(style="bold")
     table.add_column()
     for name, value in (
-        ("sequence", seq.sequence_id), ("session", seq.session_id), ("task", seq.task_id),
-        ("builder", seq.builder), ("turns", f"{seq.n_turns}  ({', '.join(seq.request_ids)})"),
+        ("sequence", seq.sequence_id),
+        ("session", seq.session_id),
+        ("task", seq.task_id),
+        ("builder", seq.builder),
+        ("turns", f"{seq.n_turns}  ({', '.join(seq.request_ids)})"),
         ("tokens", f"{len(mask):,} ({int(mask.sum()):,} trainable, prompt {seq.prompt_len:,})"),
         ("weights", f"{seq.weight_version_min} … {seq.weight_version_max}"),
-        ("finish", seq.finish_reason), ("reward", "null" if seq.reward is None else f"{seq.reward:g}"),
+        ("finish", seq.finish_reason),
+        ("reward", "null" if seq.reward is None else f"{seq.reward:g}"),
     ):
         table.add_row(name, plain(value))
     return table
@@ -222,8 +276,9 @@ def _header(seq: MergedSequence) -> Table:
 def show_command(
     ident: Annotated[str, typer.Argument(metavar="ID", help="A sequence id, a session id, or a request id.")],
     data: Annotated[str, typer.Option(help="Merged shards (folder, file or URI).")] = "merged/",
-    tokenizer: Annotated[str, typer.Option(
-        help="Tokenizer directory or `tiny`/`smollm2` to decode with; `none` prints ids.")] = "tiny",
+    tokenizer: Annotated[
+        str, typer.Option(help="Tokenizer directory or `tiny`/`smollm2` to decode with; `none` prints ids.")
+    ] = "tiny",
     logprobs: Annotated[bool, typer.Option("--logprobs", help="Show each sampled token's logprob.")] = False,
     full: Annotated[bool, typer.Option("--full", help="Do not elide long context runs.")] = False,
 ) -> None:
@@ -234,8 +289,10 @@ def show_command(
         console.print(f"[red]{markup_safe(exc)}[/]", soft_wrap=True)
         raise typer.Exit(1) from exc
     if table.num_rows == 0:
-        console.print(f"[red]no sequence, session or request {markup_safe(repr(ident))} in {markup_safe(data)}[/]",
-                      soft_wrap=True)
+        console.print(
+            f"[red]no sequence, session or request {markup_safe(repr(ident))} in {markup_safe(data)}[/]",
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
     tok = None
     if tokenizer.lower() != "none":
@@ -244,14 +301,22 @@ def show_command(
         try:
             tok = load_tokenizer(tokenizer)
         except (OSError, ValueError) as exc:
-            console.print(f"[yellow]cannot load tokenizer {markup_safe(repr(tokenizer))} ({markup_safe(exc)}); "
-                          "showing token ids[/]")
+            console.print(
+                f"[yellow]cannot load tokenizer {markup_safe(repr(tokenizer))} ({markup_safe(exc)}); "
+                "showing token ids[/]"
+            )
     for seq in sequences_from_table(table):
         console.rule(plain(seq.sequence_id))
         console.print(_header(seq))
         console.print(render_sequence(seq, tok, logprobs=logprobs, context_chars=0 if full else 1500))
-    console.print(Text.assemble(("legend: ", "bold"), ("context (mask 0)", CONTEXT_STYLE), "  ",
-                                ("sampled (mask 1)", SAMPLED_STYLE)))
+    console.print(
+        Text.assemble(
+            ("legend: ", "bold"),
+            ("context (mask 0)", CONTEXT_STYLE),
+            "  ",
+            ("sampled (mask 1)", SAMPLED_STYLE),
+        )
+    )
 
 
 # -- stats -------------------------------------------------------------------------------------------------------
@@ -282,12 +347,20 @@ def context_exact_of(data: str, records: str | None) -> str:
         from polar_mitm.storage.records import read_all
 
         recorded = read_all(records).select(["request_id", "prompt_ids"])
-        prompts = {rid: None if ids is None else np.asarray(ids, dtype=np.int32) for rid, ids in zip(
-            recorded["request_id"].to_pylist(), recorded["prompt_ids"].to_pylist(), strict=True)}
+        prompts = {
+            rid: None if ids is None else np.asarray(ids, dtype=np.int32)
+            for rid, ids in zip(
+                recorded["request_id"].to_pylist(), recorded["prompt_ids"].to_pylist(), strict=True
+            )
+        }
         merged = read_merged(data, ["input_ids", "loss_mask", "request_ids"])
         exact = checked = 0
-        for ids, mask, request_ids in zip(merged["input_ids"].to_pylist(), merged["loss_mask"].to_pylist(),
-                                          merged["request_ids"].to_pylist(), strict=True):
+        for ids, mask, request_ids in zip(
+            merged["input_ids"].to_pylist(),
+            merged["loss_mask"].to_pylist(),
+            merged["request_ids"].to_pylist(),
+            strict=True,
+        ):
             fidelity = sequence_fidelity(np.asarray(ids), np.asarray(mask), request_ids, prompts)
             exact, checked = exact + fidelity.exact_tokens, checked + fidelity.sampled_tokens
         return context_exact_text(exact, checked)
@@ -309,8 +382,10 @@ def write_histograms(stats: dict[str, Any], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, values, title in ((axes[0], stats["lengths"], "sequence length (tokens)"),
-                              (axes[1], stats["trainable"], "trainable tokens per sequence")):
+    for ax, values, title in (
+        (axes[0], stats["lengths"], "sequence length (tokens)"),
+        (axes[1], stats["trainable"], "trainable tokens per sequence"),
+    ):
         ax.hist(values, bins=min(50, max(1, len(values))), color="#3b7dd8", edgecolor="white")
         ax.set_title(title)
         ax.set_xlabel("tokens")
@@ -324,10 +399,18 @@ def write_histograms(stats: dict[str, Any], png: Path) -> None:
 
 def stats_command(
     data: Annotated[str, typer.Argument(help="Merged shards (folder, file or URI).")] = "merged/",
-    png: Annotated[Path | None, typer.Option(
-        help="Histogram PNG (default: DATA/stats.png for a local folder, else ./merged-stats.png).")] = None,
-    records: Annotated[str | None, typer.Option(
-        help="Record folder to measure context fidelity against (default: the figure merge saved).")] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option(
+            help="Histogram PNG (default: DATA/stats.png for a local folder, else ./merged-stats.png)."
+        ),
+    ] = None,
+    records: Annotated[
+        str | None,
+        typer.Option(
+            help="Record folder to measure context fidelity against (default: the figure merge saved)."
+        ),
+    ] = None,
 ) -> None:
     """Summarise merged sequences: a table, plus a PNG with length and trainable-token histograms."""
     try:
@@ -344,26 +427,44 @@ def stats_command(
     out.add_column("")
     for name in ("total", "mean", "median", "p90", "max"):
         out.add_column(name, justify="right")
-    for name, values in (("sequence length", lengths), ("trainable tokens", trainable),
-                         ("context tokens", lengths - trainable)):
-        out.add_row(name, f"{int(values.sum()):,}", f"{values.mean():,.0f}", f"{np.median(values):,.0f}",
-                    f"{np.percentile(values, 90):,.0f}", f"{int(values.max()):,}")
+    for name, values in (
+        ("sequence length", lengths),
+        ("trainable tokens", trainable),
+        ("context tokens", lengths - trainable),
+    ):
+        out.add_row(
+            name,
+            f"{int(values.sum()):,}",
+            f"{values.mean():,.0f}",
+            f"{np.median(values):,.0f}",
+            f"{np.percentile(values, 90):,.0f}",
+            f"{int(values.max()):,}",
+        )
     console.print(out)
     facts = Table(show_header=False, box=None)
     facts.add_column(style="bold")
     facts.add_column()
     rewards = stats["rewards"]
     for name, value in (
-        ("builder", markup_safe(", ".join(stats["builders"]))), ("sessions", f"{stats['sessions']:,}"),
-        ("sequences", f"{stats['sequences']:,}"), ("requests", f"{stats['requests']:,}"),
+        ("builder", markup_safe(", ".join(stats["builders"]))),
+        ("sessions", f"{stats['sessions']:,}"),
+        ("sequences", f"{stats['sequences']:,}"),
+        ("requests", f"{stats['requests']:,}"),
         ("requests / sequence", f"{stats['requests'] / stats['sequences']:.2f}"),
         ("trainable share", _pct(int(trainable.sum()), int(lengths.sum()))),
-        ("rewarded sequences", f"{len(rewards):,}" + (f" (mean reward {rewards.mean():.3f})" if len(rewards) else "")),
+        (
+            "rewarded sequences",
+            f"{len(rewards):,}" + (f" (mean reward {rewards.mean():.3f})" if len(rewards) else ""),
+        ),
         ("context-exact sampled tokens", context_exact_of(data, records)),
     ):
         facts.add_row(name, value)
     console.print(facts)
     if png is None:
-        png = Path(data) / "stats.png" if "://" not in data and Path(data).is_dir() else Path("merged-stats.png")
+        png = (
+            Path(data) / "stats.png"
+            if "://" not in data and Path(data).is_dir()
+            else Path("merged-stats.png")
+        )
     write_histograms(stats, png)
     console.print(f"histograms: {markup_safe(png)}", soft_wrap=True)

@@ -44,8 +44,12 @@ def sampled_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True))
 
 
-def sequence_fidelity(input_ids: np.ndarray, loss_mask: np.ndarray, request_ids: Sequence[str],
-                      prompts: Mapping[str, np.ndarray | None]) -> Fidelity:
+def sequence_fidelity(
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    request_ids: Sequence[str],
+    prompts: Mapping[str, np.ndarray | None],
+) -> Fidelity:
     """Fidelity of one merged sequence; `prompts` maps request id → recorded prompt ids (missing: not exact)."""
     result = Fidelity()
     ids = np.asarray(input_ids)
@@ -65,7 +69,9 @@ def sequence_fidelity(input_ids: np.ndarray, loss_mask: np.ndarray, request_ids:
     return result
 
 
-def sequences_fidelity(sequences: Sequence[MergedSequence], prompts: Mapping[str, np.ndarray | None]) -> Fidelity:
+def sequences_fidelity(
+    sequences: Sequence[MergedSequence], prompts: Mapping[str, np.ndarray | None]
+) -> Fidelity:
     total = Fidelity()
     for seq in sequences:
         total.add(sequence_fidelity(seq.input_ids, seq.loss_mask, seq.request_ids, prompts))

@@ -27,17 +27,25 @@ from polar_mitm.storage.merged import MergedSequence
 class InvariantError(ValueError):
     """Merged output that is not token-faithful to its records; says which sequence, turn and position."""
 
-    def __init__(self, message: str, *, sequence_id: str | None = None, request_id: str | None = None) -> None:
-        where = ", ".join(part for part in (
-            f"sequence {sequence_id!r}" if sequence_id else "",
-            f"request {request_id!r}" if request_id else "") if part)
+    def __init__(
+        self, message: str, *, sequence_id: str | None = None, request_id: str | None = None
+    ) -> None:
+        where = ", ".join(
+            part
+            for part in (
+                f"sequence {sequence_id!r}" if sequence_id else "",
+                f"request {request_id!r}" if request_id else "",
+            )
+            if part
+        )
         super().__init__(f"{where}: {message}" if where else message)
         self.sequence_id = sequence_id
         self.request_id = request_id
 
 
-def check_invariants(records: pa.Table | Iterable[TurnRecord],
-                     sequences: pa.Table | Iterable[MergedSequence]) -> None:
+def check_invariants(
+    records: pa.Table | Iterable[TurnRecord], sequences: pa.Table | Iterable[MergedSequence]
+) -> None:
     """Raise InvariantError unless `sequences` are a token-faithful, complete rendering of `records`.
 
     `records` may hold error, abort, malformed and duplicate records: they are filtered the way merge filters
@@ -59,25 +67,32 @@ def check_invariants(records: pa.Table | Iterable[TurnRecord],
         for request_id in seq.request_ids:
             key = (seq.session_id, request_id)
             if key in placed:
-                raise InvariantError(f"appears twice (also in {placed[key]!r})", sequence_id=seq.sequence_id,
-                                     request_id=request_id)
+                raise InvariantError(
+                    f"appears twice (also in {placed[key]!r})",
+                    sequence_id=seq.sequence_id,
+                    request_id=request_id,
+                )
             if key not in trainable:
                 why = "is excluded (error, abort, duplicate or malformed)" if key in known else "is unknown"
-                raise InvariantError(f"record {why} but was merged", sequence_id=seq.sequence_id,
-                                     request_id=request_id)
+                raise InvariantError(
+                    f"record {why} but was merged", sequence_id=seq.sequence_id, request_id=request_id
+                )
             placed[key] = seq.sequence_id
         _check_sequence(seq, [trainable[(seq.session_id, r)] for r in seq.request_ids])
     missing = [key for key in trainable if key not in placed]
     if missing:
         session_id, request_id = missing[0]
-        raise InvariantError(f"{len(missing)} trainable record(s) in no sequence (first of session "
-                             f"{session_id!r})", request_id=request_id)
+        raise InvariantError(
+            f"{len(missing)} trainable record(s) in no sequence (first of session {session_id!r})",
+            request_id=request_id,
+        )
 
 
 def _check_sequence(seq: MergedSequence, turns: list[TurnRecord]) -> None:
     def fail(message: str, turn: TurnRecord | None = None) -> InvariantError:
-        return InvariantError(message, sequence_id=seq.sequence_id,
-                              request_id=turn.request_id if turn else None)
+        return InvariantError(
+            message, sequence_id=seq.sequence_id, request_id=turn.request_id if turn else None
+        )
 
     ids, mask, logprobs = (np.asarray(a) for a in (seq.input_ids, seq.loss_mask, seq.logprobs))
     if not len(ids) == len(mask) == len(logprobs):
@@ -98,7 +113,7 @@ def _check_sequence(seq: MergedSequence, turns: list[TurnRecord]) -> None:
     prompt = first.prompt_ids
     if seq.prompt_len != len(prompt):
         raise fail(f"prompt_len {seq.prompt_len} != first prompt length {len(prompt)}", first)
-    if len(ids) < len(prompt) or not np.array_equal(ids[:len(prompt)], prompt) or mask[:len(prompt)].any():
+    if len(ids) < len(prompt) or not np.array_equal(ids[: len(prompt)], prompt) or mask[: len(prompt)].any():
         raise fail("does not start with its first turn's whole prompt at mask 0", first)
     pos = len(prompt)
     for k, turn in enumerate(turns):
@@ -108,9 +123,12 @@ def _check_sequence(seq: MergedSequence, turns: list[TurnRecord]) -> None:
             if n_context < 0:
                 raise fail(f"turn {k}: no sampled ids after position {pos}", turn)
             prompt = turn.prompt_ids
-            if n_context > len(prompt) or not np.array_equal(ids[pos:pos + n_context],
-                                                              prompt[len(prompt) - n_context:]):
-                raise fail(f"turn {k}: the {n_context} context tokens at {pos} are not a tail of its prompt", turn)
+            if n_context > len(prompt) or not np.array_equal(
+                ids[pos : pos + n_context], prompt[len(prompt) - n_context :]
+            ):
+                raise fail(
+                    f"turn {k}: the {n_context} context tokens at {pos} are not a tail of its prompt", turn
+                )
             pos += n_context
         sampled, recorded = turn.completion_ids, turn.completion_logprobs
         end = pos + len(sampled)

@@ -70,8 +70,9 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[Source],
-                inputs: Sequence[str] = ()) -> tuple[int, str]:
+def resolve_eot(
+    eot_token: str | None, tokenizer: str | None, sources: Sequence[Source], inputs: Sequence[str] = ()
+) -> tuple[int, str]:
     """The end-of-turn id and where it came from: --eot-token, the tokenizer, what the gateway recorded about its
     engine next to the records (`_engine.json`), or the records themselves."""
     if eot_token is not None and eot_token.strip().lstrip("-").isdigit():
@@ -95,11 +96,15 @@ def resolve_eot(eot_token: str | None, tokenizer: str | None, sources: Sequence[
         ends = completions.offsets[1:]
         has_last = completions.valid & (ends > completions.offsets[:-1])
         reasons = table.column("finish_reason").to_pylist()
-        last_ids += [(reasons[i] or "", int(completions.values[ends[i] - 1])) for i in np.flatnonzero(has_last)]
+        last_ids += [
+            (reasons[i] or "", int(completions.values[ends[i] - 1])) for i in np.flatnonzero(has_last)
+        ]
     token_id = eot_from_last_tokens(last_ids)
     if token_id is None:
-        raise MergeError("cannot detect the end-of-turn token (no record stopped on its own): "
-                         "pass --eot-token ID or --tokenizer PATH|tiny")
+        raise MergeError(
+            "cannot detect the end-of-turn token (no record stopped on its own): "
+            "pass --eot-token ID or --tokenizer PATH|tiny"
+        )
     return token_id, "most common last sampled id"
 
 
@@ -120,8 +125,10 @@ def recorded_eot(inputs: Sequence[str]) -> tuple[int, str] | None:
                 continue
             found.setdefault(token_id, f"tokenizer {info['tokenizer_path']} (from {directory}/{ENGINE_FILE})")
     if len(found) > 1:
-        raise MergeError(f"the inputs were recorded from engines with different end-of-turn ids ({sorted(found)}): "
-                         "merge them separately, or pass --eot-token ID")
+        raise MergeError(
+            f"the inputs were recorded from engines with different end-of-turn ids ({sorted(found)}): "
+            "merge them separately, or pass --eot-token ID"
+        )
     return next(iter(found.items()), None)
 
 
@@ -144,8 +151,10 @@ def join_reward(sequences: list[MergedSequence], reward: Reward | None) -> None:
             seq.reward = None
             continue
         if reward.task_id is not None and seq.task_id is not None and reward.task_id != seq.task_id:
-            raise MergeError(f"session {seq.session_id!r}: rewards say task {reward.task_id!r}, "
-                             f"records say {seq.task_id!r}")
+            raise MergeError(
+                f"session {seq.session_id!r}: rewards say task {reward.task_id!r}, "
+                f"records say {seq.task_id!r}"
+            )
         seq.reward = reward.reward
         seq.task_id = seq.task_id if seq.task_id is not None else reward.task_id
 
@@ -235,8 +244,10 @@ def index_sessions(sources: Sequence[Source]) -> SessionIndex:
         if column.null_count:
             raise MergeError(f"{source.name}: {column.null_count} record(s) without a session_id")
         encoded = pc.dictionary_encode(column).combine_chunks()
-        lookup = np.array([session_names.setdefault(s, len(session_names))
-                           for s in encoded.dictionary.to_pylist()], dtype=np.int64)
+        lookup = np.array(
+            [session_names.setdefault(s, len(session_names)) for s in encoded.dictionary.to_pylist()],
+            dtype=np.int64,
+        )
         indices = numpy_view(encoded.indices.cast(pa.int64()), np.int64)
         code_parts.append(lookup[indices] if len(lookup) else np.zeros(0, np.int64))
     codes = np.concatenate(code_parts) if code_parts else np.zeros(0, np.int64)
@@ -245,8 +256,13 @@ def index_sessions(sources: Sequence[Source]) -> SessionIndex:
     return SessionIndex(codes=codes, last_row=last_row)
 
 
-def complete_sessions(sources: Sequence[Source], index: SessionIndex, *, batch_rows: int = 256,
-                      on_progress: Callable[[int], None] | None = None) -> Iterator[list[TurnRecord]]:
+def complete_sessions(
+    sources: Sequence[Source],
+    index: SessionIndex,
+    *,
+    batch_rows: int = 256,
+    on_progress: Callable[[int], None] | None = None,
+) -> Iterator[list[TurnRecord]]:
     """Pass 2: stream the rows; yield each session's records as soon as its last one has been read.
 
     A yielded session must be used before the next is asked for: its rows may still point into the batch.
@@ -265,18 +281,34 @@ def complete_sessions(sources: Sequence[Source], index: SessionIndex, *, batch_r
             if on_progress is not None:
                 on_progress(batch.num_rows)
     if buffers.turns:
-        raise MergeError(f"{len(buffers.turns)} session(s) were never completed: the input changed while read")
+        raise MergeError(
+            f"{len(buffers.turns)} session(s) were never completed: the input changed while read"
+        )
 
 
 class _SessionMerger:
     """Pass 2's work on each completed session: build, check, join the reward, count; hand finished sequences to
     `sink` in sorted groups of about `flush_tokens` tokens."""
 
-    def __init__(self, summary: MergeSummary, sink: Callable[[list[MergedSequence]], None], *, build: Builder,
-                 eot_token_id: int | None, rewards: dict[str, Reward] | None, drop_unrewarded: bool, check: bool,
-                 flush_tokens: int) -> None:
+    def __init__(
+        self,
+        summary: MergeSummary,
+        sink: Callable[[list[MergedSequence]], None],
+        *,
+        build: Builder,
+        eot_token_id: int | None,
+        rewards: dict[str, Reward] | None,
+        drop_unrewarded: bool,
+        check: bool,
+        flush_tokens: int,
+    ) -> None:
         self.summary, self.sink, self.build, self.eot_token_id = summary, sink, build, eot_token_id
-        self.rewards, self.drop_unrewarded, self.check, self.flush_tokens = rewards, drop_unrewarded, check, flush_tokens
+        self.rewards, self.drop_unrewarded, self.check, self.flush_tokens = (
+            rewards,
+            drop_unrewarded,
+            check,
+            flush_tokens,
+        )
         self.excluded: Counter[str] = Counter()
         self.breaks: Counter[str] = Counter()
         self.pending: list[MergedSequence] = []
@@ -342,12 +374,21 @@ def merge_sources(
     if builder == "prefix_merging" and eot_token_id is None:
         raise MergeError("prefix_merging needs the end-of-turn token id")
     started = time.perf_counter()
-    summary = MergeSummary(builder=builder, eot_token_id=eot_token_id, inputs=len(sources),
-                           invariants_checked=check)
+    summary = MergeSummary(
+        builder=builder, eot_token_id=eot_token_id, inputs=len(sources), invariants_checked=check
+    )
     index = index_sessions(sources)
     summary.records, summary.sessions = index.records, index.sessions
-    merger = _SessionMerger(summary, sink, build=BUILDERS[builder], eot_token_id=eot_token_id, rewards=rewards,
-                            drop_unrewarded=drop_unrewarded, check=check, flush_tokens=flush_tokens)
+    merger = _SessionMerger(
+        summary,
+        sink,
+        build=BUILDERS[builder],
+        eot_token_id=eot_token_id,
+        rewards=rewards,
+        drop_unrewarded=drop_unrewarded,
+        check=check,
+        flush_tokens=flush_tokens,
+    )
     for session_turns in complete_sessions(sources, index, batch_rows=batch_rows, on_progress=on_progress):
         merger.add(session_turns)
     merger.flush()
@@ -383,17 +424,27 @@ def merge(
         raise MergeError(f"no records found under {', '.join(inputs)}{why}")
     # per_request needs no end-of-turn token: do not load a tokenizer (or scan completions) for nothing.
     needs_eot = builder != "per_request" or eot_token is not None
-    eot_token_id, eot_source = (resolve_eot(eot_token, tokenizer, sources, inputs) if needs_eot
-                               else (None, None))
+    eot_token_id, eot_source = (
+        resolve_eot(eot_token, tokenizer, sources, inputs) if needs_eot else (None, None)
+    )
     reward_table = load_rewards(rewards) if rewards else None
     if drop_unrewarded and reward_table is None:
         raise MergeError("--drop-unrewarded needs --rewards")
     writer = ShardWriter(output)
     if on_start is not None:
         on_start(sum(s.num_rows for s in sources))
-    summary = merge_sources(sources, lambda group: writer.write(sequences_to_table(group)), builder=builder, eot_token_id=eot_token_id, rewards=reward_table,
-                            drop_unrewarded=drop_unrewarded, check=check, batch_rows=batch_rows,
-                            flush_tokens=flush_tokens, on_progress=on_progress)
+    summary = merge_sources(
+        sources,
+        lambda group: writer.write(sequences_to_table(group)),
+        builder=builder,
+        eot_token_id=eot_token_id,
+        rewards=reward_table,
+        drop_unrewarded=drop_unrewarded,
+        check=check,
+        batch_rows=batch_rows,
+        flush_tokens=flush_tokens,
+        on_progress=on_progress,
+    )
     summary.eot_source, summary.shards, summary.skipped_files = eot_source, writer.shards, found.skipped
     summary.problems = found.problems
     summary.seconds = time.perf_counter() - started  # the whole run: listing, end-of-turn detection, merge
@@ -401,13 +452,25 @@ def merge(
     return summary
 
 
-def merge_table(records: pa.Table, *, builder: str = "prefix_merging", eot_token_id: int | None = None,
-                rewards: dict[str, Reward] | None = None, drop_unrewarded: bool = False,
-                check: bool = True) -> tuple[pa.Table, MergeSummary]:
+def merge_table(
+    records: pa.Table,
+    *,
+    builder: str = "prefix_merging",
+    eot_token_id: int | None = None,
+    rewards: dict[str, Reward] | None = None,
+    drop_unrewarded: bool = False,
+    check: bool = True,
+) -> tuple[pa.Table, MergeSummary]:
     """In-memory merge of a records table (same path as `merge`, one output table)."""
     groups: list[list[MergedSequence]] = []
-    summary = merge_sources([table_source(records)], groups.append, builder=builder, eot_token_id=eot_token_id,
-                            rewards=rewards, drop_unrewarded=drop_unrewarded, check=check,
-                            flush_tokens=1 << 62)
+    summary = merge_sources(
+        [table_source(records)],
+        groups.append,
+        builder=builder,
+        eot_token_id=eot_token_id,
+        rewards=rewards,
+        drop_unrewarded=drop_unrewarded,
+        check=check,
+        flush_tokens=1 << 62,
+    )
     return sequences_to_table([s for group in groups for s in group]), summary
-

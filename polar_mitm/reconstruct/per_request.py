@@ -19,7 +19,11 @@ BUILDER_NAME = "per_request"
 
 def sequence_of_turn(turn: TurnRecord, builder: str = BUILDER_NAME) -> MergedSequence:
     """The one-turn sequence of a trainable record (see `turns.exclusion_reason`)."""
-    assert turn.prompt_ids is not None and turn.completion_ids is not None and turn.completion_logprobs is not None
+    assert (
+        turn.prompt_ids is not None
+        and turn.completion_ids is not None
+        and turn.completion_logprobs is not None
+    )
     n_prompt, n_sampled = len(turn.prompt_ids), len(turn.completion_ids)
     mask = np.zeros(n_prompt + n_sampled, dtype=np.int8)
     mask[n_prompt:] = 1

@@ -78,7 +78,7 @@ class PrefixHasher:
     def prefix_hashes(self, ids: np.ndarray) -> np.ndarray:
         """uint64 array h with h[i] the hash of ids[:i + 1]."""
         self._ensure(len(ids))
-        return np.cumsum(ids.astype(np.uint64) * self._weights[:len(ids)], dtype=np.uint64)
+        return np.cumsum(ids.astype(np.uint64) * self._weights[: len(ids)], dtype=np.uint64)
 
 
 _HASHER = PrefixHasher()
@@ -112,7 +112,8 @@ class _ChainTable:
         slot = len(self.chains)
         if slot == len(self._lengths):
             self._lengths, self._hashes, self._stamps = (
-                np.concatenate([a, np.zeros_like(a)]) for a in (self._lengths, self._hashes, self._stamps))
+                np.concatenate([a, np.zeros_like(a)]) for a in (self._lengths, self._hashes, self._stamps)
+            )
         self.chains.append(chain)
         self.update(slot)
 
@@ -143,7 +144,7 @@ class _ChainTable:
         # Best first: longest tip, then latest extension.
         for slot in candidates[np.lexsort((stamps[candidates], lengths[candidates]))[::-1]]:
             tip = self.chains[slot].tip
-            if np.array_equal(prompt[:len(tip)], tip):  # rules out a hash collision
+            if np.array_equal(prompt[: len(tip)], tip):  # rules out a hash collision
                 return int(slot)
         return None
 
@@ -203,14 +204,24 @@ def build_prefix_merging(turns: Sequence[TurnRecord], *, eot_token_id: int | Non
             chain.tip_closed, chain.last_extended = _ends_turn(sampled, eot_token_id), step
             table.update(slot)
         else:
-            table.add(_Chain(turns=[turn], contexts=[prompt], tip=prompt, tip_hash=int(hashes[-1]),
-                             tip_closed=_ends_turn(sampled, eot_token_id), last_extended=step))
-    return BuildResult(sequences=[assemble(chain.turns, chain.contexts) for chain in table.chains],
-                       breaks=breaks)
+            table.add(
+                _Chain(
+                    turns=[turn],
+                    contexts=[prompt],
+                    tip=prompt,
+                    tip_hash=int(hashes[-1]),
+                    tip_closed=_ends_turn(sampled, eot_token_id),
+                    last_extended=step,
+                )
+            )
+    return BuildResult(
+        sequences=[assemble(chain.turns, chain.contexts) for chain in table.chains], breaks=breaks
+    )
 
 
-def assemble(turns: Sequence[TurnRecord], contexts: Sequence[np.ndarray],
-             builder: str = BUILDER_NAME) -> MergedSequence:
+def assemble(
+    turns: Sequence[TurnRecord], contexts: Sequence[np.ndarray], builder: str = BUILDER_NAME
+) -> MergedSequence:
     """context₀ + sampled₀ + context₁ + sampled₁ + … as one sequence (mask 1 and logprobs on sampled ids only).
 
     `extra["sampled_starts"]` keeps where each turn's sampled ids begin (not persisted).
@@ -223,12 +234,12 @@ def assemble(turns: Sequence[TurnRecord], contexts: Sequence[np.ndarray],
     starts = []
     pos = 0
     for (n_context, n_sampled), context, turn in zip(sizes, contexts, turns, strict=True):
-        input_ids[pos:pos + n_context] = context
+        input_ids[pos : pos + n_context] = context
         pos += n_context
         starts.append(pos)
-        input_ids[pos:pos + n_sampled] = turn.completion_ids
-        loss_mask[pos:pos + n_sampled] = 1
-        logprobs[pos:pos + n_sampled] = turn.completion_logprobs
+        input_ids[pos : pos + n_sampled] = turn.completion_ids
+        loss_mask[pos : pos + n_sampled] = 1
+        logprobs[pos : pos + n_sampled] = turn.completion_logprobs
         pos += n_sampled
     low, high = weight_version_range(t.weight_version for t in turns)
     first = turns[0]
@@ -271,7 +282,7 @@ def polar_routing(turns: Sequence[TurnRecord], *, eot_token_id: int) -> PolarRou
     chain = [turns[0].request_id]
     for i, turn in enumerate(turns[1:], start=1):
         prompt = turn.prompt_ids
-        extends = len(prompt) >= len(tip) and np.array_equal(prompt[:len(tip)], tip)
+        extends = len(prompt) >= len(tip) and np.array_equal(prompt[: len(tip)], tip)
         if not extends or splice_point(prompt, len(tip), closed, eot_token_id) is None:
             return PolarRouting(chain=chain, dropped=[t.request_id for t in turns[i:]])
         chain.append(turn.request_id)

@@ -64,7 +64,9 @@ class TurnRecord:
     # harness's history not to continue any sampled stream, so merge must not splice it either.
     new_chain: bool = False
     call_kind: str | None = None  # main | side | compaction (record schema v3; None before)
-    constrained: bool | None = None  # output was grammar-constrained (record `output_constraint`; None before v3)
+    constrained: bool | None = (
+        None  # output was grammar-constrained (record `output_constraint`; None before v3)
+    )
 
     def sort_key(self) -> tuple[int, int, str, int]:
         return (self.seq, self.started_at, self.request_id, self.position)
@@ -147,7 +149,7 @@ class ListColumn:
     def row(self, i: int) -> np.ndarray | None:
         if not self.valid[i]:
             return None
-        return self.values[self.offsets[i]:self.offsets[i + 1]]
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
 def numpy_view(array: pa.Array, dtype: type[np.generic]) -> np.ndarray:
@@ -184,12 +186,22 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     constraints = table.column("output_constraint").to_pylist() if "output_constraint" in names else None
     return [
         TurnRecord(
-            request_id=request_ids[i], session_id=session_ids[i], seq=int(seqs[i]),
-            finish_reason=finish[i] or "", prompt_ids=prompts.row(i), completion_ids=completions.row(i),
-            completion_logprobs=logprobs.row(i), task_id=task_ids[i], started_at=started[i],
-            weight_version=versions[i], error=errors[i], position=first_position + i,
-            **{name: values[i] for name, values in sampling.items()}, new_chain=spliced[i] == 0,
-            call_kind=kinds[i], constrained=None if constraints is None else constraints[i] is not None,
+            request_id=request_ids[i],
+            session_id=session_ids[i],
+            seq=int(seqs[i]),
+            finish_reason=finish[i] or "",
+            prompt_ids=prompts.row(i),
+            completion_ids=completions.row(i),
+            completion_logprobs=logprobs.row(i),
+            task_id=task_ids[i],
+            started_at=started[i],
+            weight_version=versions[i],
+            error=errors[i],
+            position=first_position + i,
+            **{name: values[i] for name, values in sampling.items()},
+            new_chain=spliced[i] == 0,
+            call_kind=kinds[i],
+            constrained=None if constraints is None else constraints[i] is not None,
         )
         for i in range(n)
     ]
@@ -210,7 +222,9 @@ def _list_array(parts: Sequence[np.ndarray], value_type: pa.DataType, dtype: typ
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] >= 2**31:  # list<> has int32 offsets: the caller must write smaller batches
-        raise ValueError(f"{offsets[-1]} tokens in one batch exceed Arrow list offsets; write smaller batches")
+        raise ValueError(
+            f"{offsets[-1]} tokens in one batch exceed Arrow list offsets; write smaller batches"
+        )
     values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=value_type))
 
@@ -236,16 +250,23 @@ def sequences_from_table(table: pa.Table) -> list[MergedSequence]:
     ids = ListColumn.from_arrow(table.column("input_ids"), np.int32)
     mask = ListColumn.from_arrow(table.column("loss_mask"), np.int8)
     lps = ListColumn.from_arrow(table.column("logprobs"), np.float32)
-    scalars = {name: table.column(name).to_pylist() for name in MERGED_SCHEMA.names
-               if name not in ("input_ids", "loss_mask", "logprobs") and name in table.schema.names}
+    scalars = {
+        name: table.column(name).to_pylist()
+        for name in MERGED_SCHEMA.names
+        if name not in ("input_ids", "loss_mask", "logprobs") and name in table.schema.names
+    }
     out = []
     for i in range(table.num_rows):
         row = {name: values[i] for name, values in scalars.items()}
         row.pop("schema_version", None)
-        out.append(MergedSequence(
-            input_ids=_or_empty(ids.row(i), EMPTY_IDS), loss_mask=_or_empty(mask.row(i), np.zeros(0, np.int8)),
-            logprobs=_or_empty(lps.row(i), EMPTY_LOGPROBS), **row,
-        ))
+        out.append(
+            MergedSequence(
+                input_ids=_or_empty(ids.row(i), EMPTY_IDS),
+                loss_mask=_or_empty(mask.row(i), np.zeros(0, np.int8)),
+                logprobs=_or_empty(lps.row(i), EMPTY_LOGPROBS),
+                **row,
+            )
+        )
     return out
 
 

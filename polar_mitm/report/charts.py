@@ -20,8 +20,12 @@ from polar_mitm.report.collect import RunData, reward_summary
 STEP_CHARTS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("loss", "loss", "loss", ("loss",)),
     ("kl", "KL to the reference model", "KL", ("kl",)),
-    ("clip", "clip ratio", "fraction of tokens", ("clip_ratio/region_mean", "clip_ratio/low_mean",
-                                                   "clip_ratio/high_mean")),
+    (
+        "clip",
+        "clip ratio",
+        "fraction of tokens",
+        ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
+    ),
     ("staleness", "staleness (weight versions behind)", "versions", ("staleness/mean", "staleness/max")),
 )
 
@@ -75,15 +79,19 @@ def build_charts(run: RunData) -> list[Chart]:
 
 def reward_chart(run: RunData) -> Chart:
     """Mean session reward (±std) per iteration; for a single train run, the per-step reward of its batches."""
-    points = [(i, summary) for i, stage in enumerate(run.stages)
-              if (summary := reward_summary(stage)) is not None]
+    points = [
+        (i, summary) for i, stage in enumerate(run.stages) if (summary := reward_summary(stage)) is not None
+    ]
     if run.kind == "loop" and points:
         return Chart("reward", "mean session reward per iteration (±std)", errorbar_svg(points))
     rows, boundaries = step_series(run)
     series = {"reward": [(r["global_step"], r["reward"]) for r in rows if _finite(r.get("reward"))]}
     if series["reward"]:
-        return Chart("reward", "reward of the training batches", line_svg(series, boundaries, ylabel="reward",
-                                                                           salt="reward"))
+        return Chart(
+            "reward",
+            "reward of the training batches",
+            line_svg(series, boundaries, ylabel="reward", salt="reward"),
+        )
     if points:
         return Chart("reward", "mean session reward (±std)", errorbar_svg(points))
     return Chart("reward", "reward", None, "no rewards in this run")
@@ -107,10 +115,12 @@ def _svg(plt, fig, salt: str) -> str:
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"polar-report-{salt}"}):
         buffer = io.StringIO()
         fig.tight_layout()
-        fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+        fig.savefig(
+            buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None}
+        )
     plt.close(fig)
     text = buffer.getvalue()
-    return text[text.index("<svg"):]  # drop the XML declaration and DOCTYPE: the SVG is inlined in HTML
+    return text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: the SVG is inlined in HTML
 
 
 def errorbar_svg(points: Sequence[tuple[int, tuple[float, float]]]) -> str:
@@ -124,12 +134,17 @@ def errorbar_svg(points: Sequence[tuple[int, tuple[float, float]]]) -> str:
     return _svg(plt, fig, "reward")
 
 
-def line_svg(series: dict[str, list[tuple[int, float]]], boundaries: Sequence[int], *, ylabel: str,
-             salt: str) -> str:
+def line_svg(
+    series: dict[str, list[tuple[int, float]]], boundaries: Sequence[int], *, ylabel: str, salt: str
+) -> str:
     plt, fig, ax = _figure()
     for name, points in series.items():
-        ax.plot([x for x, _ in points], [y for _, y in points], marker="." if len(points) < 40 else None,
-                label=name)
+        ax.plot(
+            [x for x, _ in points],
+            [y for _, y in points],
+            marker="." if len(points) < 40 else None,
+            label=name,
+        )
     for step in boundaries:
         ax.axvline(step + 0.5, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("training step" + (" (dotted: next iteration)" if boundaries else ""))

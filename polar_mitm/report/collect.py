@@ -52,12 +52,16 @@ def collect_run(root: str | Path) -> RunData:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    iteration_dirs = sorted((p for p in root.glob("iter-*") if p.is_dir() and _iteration_index(p) is not None),
-                            key=_iteration_index)
+    iteration_dirs = sorted(
+        (p for p in root.glob("iter-*") if p.is_dir() and _iteration_index(p) is not None),
+        key=_iteration_index,
+    )
     if iteration_dirs:
         stats = _loop_stats(root)
-        stages = [read_stage(d, f"iteration {_iteration_index(d)}", stats.get(_iteration_index(d)))
-                  for d in iteration_dirs]
+        stages = [
+            read_stage(d, f"iteration {_iteration_index(d)}", stats.get(_iteration_index(d)))
+            for d in iteration_dirs
+        ]
         run = RunData(root=root, kind="loop", stages=stages)
     else:
         run = RunData(root=root, kind="stage", stages=[read_stage(root, root.name)])
@@ -133,7 +137,9 @@ def pass_rates(stage: Stage) -> dict[str, tuple[int, int, float]]:
     for row in stage.rewards:
         if row["reward"] is not None:
             by_task.setdefault(row["task_id"] or "(no task)", []).append(float(row["reward"]))
-    return {task: (sum(r > 0 for r in rs), len(rs), sum(rs) / len(rs)) for task, rs in sorted(by_task.items())}
+    return {
+        task: (sum(r > 0 for r in rs), len(rs), sum(rs) / len(rs)) for task, rs in sorted(by_task.items())
+    }
 
 
 def reward_summary(stage: Stage) -> tuple[float, float] | None:

@@ -13,8 +13,9 @@ from polar_mitm.report.trajectories import load_report_tokenizer, read_trajector
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, *, tokenizer: str | None = None,
-                 sessions: int = 6) -> Path:
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, *, tokenizer: str | None = None, sessions: int = 6
+) -> Path:
     """Write the report of `run_dir` to `out` (default `<run_dir>/report.html`); return its path."""
     run = collect_run(run_dir)
     out = Path(out) if out is not None else run.root / "report.html"
@@ -27,9 +28,16 @@ def render_html(run: RunData, *, tokenizer: str | None = None, sessions: int = 6
     """The report page of `run` as one string."""
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    return env.get_template("report.html.j2").render(**page_context(run, tokenizer=tokenizer, sessions=sessions))
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    return env.get_template("report.html.j2").render(
+        **page_context(run, tokenizer=tokenizer, sessions=sessions)
+    )
 
 
 def page_context(run: RunData, *, tokenizer: str | None, sessions: int) -> dict[str, Any]:
@@ -39,8 +47,10 @@ def page_context(run: RunData, *, tokenizer: str | None, sessions: int) -> dict[
     if viewer_stage is not None:
         tok = load_report_tokenizer(run, tokenizer)
         trajectories = read_trajectories(viewer_stage.merged_dir, tok, limit=sessions)
-        viewer_note = (f"{len(trajectories)} sessions from {viewer_stage.label} ({viewer_stage.merged_dir})"
-                       + ("" if tok is not None else " — no tokenizer found: token ids shown"))
+        viewer_note = (
+            f"{len(trajectories)} sessions from {viewer_stage.label} ({viewer_stage.merged_dir})"
+            + ("" if tok is not None else " — no tokenizer found: token ids shown")
+        )
     return {
         "title": f"polar-mitm report · {run.root.name}",
         "root": str(run.root),
@@ -74,13 +84,19 @@ def iteration_rows(run: RunData) -> list[dict[str, str]]:
         if s is None:
             continue
         seconds = s.get("seconds") or {}
-        rows.append({
-            "iteration": str(s["iteration"]), "weights": str(s.get("weight_version")), "sessions": str(s["sessions"]),
-            "reward": f"{s['reward_mean']:.3f} ± {s['reward_std']:.2f}", "pass": f"{s['pass_rate']:.0%}",
-            "calls": str(s["requests"]), "sequences": str(s["sequences"]),
-            "tokens": f"{s['trainable_tokens']}/{s['total_tokens']}",
-            "seconds": " / ".join(f"{seconds.get(k, 0):.0f}" for k in ("rollout", "merge", "train")),
-        })
+        rows.append(
+            {
+                "iteration": str(s["iteration"]),
+                "weights": str(s.get("weight_version")),
+                "sessions": str(s["sessions"]),
+                "reward": f"{s['reward_mean']:.3f} ± {s['reward_std']:.2f}",
+                "pass": f"{s['pass_rate']:.0%}",
+                "calls": str(s["requests"]),
+                "sequences": str(s["sequences"]),
+                "tokens": f"{s['trainable_tokens']}/{s['total_tokens']}",
+                "seconds": " / ".join(f"{seconds.get(k, 0):.0f}" for k in ("rollout", "merge", "train")),
+            }
+        )
     return rows
 
 
@@ -92,16 +108,21 @@ def merge_rows(run: RunData) -> list[dict[str, str]]:
         if m is None:
             continue
         checked, exact = m.get("context_checked_tokens") or 0, m.get("context_exact_tokens") or 0
-        rows.append({
-            "stage": stage.label, "builder": str(m.get("builder")),
-            "requests": f"{m.get('trainable_records', 0)} of {m.get('records', 0)}",
-            "sequences": str(m.get("sequences", 0)),
-            "per_sequence": f"{m.get('records_per_sequence', 0):.1f}",
-            "trainable": f"{m.get('trainable_tokens', 0)} / {m.get('total_tokens', 0)}",
-            "context_exact": f"{exact}/{checked} ({exact / checked:.0%})" if checked else "—",
-            "breaks": ", ".join(f"{k} {v}" for k, v in (m.get("breaks") or {}).items()) or "none",
-            "eot": f"{m.get('eot_token_id')} ({m.get('eot_source')})" if m.get("eot_token_id") is not None else "—",
-        })
+        rows.append(
+            {
+                "stage": stage.label,
+                "builder": str(m.get("builder")),
+                "requests": f"{m.get('trainable_records', 0)} of {m.get('records', 0)}",
+                "sequences": str(m.get("sequences", 0)),
+                "per_sequence": f"{m.get('records_per_sequence', 0):.1f}",
+                "trainable": f"{m.get('trainable_tokens', 0)} / {m.get('total_tokens', 0)}",
+                "context_exact": f"{exact}/{checked} ({exact / checked:.0%})" if checked else "—",
+                "breaks": ", ".join(f"{k} {v}" for k, v in (m.get("breaks") or {}).items()) or "none",
+                "eot": f"{m.get('eot_token_id')} ({m.get('eot_source')})"
+                if m.get("eot_token_id") is not None
+                else "—",
+            }
+        )
     return rows
 
 

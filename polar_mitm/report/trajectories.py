@@ -17,8 +17,18 @@ import pyarrow.dataset as ds
 from polar_mitm.report.collect import RunData, engine_info
 
 LOGPROB_FLOOR = 10.0  # nats: the red end of the viewer's logprob colours
-COLUMNS = ("sequence_id", "session_id", "task_id", "input_ids", "loss_mask", "logprobs", "prompt_len", "n_turns",
-           "reward", "turn_starts")
+COLUMNS = (
+    "sequence_id",
+    "session_id",
+    "task_id",
+    "input_ids",
+    "loss_mask",
+    "logprobs",
+    "prompt_len",
+    "n_turns",
+    "reward",
+    "turn_starts",
+)
 
 
 @dataclass
@@ -58,7 +68,9 @@ def load_report_tokenizer(run: RunData, spec: str | None):
     info = engine_info(run)
     if info and info.get("tokenizer_path"):
         candidates.append(str(info["tokenizer_path"]))
-    candidates += [str(s.train_dir) for s in run.stages if s.train_dir and (s.train_dir / "tokenizer.json").exists()]
+    candidates += [
+        str(s.train_dir) for s in run.stages if s.train_dir and (s.train_dir / "tokenizer.json").exists()
+    ]
     for candidate in candidates:
         try:
             return load_tokenizer(candidate)
@@ -70,8 +82,14 @@ def load_report_tokenizer(run: RunData, spec: str | None):
 def pick_rows(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
     """Up to `limit` sequences, one session each, spread over tasks and over high and low rewards."""
     by_task: dict[str, list[dict[str, Any]]] = {}
-    for row in sorted(rows, key=lambda r: (-(r["reward"] if r["reward"] is not None else -math.inf),
-                                           r["session_id"], r["sequence_id"])):
+    for row in sorted(
+        rows,
+        key=lambda r: (
+            -(r["reward"] if r["reward"] is not None else -math.inf),
+            r["session_id"],
+            r["sequence_id"],
+        ),
+    ):
         by_task.setdefault(row["task_id"] or "", []).append(row)
     picked: list[dict[str, Any]] = []
     sessions: set[str] = set()
@@ -86,8 +104,9 @@ def pick_rows(rows: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
     return picked
 
 
-def read_trajectories(merged_dir: Path, tokenizer, *, limit: int = 6, max_prompt_tokens: int = 1200
-                      ) -> list[Trajectory]:
+def read_trajectories(
+    merged_dir: Path, tokenizer, *, limit: int = 6, max_prompt_tokens: int = 1200
+) -> list[Trajectory]:
     """Decode up to `limit` sequences of the merged shards under `merged_dir`."""
     dataset = ds.dataset(str(merged_dir), format="parquet")
     columns = [c for c in COLUMNS if c in dataset.schema.names]
@@ -97,8 +116,15 @@ def read_trajectories(merged_dir: Path, tokenizer, *, limit: int = 6, max_prompt
 
 def to_trajectory(row: dict[str, Any], tokenizer, max_prompt_tokens: int) -> Trajectory:
     ids, mask, logprobs = row["input_ids"], row["loss_mask"], row["logprobs"]
-    traj = Trajectory(sequence_id=row["sequence_id"], session_id=row["session_id"], task_id=row["task_id"] or "",
-                      reward=row["reward"], n_turns=row["n_turns"], sampled=sum(mask), total=len(ids))
+    traj = Trajectory(
+        sequence_id=row["sequence_id"],
+        session_id=row["session_id"],
+        task_id=row["task_id"] or "",
+        reward=row["reward"],
+        n_turns=row["n_turns"],
+        sampled=sum(mask),
+        total=len(ids),
+    )
     keep = list(range(len(ids)))
     prompt_len = row["prompt_len"]
     if prompt_len > max_prompt_tokens:
@@ -110,8 +136,9 @@ def to_trajectory(row: dict[str, Any], tokenizer, max_prompt_tokens: int) -> Tra
     starts = turn_starts(row)
     for text, i in zip(texts, keep, strict=True):
         turn = starts.index(i) + 1 if i in starts else None
-        traj.tokens.append(Token(text=text, token_id=int(ids[i]), mask=int(mask[i]), logprob=float(logprobs[i]),
-                                 turn=turn))
+        traj.tokens.append(
+            Token(text=text, token_id=int(ids[i]), mask=int(mask[i]), logprob=float(logprobs[i]), turn=turn)
+        )
     return traj
 
 
@@ -127,5 +154,6 @@ def decode_each(tokenizer, ids: list[int]) -> list[str]:
     """Each id's own text (special tokens included); `⟨id⟩` when there is no tokenizer."""
     if tokenizer is None:
         return [f"⟨{i}⟩" for i in ids]
-    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
-                                  clean_up_tokenization_spaces=False)
+    return tokenizer.batch_decode(
+        [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )

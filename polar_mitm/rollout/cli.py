@@ -27,8 +27,16 @@ from polar_mitm.rollout.view import render, summary_table
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 # `rollout`'s options that are RolloutConfig fields (their defaults are the config's; a test checks the rest).
-ROLLOUT_FIELDS = ("group_size", "concurrency", "keep", "ready_buffer", "init_workers", "post_workers",
-                  "failure_reward", "keep_workspaces")
+ROLLOUT_FIELDS = (
+    "group_size",
+    "concurrency",
+    "keep",
+    "ready_buffer",
+    "init_workers",
+    "post_workers",
+    "failure_reward",
+    "keep_workspaces",
+)
 
 
 def help_of(config: type, name: str) -> str:
@@ -37,16 +45,32 @@ def help_of(config: type, name: str) -> str:
 
 
 @contextmanager
-def capture_stack(out: Path, *, engine: str | None, model: str, script: Path | None, gateway_url: str | None,
-                  gateway_proxy: str | None, ca_bundle: Path | None, work: Path, gateway_options=None):
+def capture_stack(
+    out: Path,
+    *,
+    engine: str | None,
+    model: str,
+    script: Path | None,
+    gateway_url: str | None,
+    gateway_proxy: str | None,
+    ca_bundle: Path | None,
+    work: Path,
+    gateway_options=None,
+):
     """Attach to a running gateway, or start engine (unless given) + gateway for the duration."""
     if gateway_url:
         yield GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle), engine
         return
-    with procs.engine_and_gateway(out, confdir=work / "mitmproxy", engine=engine, model=model,
-                                  engine_args=["--script", str(script)] if script else [],
-                                  engine_log=work / "engine.log", gateway_log=work / "gateway.log",
-                                  gateway_options=gateway_options) as (engine_url, gw):
+    with procs.engine_and_gateway(
+        out,
+        confdir=work / "mitmproxy",
+        engine=engine,
+        model=model,
+        engine_args=["--script", str(script)] if script else [],
+        engine_log=work / "engine.log",
+        gateway_log=work / "gateway.log",
+        gateway_options=gateway_options,
+    ) as (engine_url, gw):
         yield GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), engine_url
 
 
@@ -95,8 +119,14 @@ async def _until_signal(rollout: Rollout, received: list[int]) -> RolloutSummary
             loop.remove_signal_handler(signum)
 
 
-def run_rollout(tasks: list[Task], harness: HarnessSpec, config: RolloutConfig, endpoints: GatewayEndpoints,
-                *, live: bool = True) -> RolloutSummary:
+def run_rollout(
+    tasks: list[Task],
+    harness: HarnessSpec,
+    config: RolloutConfig,
+    endpoints: GatewayEndpoints,
+    *,
+    live: bool = True,
+) -> RolloutSummary:
     """Run the rollout; raises Interrupted (with the finished sessions) when a signal stops it."""
     started, received = time.monotonic(), []
     rollout = Rollout(tasks, harness, endpoints, config)
@@ -112,57 +142,107 @@ def run_rollout(tasks: list[Task], harness: HarnessSpec, config: RolloutConfig, 
 
 def rollout_command(
     tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
-    harness: Annotated[str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")] = "sdk:openai_chat",
+    harness: Annotated[
+        str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")
+    ] = "sdk:openai_chat",
     group_size: Annotated[int, typer.Option("--group-size", "-g", help="Sessions per task (G).")] = (
-        RolloutConfig.group_size),
+        RolloutConfig.group_size
+    ),
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Harness sessions at once.")] = (
-        RolloutConfig.concurrency),
+        RolloutConfig.concurrency
+    ),
     out: Annotated[Path, typer.Option(help="Record directory (the gateway's polar_out).")] = Path("flows"),
-    rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path("rewards.parquet"),
-    keep: Annotated[int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")] = (
-        RolloutConfig.keep),
-    ready_buffer: Annotated[int, typer.Option(help="Prewarmed workspaces (0 = none).")] = RolloutConfig.ready_buffer,
+    rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path(
+        "rewards.parquet"
+    ),
+    keep: Annotated[
+        int | None, typer.Option(help="Straggler cut: stop a group once K sessions are done.")
+    ] = (RolloutConfig.keep),
+    ready_buffer: Annotated[
+        int, typer.Option(help="Prewarmed workspaces (0 = none).")
+    ] = RolloutConfig.ready_buffer,
     init_workers: Annotated[int, typer.Option(help="INIT workers.")] = RolloutConfig.init_workers,
-    post_workers: Annotated[int, typer.Option(help="POST-RUN (evaluation) workers.")] = RolloutConfig.post_workers,
+    post_workers: Annotated[
+        int, typer.Option(help="POST-RUN (evaluation) workers.")
+    ] = RolloutConfig.post_workers,
     failure_reward: Annotated[float, typer.Option(help="Reward of timed-out/crashed sessions.")] = (
-        RolloutConfig.failure_reward),
+        RolloutConfig.failure_reward
+    ),
     engine: Annotated[str | None, typer.Option(help="Engine URL to use (default: start one).")] = None,
     model: Annotated[str, typer.Option(help="Model for a started engine.")] = "tiny",
-    script: Annotated[Path | None, typer.Option(help="Scripted policy for a started engine (tests/demo).")] = None,
-    gateway_url: Annotated[str | None, typer.Option(help="Attach to a running gateway (reverse URL).")] = None,
+    script: Annotated[
+        Path | None, typer.Option(help="Scripted policy for a started engine (tests/demo).")
+    ] = None,
+    gateway_url: Annotated[
+        str | None, typer.Option(help="Attach to a running gateway (reverse URL).")
+    ] = None,
     gateway_proxy: Annotated[str | None, typer.Option(help="… and its HTTPS_PROXY listener.")] = None,
-    work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path("runs/rollout"),
+    work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path(
+        "runs/rollout"
+    ),
     keep_workspaces: Annotated[bool, typer.Option(help="Keep workspaces after evaluation.")] = (
-        RolloutConfig.keep_workspaces),
-    ray: Annotated[str | None, typer.Option(
-        "--ray", help="Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
-                      "OUT/node-NAME/.")] = None,
+        RolloutConfig.keep_workspaces
+    ),
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
+            "OUT/node-NAME/.",
+        ),
+    ] = None,
     max_attempts: Annotated[int, typer.Option(help="--ray: runs of a session whose node died.")] = 2,
 ) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
     given = locals()  # the options, by name (before any other local)
     task_list, harness_spec = load_inputs(tasks, harness)
     work_dir.mkdir(parents=True, exist_ok=True)
-    config = RolloutConfig(**{name: given[name] for name in ROLLOUT_FIELDS}, workspace_root=work_dir / "workspaces",
-                           log_dir=work_dir / "logs")
+    config = RolloutConfig(
+        **{name: given[name] for name in ROLLOUT_FIELDS},
+        workspace_root=work_dir / "workspaces",
+        log_dir=work_dir / "logs",
+    )
     if ray is not None:
-        ray_rollout(task_list, harness, config, ray, out=out, rewards=rewards, engine=engine, model=model,
-                    script=script, work_dir=work_dir, max_attempts=max_attempts)
+        ray_rollout(
+            task_list,
+            harness,
+            config,
+            ray,
+            out=out,
+            rewards=rewards,
+            engine=engine,
+            model=model,
+            script=script,
+            work_dir=work_dir,
+            max_attempts=max_attempts,
+        )
         return
     try:
-        with capture_stack(out, engine=engine, model=model, script=script, gateway_url=gateway_url,
-                           gateway_proxy=gateway_proxy, ca_bundle=None, work=work_dir) as (endpoints, _):
+        with capture_stack(
+            out,
+            engine=engine,
+            model=model,
+            script=script,
+            gateway_url=gateway_url,
+            gateway_proxy=gateway_proxy,
+            ca_bundle=None,
+            work=work_dir,
+        ) as (endpoints, _):
             summary = run_rollout(task_list, harness_spec, config, endpoints)
     except Interrupted as stop:
         # Finished sessions keep their rewards; the interrupted ones get none (merge drops their records).
         write_rewards(stop.summary, rewards)
-        typer.echo(f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {rewards}",
-                   err=True)
+        typer.echo(
+            f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {rewards}",
+            err=True,
+        )
         raise typer.Exit(128 + stop.signum) from None
     write_rewards(summary, rewards)
     console.print(summary_table(summary.sessions))
-    console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
-                  f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}")
+    console.print(
+        f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
+        f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}"
+    )
 
 
 def ray_rollout(task_list: list[Task], harness: str, config: RolloutConfig, address: str, **options) -> None:
@@ -174,67 +254,119 @@ def ray_rollout(task_list: list[Task], harness: str, config: RolloutConfig, addr
         console.print(line, markup=False)
     summary = result.summary
     if result.interrupted is not None:
-        typer.echo(f"interrupted: {len(summary.sessions)} finished session(s) → rewards {options['rewards']}",
-                   err=True)
+        typer.echo(
+            f"interrupted: {len(summary.sessions)} finished session(s) → rewards {options['rewards']}",
+            err=True,
+        )
         raise typer.Exit(128 + result.interrupted)
     console.print(summary_table(summary.sessions))
-    console.print(f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
-                  f"{summary.run_utilisation:.0%} → rewards {options['rewards']}, records {options['out']}/node-*")
+    console.print(
+        f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
+        f"{summary.run_utilisation:.0%} → rewards {options['rewards']}, records {options['out']}/node-*"
+    )
 
 
 def iteration_table(results):
     from rich.table import Table
 
     table = Table(title="polar-mitm loop", caption="seconds per stage: rollout / merge / train")
-    for col in ("it", "weights", "sessions", "reward", "±", "pass", "calls", "seqs", "sampled/total tok", "seconds"):
+    for col in (
+        "it",
+        "weights",
+        "sessions",
+        "reward",
+        "±",
+        "pass",
+        "calls",
+        "seqs",
+        "sampled/total tok",
+        "seconds",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         s = r.seconds
-        table.add_row(str(r.iteration), str(r.weight_version), str(r.sessions), f"{r.reward_mean:.3f}",
-                      f"{r.reward_std:.2f}", f"{r.pass_rate:.0%}", str(r.requests), str(r.sequences),
-                      f"{r.trainable_tokens}/{r.total_tokens}",
-                      f"{s['rollout']:.0f}/{s['merge']:.0f}/{s['train']:.0f}")
+        table.add_row(
+            str(r.iteration),
+            str(r.weight_version),
+            str(r.sessions),
+            f"{r.reward_mean:.3f}",
+            f"{r.reward_std:.2f}",
+            f"{r.pass_rate:.0%}",
+            str(r.requests),
+            str(r.sequences),
+            f"{r.trainable_tokens}/{r.total_tokens}",
+            f"{s['rollout']:.0f}/{s['merge']:.0f}/{s['train']:.0f}",
+        )
     return table
 
 
 def loop_command(
     tasks: Annotated[Path, typer.Argument(help=help_of(LoopConfig, "tasks"))],
     run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
-        "runs/loop"),
+        "runs/loop"
+    ),
     iterations: Annotated[int, typer.Option("--iterations", "-n", help=help_of(LoopConfig, "iterations"))] = (
-        LoopConfig.iterations),
+        LoopConfig.iterations
+    ),
     harness: Annotated[str, typer.Option(help=help_of(LoopConfig, "harness"))] = LoopConfig.harness,
     group_size: Annotated[int, typer.Option("--group-size", "-g", help=help_of(LoopConfig, "group_size"))] = (
-        LoopConfig.group_size),
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))] = (
-        LoopConfig.concurrency),
+        LoopConfig.group_size
+    ),
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))
+    ] = (LoopConfig.concurrency),
     model: Annotated[str, typer.Option(help=help_of(LoopConfig, "model"))] = LoopConfig.model,
     script: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "script"))] = LoopConfig.script,
-    engine: Annotated[str | None, typer.Option(help=help_of(LoopConfig, "engine_url"))] = LoopConfig.engine_url,
-    temperature: Annotated[float, typer.Option(help=help_of(LoopConfig, "temperature"))] = LoopConfig.temperature,
+    engine: Annotated[
+        str | None, typer.Option(help=help_of(LoopConfig, "engine_url"))
+    ] = LoopConfig.engine_url,
+    temperature: Annotated[
+        float, typer.Option(help=help_of(LoopConfig, "temperature"))
+    ] = LoopConfig.temperature,
     max_tokens: Annotated[int, typer.Option(help=help_of(LoopConfig, "max_tokens"))] = LoopConfig.max_tokens,
     learning_rate: Annotated[float, typer.Option(help=help_of(LoopConfig, "learning_rate"))] = (
-        LoopConfig.learning_rate),
+        LoopConfig.learning_rate
+    ),
     batch_size: Annotated[int, typer.Option(help=help_of(LoopConfig, "per_device_batch_size"))] = (
-        LoopConfig.per_device_batch_size),
+        LoopConfig.per_device_batch_size
+    ),
     epochs: Annotated[float, typer.Option(help=help_of(LoopConfig, "epochs"))] = LoopConfig.epochs,
     lora: Annotated[bool, typer.Option(help=help_of(LoopConfig, "lora"))] = LoopConfig.lora,
     builder: Annotated[BuilderName, typer.Option(help=help_of(LoopConfig, "builder"))] = LoopConfig.builder,
     overlap: Annotated[int, typer.Option(help=help_of(LoopConfig, "overlap"))] = LoopConfig.overlap,
     keep: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "keep"))] = LoopConfig.keep,
     ray: Annotated[str | None, typer.Option("--ray", help=help_of(LoopConfig, "ray_address"))] = (
-        LoopConfig.ray_address),
+        LoopConfig.ray_address
+    ),
     train_processes: Annotated[int, typer.Option(help=help_of(LoopConfig, "train_processes"))] = (
-        LoopConfig.train_processes),
+        LoopConfig.train_processes
+    ),
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
     from polar_mitm.rollout.loop import Loop
 
-    cfg = LoopConfig(tasks=tasks, run_dir=run_dir, harness=harness, iterations=iterations, group_size=group_size,
-                     concurrency=concurrency, model=model, script=script, engine_url=engine,
-                     temperature=temperature, max_tokens=max_tokens, learning_rate=learning_rate,
-                     per_device_batch_size=batch_size, epochs=epochs, lora=lora, builder=builder, overlap=overlap,
-                     keep=keep, ray_address=ray, train_processes=train_processes)
+    cfg = LoopConfig(
+        tasks=tasks,
+        run_dir=run_dir,
+        harness=harness,
+        iterations=iterations,
+        group_size=group_size,
+        concurrency=concurrency,
+        model=model,
+        script=script,
+        engine_url=engine,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        learning_rate=learning_rate,
+        per_device_batch_size=batch_size,
+        epochs=epochs,
+        lora=lora,
+        builder=builder,
+        overlap=overlap,
+        keep=keep,
+        ray_address=ray,
+        train_processes=train_processes,
+    )
     done = []
 
     def show(stats) -> None:
@@ -250,4 +382,6 @@ def loop_command(
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:
         first, last = results[0], results[-1]
-        console.print(f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations")
+        console.print(
+            f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations"
+        )

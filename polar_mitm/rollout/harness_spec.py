@@ -80,14 +80,28 @@ class HarnessSpec:
         except HarnessError as exc:
             raise HarnessSpecError(f"{exc} (or use sdk:PROVIDER, cmd:TEMPLATE)") from exc
 
-    def launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0) -> Launch:
+    def launch(
+        self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0
+    ) -> Launch:
         prefix = SessionId(session, task.task_id).path_prefix
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
             base = sdk_base_url(self.value, gw.reverse_url + prefix)
             # `--` ends the options: a prompt that starts with `-` is still the prompt.
-            argv = [sys.executable, "-m", "polar_mitm.cli", "agent", "--provider", self.value,
-                    "--base-url", base, "--workdir", str(workspace), "--", task.prompt]
+            argv = [
+                sys.executable,
+                "-m",
+                "polar_mitm.cli",
+                "agent",
+                "--provider",
+                self.value,
+                "--base-url",
+                base,
+                "--workdir",
+                str(workspace),
+                "--",
+                task.prompt,
+            ]
             return Launch(argv, env, workspace)
         if self.kind == "cmd":
             values = self._template_values(task, session, workspace, gw, index, prefix)
@@ -96,21 +110,36 @@ class HarnessSpec:
         return self._preset_launch(task, session, workspace, gw)
 
     @staticmethod
-    def _template_values(task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int,
-                         prefix: str) -> dict[str, object]:
+    def _template_values(
+        task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int, prefix: str
+    ) -> dict[str, object]:
         """The placeholder values of a `cmd:` template, raw: the template quotes them as it substitutes."""
         proxy = ""
         if gw.proxy_url:
             host = gw.proxy_url.split("://", 1)[-1]
             proxy = SessionId(session, task.task_id).proxy_url(host)
-        return {"prompt": task.prompt, "workspace": str(workspace), "session": session, "task": task.task_id,
-                "index": index, "base_url": gw.reverse_url + prefix, "proxy_url": proxy,
-                "ca_bundle": str(gw.ca_bundle or "")}
+        return {
+            "prompt": task.prompt,
+            "workspace": str(workspace),
+            "session": session,
+            "task": task.task_id,
+            "index": index,
+            "base_url": gw.reverse_url + prefix,
+            "proxy_url": proxy,
+            "ca_bundle": str(gw.ca_bundle or ""),
+        }
 
     def _preset_launch(self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints) -> Launch:
         from polar_mitm.harness import rollout_launch  # the real-CLI presets
 
-        argv, env = rollout_launch(self.value, prompt=task.prompt, session=session, task=task.task_id,
-                                   workspace=workspace, reverse_url=gw.reverse_url, proxy_url=gw.proxy_url,
-                                   ca_bundle=gw.ca_bundle)
+        argv, env = rollout_launch(
+            self.value,
+            prompt=task.prompt,
+            session=session,
+            task=task.task_id,
+            workspace=workspace,
+            reverse_url=gw.reverse_url,
+            proxy_url=gw.proxy_url,
+            ca_bundle=gw.ca_bundle,
+        )
         return Launch(argv, {**os.environ, **env}, workspace)

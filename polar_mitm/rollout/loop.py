@@ -41,35 +41,51 @@ class LoopConfig:
 
     tasks: Path = field(metadata=_help("Task file (JSONL)."))
     run_dir: Path = field(metadata=_help("Everything of the run goes here."))
-    harness: str = field(default="sdk:openai_chat", metadata=_help("sdk:PROVIDER | cmd:TEMPLATE | preset name."))
+    harness: str = field(
+        default="sdk:openai_chat", metadata=_help("sdk:PROVIDER | cmd:TEMPLATE | preset name.")
+    )
     iterations: int = field(default=2, metadata=_help("RL iterations."))
     group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
     concurrency: int = field(default=4, metadata=_help("Harness sessions at once."))
     model: str = field(default="tiny", metadata=_help("Starting model: tiny | smollm2 | PATH."))
     script: Path | None = field(default=None, metadata=_help("Scripted policy for the embedded engine."))
-    engine_url: str | None = field(default=None,
-                                   metadata=_help("Attach to this engine (SGLang) instead of starting one."))
-    temperature: float = field(default=1.0,
-                               metadata=_help("Sampling temperature (forced) = training temperature."))
+    engine_url: str | None = field(
+        default=None, metadata=_help("Attach to this engine (SGLang) instead of starting one.")
+    )
+    temperature: float = field(
+        default=1.0, metadata=_help("Sampling temperature (forced) = training temperature.")
+    )
     max_tokens: int = field(default=256, metadata=_help("Completion budget per model call."))
     learning_rate: float = field(default=5e-3, metadata=_help("Learning rate."))
     per_device_batch_size: int = field(default=4, metadata=_help("Sequences per training micro-batch."))
     epochs: float = field(default=1.0, metadata=_help("Passes over each iteration's sequences."))
-    lora: bool = field(default=False, metadata=_help("Train LoRA adapters (merged copy pushed to the engine)."))
+    lora: bool = field(
+        default=False, metadata=_help("Train LoRA adapters (merged copy pushed to the engine).")
+    )
     loss_type: str = "dapo"  # not an option: `polar-mitm grpo --loss-type` names them
-    builder: BuilderName = field(default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or ""))
+    builder: BuilderName = field(
+        default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or "")
+    )
     overlap: int = field(default=0, metadata=_help("1: next rollouts run while the trainer trains."))
-    keep: int | None = field(default=None, metadata=_help("Straggler cut: stop a group once K sessions are done."))
+    keep: int | None = field(
+        default=None, metadata=_help("Straggler cut: stop a group once K sessions are done.")
+    )
     seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
     ray_address: str | None = field(
         default=None,
-        metadata=_help("Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node."))
+        metadata=_help("Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node."),
+    )
     # the same `polar-mitm grpo` command recipes/training.md describes, launched N times
     train_processes: int = field(
         default=1,
-        metadata=_help("GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same "
-                       "global batch."))
-    final_rollout: bool = False  # after the last training, one more rollout (no training): the trained policy's reward
+        metadata=_help(
+            "GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same "
+            "global batch."
+        ),
+    )
+    final_rollout: bool = (
+        False  # after the last training, one more rollout (no training): the trained policy's reward
+    )
 
 
 @dataclass
@@ -116,8 +132,11 @@ class Loop:
 
     def _gateway_options(self) -> dict[str, str]:
         """Every gateway of the run forces the training temperature and the completion budget."""
-        return {"polar_temperature": str(self.cfg.temperature), "polar_max_tokens": str(self.cfg.max_tokens),
-                **engines.gateway_options(self.engine_url)}
+        return {
+            "polar_temperature": str(self.cfg.temperature),
+            "polar_max_tokens": str(self.cfg.max_tokens),
+            **engines.gateway_options(self.engine_url),
+        }
 
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         if self.cfg.ray_address is not None:
@@ -127,14 +146,28 @@ class Loop:
         it.mkdir(parents=True, exist_ok=True)
         self.progress.stage(k, "rollout", len(self.tasks) * cfg.group_size)
         # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
-        with procs.gateway_running(engines.gateway_backends(self.engine_url, 1)[0], it / "flows",
-                                   confdir=cfg.run_dir / "mitmproxy", log=it / "gateway.log",
-                                   options=self._gateway_options()) as gw:
-            rollout = Rollout(self.tasks, HarnessSpec(cfg.harness),
-                              GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
-                              RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep,
-                                            workspace_root=it / "workspaces", log_dir=it / "logs"))
-            rollout.on_update = lambda sessions: self.progress.advance(sum(s.stage == "done" for s in sessions))
+        with procs.gateway_running(
+            engines.gateway_backends(self.engine_url, 1)[0],
+            it / "flows",
+            confdir=cfg.run_dir / "mitmproxy",
+            log=it / "gateway.log",
+            options=self._gateway_options(),
+        ) as gw:
+            rollout = Rollout(
+                self.tasks,
+                HarnessSpec(cfg.harness),
+                GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
+                RolloutConfig(
+                    group_size=cfg.group_size,
+                    concurrency=cfg.concurrency,
+                    keep=cfg.keep,
+                    workspace_root=it / "workspaces",
+                    log_dir=it / "logs",
+                ),
+            )
+            rollout.on_update = lambda sessions: self.progress.advance(
+                sum(s.stage == "done" for s in sessions)
+            )
             import asyncio
 
             summary = asyncio.run(rollout.run())
@@ -151,8 +184,14 @@ class Loop:
         if self.ray_pool is None:
             self.ray_pool = RayPool(cfg.ray_address or "auto", cfg.harness)
         config = RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep)
-        result = self.ray_pool.rollout(self.tasks, config, out_dir=it / "flows", work_dir=it,
-                                       engine_url=self.engine_url, gateway_options=self._gateway_options())
+        result = self.ray_pool.rollout(
+            self.tasks,
+            config,
+            out_dir=it / "flows",
+            work_dir=it,
+            engine_url=self.engine_url,
+            gateway_options=self._gateway_options(),
+        )
         write_rewards(result.summary, it / "rewards.parquet")
         write_report(result, it / "ray_report.json")
         if result.interrupted is not None:
@@ -164,8 +203,14 @@ class Loop:
 
         started = time.monotonic()
         self.progress.stage(k, "merge")
-        summary = merge([str(flows)], str(self.cfg.run_dir / f"iter-{k}" / "merged"), builder=self.cfg.builder,
-                        rewards=str(rewards), tokenizer=str(self.model_dir), drop_unrewarded=True)
+        summary = merge(
+            [str(flows)],
+            str(self.cfg.run_dir / f"iter-{k}" / "merged"),
+            builder=self.cfg.builder,
+            rewards=str(rewards),
+            tokenizer=str(self.model_dir),
+            drop_unrewarded=True,
+        )
         return summary, time.monotonic() - started
 
     def _train(self, k: int) -> tuple[Path, str | None, float]:
@@ -180,15 +225,25 @@ class Loop:
         started = time.monotonic()
         self.progress.stage(k, "train")
         if cfg.train_processes > 1:
-            saved_dir, version = train_in_processes(cfg, self.model_dir, it, self.engine_url, self.weight_version)
+            saved_dir, version = train_in_processes(
+                cfg, self.model_dir, it, self.engine_url, self.weight_version
+            )
             return saved_dir, version, time.monotonic() - started
         data = build_training_data(load_sequences([it / "merged"]))
         out = it / "train"
         config = PolarGRPOConfig(
-            output_dir=str(out), num_train_epochs=cfg.epochs, learning_rate=cfg.learning_rate,
-            per_device_train_batch_size=cfg.per_device_batch_size, temperature=cfg.temperature,
-            loss_type=cfg.loss_type, push_to_engine=self.engine_url, report_to=[], seed=cfg.seed,
-            lr_scheduler_type="constant", save_merged=True, disable_tqdm=True,
+            output_dir=str(out),
+            num_train_epochs=cfg.epochs,
+            learning_rate=cfg.learning_rate,
+            per_device_train_batch_size=cfg.per_device_batch_size,
+            temperature=cfg.temperature,
+            loss_type=cfg.loss_type,
+            push_to_engine=self.engine_url,
+            report_to=[],
+            seed=cfg.seed,
+            lr_scheduler_type="constant",
+            save_merged=True,
+            disable_tqdm=True,
             dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory needs an accelerator (else a warning)
             # The weights we start from, not "the newest in the data": with --overlap the data is one version behind,
             # and staleness (hence the importance correction) is measured against this.
@@ -203,13 +258,19 @@ class Loop:
         attach_engine_push(trainer)
         from transformers.trainer_callback import PrinterCallback
 
-        trainer.remove_callback(PrinterCallback)  # the loop prints its own table; metrics.jsonl has every step
+        trainer.remove_callback(
+            PrinterCallback
+        )  # the loop prints its own table; metrics.jsonl has every step
         trainer.add_callback(trainer_progress_callback(self.progress))
         trainer.train()
         saved = trainer.save_final()
         version = trainer.policy_weight_version()
         (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
-        return saved.get("merged", saved["model"]) if cfg.lora else saved["model"], version, time.monotonic() - started
+        return (
+            saved.get("merged", saved["model"]) if cfg.lora else saved["model"],
+            version,
+            time.monotonic() - started,
+        )
 
     def _final_rollout(self, k: int) -> IterationStats:
         """Rollout + merge with the last pushed weights, no training: the reward the trained policy earns."""
@@ -217,10 +278,18 @@ class Loop:
         merged, merge_s = self._merge(k, flows, rewards)  # kept for `polar-mitm report` and `show`
         mean, std, pass_rate = reward_stats(summary)
         return IterationStats(
-            iteration=k, weight_version=self.weight_version, sessions=len(summary.sessions), reward_mean=mean,
-            reward_std=std, pass_rate=pass_rate, sequences=merged.sequences, requests=merged.trainable_records,
-            trainable_tokens=merged.trainable_tokens, total_tokens=merged.total_tokens,
-            seconds={"rollout": rollout_s, "merge": merge_s, "train": 0.0})
+            iteration=k,
+            weight_version=self.weight_version,
+            sessions=len(summary.sessions),
+            reward_mean=mean,
+            reward_std=std,
+            pass_rate=pass_rate,
+            sequences=merged.sequences,
+            requests=merged.trainable_records,
+            trainable_tokens=merged.trainable_tokens,
+            total_tokens=merged.total_tokens,
+            seconds={"rollout": rollout_s, "merge": merge_s, "train": 0.0},
+        )
 
     # -- driver --------------------------------------------------------------------------------------------------
 
@@ -234,10 +303,17 @@ class Loop:
         with ExitStack() as running:
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
-            engine_url = running.enter_context(procs.engine_running(
-                self.engine_url, model=str(self.model_dir), log=cfg.run_dir / "engine.log",
-                extra_args=["--script", str(cfg.script)] if cfg.script else []))
-            self.engine_url = running.enter_context(engines.attached(engine_url, log=cfg.run_dir / "router.log")).url
+            engine_url = running.enter_context(
+                procs.engine_running(
+                    self.engine_url,
+                    model=str(self.model_dir),
+                    log=cfg.run_dir / "engine.log",
+                    extra_args=["--script", str(cfg.script)] if cfg.script else [],
+                )
+            )
+            self.engine_url = running.enter_context(
+                engines.attached(engine_url, log=cfg.run_dir / "router.log")
+            ).url
             if cfg.engine_url is not None:
                 self.weight_version = engines.common_weight_version(self.engine_url) or "0"
             running.callback(self._close_ray_pool)  # first: the node actors stop their gateways
@@ -268,10 +344,18 @@ class Loop:
                 self.weight_version = version or self.weight_version
                 mean, std, pass_rate = reward_stats(summary)
                 stats = IterationStats(
-                    iteration=k, weight_version=version, sessions=len(summary.sessions), reward_mean=mean,
-                    reward_std=std, pass_rate=pass_rate, sequences=merged.sequences, requests=merged.trainable_records,
-                    trainable_tokens=merged.trainable_tokens, total_tokens=merged.total_tokens,
-                    seconds={"rollout": rollout_s, "merge": merge_s, "train": train_s})
+                    iteration=k,
+                    weight_version=version,
+                    sessions=len(summary.sessions),
+                    reward_mean=mean,
+                    reward_std=std,
+                    pass_rate=pass_rate,
+                    sequences=merged.sequences,
+                    requests=merged.trainable_records,
+                    trainable_tokens=merged.trainable_tokens,
+                    total_tokens=merged.total_tokens,
+                    seconds={"rollout": rollout_s, "merge": merge_s, "train": train_s},
+                )
                 results.append(stats)
                 self.on_iteration(stats)
                 if k + 1 < cfg.iterations:
@@ -300,27 +384,56 @@ def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
     python = Path(sys.executable)
     if torch.cuda.is_available():
         return [str(python.with_name("accelerate")), "launch", "--num_processes", str(processes), "-m"], {}
-    return ([str(python.with_name("torchrun")), "--standalone", "--nproc_per_node", str(processes), "-m"],
-            {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+    return (
+        [str(python.with_name("torchrun")), "--standalone", "--nproc_per_node", str(processes), "-m"],
+        {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
+    )
 
 
-def train_in_processes(cfg: LoopConfig, model_dir: Path, it: Path, engine_url: str,
-                       weight_version: str | None) -> tuple[Path, str | None]:
+def train_in_processes(
+    cfg: LoopConfig, model_dir: Path, it: Path, engine_url: str, weight_version: str | None
+) -> tuple[Path, str | None]:
     """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo`; returns (weights, version)."""
     import os
     import subprocess
 
     n = cfg.train_processes
     if cfg.per_device_batch_size % n:
-        raise ValueError(f"--batch-size {cfg.per_device_batch_size} must be divisible by --train-processes {n} "
-                         f"(the global batch stays the same)")
+        raise ValueError(
+            f"--batch-size {cfg.per_device_batch_size} must be divisible by --train-processes {n} "
+            f"(the global batch stays the same)"
+        )
     out = it / "train"
     launcher, env = train_launcher(n)
-    argv = [*launcher, "polar_mitm.cli", "grpo", "--data", str(it / "merged"), "--model", str(model_dir),
-            "-o", str(out), "--epochs", str(cfg.epochs), "--learning-rate", str(cfg.learning_rate),
-            "--lr-scheduler", "constant", "--per-device-batch-size", str(cfg.per_device_batch_size // n),
-            "--temperature", str(cfg.temperature), "--loss-type", cfg.loss_type, "--seed", str(cfg.seed),
-            "--push-to-engine", engine_url, "--report-to", "none"]
+    argv = [
+        *launcher,
+        "polar_mitm.cli",
+        "grpo",
+        "--data",
+        str(it / "merged"),
+        "--model",
+        str(model_dir),
+        "-o",
+        str(out),
+        "--epochs",
+        str(cfg.epochs),
+        "--learning-rate",
+        str(cfg.learning_rate),
+        "--lr-scheduler",
+        "constant",
+        "--per-device-batch-size",
+        str(cfg.per_device_batch_size // n),
+        "--temperature",
+        str(cfg.temperature),
+        "--loss-type",
+        cfg.loss_type,
+        "--seed",
+        str(cfg.seed),
+        "--push-to-engine",
+        engine_url,
+        "--report-to",
+        "none",
+    ]
     if weight_version is not None:
         argv += ["--policy-weight-version", weight_version]
     if cfg.lora:

@@ -46,9 +46,16 @@ class RichLoopProgress:
 
     def __init__(self, console: Console, iterations: int) -> None:
         self.iterations = iterations
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),
-                                 console=console, transient=True)
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         self.task = self.progress.add_task("starting", total=None, unit="")
 
     def __enter__(self) -> RichLoopProgress:
@@ -59,9 +66,16 @@ class RichLoopProgress:
         self.progress.stop()
 
     def stage(self, iteration: int, name: str, total: int | None = None) -> None:
-        label = f"iteration {iteration + 1}/{self.iterations}" if iteration < self.iterations else "final rollout"
-        self.progress.reset(self.task, total=total, completed=0, description=f"{label} · {name}",
-                            unit=STAGE_UNITS.get(name, ""))
+        label = (
+            f"iteration {iteration + 1}/{self.iterations}" if iteration < self.iterations else "final rollout"
+        )
+        self.progress.reset(
+            self.task,
+            total=total,
+            completed=0,
+            description=f"{label} · {name}",
+            unit=STAGE_UNITS.get(name, ""),
+        )
 
     def advance(self, completed: int, total: int | None = None) -> None:
         if total is not None:

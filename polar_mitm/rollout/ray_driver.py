@@ -59,24 +59,36 @@ class RayRolloutResult:
     dead_nodes: list[str]
     lost_attempts: list[dict[str, Any]]  # attempts that died with their node (no reward row: never counted)
     interrupted: int | None = None  # the signal that stopped the rollout
-    setup_seconds: float = 0.0  # starting and stopping the gateways (compaction), not in the summary's wall time
+    setup_seconds: float = (
+        0.0  # starting and stopping the gateways (compaction), not in the summary's wall time
+    )
 
     def report(self) -> dict[str, Any]:
         per_node = Counter(o.node for o in self.outcomes)
-        return {"sessions": len(self.outcomes), "per_node": dict(per_node), "dead_nodes": self.dead_nodes,
-                "lost_attempts": self.lost_attempts, "interrupted": self.interrupted,
-                "setup_seconds": self.setup_seconds, "outcomes": [asdict(o) for o in self.outcomes]}
+        return {
+            "sessions": len(self.outcomes),
+            "per_node": dict(per_node),
+            "dead_nodes": self.dead_nodes,
+            "lost_attempts": self.lost_attempts,
+            "interrupted": self.interrupted,
+            "setup_seconds": self.setup_seconds,
+            "outcomes": [asdict(o) for o in self.outcomes],
+        }
 
     def lines(self) -> list[str]:
         """What the driver prints: sessions per node and, for each dead node, what became of its sessions."""
         per_node = Counter(o.node for o in self.outcomes)
-        out = [f"nodes: {', '.join(f'{n} {c} sessions' for n, c in sorted(per_node.items())) or 'no session'}"]
+        out = [
+            f"nodes: {', '.join(f'{n} {c} sessions' for n, c in sorted(per_node.items())) or 'no session'}"
+        ]
         for node in self.dead_nodes:
             kept = per_node.get(node, 0)
             rerun = [a for a in self.lost_attempts if a["node"] == node and a["then"] == "rerun"]
             failed = [a for a in self.lost_attempts if a["node"] == node and a["then"] == "node_lost"]
-            out.append(f"node {node} died: {kept} finished session(s) kept, {len(rerun)} re-run on other nodes "
-                       f"({', '.join(a['session_id'] for a in rerun) or '-'}), {len(failed)} reported node_lost")
+            out.append(
+                f"node {node} died: {kept} finished session(s) kept, {len(rerun)} re-run on other nodes "
+                f"({', '.join(a['session_id'] for a in rerun) or '-'}), {len(failed)} reported node_lost"
+            )
         return out
 
 
@@ -100,17 +112,31 @@ class RayPool:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             if address == "local":  # a throwaway one-node cluster (tests, trying it out)
-                ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False)
+                ray.init(
+                    num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False
+                )
             else:
                 ray.init(address=address, log_to_driver=False)
         nodes = rollout_nodes()
         if not nodes:
-            raise RuntimeError(f"the Ray cluster at {address} has no alive node with CPUs or '{ROLLOUT_RESOURCE}'")
+            raise RuntimeError(
+                f"the Ray cluster at {address} has no alive node with CPUs or '{ROLLOUT_RESOURCE}'"
+            )
         actor_class = ray.remote(NodeRollout)
-        self.nodes = [NodeHandle(node_id, name, actor_class.options(
-            num_cpus=0, max_concurrency=100_000, max_restarts=0, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(name, harness))
-            for node_id, name in nodes]
+        self.nodes = [
+            NodeHandle(
+                node_id,
+                name,
+                actor_class.options(
+                    num_cpus=0,
+                    max_concurrency=100_000,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(name, harness),
+            )
+            for node_id, name in nodes
+        ]
         ray.get([n.actor.ping.remote() for n in self.nodes], timeout=ready_timeout)
 
     def live(self) -> list[NodeHandle]:
@@ -128,22 +154,51 @@ class RayPool:
         if self._owns_ray:
             ray.shutdown()
 
-    def rollout(self, tasks: list[Task], config: RolloutConfig, *, out_dir: Path, work_dir: Path, engine_url: str,
-                gateway_options: dict[str, str] | None = None, max_attempts: int = 2) -> RayRolloutResult:
+    def rollout(
+        self,
+        tasks: list[Task],
+        config: RolloutConfig,
+        *,
+        out_dir: Path,
+        work_dir: Path,
+        engine_url: str,
+        gateway_options: dict[str, str] | None = None,
+        max_attempts: int = 2,
+    ) -> RayRolloutResult:
         """G sessions per task across the live nodes; records under `out_dir/node-NAME/`."""
-        return RayRollout(self, tasks, config, out_dir=out_dir, work_dir=work_dir, engine_url=engine_url,
-                          gateway_options=gateway_options or {}, max_attempts=max_attempts).run()
+        return RayRollout(
+            self,
+            tasks,
+            config,
+            out_dir=out_dir,
+            work_dir=work_dir,
+            engine_url=engine_url,
+            gateway_options=gateway_options or {},
+            max_attempts=max_attempts,
+        ).run()
 
 
 class RayRollout:
     """One rollout on the pool: feeds the nodes, gathers outcomes, survives dead nodes, stops on a signal."""
 
-    def __init__(self, pool: RayPool, tasks: list[Task], config: RolloutConfig, *, out_dir: Path, work_dir: Path,
-                 engine_url: str, gateway_options: dict[str, str], max_attempts: int) -> None:
+    def __init__(
+        self,
+        pool: RayPool,
+        tasks: list[Task],
+        config: RolloutConfig,
+        *,
+        out_dir: Path,
+        work_dir: Path,
+        engine_url: str,
+        gateway_options: dict[str, str],
+        max_attempts: int,
+    ) -> None:
         self.pool, self.config, self.max_attempts = pool, config, max_attempts
         self.out_dir, self.work_dir = Path(out_dir).resolve(), Path(work_dir).resolve()
         self.engine_url, self.gateway_options = engine_url, gateway_options
-        self.pending = deque(SessionSpec(t, i, new_session_id(t, i)) for t in tasks for i in range(config.group_size))
+        self.pending = deque(
+            SessionSpec(t, i, new_session_id(t, i)) for t in tasks for i in range(config.group_size)
+        )
         self.inflight: dict[Any, tuple[SessionSpec, NodeHandle]] = {}
         self.outcomes: dict[tuple[str, int], SessionOutcome] = {}
         self.lost: list[dict[str, Any]] = []
@@ -159,7 +214,9 @@ class RayRollout:
 
         began = time.monotonic()
         self._begin()
-        started = time.monotonic()  # the summary's wall time is the sessions' own; gateway start/stop is setup
+        started = (
+            time.monotonic()
+        )  # the summary's wall time is the sessions' own; gateway start/stop is setup
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         interrupted, sessions_done = None, None
         try:
@@ -199,11 +256,22 @@ class RayRollout:
         live = self.pool.live()
         for node, backend in zip(live, engines.gateway_backends(self.engine_url, len(live)), strict=True):
             node.load = node.finished = 0
-            config = replace(self.config, workspace_root=self.work_dir / "workspaces" / node.name,
-                             log_dir=self.work_dir / "logs" / node.name, keep=None)
-            refs.append(node.actor.begin.remote(str(self.node_dir(node)), backend, self.gateway_options, config,
-                                                str(self.work_dir / "mitmproxy" / node.name),
-                                                str(self.work_dir / "logs")))
+            config = replace(
+                self.config,
+                workspace_root=self.work_dir / "workspaces" / node.name,
+                log_dir=self.work_dir / "logs" / node.name,
+                keep=None,
+            )
+            refs.append(
+                node.actor.begin.remote(
+                    str(self.node_dir(node)),
+                    backend,
+                    self.gateway_options,
+                    config,
+                    str(self.work_dir / "mitmproxy" / node.name),
+                    str(self.work_dir / "logs"),
+                )
+            )
         ray.get(refs, timeout=180)
 
     def _end(self) -> None:
@@ -253,7 +321,9 @@ class RayRollout:
         node.load -= 1
         try:
             outcome = ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:  # our code failed on the node: that session fails, not the run
+        except (
+            ray.exceptions.RayTaskError
+        ) as exc:  # our code failed on the node: that session fails, not the run
             outcome = self._failed(spec, node.name, "error", f"node {node.name}: {exc}".splitlines()[0])
         except ray.exceptions.RayError:
             self._node_died(node)
@@ -265,7 +335,9 @@ class RayRollout:
     def _record(self, outcome: SessionOutcome) -> None:
         key = (outcome.task_id, outcome.index)
         if key in self.outcomes:  # cannot happen by construction; refuse to count a sample twice all the same
-            raise RuntimeError(f"sample {key} finished twice ({self.outcomes[key].session_id}, {outcome.session_id})")
+            raise RuntimeError(
+                f"sample {key} finished twice ({self.outcomes[key].session_id}, {outcome.session_id})"
+            )
         self.outcomes[key] = outcome
         if outcome.status != "cut":
             self.done_per_group[outcome.task_id] += 1
@@ -295,14 +367,26 @@ class RayRollout:
     def _retry_or_fail(self, spec: SessionSpec, node: NodeHandle) -> None:
         """A session lost with its node: again elsewhere under a new id, or `node_lost` with the failure reward."""
         again = spec.attempt < self.max_attempts and bool(self.pool.live())
-        self.lost.append({"session_id": spec.session_id, "task_id": spec.task.task_id, "index": spec.index,
-                          "node": node.name, "attempt": spec.attempt, "then": "rerun" if again else "node_lost"})
+        self.lost.append(
+            {
+                "session_id": spec.session_id,
+                "task_id": spec.task.task_id,
+                "index": spec.index,
+                "node": node.name,
+                "attempt": spec.attempt,
+                "then": "rerun" if again else "node_lost",
+            }
+        )
         if again:
-            self.pending.appendleft(SessionSpec(spec.task, spec.index, new_session_id(spec.task, spec.index),
-                                                spec.attempt + 1))
+            self.pending.appendleft(
+                SessionSpec(spec.task, spec.index, new_session_id(spec.task, spec.index), spec.attempt + 1)
+            )
         else:
-            self._record(self._failed(spec, node.name, "node_lost",
-                                      f"node {node.name} died during attempt {spec.attempt}"))
+            self._record(
+                self._failed(
+                    spec, node.name, "node_lost", f"node {node.name} died during attempt {spec.attempt}"
+                )
+            )
 
     def _fail_unrunnable(self) -> None:
         """Sessions still pending when no node is left: reported `node_lost` with the failure reward."""
@@ -310,26 +394,48 @@ class RayRollout:
             spec = self.pending.popleft()
             self._record(self._failed(spec, "-", "node_lost", "no live rollout node left"))
 
-    def _failed(self, spec: SessionSpec, node: str, status: str, why: str, *,
-                reward: float | None | str = "failure") -> SessionOutcome:
+    def _failed(
+        self, spec: SessionSpec, node: str, status: str, why: str, *, reward: float | None | str = "failure"
+    ) -> SessionOutcome:
         value = self.config.failure_reward if reward == "failure" else reward
-        return SessionOutcome(session_id=spec.session_id, task_id=spec.task.task_id, index=spec.index,
-                              status=status, reward=value, exit_code=None, eval_output=why, node=node,  # type: ignore
-                              attempt=spec.attempt)
+        return SessionOutcome(
+            session_id=spec.session_id,
+            task_id=spec.task.task_id,
+            index=spec.index,
+            status=status,
+            reward=value,
+            exit_code=None,
+            eval_output=why,
+            node=node,  # type: ignore
+            attempt=spec.attempt,
+        )
 
     # -- the result ---------------------------------------------------------------------------------------------------
 
     def _result(self, seconds: float, interrupted: int | None) -> RayRolloutResult:
         outcomes = sorted(self.outcomes.values(), key=lambda o: (o.task_id, o.index))
         sessions = [self._session_run(o) for o in outcomes]
-        return RayRolloutResult(RolloutSummary(sessions, seconds, self._utilisation(outcomes)), outcomes,
-                                {n.name: self.node_dir(n) for n in self.pool.nodes}, list(self.dead), self.lost,
-                                interrupted)
+        return RayRolloutResult(
+            RolloutSummary(sessions, seconds, self._utilisation(outcomes)),
+            outcomes,
+            {n.name: self.node_dir(n) for n in self.pool.nodes},
+            list(self.dead),
+            self.lost,
+            interrupted,
+        )
 
     def _session_run(self, o: SessionOutcome) -> SessionRun:
         task = self._task(o.task_id)
-        s = SessionRun(task=task, index=o.index, session_id=o.session_id, stage="done", status=o.status,
-                       reward=o.reward, exit_code=o.exit_code, eval_output=o.eval_output)
+        s = SessionRun(
+            task=task,
+            index=o.index,
+            session_id=o.session_id,
+            stage="done",
+            status=o.status,
+            reward=o.reward,
+            exit_code=o.exit_code,
+            eval_output=o.eval_output,
+        )
         s.spans = {stage: (0.0, value) for stage, value in o.seconds.items()}
         return s
 
@@ -350,5 +456,3 @@ class RayRollout:
 def write_report(result: RayRolloutResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result.report(), indent=2, default=str))
-
-

@@ -60,10 +60,18 @@ def wall_clock(monotonic: float) -> float:
 def outcome_of(s: SessionRun, node: str, attempt: int) -> SessionOutcome:
     run = s.spans.get("run")
     return SessionOutcome(
-        session_id=s.session_id, task_id=s.task.task_id, index=s.index, status=s.status, reward=s.reward,
-        exit_code=s.exit_code, eval_output=s.eval_output[-2000:], node=node, attempt=attempt,
+        session_id=s.session_id,
+        task_id=s.task.task_id,
+        index=s.index,
+        status=s.status,
+        reward=s.reward,
+        exit_code=s.exit_code,
+        eval_output=s.eval_output[-2000:],
+        node=node,
+        attempt=attempt,
         seconds={stage: s.seconds(stage) or 0.0 for stage in ("init", "run", "post") if stage in s.spans},
-        run_span=(wall_clock(run[0]), wall_clock(run[1])) if run else None)
+        run_span=(wall_clock(run[0]), wall_clock(run[1])) if run else None,
+    )
 
 
 # -- the actor -------------------------------------------------------------------------------------------------
@@ -86,8 +94,11 @@ class StreamingRollout(Rollout):
         self._open_stages()
         self._posts = [asyncio.create_task(self._post_worker()) for _ in range(cfg.post_workers)]
         self._runs = [asyncio.create_task(self._run_worker()) for _ in range(cfg.concurrency)]
-        self._inits = [asyncio.create_task(self._init_worker()) for _ in range(cfg.init_workers)] \
-            if self._buffered else []
+        self._inits = (
+            [asyncio.create_task(self._init_worker()) for _ in range(cfg.init_workers)]
+            if self._buffered
+            else []
+        )
         self._workers = [*self._posts, *self._runs, *self._inits]
 
     async def submit(self, s: SessionRun) -> SessionRun:
@@ -159,26 +170,41 @@ class NodeRollout:
     def ping(self) -> str:
         return self.name
 
-    async def begin(self, out_dir: str, engine_url: str, options: dict[str, str], config: RolloutConfig,
-                    confdir: str, log_dir: str) -> None:
+    async def begin(
+        self,
+        out_dir: str,
+        engine_url: str,
+        options: dict[str, str],
+        config: RolloutConfig,
+        confdir: str,
+        log_dir: str,
+    ) -> None:
         """Start this rollout's gateway (writing to `out_dir`) and the runner's pools."""
         await self.end()
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         # Started from the actor's event-loop thread, which lives as long as the actor: the gateway is tied to it,
         # so a killed worker process (its node died, Ctrl-C) takes its gateway down with it.
-        self.gateway = procs.start_gateway(engine_url, Path(out_dir), confdir=Path(confdir),
-                                           log=Path(log_dir) / f"gateway-{self.name}.log", options=options,
-                                           tie_to_parent=True)
+        self.gateway = procs.start_gateway(
+            engine_url,
+            Path(out_dir),
+            confdir=Path(confdir),
+            log=Path(log_dir) / f"gateway-{self.name}.log",
+            options=options,
+            tie_to_parent=True,
+        )
         gw = self.gateway
-        self.rollout = StreamingRollout(self.harness, GatewayEndpoints(gw.reverse_url, gw.proxy_url,
-                                                                       gw.ca_bundle()), config)
+        self.rollout = StreamingRollout(
+            self.harness, GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), config
+        )
         self.rollout.start()
 
     async def run_session(self, spec: SessionSpec) -> SessionOutcome:
         if self.rollout is None:
             raise RuntimeError(f"node {self.name}: run_session before begin")
-        s = await self.rollout.submit(SessionRun(task=spec.task, index=spec.index, session_id=spec.session_id))
+        s = await self.rollout.submit(
+            SessionRun(task=spec.task, index=spec.index, session_id=spec.session_id)
+        )
         return outcome_of(s, self.name, spec.attempt)
 
     async def cut_group(self, task_id: str) -> None:
@@ -203,5 +229,3 @@ class NodeRollout:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-
-

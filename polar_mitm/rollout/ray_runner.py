@@ -22,9 +22,20 @@ from polar_mitm.rollout.runner import RolloutConfig
 from polar_mitm.rollout.tasks import Task
 
 
-def ray_rollout_command(tasks: list[Task], harness: str, config: RolloutConfig, *, address: str, out: Path,
-                        rewards: Path, engine: str | None, model: str, script: Path | None, work_dir: Path,
-                        max_attempts: int = 2) -> RayRolloutResult:
+def ray_rollout_command(
+    tasks: list[Task],
+    harness: str,
+    config: RolloutConfig,
+    *,
+    address: str,
+    out: Path,
+    rewards: Path,
+    engine: str | None,
+    model: str,
+    script: Path | None,
+    work_dir: Path,
+    max_attempts: int = 2,
+) -> RayRolloutResult:
     """Start (or attach to) the engines, run the rollout on the cluster, write rewards + `ray_report.json`."""
     from contextlib import ExitStack
 
@@ -32,13 +43,26 @@ def ray_rollout_command(tasks: list[Task], harness: str, config: RolloutConfig, 
     from polar_mitm.rollout.runner import write_rewards
 
     with ExitStack() as stack:
-        engine = stack.enter_context(procs.engine_running(engine, model=model, log=work_dir / "engine.log",
-                                                          extra_args=["--script", str(script)] if script else []))
+        engine = stack.enter_context(
+            procs.engine_running(
+                engine,
+                model=model,
+                log=work_dir / "engine.log",
+                extra_args=["--script", str(script)] if script else [],
+            )
+        )
         engine_set = stack.enter_context(engines.attached(engine, log=work_dir / "router.log"))
         pool = RayPool(address, harness)
         stack.callback(pool.close)
-        result = pool.rollout(tasks, config, out_dir=out, work_dir=work_dir, engine_url=engine_set.url,
-                              gateway_options=engines.gateway_options(engine_set.url), max_attempts=max_attempts)
+        result = pool.rollout(
+            tasks,
+            config,
+            out_dir=out,
+            work_dir=work_dir,
+            engine_url=engine_set.url,
+            gateway_options=engines.gateway_options(engine_set.url),
+            max_attempts=max_attempts,
+        )
     write_rewards(result.summary, rewards)
     write_report(result, work_dir / "ray_report.json")
     return result

@@ -39,13 +39,16 @@ NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 # Where a session is in the pipeline (INIT → READY buffer → RUN → POST-RUN → done).
 SessionStage = Literal["pending", "init", "ready", "run", "post", "done"]
 
+
 @dataclass
 class RolloutConfig:
     group_size: int = 4
     concurrency: int = 4  # RUN workers (harness sessions at once)
     init_workers: int = 2
     post_workers: int = 2
-    ready_buffer: int = 4  # prewarmed workspaces waiting for a RUN worker; 0 = no buffer (RUN workers init inline)
+    ready_buffer: int = (
+        4  # prewarmed workspaces waiting for a RUN worker; 0 = no buffer (RUN workers init inline)
+    )
     keep: int | None = None  # straggler cut: once K of a group's sessions are done, cancel the rest
     failure_reward: float = 0.0  # reward of timed-out / crashed / failed-setup sessions
     workspace_root: Path = Path("/tmp/polar-workspaces")
@@ -81,26 +84,46 @@ class RolloutSummary:
 
     def table(self) -> pa.Table:
         """The rewards file's rows (storage/rewards.py), one per session."""
-        return rewards_table(RewardRow(
-            session_id=s.session_id, task_id=s.task.task_id, sample_index=s.index, reward=s.reward,
-            status=s.status, exit_code=s.exit_code, init_seconds=s.seconds("init"),
-            run_seconds=s.seconds("run"), eval_seconds=s.seconds("post"), eval_output=s.eval_output[-2000:],
-        ) for s in self.sessions)
+        return rewards_table(
+            RewardRow(
+                session_id=s.session_id,
+                task_id=s.task.task_id,
+                sample_index=s.index,
+                reward=s.reward,
+                status=s.status,
+                exit_code=s.exit_code,
+                init_seconds=s.seconds("init"),
+                run_seconds=s.seconds("run"),
+                eval_seconds=s.seconds("post"),
+                eval_output=s.eval_output[-2000:],
+            )
+            for s in self.sessions
+        )
 
 
-async def run_shell(command: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+async def run_shell(
+    command: str, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run a shell command (task-file setup and evaluation) in its own process group; (exit code, output)."""
     return await run_argv(["bash", "-c", command], cwd, timeout, env)
 
 
-async def run_argv(argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+async def run_argv(
+    argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run a program with an argument vector in its own process group; (exit code, output). Raises TimeoutError.
 
     stdin is closed, so nothing can stop to ask for input (a git password prompt would wait for the timeout).
     """
-    proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                start_new_session=True)
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except (TimeoutError, asyncio.CancelledError):
@@ -121,14 +144,21 @@ def git_clone_argv(source: str) -> list[str]:
 class Rollout:
     """Runs G sessions per task through the stages; `on_update` gets the live sessions after every change."""
 
-    def __init__(self, tasks: list[Task], harness: HarnessSpec, gateway: GatewayEndpoints, config: RolloutConfig,
-                 on_update: Callable[[list[SessionRun]], None] | None = None) -> None:
+    def __init__(
+        self,
+        tasks: list[Task],
+        harness: HarnessSpec,
+        gateway: GatewayEndpoints,
+        config: RolloutConfig,
+        on_update: Callable[[list[SessionRun]], None] | None = None,
+    ) -> None:
         self.tasks, self.harness, self.gateway, self.config = tasks, harness, gateway, config
         self.on_update = on_update or (lambda sessions: None)
         self.started = time.monotonic()
         self.sessions = [
             SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
-            for t in tasks for i in range(config.group_size)
+            for t in tasks
+            for i in range(config.group_size)
         ]
         self.done_per_group: Counter = Counter()
         self.groups: dict[str, list[SessionRun]] = defaultdict(list)
@@ -148,8 +178,12 @@ class Rollout:
             else:
                 s.workspace.mkdir(parents=True)
             if s.task.workspace_git:
-                code, out = await run_argv(git_clone_argv(s.task.workspace_git), s.workspace, s.task.timeouts.init,
-                                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+                code, out = await run_argv(
+                    git_clone_argv(s.task.workspace_git),
+                    s.workspace,
+                    s.task.timeouts.init,
+                    env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+                )
                 if code:
                     raise RuntimeError(f"git clone {s.task.workspace_git!r} failed ({code}): {out[-500:]}")
             for command in s.task.setup:
@@ -176,8 +210,14 @@ class Rollout:
         start = time.monotonic()
         try:
             s.proc = await asyncio.create_subprocess_exec(
-                *launch.argv, cwd=launch.cwd, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=log or asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                *launch.argv,
+                cwd=launch.cwd,
+                env=launch.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log or asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
                 s.status = "crashed" if s.exit_code else "ok"
@@ -207,7 +247,11 @@ class Rollout:
                 s.reward = self._reward(s.task, code, out)
                 s.status = "ok" if code == 0 or s.task.eval_reward == "stdout" else "failed"
             except TimeoutError:
-                s.status, s.reward, s.eval_output = "timeout", self.config.failure_reward, "evaluation timed out"
+                s.status, s.reward, s.eval_output = (
+                    "timeout",
+                    self.config.failure_reward,
+                    "evaluation timed out",
+                )
         elif s.status != "cut":
             s.reward = self.config.failure_reward  # partial records stay; the session still gets a reward
         s.spans["post"] = (start, time.monotonic())

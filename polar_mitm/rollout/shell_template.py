@@ -28,19 +28,27 @@ WORD_BREAKS = frozenset(" \t\n;&|()<>")  # after one of these a `#` starts a com
 COMMAND_BREAKS = frozenset(";&|\n")  # they end a simple command
 CODE = ("sh", "(", "$(")  # contexts where bash reads commands (words, separators, a command name)
 EVALUATED = {  # contexts whose text bash evaluates: arithmetic (array subscripts in values run commands), [[ ]]
-    "$((": "inside $((...)) arithmetic", "((": "inside ((...)) arithmetic", "$[": "inside $[...] arithmetic",
-    "[": "inside an array subscript NAME[...] (arithmetic)", "[[": "inside a [[ ... ]] conditional",
+    "$((": "inside $((...)) arithmetic",
+    "((": "inside ((...)) arithmetic",
+    "$[": "inside $[...] arithmetic",
+    "[": "inside an array subscript NAME[...] (arithmetic)",
+    "[[": "inside a [[ ... ]] conditional",
 }
-NAME_ARGUMENTS = frozenset({"read", "unset", "mapfile", "readarray", "getopts", "let", "wait"})  # args are names
+NAME_ARGUMENTS = frozenset(
+    {"read", "unset", "mapfile", "readarray", "getopts", "let", "wait"}
+)  # args are names
 DECLARATIONS = frozenset({"declare", "typeset", "local", "export", "readonly"})
 NAME_OPTIONS = frozenset({"-v", "-R"})  # printf -v NAME, test -v NAME, [ -R NAME ]
-PREFIX_WORDS = frozenset({"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time", "builtin",
-                          "command", "exec"})  # before a command name
+PREFIX_WORDS = frozenset(
+    {"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time", "builtin", "command", "exec"}
+)  # before a command name
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^\]]*\])?\+?=")
 # `${NAME op word}` where the word is plain text (defaults, patterns, replacements), not a subscript or an offset.
-BRACE_WORD = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:\[[^\]]*\])?"
-                        r"(?::?[-=+?]|##?|%%?|/[/#%]?|\^\^?|,,?)")
+BRACE_WORD = re.compile(
+    r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:\[[^\]]*\])?"
+    r"(?::?[-=+?]|##?|%%?|/[/#%]?|\^\^?|,,?)"
+)
 FIELD_MARK = "\ue000"  # stands for a substituted placeholder in the text a context has seen
 _FORMATTER = string.Formatter()
 
@@ -75,7 +83,7 @@ class Context:
 
     @property
     def word(self) -> str:
-        return self.text[self.word_start:]
+        return self.text[self.word_start :]
 
 
 class QuotingScanner:
@@ -143,7 +151,9 @@ class QuotingScanner:
         else:
             consumed = self._unquoted(text, i)
         # The text goes to the context it was read in; a closing character (its context gone) to the one outside.
-        (owner if any(context is owner for context in self.stack) else self.stack[-1]).text += text[i: i + consumed]
+        (owner if any(context is owner for context in self.stack) else self.stack[-1]).text += text[
+            i : i + consumed
+        ]
         current = self.stack[-1]
         if current.kind in CODE and not was_escaped and (current is owner or top == "#"):
             self._split(current, char)
@@ -165,14 +175,14 @@ class QuotingScanner:
         if text.startswith("$((", i):
             self._push("$((")
             return 3
-        nxt = text[i + 1: i + 2]
+        nxt = text[i + 1 : i + 2]
         if nxt == "[" or nxt in openers:
             self._push("$" + nxt)
             return 2
         return 1
 
     def _unquoted(self, text: str, i: int) -> int:
-        char, nxt, context = text[i], text[i + 1: i + 2], self.stack[-1]
+        char, nxt, context = text[i], text[i + 1 : i + 2], self.stack[-1]
         top = context.kind
         if char == "\\":
             self.escaped = True
@@ -188,7 +198,7 @@ class QuotingScanner:
             self._push("#")
         elif char == "c" and _word_at(text, i, "case") and (self.prev == "" or self.prev in WORD_BREAKS):
             self.lost_in_case = self.lost_in_case or '"' in self.kinds
-        elif char == "<" and nxt == "<" and text[i + 2: i + 3] != "<" and self.prev != "<" and top in CODE:
+        elif char == "<" and nxt == "<" and text[i + 2 : i + 3] != "<" and self.prev != "<" and top in CODE:
             self.heredoc_pending = True
             return 2
         elif char == "\n" and self.heredoc_pending:
@@ -197,7 +207,7 @@ class QuotingScanner:
 
     def _bracket(self, text: str, i: int) -> int:
         """Parentheses and brackets: subshells, `((…))`, `[[ … ]]` and array subscripts open and close here."""
-        char, nxt, context = text[i], text[i + 1: i + 2], self.stack[-1]
+        char, nxt, context = text[i], text[i + 1 : i + 2], self.stack[-1]
         top = context.kind
         at_word_start = top in CODE and not context.word
         if char == "(" and nxt == "(" and at_word_start:
@@ -210,10 +220,12 @@ class QuotingScanner:
             return 2
         elif char == ")" and top in ("(", "$("):
             self._pop()
-        elif char == "[" and nxt == "[" and at_word_start and text[i + 2: i + 3] in ("", " ", "\t", "\n"):
+        elif char == "[" and nxt == "[" and at_word_start and text[i + 2 : i + 3] in ("", " ", "\t", "\n"):
             self._push("[[")
             return 2
-        elif char == "[" and (top in EVALUATED or top == "$[" or (top in CODE and NAME.fullmatch(context.word))):
+        elif char == "[" and (
+            top in EVALUATED or top == "$[" or (top in CODE and NAME.fullmatch(context.word))
+        ):
             self._push("[")
         elif char == "]" and nxt == "]" and top == "[[" and self.prev in (" ", "\t", "\n"):
             self._pop()
@@ -226,7 +238,7 @@ class QuotingScanner:
         """After `char` was added to a CODE context: a blank ends a word, `;`, `&`, `|` or a newline a command."""
         if char not in " \t" and char not in COMMAND_BREAKS:
             return
-        word = _plain(context.text[context.word_start: -1])
+        word = _plain(context.text[context.word_start : -1])
         context.word_start = len(context.text)
         if word.endswith(")") and "(" not in word:  # a `case` pattern: a command follows it
             context.words = []
@@ -264,8 +276,10 @@ class QuotingScanner:
                 return EVALUATED[kind]
         for context in self.stack:
             if context.kind == "${" and not BRACE_WORD.match(context.text):
-                return "inside ${...} as a subscript, offset or name (only the word of ${NAME:-word} and the like " \
-                       "is text)"
+                return (
+                    "inside ${...} as a subscript, offset or name (only the word of ${NAME:-word} and the like "
+                    "is text)"
+                )
         if (problem := self._argument_problem()) is not None:
             return problem
         if self.integer_declared:
@@ -276,7 +290,7 @@ class QuotingScanner:
         """A placeholder that a builtin would take as a variable name (bash evaluates a subscript in it)."""
         depth = max(k for k, context in enumerate(self.stack) if context.kind in CODE)
         context = self.stack[depth]
-        current = _plain(context.word + "".join(inner.text for inner in self.stack[depth + 1:]))
+        current = _plain(context.word + "".join(inner.text for inner in self.stack[depth + 1 :]))
         command, args = _command([*context.words, current])
         if not args:  # the placeholder is the command name, or in an assignment before it
             return None
@@ -287,7 +301,9 @@ class QuotingScanner:
             if any(_integer_option(arg) for arg in earlier):
                 return f"an argument of `{command}` with -i or -n (the value is evaluated)"
             if not ASSIGNMENT.match(current):
-                return f"a variable name given to `{command}` (its subscript is evaluated; NAME={{…}} is fine)"
+                return (
+                    f"a variable name given to `{command}` (its subscript is evaluated; NAME={{…}} is fine)"
+                )
         option = next((arg for arg in earlier if arg in NAME_OPTIONS), None)
         if command in ("printf", "test", "[") and option is not None:
             return f"after `{command} {option}` (a variable name, whose subscript is evaluated)"
@@ -327,7 +343,7 @@ def _command(words: list[str]) -> tuple[str, list[str]]:
     k = 0
     while k < len(words) and (ASSIGNMENT.match(words[k]) or words[k] in PREFIX_WORDS):
         k += 1
-    return (words[k], words[k + 1:]) if k < len(words) else ("", [])
+    return (words[k], words[k + 1 :]) if k < len(words) else ("", [])
 
 
 def _integer_option(word: str) -> bool:
@@ -378,8 +394,10 @@ def _literal_and_fields(template: str) -> list[tuple[str, tuple[str, str | None,
         parsed = list(_FORMATTER.parse(template))
     except ValueError as exc:
         raise TemplateError(f"{exc} (write {{{{ and }}}} for literal braces)") from exc
-    return [(literal, None if name is None else (name, conversion, spec or ""))
-            for literal, name, spec, conversion in parsed]
+    return [
+        (literal, None if name is None else (name, conversion, spec or ""))
+        for literal, name, spec, conversion in parsed
+    ]
 
 
 def _compile(template: str) -> list[str | Field]:
@@ -396,19 +414,24 @@ def _compile(template: str) -> list[str | Field]:
             continue
         name, conversion, spec = placeholder
         if name not in PLACEHOLDERS:
-            raise TemplateError(f"unknown placeholder {{{name}}}; known: "
-                                + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS) + " (write {{ and }} for a brace)")
+            raise TemplateError(
+                f"unknown placeholder {{{name}}}; known: "
+                + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS)
+                + " (write {{ and }} for a brace)"
+            )
         if "{" in spec:
             raise TemplateError(f"{{{name}}}: nested placeholders in a format spec are not supported")
         if (problem := scanner.problem()) is not None:
             raise TemplateError(
                 f"{{{name}}} is {problem}, where no quoting keeps its value literal; put it outside "
-                f"(values are shell-quoted for you) or use \"${env_name(name)}\" from the environment there")
+                f'(values are shell-quoted for you) or use "${env_name(name)}" from the environment there'
+            )
         if (problem := scanner.evaluated()) is not None:
             raise TemplateError(
                 f"{{{name}}} is {problem}, where bash evaluates the value whatever its quoting (a value such as "
                 f"a[$(cmd)] runs cmd; ${env_name(name)} is no safer there); use it as plain text instead, "
-                f"e.g. [ {{{name}}} = x ]")
+                f"e.g. [ {{{name}}} = x ]"
+            )
         parts.append(Field(name, conversion, spec, scanner.quote()))
         scanner.after_field()
     if (quote := scanner.unterminated()) is not None:

@@ -95,10 +95,16 @@ def parse_instance(raw: Any) -> Instance:
     if not fail_to_pass:
         raise ValueError("field FAIL_TO_PASS is empty: an instance needs at least one test to fix")
     known = set(REQUIRED_TEXT) | {"FAIL_TO_PASS", "PASS_TO_PASS"}
-    return Instance(instance_id=raw["instance_id"], repo=raw["repo"], base_commit=raw["base_commit"],
-                    problem_statement=raw["problem_statement"], test_patch=raw["test_patch"],
-                    fail_to_pass=fail_to_pass, pass_to_pass=_test_list(raw, "PASS_TO_PASS"),
-                    extra={k: v for k, v in raw.items() if k not in known})
+    return Instance(
+        instance_id=raw["instance_id"],
+        repo=raw["repo"],
+        base_commit=raw["base_commit"],
+        problem_statement=raw["problem_statement"],
+        test_patch=raw["test_patch"],
+        fail_to_pass=fail_to_pass,
+        pass_to_pass=_test_list(raw, "PASS_TO_PASS"),
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
 
 
 def _test_list(raw: dict[str, Any], name: str) -> list[str]:
@@ -176,7 +182,9 @@ def _rows(path: Path) -> list[tuple[str, Any]]:
 class SweOptions:
     """How instances become tasks (the `polar-mitm tasks swe` options)."""
 
-    repos: Path | None = None  # mirror directory: REPOS/OWNER__NAME, REPOS/OWNER/NAME, REPOS/NAME (+ .git, .bundle)
+    repos: Path | None = (
+        None  # mirror directory: REPOS/OWNER__NAME, REPOS/OWNER/NAME, REPOS/NAME (+ .git, .bundle)
+    )
     git_url: str = "https://github.com/{repo}.git"  # when there is no mirror
     prompt_template: str = DEFAULT_PROMPT
     test_command: str = "python -m pytest -rA --tb=no -p no:cacheprovider"
@@ -235,8 +243,10 @@ def repository_source(instance: Instance, options: SweOptions) -> str:
                 path = options.repos / (candidate + suffix)
                 if path.exists():
                     return str(path.resolve())
-        raise InstanceError(f"instance {instance.instance_id!r}: no mirror of {instance.repo} under {options.repos} "
-                            f"(looked for {org}__{name}, {org}/{name}, {name}, with .git/.bundle)")
+        raise InstanceError(
+            f"instance {instance.instance_id!r}: no mirror of {instance.repo} under {options.repos} "
+            f"(looked for {org}__{name}, {org}/{name}, {name}, with .git/.bundle)"
+        )
     return options.git_url.format(repo=instance.repo)
 
 
@@ -249,9 +259,11 @@ def checkout_commands(base_commit: str, keep_history: bool) -> list[str]:
     commands = [f"git -c advice.detachedHead=false checkout -q --detach {base_commit}"]
     if not keep_history:
         # --no-deref: a symbolic ref (refs/remotes/origin/HEAD) goes itself, not the branch it points to.
-        commands.append("git remote remove origin 2>/dev/null; "
-                        "git for-each-ref --format='delete %(refname)' | git update-ref --no-deref --stdin"
-                        " && git reflog expire --expire=now --all && git gc -q --prune=now")
+        commands.append(
+            "git remote remove origin 2>/dev/null; "
+            "git for-each-ref --format='delete %(refname)' | git update-ref --no-deref --stdin"
+            " && git reflog expire --expire=now --all && git gc -q --prune=now"
+        )
     commands.append("git checkout -q -B main")
     return commands
 
@@ -261,17 +273,31 @@ def grading_spec(instance: Instance, options: SweOptions, env_root: Path) -> Gra
     image = None
     if options.image:
         org, name = instance.repo.split("/")
-        image = options.image.format(instance_id=instance.instance_id, docker_id=instance.docker_id,
-                                     repo=instance.repo, org=org, name=name,
-                                     version=instance.extra.get("version") or "")
-    return GradingSpec(instance_id=instance.instance_id, base_commit=instance.base_commit,
-                       test_patch=instance.test_patch, fail_to_pass=instance.fail_to_pass,
-                       pass_to_pass=instance.pass_to_pass, test_command=options.test_command,
-                       log_parser=options.log_parser, reward=options.reward,
-                       env_dir=str(env_root / env_dir_name(instance.instance_id)),
-                       requirements=list(options.requirements), python=sys.executable, image=image,
-                       container=options.container, container_workdir=options.container_workdir,
-                       container_setup=options.container_setup)
+        image = options.image.format(
+            instance_id=instance.instance_id,
+            docker_id=instance.docker_id,
+            repo=instance.repo,
+            org=org,
+            name=name,
+            version=instance.extra.get("version") or "",
+        )
+    return GradingSpec(
+        instance_id=instance.instance_id,
+        base_commit=instance.base_commit,
+        test_patch=instance.test_patch,
+        fail_to_pass=instance.fail_to_pass,
+        pass_to_pass=instance.pass_to_pass,
+        test_command=options.test_command,
+        log_parser=options.log_parser,
+        reward=options.reward,
+        env_dir=str(env_root / env_dir_name(instance.instance_id)),
+        requirements=list(options.requirements),
+        python=sys.executable,
+        image=image,
+        container=options.container,
+        container_workdir=options.container_workdir,
+        container_setup=options.container_setup,
+    )
 
 
 def env_dir_name(instance_id: str) -> str:
@@ -280,24 +306,37 @@ def env_dir_name(instance_id: str) -> str:
     return f"{readable}-{hashlib.sha256(instance_id.encode()).hexdigest()[:8]}"
 
 
-def instance_task(instance: Instance, options: SweOptions, spec_path: Path, spec_sha256: str) -> dict[str, Any]:
+def instance_task(
+    instance: Instance, options: SweOptions, spec_path: Path, spec_sha256: str
+) -> dict[str, Any]:
     """The task-file object of one instance (tasks.py format); its commands pin the spec by its sha256."""
     grader = f"{shlex.quote(sys.executable)} -m polar_mitm.rollout.swe_grading"
     spec_arguments = f"{shlex.quote(str(spec_path))} {spec_sha256}"
     org, name = instance.repo.split("/")
-    fields = {"problem_statement": instance.problem_statement, "repo": instance.repo,
-              "instance_id": instance.instance_id, "base_commit": instance.base_commit,
-              "hints_text": instance.extra.get("hints_text") or "", "version": instance.extra.get("version") or ""}
-    setup = [*checkout_commands(instance.base_commit, options.keep_history),
-             f"{grader} env {spec_arguments}"]
+    fields = {
+        "problem_statement": instance.problem_statement,
+        "repo": instance.repo,
+        "instance_id": instance.instance_id,
+        "base_commit": instance.base_commit,
+        "hints_text": instance.extra.get("hints_text") or "",
+        "version": instance.extra.get("version") or "",
+    }
+    setup = [*checkout_commands(instance.base_commit, options.keep_history), f"{grader} env {spec_arguments}"]
     return {
         "task_id": instance.instance_id,
         "prompt": options.prompt_template.format(**fields),
         "workspace": {"git": repository_source(instance, options), "setup": setup},
         "eval": {"command": f"{grader} grade {spec_arguments}", "reward": "stdout"},
         "timeouts": options.timeouts,
-        "swe": {"instance_id": instance.instance_id, "repo": instance.repo, "org": org, "name": name,
-                "base_commit": instance.base_commit, "spec": str(spec_path), "spec_sha256": spec_sha256},
+        "swe": {
+            "instance_id": instance.instance_id,
+            "repo": instance.repo,
+            "org": org,
+            "name": name,
+            "base_commit": instance.base_commit,
+            "spec": str(spec_path),
+            "spec_sha256": spec_sha256,
+        },
     }
 
 

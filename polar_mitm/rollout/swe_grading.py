@@ -78,7 +78,9 @@ class GradingSpec:
     def save(self, path: Path) -> str:
         """Write the spec read-only (replacing any older one); returns its sha256, which the task file keeps."""
         data = json.dumps(asdict(self), indent=1).encode("utf-8")
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        with tempfile.NamedTemporaryFile(
+            "wb", dir=path.parent, prefix=f".{path.name}.", delete=False
+        ) as handle:
             handle.write(data)
         os.chmod(handle.name, 0o444)
         os.replace(handle.name, path)
@@ -89,8 +91,10 @@ class GradingSpec:
         """The spec at `path`; with `sha256`, a GradingError unless the file is exactly the one written."""
         data = Path(path).read_bytes()
         if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-            raise GradingError(f"the grading spec {path} changed since `polar-mitm tasks swe` wrote it "
-                               f"(sha256 {hashlib.sha256(data).hexdigest()[:12]}…, expected {sha256[:12]}…)")
+            raise GradingError(
+                f"the grading spec {path} changed since `polar-mitm tasks swe` wrote it "
+                f"(sha256 {hashlib.sha256(data).hexdigest()[:12]}…, expected {sha256[:12]}…)"
+            )
         return cls(**json.loads(data.decode("utf-8")))
 
 
@@ -106,11 +110,13 @@ class Grade:
 
     def lines(self, spec: GradingSpec) -> list[str]:
         shown = ", ".join(self.failing[:10]) + (" …" if len(self.failing) > 10 else "")
-        return [f"{spec.instance_id}: {self.resolution}",
-                f"FAIL_TO_PASS fixed {self.fixed}/{len(spec.fail_to_pass)}, "
-                f"PASS_TO_PASS kept {self.kept}/{len(spec.pass_to_pass)}",
-                *([f"not passing: {shown}"] if self.failing else []),
-                f"reward: {self.reward:g}"]  # last: the rollout reads the last number printed
+        return [
+            f"{spec.instance_id}: {self.resolution}",
+            f"FAIL_TO_PASS fixed {self.fixed}/{len(spec.fail_to_pass)}, "
+            f"PASS_TO_PASS kept {self.kept}/{len(spec.pass_to_pass)}",
+            *([f"not passing: {shown}"] if self.failing else []),
+            f"reward: {self.reward:g}",
+        ]  # last: the rollout reads the last number printed
 
 
 # -- swebench ------------------------------------------------------------------------------------------------------
@@ -215,7 +221,9 @@ def prepare_env(spec: GradingSpec) -> str:
     env = Path(spec.env_dir)
     env.parent.mkdir(parents=True, exist_ok=True)
     with open(env.with_name(env.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one INIT builds it; the others of the same task wait, then reuse it
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # one INIT builds it; the others of the same task wait, then reuse it
         changes = env_changes(env) if (env / READY_MARK).exists() else None
         if (env / READY_MARK).exists() and changes is None:
             return f"reusing {env}"
@@ -298,7 +306,9 @@ def _prepare_image(spec: GradingSpec) -> str:
 def _check(argv: list[str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"`{shlex.join(argv)}` failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
+        raise RuntimeError(
+            f"`{shlex.join(argv)}` failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}"
+        )
 
 
 def check_env(spec: GradingSpec, workspace: Path) -> None:
@@ -307,7 +317,9 @@ def check_env(spec: GradingSpec, workspace: Path) -> None:
         return  # the tests run in the image; the workspace is all the container gets
     env = Path(spec.env_dir).resolve()
     if env.is_relative_to(workspace.resolve()):
-        raise GradingError(f"the task's environment {env} is inside the workspace, where the agent could change it")
+        raise GradingError(
+            f"the task's environment {env} is inside the workspace, where the agent could change it"
+        )
     if (changes := env_changes(env)) is not None:
         raise GradingError(f"the task's environment {env}: {changes}; the next INIT of the task rebuilds it")
 
@@ -321,13 +333,40 @@ def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str,
         mount = f"{workspace}:{spec.container_workdir}"
         if spec.container == "apptainer":
             image = str(Path(spec.env_dir) / "image.sif")
-            return ["apptainer", "exec", "--containall", "--bind", mount, "--pwd", spec.container_workdir, image,
-                    "bash", "-c", script], env
-        return ["docker", "run", "--rm", "--network", "none", "-v", mount, "-w", spec.container_workdir,
-                spec.image, "bash", "-c", script], env
+            return [
+                "apptainer",
+                "exec",
+                "--containall",
+                "--bind",
+                mount,
+                "--pwd",
+                spec.container_workdir,
+                image,
+                "bash",
+                "-c",
+                script,
+            ], env
+        return [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            mount,
+            "-w",
+            spec.container_workdir,
+            spec.image,
+            "bash",
+            "-c",
+            script,
+        ], env
     bin_dir = Path(spec.env_dir) / "bin"
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=spec.env_dir,
-               PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=spec.env_dir,
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     return ["bash", "-c", command], env
 
 
@@ -347,8 +386,10 @@ def workspace_entry(workspace: Path, path: str) -> Path:
     root = workspace.resolve()
     parent = (root / path).parent.resolve()
     if not parent.is_relative_to(root):
-        raise GradingError(f"test_patch path {path!r} escapes the workspace: its directory resolves to {parent} "
-                           f"(a symlink in the workspace points outside it)")
+        raise GradingError(
+            f"test_patch path {path!r} escapes the workspace: its directory resolves to {parent} "
+            f"(a symlink in the workspace points outside it)"
+        )
     if parent.relative_to(root).parts[:1] == (".git",):
         raise GradingError(f"test_patch path {path!r} resolves into the workspace's .git ({parent})")
     return parent / PurePosixPath(path).name
@@ -366,17 +407,28 @@ def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | No
     entries = [workspace_entry(workspace, path) for path in paths]
     git = ["git", "--literal-pathspecs"]  # a test file named `*` or `:(top)x` is that file, not a pattern
     for path, entry in zip(paths, entries, strict=True):
-        in_base = subprocess.run([*git, "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace,
-                                 capture_output=True).returncode == 0
+        in_base = (
+            subprocess.run(
+                [*git, "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace, capture_output=True
+            ).returncode
+            == 0
+        )
         if in_base:  # git replaces a symlink in the way by the file; it does not write through it
-            subprocess.run([*git, "checkout", "-q", spec.base_commit, "--", path], cwd=workspace, check=True,
-                           capture_output=True)
-        elif entry.is_dir() and not entry.is_symlink():  # a file the patch creates: whatever the agent put there goes
+            subprocess.run(
+                [*git, "checkout", "-q", spec.base_commit, "--", path],
+                cwd=workspace,
+                check=True,
+                capture_output=True,
+            )
+        elif (
+            entry.is_dir() and not entry.is_symlink()
+        ):  # a file the patch creates: whatever the agent put there goes
             shutil.rmtree(entry)  # rmtree does not follow symlinks inside the directory
         else:
             entry.unlink(missing_ok=True)
-    applied = subprocess.run(["git", "apply", "-v", "-"], cwd=workspace, input=spec.test_patch, text=True,
-                             capture_output=True)
+    applied = subprocess.run(
+        ["git", "apply", "-v", "-"], cwd=workspace, input=spec.test_patch, text=True, capture_output=True
+    )
     return None if applied.returncode == 0 else f"test_patch does not apply: {applied.stderr.strip()[-500:]}"
 
 
@@ -390,33 +442,56 @@ def grade(spec: GradingSpec, workspace: Path) -> Grade:
         return Grade(0.0, constants.APPLY_PATCH_FAIL)
     check_env(spec, workspace)
     argv, env = suite_argv(spec, workspace)
-    run = subprocess.run(argv, cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, errors="replace")
-    log = (f"{constants.START_TEST_OUTPUT}\n{run.stdout}\n{constants.END_TEST_OUTPUT}\n"
-           f"{constants.TEST_EXIT_CODE}: {run.returncode}\n")
+    run = subprocess.run(
+        argv,
+        cwd=workspace,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    log = (
+        f"{constants.START_TEST_OUTPUT}\n{run.stdout}\n{constants.END_TEST_OUTPUT}\n"
+        f"{constants.TEST_EXIT_CODE}: {run.returncode}\n"
+    )
     status_map, ran = _logs_eval(spec, log)
     if not ran:
         print(run.stdout[-3000:])
         return Grade(0.0, "TESTS_DID_NOT_RUN", failing=list(spec.fail_to_pass))
-    report = grading.get_eval_tests_report(status_map, {constants.FAIL_TO_PASS: spec.fail_to_pass,
-                                                        constants.PASS_TO_PASS: spec.pass_to_pass})
+    report = grading.get_eval_tests_report(
+        status_map, {constants.FAIL_TO_PASS: spec.fail_to_pass, constants.PASS_TO_PASS: spec.pass_to_pass}
+    )
     f2p, p2p = report[constants.FAIL_TO_PASS], report[constants.PASS_TO_PASS]
     resolution = grading.get_resolution_status(report)
     if spec.reward == "fraction":
         reward = float(grading.compute_fail_to_pass(report)) if not p2p["failure"] else 0.0
     else:
         reward = 1.0 if resolution == constants.ResolvedStatus.FULL.value else 0.0
-    return Grade(reward, resolution, fixed=len(f2p["success"]), kept=len(p2p["success"]),
-                 failing=[*f2p["failure"], *p2p["failure"]])
+    return Grade(
+        reward,
+        resolution,
+        fixed=len(f2p["success"]),
+        kept=len(p2p["success"]),
+        failing=[*f2p["failure"], *p2p["failure"]],
+    )
 
 
 def _logs_eval(spec: GradingSpec, log: str) -> tuple[dict[str, str], bool]:
     """swebench's get_logs_eval on our log (it reads a file): the status map, and whether the tests really ran."""
     from swebench.types import TestSpec
 
-    test_spec = TestSpec(instance_id=spec.instance_id, image=spec.image or "", eval_script_list=[], repo="",
-                         version="", FAIL_TO_PASS=spec.fail_to_pass, PASS_TO_PASS=spec.pass_to_pass,
-                         log_parser=spec.log_parser)
+    test_spec = TestSpec(
+        instance_id=spec.instance_id,
+        image=spec.image or "",
+        eval_script_list=[],
+        repo="",
+        version="",
+        FAIL_TO_PASS=spec.fail_to_pass,
+        PASS_TO_PASS=spec.pass_to_pass,
+        log_parser=spec.log_parser,
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as handle:
         handle.write(log)
     try:

@@ -26,8 +26,18 @@ from typing import Any
 
 from polar_mitm.harness.base import id_problem
 
-GIT_URL_SCHEMES = ("file", "http", "https", "ssh", "git", "git+ssh", "ssh+git")  # transports git itself speaks
-GIT_HELPER = re.compile(r"([A-Za-z0-9+.-]*)::")  # git's own test (transport.c): NAME:: selects a remote helper
+GIT_URL_SCHEMES = (
+    "file",
+    "http",
+    "https",
+    "ssh",
+    "git",
+    "git+ssh",
+    "ssh+git",
+)  # transports git itself speaks
+GIT_HELPER = re.compile(
+    r"([A-Za-z0-9+.-]*)::"
+)  # git's own test (transport.c): NAME:: selects a remote helper
 GIT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -81,8 +91,12 @@ def parse_task(raw: dict[str, Any], base: Path) -> Task:
         setup=_commands(ws.get("setup"), "workspace.setup"),
         eval_command=_text(ev.get("command", "true"), "eval.command"),
         eval_reward=reward_mode,
-        timeouts=Timeouts(init=_seconds(t, "init", 120), run=_seconds(t, "run", 600), eval=_seconds(t, "eval", 120)),
-        meta={k: v for k, v in raw.items() if k not in ("task_id", "prompt", "workspace", "eval", "timeouts")},
+        timeouts=Timeouts(
+            init=_seconds(t, "init", 120), run=_seconds(t, "run", 600), eval=_seconds(t, "eval", 120)
+        ),
+        meta={
+            k: v for k, v in raw.items() if k not in ("task_id", "prompt", "workspace", "eval", "timeouts")
+        },
     )
 
 
@@ -127,12 +141,16 @@ def _git_source(value: Any) -> str | None:
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in source):
         raise ValueError(f"workspace.git cannot contain control characters: {source!r}")
     if (helper := GIT_HELPER.match(source)) is not None:
-        raise ValueError(f"workspace.git {source!r} names the git transport helper {helper.group(1)!r}::; "
-                         f"use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL")
+        raise ValueError(
+            f"workspace.git {source!r} names the git transport helper {helper.group(1)!r}::; "
+            f"use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL"
+        )
     scheme = GIT_URL.match(source)
     if scheme is not None and scheme.group(1).lower() not in GIT_URL_SCHEMES:
-        raise ValueError(f"workspace.git {source!r}: git would hand the scheme {scheme.group(1)!r} to a remote "
-                         f"helper; use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL")
+        raise ValueError(
+            f"workspace.git {source!r}: git would hand the scheme {scheme.group(1)!r} to a remote "
+            f"helper; use a local path, scp-like user@host:path or a {'/'.join(GIT_URL_SCHEMES)} URL"
+        )
     return source
 
 

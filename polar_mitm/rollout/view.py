@@ -25,8 +25,12 @@ def render(sessions: list[SessionRun], started: float) -> Table:
     table.add_column("reward", justify="right")
     table.add_column("outcomes")
     mean = f"{sum(rewards) / len(rewards):.3f} (n={len(rewards)})" if rewards else "–"
-    table.add_row(*(str(stages.get(stage, 0)) for stage in STAGES), f"{stages.get('done', 0) / elapsed * 60:.1f}",
-                  mean, plain(" ".join(f"{k}:{v}" for k, v in sorted(statuses.items()))))
+    table.add_row(
+        *(str(stages.get(stage, 0)) for stage in STAGES),
+        f"{stages.get('done', 0) / elapsed * 60:.1f}",
+        mean,
+        plain(" ".join(f"{k}:{v}" for k, v in sorted(statuses.items()))),
+    )
     return table
 
 
@@ -41,7 +45,13 @@ def summary_table(sessions: list[SessionRun]) -> Table:
     for task_id, group in by_task.items():
         c = Counter(s.status for s in group)
         rewards = [s.reward for s in group if s.reward is not None]
-        table.add_row(plain(task_id), str(len(group)), str(c["ok"]), str(c["failed"]),
-                      str(c["timeout"] + c["crashed"] + c["init_failed"] + c["error"]), str(c["cut"]),
-                      f"{sum(rewards) / len(rewards):.3f}" if rewards else "–")
+        table.add_row(
+            plain(task_id),
+            str(len(group)),
+            str(c["ok"]),
+            str(c["failed"]),
+            str(c["timeout"] + c["crashed"] + c["init_failed"] + c["error"]),
+            str(c["cut"]),
+            f"{sum(rewards) / len(rewards):.3f}" if rewards else "–",
+        )
     return table

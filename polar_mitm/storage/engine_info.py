@@ -21,12 +21,22 @@ from typing import Any
 
 ENGINE_FILE = "_engine.json"
 # /model_info fields worth keeping (SGLang's and the embedded engine's names).
-MODEL_INFO_FIELDS = ("model_path", "tokenizer_path", "served_model_name", "weight_version", "context_length",
-                     "eos_token_ids", "tool_call_parser", "reasoning_parser", "engine")
+MODEL_INFO_FIELDS = (
+    "model_path",
+    "tokenizer_path",
+    "served_model_name",
+    "weight_version",
+    "context_length",
+    "eos_token_ids",
+    "tool_call_parser",
+    "reasoning_parser",
+    "engine",
+)
 
 
-def engine_description(model_info: dict[str, Any], backend: str, *, eot_token_id: int | None = None,
-                       eot_text: str | None = None) -> dict[str, Any]:
+def engine_description(
+    model_info: dict[str, Any], backend: str, *, eot_token_id: int | None = None, eot_text: str | None = None
+) -> dict[str, Any]:
     """The sidecar's content: the kept /model_info fields, the backend URL, and the end-of-turn token if known."""
     description: dict[str, Any] = {"backend": backend}
     description.update({k: model_info[k] for k in MODEL_INFO_FIELDS if model_info.get(k) is not None})
@@ -52,10 +62,14 @@ def read_engine_file(directory: str) -> dict[str, Any] | None:
     import pyarrow.fs as pafs
 
     try:
-        fs, root = pafs.FileSystem.from_uri(directory) if "://" in directory else (pafs.LocalFileSystem(),
-                                                                                  directory)
+        fs, root = (
+            pafs.FileSystem.from_uri(directory) if "://" in directory else (pafs.LocalFileSystem(), directory)
+        )
         with fs.open_input_stream(f"{root.rstrip('/')}/{ENGINE_FILE}") as stream:
             data = json.loads(stream.read())
-    except (OSError, ValueError):  # no sidecar (older records, other gateways) or a damaged one: merge falls back
+    except (
+        OSError,
+        ValueError,
+    ):  # no sidecar (older records, other gateways) or a damaged one: merge falls back
         return None
     return data if isinstance(data, dict) else None

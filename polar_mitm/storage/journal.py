@@ -28,7 +28,6 @@ The frame format and those names are `storage/journal_format.py`'s; what a recor
 All file work happens on one writer thread; the event loop only enqueues and awaits a future.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -102,8 +101,13 @@ def _write_rejected_rows(journal: Path, out_dir: Path, rejected: list[tuple[dict
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(folder)
-    log.warning("journal %s: %d row(s) cannot be records, kept in %s: %s", journal.name, len(rejected), target,
-                rejected[0][1])
+    log.warning(
+        "journal %s: %d row(s) cannot be records, kept in %s: %s",
+        journal.name,
+        len(rejected),
+        target,
+        rejected[0][1],
+    )
     return target
 
 
@@ -135,10 +139,19 @@ def compact_journal(journal: Path, out_dir: Path) -> Path | None:
     if rejected:
         _write_rejected_rows(journal, out_dir, rejected)
     if scan.damaged:
-        log.warning("journal %s: %d unreadable region(s): %s; kept %d record(s)", journal.name, len(scan.damaged),
-                    scan.describe_damage(), table.num_rows)
-        quarantine(journal, out_dir, f"unreadable regions: {scan.describe_damage()}; "
-                                     f"the other {len(scan.rows)} frame(s) are in {shard or 'no shard'}")
+        log.warning(
+            "journal %s: %d unreadable region(s): %s; kept %d record(s)",
+            journal.name,
+            len(scan.damaged),
+            scan.describe_damage(),
+            table.num_rows,
+        )
+        quarantine(
+            journal,
+            out_dir,
+            f"unreadable regions: {scan.describe_damage()}; "
+            f"the other {len(scan.rows)} frame(s) are in {shard or 'no shard'}",
+        )
     else:
         journal.unlink()
         fsync_dir(journal.parent)
@@ -151,8 +164,14 @@ def compact_journal(journal: Path, out_dir: Path) -> Path | None:
 class RecordWriter:
     """Appends records durably; `write()` returns a Future that resolves once the record is on disk."""
 
-    def __init__(self, out_dir: str | Path, *, rotate_bytes: int = 64 << 20, rotate_seconds: float = 300.0,
-                 fsync: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        rotate_bytes: int = 64 << 20,
+        rotate_seconds: float = 300.0,
+        fsync: bool = True,
+    ) -> None:
         self.out_dir = Path(out_dir)
         self.journal_dir = self.out_dir / JOURNAL_DIR
         self.rotate_bytes, self.rotate_seconds, self.fsync = rotate_bytes, rotate_seconds, fsync
@@ -200,8 +219,12 @@ class RecordWriter:
         try:
             quarantine(shard, self.out_dir, f"unreadable shard: {reason}")
         except OSError as exc:
-            log.warning("unreadable shard %s (%s) could not be quarantined (%s); left in place", shard, reason,
-                        one_line(exc))
+            log.warning(
+                "unreadable shard %s (%s) could not be quarantined (%s); left in place",
+                shard,
+                reason,
+                one_line(exc),
+            )
 
     # -- API -----------------------------------------------------------------------------------------------------
 
@@ -214,10 +237,14 @@ class RecordWriter:
     # -- writer thread -------------------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        name = f"journal-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}{JOURNAL_SUFFIX}"
+        name = (
+            f"journal-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}{JOURNAL_SUFFIX}"
+        )
         self._journal = self.journal_dir / name
         # Unbuffered: after a failed write no bytes may linger in a buffer and land later, after a partial frame.
-        self._fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(
+            self._journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644
+        )
         self._opened_at, self._size = time.monotonic(), 0
         self._write_all(FILE_HEADER)
         fsync_dir(self.journal_dir)
@@ -226,7 +253,7 @@ class RecordWriter:
         assert self._fd is not None
         view = memoryview(data)
         while view:
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
         self._size += len(data)
 
     def _close_journal(self) -> None:
@@ -249,9 +276,14 @@ class RecordWriter:
                     self._closed.remove(journal)
                     continue
                 # A warning, not an error: mitmproxy exits on an error logged during startup.
-                log.warning("compaction of %s failed (%s: %s); it will be retried in %.0f s or at the next "
-                            "rotation", journal, type(exc).__name__, one_line(exc), self.rotate_seconds,
-                            exc_info=True)
+                log.warning(
+                    "compaction of %s failed (%s: %s); it will be retried in %.0f s or at the next rotation",
+                    journal,
+                    type(exc).__name__,
+                    one_line(exc),
+                    self.rotate_seconds,
+                    exc_info=True,
+                )
                 continue
             if shard:
                 self.shards_written.append(shard)
@@ -268,7 +300,11 @@ class RecordWriter:
     def _due(self, stopping: bool) -> bool:
         if self._fd is None:
             return stopping and bool(self._closed)
-        return stopping or self._size >= self.rotate_bytes or time.monotonic() - self._opened_at > self.rotate_seconds
+        return (
+            stopping
+            or self._size >= self.rotate_bytes
+            or time.monotonic() - self._opened_at > self.rotate_seconds
+        )
 
     def _run(self) -> None:
         stopping = False
@@ -305,8 +341,11 @@ class RecordWriter:
         except Exception as exc:
             # The journal may now end in a partial frame, and after a failed fsync the kernel may have dropped
             # the pages: never append to it again. The next record opens a new journal.
-            log.error("journal write failed (%s); %d record(s) not acknowledged; starting a new journal", exc,
-                      len(items))
+            log.error(
+                "journal write failed (%s); %d record(s) not acknowledged; starting a new journal",
+                exc,
+                len(items),
+            )
             try:
                 self._close_journal()
             except OSError:

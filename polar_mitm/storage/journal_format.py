@@ -64,12 +64,12 @@ class _Frames:
         data, start = self.data, pos + len(self.prefix) + FRAME_HEADER.size
         if start > len(data):
             return "a torn frame header at the end (a write that failed or was cut; never acknowledged)"
-        if data[pos:pos + len(self.prefix)] != self.prefix:
+        if data[pos : pos + len(self.prefix)] != self.prefix:
             return "no frame marker (corrupt bytes)"
         length, crc = FRAME_HEADER.unpack_from(data, pos + len(self.prefix))
         if start + length > len(data):
             return "a frame cut at the end of the file (or a corrupt length)"
-        payload = data[start:start + length]
+        payload = data[start : start + length]
         if zlib.crc32(payload) != crc:
             return "checksum mismatch (corrupt bytes)"
         return start + length, payload
@@ -128,7 +128,6 @@ def journal_id(path: Path) -> str:
     return path.stem.rsplit("-", 1)[-1]
 
 
-
 @dataclass
 class LiveJournals:
     """The journals of a record folder as read at one moment, before its shards are listed."""
@@ -142,8 +141,9 @@ class LiveJournals:
         A shard appears before its journal goes: a journal compacted since it was read has its shard in a later
         listing, and one that vanished before it could be read was compacted, so its shard is listed too.
         """
-        compacted = {Path(shard).stem.rsplit("-", 1)[-1] for shard in shards
-                     if Path(shard).name.startswith("records-")}
+        compacted = {
+            Path(shard).stem.rsplit("-", 1)[-1] for shard in shards if Path(shard).name.startswith("records-")
+        }
         rows: list[dict[str, Any]] = []
         problems = list(self.problems)
         for journal, scan in self.scans:
@@ -169,4 +169,3 @@ def read_live_journals(out_dir: str | Path) -> LiveJournals:
         except OSError as exc:
             live.problems.append(f"{journal}: unreadable journal ({exc.strerror or exc}) (skipped)")
     return live
-

@@ -60,5 +60,10 @@ class Location:
             found = self.filesystem.get_file_info(pafs.FileSelector(self.path, recursive=True))
         except OSError as exc:
             raise StorageError(f"{self.uri}: cannot list the folder ({one_line(exc)})") from exc
-        return sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet")
-                      and not any(part[:1] in "_." for part in Path(f.path[len(self.path):]).parts))
+        return sorted(
+            f.path
+            for f in found
+            if f.type == pafs.FileType.File
+            and f.path.endswith(".parquet")
+            and not any(part[:1] in "_." for part in Path(f.path[len(self.path) :]).parts)
+        )

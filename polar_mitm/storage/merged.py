@@ -40,32 +40,35 @@ from polar_mitm.storage.location import Location, StorageError, one_line, resolv
 # logprobs are of the constrained, renormalised distribution); v2 files read it null.
 MERGED_SCHEMA_VERSION = 3
 
-MERGED_SCHEMA = pa.schema([
-    pa.field("schema_version", pa.int16(), nullable=False),
-    pa.field("sequence_id", pa.string(), nullable=False),
-    pa.field("session_id", pa.string(), nullable=False),
-    pa.field("task_id", pa.string()),
-    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
-    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
-    pa.field("prompt_len", pa.int32(), nullable=False),  # tokens before the first sampled token
-    pa.field("request_ids", pa.list_(pa.string()), nullable=False),  # the records merged, in order
-    pa.field("n_turns", pa.int32(), nullable=False),
-    pa.field("weight_version_min", pa.string()),
-    pa.field("weight_version_max", pa.string()),
-    pa.field("reward", pa.float64()),  # null until rewards are joined
-    pa.field("builder", pa.string(), nullable=False),  # per_request | prefix_merging
-    pa.field("finish_reason", pa.string()),  # of the last turn
-    # v2 — per turn (in request_ids order): where its sampled ids start, and the sampling parameters the engine used
-    # (from the records; behaviour logprobs are log_softmax(logits / temperature), before any truncation).
-    pa.field("turn_starts", pa.list_(pa.int32())),
-    pa.field("turn_temperature", pa.list_(pa.float32())),
-    pa.field("turn_top_p", pa.list_(pa.float32())),
-    pa.field("turn_top_k", pa.list_(pa.int32())),  # -1 = off
-    pa.field("turn_min_p", pa.list_(pa.float32())),
-    pa.field("turn_greedy", pa.list_(pa.bool_())),
-    pa.field("turn_constrained", pa.list_(pa.bool_())),
-], metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)})
+MERGED_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int16(), nullable=False),
+        pa.field("sequence_id", pa.string(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("task_id", pa.string()),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),  # tokens before the first sampled token
+        pa.field("request_ids", pa.list_(pa.string()), nullable=False),  # the records merged, in order
+        pa.field("n_turns", pa.int32(), nullable=False),
+        pa.field("weight_version_min", pa.string()),
+        pa.field("weight_version_max", pa.string()),
+        pa.field("reward", pa.float64()),  # null until rewards are joined
+        pa.field("builder", pa.string(), nullable=False),  # per_request | prefix_merging
+        pa.field("finish_reason", pa.string()),  # of the last turn
+        # v2 — per turn (in request_ids order): where its sampled ids start, and the sampling parameters the engine used
+        # (from the records; behaviour logprobs are log_softmax(logits / temperature), before any truncation).
+        pa.field("turn_starts", pa.list_(pa.int32())),
+        pa.field("turn_temperature", pa.list_(pa.float32())),
+        pa.field("turn_top_p", pa.list_(pa.float32())),
+        pa.field("turn_top_k", pa.list_(pa.int32())),  # -1 = off
+        pa.field("turn_min_p", pa.list_(pa.float32())),
+        pa.field("turn_greedy", pa.list_(pa.bool_())),
+        pa.field("turn_constrained", pa.list_(pa.bool_())),
+    ],
+    metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)},
+)
 
 
 @dataclass
@@ -100,8 +103,13 @@ class MergedSequence:
 
 
 # The sampling parameters a record carries (records.RECORD_SCHEMA v2) and their per-turn merged columns.
-SAMPLING_FIELDS = {"temperature": "turn_temperature", "top_p": "turn_top_p", "top_k": "turn_top_k",
-                   "min_p": "turn_min_p", "greedy": "turn_greedy"}
+SAMPLING_FIELDS = {
+    "temperature": "turn_temperature",
+    "top_p": "turn_top_p",
+    "top_k": "turn_top_k",
+    "min_p": "turn_min_p",
+    "greedy": "turn_greedy",
+}
 
 
 class MergedDataError(ValueError):
@@ -113,12 +121,16 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
     at = f"{where}: sequence {seq.sequence_id}" if where else f"sequence {seq.sequence_id}"
     n = len(seq.input_ids)
     if not (len(seq.loss_mask) == len(seq.logprobs) == n):
-        raise MergedDataError(f"{at}: input_ids/loss_mask/logprobs lengths differ "
-                              f"({n}/{len(seq.loss_mask)}/{len(seq.logprobs)})")
+        raise MergedDataError(
+            f"{at}: input_ids/loss_mask/logprobs lengths differ "
+            f"({n}/{len(seq.loss_mask)}/{len(seq.logprobs)})"
+        )
     if not 1 <= seq.prompt_len <= n:
         raise MergedDataError(f"{at}: prompt_len={seq.prompt_len} outside [1, {n}]")
     if any(seq.loss_mask[: seq.prompt_len]):
-        raise MergedDataError(f"{at}: a sampled token (loss_mask 1) inside the prompt (prompt_len={seq.prompt_len})")
+        raise MergedDataError(
+            f"{at}: a sampled token (loss_mask 1) inside the prompt (prompt_len={seq.prompt_len})"
+        )
     mask = np.asarray(seq.loss_mask)
     logprobs = np.asarray(seq.logprobs, dtype=np.float64)
     bad_mask = np.flatnonzero((mask != 0) & (mask != 1))
@@ -129,7 +141,14 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
         starts = list(seq.turn_starts)
         if starts != sorted(starts) or not all(seq.prompt_len <= s < n for s in starts):
             raise MergedDataError(f"{at}: turn_starts {starts[:8]} not increasing within [prompt_len, {n})")
-        for name in ("turn_temperature", "turn_top_p", "turn_top_k", "turn_min_p", "turn_greedy", "turn_constrained"):
+        for name in (
+            "turn_temperature",
+            "turn_top_p",
+            "turn_top_k",
+            "turn_min_p",
+            "turn_greedy",
+            "turn_constrained",
+        ):
             values = getattr(seq, name)
             if values is not None and len(values) != len(starts):
                 raise MergedDataError(f"{at}: {name} has {len(values)} values for {len(starts)} turns")
@@ -149,8 +168,9 @@ def sequences_in(table: pa.Table, where: str) -> Iterator[MergedSequence]:
     for row in table.to_pylist():
         version = row.get("schema_version") or MERGED_SCHEMA_VERSION
         if version > MERGED_SCHEMA_VERSION:
-            raise MergedDataError(f"{where}: merged schema v{version} is newer than this reader "
-                                  f"(v{MERGED_SCHEMA_VERSION})")
+            raise MergedDataError(
+                f"{where}: merged schema v{version} is newer than this reader (v{MERGED_SCHEMA_VERSION})"
+            )
         seq = MergedSequence(**{k: v for k, v in row.items() if k in names})
         validate_sequence(seq, where=where)
         yield seq
@@ -161,8 +181,18 @@ def sequences_in(table: pa.Table, where: str) -> Iterator[MergedSequence]:
 
 # zstd, and dictionaries only where values repeat: token ids span the vocabulary, so a dictionary page
 # overflows and costs time for nothing (measured: ~40% faster writes, reads no slower).
-PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "use_dictionary": [
-    "session_id", "task_id", "builder", "finish_reason", "weight_version_min", "weight_version_max", "loss_mask"]}
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "use_dictionary": [
+        "session_id",
+        "task_id",
+        "builder",
+        "finish_reason",
+        "weight_version_min",
+        "weight_version_max",
+        "loss_mask",
+    ],
+}
 SHARD_PREFIX = "merged-"
 SUMMARY_FILE = "_summary.json"  # leading underscore: Parquet dataset readers skip it
 
@@ -210,7 +240,9 @@ class MergedShards:
         where = Location.of(location)
         if not where.exists:
             raise FileNotFoundError(f"no merged shards at {location}")
-        files = where.parquet_files()  # only the shards: the folder also holds _summary.json and, after `stats`, a PNG
+        files = (
+            where.parquet_files()
+        )  # only the shards: the folder also holds _summary.json and, after `stats`, a PNG
         if not files:
             raise FileNotFoundError(f"no merged shards under {location}")
         return cls(where.filesystem, files)
@@ -218,7 +250,8 @@ class MergedShards:
     def table(self, columns: list[str] | None = None, filter_expr: Any = None) -> pa.Table:
         """Every shard as one table (`columns` and `filter_expr` pushed down to the Parquet reader)."""
         return ds.dataset(self.files, format="parquet", filesystem=self.filesystem).to_table(
-            columns=columns, filter=filter_expr)
+            columns=columns, filter=filter_expr
+        )
 
     def tables(self) -> Iterator[tuple[str, pa.Table]]:
         """Each shard whole, with its name (for errors that name the file)."""

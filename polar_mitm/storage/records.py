@@ -39,56 +39,63 @@ log = logging.getLogger(__name__)
 # v3: call_kind (main|side|compaction) and output_constraint (json_schema|json_object|…); older files read null.
 RECORD_SCHEMA_VERSION = 3
 
-RECORD_SCHEMA = pa.schema([
-    pa.field("schema_version", pa.int16(), nullable=False),
-    pa.field("request_id", pa.string(), nullable=False),
-    pa.field("session_id", pa.string(), nullable=False),
-    pa.field("task_id", pa.string()),
-    pa.field("seq", pa.int64(), nullable=False),
-    pa.field("started_at", pa.timestamp("us", tz="UTC"), nullable=False),
-    pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
-    pa.field("provider", pa.string(), nullable=False),
-    pa.field("path", pa.string(), nullable=False),
-    pa.field("host", pa.string()),
-    pa.field("mode", pa.string()),  # regular (HTTPS_PROXY) | reverse (base URL)
-    pa.field("stream", pa.bool_(), nullable=False),
-    pa.field("model_requested", pa.string()),
-    pa.field("model_used", pa.string()),
-    pa.field("request_json", pa.string()),  # provider-native body, secrets removed
-    pa.field("messages_json", pa.string()),  # the internal conversation the engine was asked
-    pa.field("tools_json", pa.string()),
-    pa.field("prompt_ids", pa.list_(pa.int32())),
-    pa.field("completion_ids", pa.list_(pa.int32())),
-    pa.field("completion_logprobs", pa.list_(pa.float32())),
-    pa.field("finish_reason", pa.string(), nullable=False),  # stop|length|tool_calls|abort|error
-    pa.field("response_json", pa.string()),  # provider-native answer (the non-streamed form for streams)
-    pa.field("weight_version", pa.string()),
-    pa.field("error", pa.string()),
-    pa.field("status_code", pa.int32()),
-    pa.field("session_source", pa.string()),  # header|proxy_auth|path|api_key|connection
-    pa.field("harness_ids_json", pa.string()),  # harness-native session ids (Claude Code, Codex, opencode)
-    pa.field("engine_meta_json", pa.string()),  # engine timings, cached tokens, matched stop, ...
-    pa.field("prompt_tokens", pa.int32()),
-    pa.field("completion_tokens", pa.int32()),
-    # v2 — the sampling parameters the engine was sent (the gateway always sends them explicitly, so these are
-    # what it sampled with); behaviour logprobs are log_softmax(logits / temperature).
-    pa.field("temperature", pa.float32()),
-    pa.field("top_p", pa.float32()),
-    pa.field("top_k", pa.int32()),  # -1 = off
-    pa.field("min_p", pa.float32()),
-    pa.field("greedy", pa.bool_()),  # temperature ≈ 0: logprobs are not the sampling distribution's
-    # v2 — how the prompt reached the engine: tokens (spliced token stream) | messages (engine rendered them)
-    pa.field("prompt_mode", pa.string()),
-    pa.field("spliced_turns", pa.int32()),  # earlier sampled turns carried verbatim in prompt_ids
-    pa.field("splice_reason", pa.string()),  # why the call did not continue a chain (tokens mode), if it did not
-    # v3 — what the call was, as far as the gateway can tell (gateway/call_kind.py): main (the agent loop: tools
-    # offered) | side (no tools: titles, classifiers, checks) | compaction (a harness summarising its history;
-    # merge starts a new chain after it)
-    pa.field("call_kind", pa.string()),
-    # v3 — the engine decoded under a grammar (structured output): json_schema | json_object. Its logprobs are
-    # of the masked distribution, not the model's own: training should leave such calls out (engine/constraints.py)
-    pa.field("output_constraint", pa.string()),
-], metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)})
+RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int16(), nullable=False),
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("task_id", pa.string()),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("started_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("provider", pa.string(), nullable=False),
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("host", pa.string()),
+        pa.field("mode", pa.string()),  # regular (HTTPS_PROXY) | reverse (base URL)
+        pa.field("stream", pa.bool_(), nullable=False),
+        pa.field("model_requested", pa.string()),
+        pa.field("model_used", pa.string()),
+        pa.field("request_json", pa.string()),  # provider-native body, secrets removed
+        pa.field("messages_json", pa.string()),  # the internal conversation the engine was asked
+        pa.field("tools_json", pa.string()),
+        pa.field("prompt_ids", pa.list_(pa.int32())),
+        pa.field("completion_ids", pa.list_(pa.int32())),
+        pa.field("completion_logprobs", pa.list_(pa.float32())),
+        pa.field("finish_reason", pa.string(), nullable=False),  # stop|length|tool_calls|abort|error
+        pa.field("response_json", pa.string()),  # provider-native answer (the non-streamed form for streams)
+        pa.field("weight_version", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("status_code", pa.int32()),
+        pa.field("session_source", pa.string()),  # header|proxy_auth|path|api_key|connection
+        pa.field(
+            "harness_ids_json", pa.string()
+        ),  # harness-native session ids (Claude Code, Codex, opencode)
+        pa.field("engine_meta_json", pa.string()),  # engine timings, cached tokens, matched stop, ...
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        # v2 — the sampling parameters the engine was sent (the gateway always sends them explicitly, so these are
+        # what it sampled with); behaviour logprobs are log_softmax(logits / temperature).
+        pa.field("temperature", pa.float32()),
+        pa.field("top_p", pa.float32()),
+        pa.field("top_k", pa.int32()),  # -1 = off
+        pa.field("min_p", pa.float32()),
+        pa.field("greedy", pa.bool_()),  # temperature ≈ 0: logprobs are not the sampling distribution's
+        # v2 — how the prompt reached the engine: tokens (spliced token stream) | messages (engine rendered them)
+        pa.field("prompt_mode", pa.string()),
+        pa.field("spliced_turns", pa.int32()),  # earlier sampled turns carried verbatim in prompt_ids
+        pa.field(
+            "splice_reason", pa.string()
+        ),  # why the call did not continue a chain (tokens mode), if it did not
+        # v3 — what the call was, as far as the gateway can tell (gateway/call_kind.py): main (the agent loop: tools
+        # offered) | side (no tools: titles, classifiers, checks) | compaction (a harness summarising its history;
+        # merge starts a new chain after it)
+        pa.field("call_kind", pa.string()),
+        # v3 — the engine decoded under a grammar (structured output): json_schema | json_object. Its logprobs are
+        # of the masked distribution, not the model's own: training should leave such calls out (engine/constraints.py)
+        pa.field("output_constraint", pa.string()),
+    ],
+    metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)},
+)
 
 
 @dataclass
@@ -234,11 +241,29 @@ def records_table(rows: list[dict[str, Any]]) -> tuple[pa.Table, list[tuple[dict
 
 
 # The columns a reader of records needs, and those it uses when present (older versions lack some).
-REQUIRED_COLUMNS = ("request_id", "session_id", "seq", "finish_reason", "prompt_ids", "completion_ids",
-                    "completion_logprobs")
-OPTIONAL_COLUMNS = ("task_id", "started_at", "weight_version", "error", "temperature", "top_p", "top_k", "min_p",
-                    "greedy", "spliced_turns", "call_kind",
-                    "output_constraint")
+REQUIRED_COLUMNS = (
+    "request_id",
+    "session_id",
+    "seq",
+    "finish_reason",
+    "prompt_ids",
+    "completion_ids",
+    "completion_logprobs",
+)
+OPTIONAL_COLUMNS = (
+    "task_id",
+    "started_at",
+    "weight_version",
+    "error",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "greedy",
+    "spliced_turns",
+    "call_kind",
+    "output_constraint",
+)
 
 
 @dataclass
@@ -306,8 +331,10 @@ def _is_number(t: pa.DataType) -> bool:
 
 # What each column read by merge may be (right names with other types would fail deep inside the builders).
 COLUMN_KINDS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
-    **{name: (_is_text, "text") for name in ("request_id", "session_id", "task_id", "finish_reason",
-                                             "weight_version", "error")},
+    **{
+        name: (_is_text, "text")
+        for name in ("request_id", "session_id", "task_id", "finish_reason", "weight_version", "error")
+    },
     "seq": (pa.types.is_integer, "an integer"),
     "prompt_ids": (_list_of(pa.types.is_integer), "a list of integers"),
     "completion_ids": (_list_of(pa.types.is_integer), "a list of integers"),
@@ -343,7 +370,9 @@ class Inputs:
     """What `list_sources` found: usable sources, files that are not records, and what it could not read."""
 
     sources: list[Source]
-    skipped: list[str]  # other Parquet files (e.g. merged shards): skipped, as pyarrow datasets skip foreign files
+    skipped: list[
+        str
+    ]  # other Parquet files (e.g. merged shards): skipped, as pyarrow datasets skip foreign files
     problems: list[str]  # one line each: a file, and why it was skipped or how it was read
 
 
@@ -400,8 +429,9 @@ def _journal_source(folder: Path, journals: LiveJournals, files: list[str], foun
         return None
     table, rejected = records_table(rows)
     for row, reason in rejected:
-        found.problems.append(f"{folder / JOURNAL_DIR}: row of request {str(row.get('request_id'))!r} "
-                              f"skipped: {reason}")
+        found.problems.append(
+            f"{folder / JOURNAL_DIR}: row of request {str(row.get('request_id'))!r} skipped: {reason}"
+        )
     return table_source(table, str(folder / JOURNAL_DIR)) if table.num_rows else None
 
 
@@ -440,8 +470,9 @@ def read_all(location: str | Path, *, include_journal: bool = True) -> pa.Table:
     return result.table
 
 
-def last_seq_by_session(out_dir: str | Path,
-                        on_unreadable: Callable[[Path, str], None] | None = None) -> dict[str, int]:
+def last_seq_by_session(
+    out_dir: str | Path, on_unreadable: Callable[[Path, str], None] | None = None
+) -> dict[str, int]:
     """Highest `seq` per session among the gateway's shards and uncompacted journals in `out_dir` (so numbering
     continues after a restart, also past a journal whose compaction failed and is still to be retried).
 
@@ -461,7 +492,9 @@ def last_seq_by_session(out_dir: str | Path,
                 on_unreadable(shard, one_line(exc))
             continue
         grouped = table.group_by("session_id").aggregate([("seq", "max")])
-        for session, seq in zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True):
+        for session, seq in zip(
+            grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist(), strict=True
+        ):
             _count(last, session, seq)
     for row in journals.uncompacted(shards)[0]:
         _count(last, row.get("session_id"), row.get("seq"))

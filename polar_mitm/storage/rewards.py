@@ -22,12 +22,20 @@ import pyarrow.parquet as pq
 
 from polar_mitm.storage.location import StorageError, one_line, resolve_path
 
-REWARDS_SCHEMA = pa.schema([
-    ("session_id", pa.string()), ("task_id", pa.string()), ("sample_index", pa.int32()),
-    ("reward", pa.float64()), ("status", pa.string()), ("exit_code", pa.int32()),
-    ("init_seconds", pa.float64()), ("run_seconds", pa.float64()), ("eval_seconds", pa.float64()),
-    ("eval_output", pa.string()),
-])
+REWARDS_SCHEMA = pa.schema(
+    [
+        ("session_id", pa.string()),
+        ("task_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("reward", pa.float64()),
+        ("status", pa.string()),
+        ("exit_code", pa.int32()),
+        ("init_seconds", pa.float64()),
+        ("run_seconds", pa.float64()),
+        ("eval_seconds", pa.float64()),
+        ("eval_output", pa.string()),
+    ]
+)
 
 
 @dataclass
@@ -114,8 +122,9 @@ def read_rewards(uri: str) -> dict[str, Reward]:
                 where.append(f"line {number}")
     rewards: dict[str, Reward] = {}
     for row, at in zip(rows, where, strict=True):
-        session_id, value, task_id = (row.get(k) if isinstance(row, dict) else None
-                                      for k in ("session_id", "reward", "task_id"))
+        session_id, value, task_id = (
+            row.get(k) if isinstance(row, dict) else None for k in ("session_id", "reward", "task_id")
+        )
         if not isinstance(session_id, str) or not session_id:
             raise RewardsError(f"rewards {uri} {at}: needs a string session_id")
         if value is None:  # e.g. a rollout cut before it was scored: the session stays unrewarded

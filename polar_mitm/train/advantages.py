@@ -35,7 +35,9 @@ class GroupAdvantages:
     group_sizes: dict[int, int] = field(default_factory=dict)  # sessions per group → number of groups
 
 
-def session_rewards(sequences: Sequence[MergedSequence]) -> tuple[dict[str, float], dict[str, str | None], int]:
+def session_rewards(
+    sequences: Sequence[MergedSequence],
+) -> tuple[dict[str, float], dict[str, str | None], int]:
     """One reward and group per session: (reward by session, task_id by session, sessions whose rows disagree).
 
     Rewards are joined per session, so its rows should agree; if they do not, the mean is used and counted.
@@ -95,8 +97,13 @@ def group_advantages(
                 advantage[s] = (r - total / n) / (scale + STD_EPS) if scale is not None else r - total / n
     sizes = Counter(len(v) for v in members.values())
     return GroupAdvantages(
-        reward=reward, advantage=advantage, group_of=group_of, zero_variance_groups=zero_variance,
-        singleton_groups=singleton, unrewarded_sessions=len(group_of) - len(reward), mixed_reward_sessions=mixed,
+        reward=reward,
+        advantage=advantage,
+        group_of=group_of,
+        zero_variance_groups=zero_variance,
+        singleton_groups=singleton,
+        unrewarded_sessions=len(group_of) - len(reward),
+        mixed_reward_sessions=mixed,
         group_sizes=dict(sorted(sizes.items())),
     )
 

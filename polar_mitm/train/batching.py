@@ -15,7 +15,9 @@ from typing import Any
 from polar_mitm.train.turn_sampling import token_temperatures
 
 
-def collate(rows: Sequence[dict[str, Any]], pad_token_id: int, default_temperature: float = 1.0) -> dict[str, Any]:
+def collate(
+    rows: Sequence[dict[str, Any]], pad_token_id: int, default_temperature: float = 1.0
+) -> dict[str, Any]:
     """Pad a batch of training rows into TRL's prompt/completion tensors.
 
     All rows are split at the same index, the shortest `prompt_len` of the batch: the "prompt" part is then the
@@ -45,7 +47,9 @@ def collate(rows: Sequence[dict[str, Any]], pad_token_id: int, default_temperatu
             loss_mask[i, :tail] = torch.tensor(r["loss_mask"][split:], dtype=torch.long)
         behaviour_logps[i, :tail] = torch.tensor(r["logprobs"][split:], dtype=torch.float32)
         starts, temps = r.get("turn_starts") or [r["prompt_len"]], r.get("turn_temperatures") or [None]
-        temperature[i, :tail] = torch.tensor(token_temperatures(starts, temps, length, default_temperature)[split:])
+        temperature[i, :tail] = torch.tensor(
+            token_temperatures(starts, temps, length, default_temperature)[split:]
+        )
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": torch.ones_like(prompt_ids),
@@ -56,7 +60,9 @@ def collate(rows: Sequence[dict[str, Any]], pad_token_id: int, default_temperatu
         "advantages": torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
         "rewards": torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),
         "token_temperature": temperature,
-        "session_weight": torch.tensor([float(r.get("session_weight", 1.0)) for r in rows], dtype=torch.float32),
+        "session_weight": torch.tensor(
+            [float(r.get("session_weight", 1.0)) for r in rows], dtype=torch.float32
+        ),
         "placeholder": placeholder,
     }
 
@@ -81,11 +87,13 @@ def padding_sources(lengths: Sequence[int], batch_size: int) -> list[int]:
     order = sorted(range(n), key=lambda i: (lengths[i], i))
     full = n - n % batch_size  # rows in the full buckets, which precede the last one in length order
     if full >= short:
-        return order[full - short:full]
+        return order[full - short : full]
     return [order[i % n] for i in range(short)]  # fewer rows than a batch: repeats are unavoidable
 
 
-def length_buckets(lengths: Sequence[int], batch_size: int, *, seed: int = 0, shuffle: bool = True) -> list[list[int]]:
+def length_buckets(
+    lengths: Sequence[int], batch_size: int, *, seed: int = 0, shuffle: bool = True
+) -> list[list[int]]:
     """Indices grouped into batches of similar length (sorted, chunked; the chunk order shuffled).
 
     Every row is in exactly one batch. The last batch is filled up to `batch_size` rows (TRL splits a generation batch
@@ -95,7 +103,7 @@ def length_buckets(lengths: Sequence[int], batch_size: int, *, seed: int = 0, sh
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     if not order:
         return []
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     short = batch_size - len(chunks[-1])
     chunks[-1] = chunks[-1] + [len(order) + j for j in range(short)]
     if shuffle:
@@ -113,8 +121,15 @@ class LengthBucketSampler:
     per epoch.
     """
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, *, repeat_count: int = 1, shuffle: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.repeat_count = repeat_count
@@ -123,7 +138,9 @@ class LengthBucketSampler:
         self.epoch = 0
 
     def __iter__(self) -> Iterator[int]:
-        chunks = length_buckets(self.lengths, self.batch_size, seed=self.seed + self.epoch, shuffle=self.shuffle)
+        chunks = length_buckets(
+            self.lengths, self.batch_size, seed=self.seed + self.epoch, shuffle=self.shuffle
+        )
         self.epoch += 1
         for chunk in chunks:
             for _ in range(self.repeat_count):

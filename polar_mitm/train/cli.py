@@ -44,12 +44,17 @@ class FieldOption:
 # written for sampling trainers). TRL's other ~150 fields keep PolarGRPOConfig's defaults: set them from Python.
 TRL_OPTIONS: dict[str, FieldOption] = {
     "max_steps": FieldOption(help="Optimizer steps (-1: --epochs over the data)."),
-    "num_train_epochs": FieldOption("--epochs", default=1.0, help="Passes over the data when --max-steps is -1."),
+    "num_train_epochs": FieldOption(
+        "--epochs", default=1.0, help="Passes over the data when --max-steps is -1."
+    ),
     "learning_rate": FieldOption(help="AdamW learning rate."),
-    "lr_scheduler_type": FieldOption("--lr-scheduler", type=str,
-                                     help="transformers scheduler name (linear, constant, cosine, …)."),
+    "lr_scheduler_type": FieldOption(
+        "--lr-scheduler", type=str, help="transformers scheduler name (linear, constant, cosine, …)."
+    ),
     "warmup_steps": FieldOption(type=int, help="Linear warm-up steps."),
-    "per_device_train_batch_size": FieldOption("--per-device-batch-size", help="Sequences per device per micro-step."),
+    "per_device_train_batch_size": FieldOption(
+        "--per-device-batch-size", help="Sequences per device per micro-step."
+    ),
     "gradient_accumulation_steps": FieldOption(help="Micro-steps per optimizer step."),
     "temperature": FieldOption(),  # PolarGRPOConfig redefines it (default and help)
     "loss_type": FieldOption(help="dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo | vespo."),
@@ -81,8 +86,11 @@ def polar_fields(config_class: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(config_class) if f.name not in inherited]
 
 
-def config_options(config_class: type, trl_options: dict[str, FieldOption] | None = None,
-                   renamed: dict[str, FieldOption] | None = None) -> list:
+def config_options(
+    config_class: type,
+    trl_options: dict[str, FieldOption] | None = None,
+    renamed: dict[str, FieldOption] | None = None,
+) -> list:
     """The command-line options (click parameters, built by Typer) of a GRPO config dataclass: the TRL fields of
     `trl_options`, then every field the class adds to TRL's, with the field's default and `metadata["help"]`."""
     trl_options = TRL_OPTIONS if trl_options is None else trl_options
@@ -96,19 +104,28 @@ def config_options(config_class: type, trl_options: dict[str, FieldOption] | Non
         field = fields[name]
         help_text = option.help or field.metadata.get("help")
         if not help_text:
-            raise ValueError(f"{config_class.__name__}.{name} has no metadata['help'] for its command-line option")
+            raise ValueError(
+                f"{config_class.__name__}.{name} has no metadata['help'] for its command-line option"
+            )
         default = option.default
         if default is FIELD_DEFAULT:
-            default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+            default = (
+                field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+            )
         annotation = option.type or types[name]
         if default is not None:  # `bool | None = False` is a plain --flag/--no-flag
             annotation = _without_none(annotation)
         flags = [option.flag] if option.flag else []
         if flags and annotation is bool:
             flags = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
-        parameters.append(inspect.Parameter(
-            name, inspect.Parameter.KEYWORD_ONLY, default=default,
-            annotation=Annotated[annotation, typer.Option(*flags, help=help_text, rich_help_panel=panel)]))
+        parameters.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=Annotated[annotation, typer.Option(*flags, help=help_text, rich_help_panel=panel)],
+            )
+        )
 
     def fields_only(**values: Any) -> None:
         """Never called: Typer reads its signature."""
@@ -143,34 +160,50 @@ class GrpoCommand(TyperCommand):
         return super().get_params(ctx)
 
     def invoke(self, ctx: typer.Context) -> Any:
-        ctx.meta[CONFIG_FIELDS] = {param.name: ctx.params.pop(param.name) for param in self.config_params or []}
+        ctx.meta[CONFIG_FIELDS] = {
+            param.name: ctx.params.pop(param.name) for param in self.config_params or []
+        }
         return super().invoke(ctx)
 
 
-def grpo_config(fields: dict[str, Any], *, output_dir: Path, save_steps: int, report_to: str) -> PolarGRPOConfig:
+def grpo_config(
+    fields: dict[str, Any], *, output_dir: Path, save_steps: int, report_to: str
+) -> PolarGRPOConfig:
     """The `PolarGRPOConfig` of a `polar-mitm grpo` call: its config options, and the few it spells its own way."""
     from polar_mitm.train.grpo_config import PolarGRPOConfig
 
     return PolarGRPOConfig(
-        output_dir=str(output_dir), save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to=[] if report_to == "none" else report_to.split(","), **fields)
+        output_dir=str(output_dir),
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to=[] if report_to == "none" else report_to.split(","),
+        **fields,
+    )
 
 
 def grpo_command(
     ctx: typer.Context,
-    data: Annotated[list[Path], typer.Option("--data", help="Merged shards: a directory of *.parquet (repeatable).")],
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")] = (
-        Path("runs/grpo")),
-    model: Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")] = "tiny",
+    data: Annotated[
+        list[Path], typer.Option("--data", help="Merged shards: a directory of *.parquet (repeatable).")
+    ],
+    output_dir: Annotated[
+        Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")
+    ] = (Path("runs/grpo")),
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")
+    ] = "tiny",
     lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
     lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
     lora_alpha: Annotated[int, typer.Option(help="LoRA alpha.")] = 32,
-    lora_target_modules: Annotated[str, typer.Option(help="LoRA target modules (comma list or all-linear).")] = (
-        "all-linear"),
-    save_steps: Annotated[int, typer.Option(help="Intermediate checkpoints every N steps (0: none).",
-                                            rich_help_panel=TRL_PANEL)] = 0,
-    report_to: Annotated[str, typer.Option(help="tensorboard | none | wandb | … (comma list).",
-                                           rich_help_panel=TRL_PANEL)] = "tensorboard",
+    lora_target_modules: Annotated[
+        str, typer.Option(help="LoRA target modules (comma list or all-linear).")
+    ] = ("all-linear"),
+    save_steps: Annotated[
+        int, typer.Option(help="Intermediate checkpoints every N steps (0: none).", rich_help_panel=TRL_PANEL)
+    ] = 0,
+    report_to: Annotated[
+        str, typer.Option(help="tensorboard | none | wandb | … (comma list).", rich_help_panel=TRL_PANEL)
+    ] = "tensorboard",
 ) -> None:
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
@@ -182,10 +215,14 @@ def grpo_command(
     fields = ctx.meta[CONFIG_FIELDS]
     model_dir = resolve_model(model)
     sequences = load_sequences(data)
-    train_data = build_training_data(sequences, estimator=fields["advantage_estimator"],
-                                     scale_rewards=fields["scale_rewards"], max_length=fields["max_length"],
-                                     group_size=fields["group_size"],
-                                     keep_truncated_sampling=fields["keep_truncated_sampling"])
+    train_data = build_training_data(
+        sequences,
+        estimator=fields["advantage_estimator"],
+        scale_rewards=fields["scale_rewards"],
+        max_length=fields["max_length"],
+        group_size=fields["group_size"],
+        keep_truncated_sampling=fields["keep_truncated_sampling"],
+    )
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
     config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)
@@ -193,8 +230,12 @@ def grpo_command(
     if lora:
         from peft import LoraConfig
 
-        targets = lora_target_modules if lora_target_modules == "all-linear" else lora_target_modules.split(",")
-        peft_config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+        targets = (
+            lora_target_modules if lora_target_modules == "all-linear" else lora_target_modules.split(",")
+        )
+        peft_config = LoraConfig(
+            r=lora_r, lora_alpha=lora_alpha, target_modules=targets, task_type="CAUSAL_LM"
+        )
     trainer = PolarGRPOTrainer(str(model_dir), args=config, train_data=train_data, peft_config=peft_config)
     attach_engine_push(trainer)
     trainer.train()
@@ -203,23 +244,35 @@ def grpo_command(
         (output_dir / "data_stats.json").write_text(json.dumps(train_data.stats.to_dict(), indent=2))
         (output_dir / "grpo_config.json").write_text(config.to_json_string())
         # What a caller that launched us as processes (the loop's --train-processes) needs to go on.
-        (output_dir / "result.json").write_text(json.dumps({
-            **{name: str(path) for name, path in saved.items()},
-            "weight_version": trainer.policy_weight_version(), "steps": trainer.state.global_step,
-            "processes": trainer.accelerator.num_processes}))
+        (output_dir / "result.json").write_text(
+            json.dumps(
+                {
+                    **{name: str(path) for name, path in saved.items()},
+                    "weight_version": trainer.policy_weight_version(),
+                    "steps": trainer.state.global_step,
+                    "processes": trainer.accelerator.num_processes,
+                }
+            )
+        )
         for name, path in saved.items():
             console.print(f"[green]{name}[/] → {path}")
-        console.print(f"metrics → {output_dir / config.metrics_file} (TensorBoard: {output_dir / 'runs'}); "
-                      f"plot with `polar-mitm plot {output_dir}`")
+        console.print(
+            f"metrics → {output_dir / config.metrics_file} (TensorBoard: {output_dir / 'runs'}); "
+            f"plot with `polar-mitm plot {output_dir}`"
+        )
         if config.push_to_engine:
-            console.print(f"[green]engine[/] {config.push_to_engine} now serves weight_version "
-                          f"{trainer.policy_weight_version()}")
+            console.print(
+                f"[green]engine[/] {config.push_to_engine} now serves weight_version "
+                f"{trainer.policy_weight_version()}"
+            )
 
 
 def sync_command(
     engine: Annotated[str, typer.Option("--engine", help="Engine base URL (SGLang or polar-mitm serve).")],
     model: Annotated[Path, typer.Option("--model", "-m", help="Checkpoint directory the engine can read.")],
-    weight_version: Annotated[str | None, typer.Option(help="Version to report (default: the engine's +1).")] = None,
+    weight_version: Annotated[
+        str | None, typer.Option(help="Version to report (default: the engine's +1).")
+    ] = None,
 ) -> None:
     """Load a checkpoint into a running engine (POST /update_weights_from_disk) and print its new weight_version."""
     from polar_mitm.engines import EngineSyncError, push_weights
@@ -234,7 +287,9 @@ def sync_command(
 
 def plot_command(
     run: Annotated[Path, typer.Argument(help="Run directory (with metrics.jsonl).")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="PNG path (default RUN/plots/curves.png).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="PNG path (default RUN/plots/curves.png).")
+    ] = None,
 ) -> None:
     """Plot a run's metrics (loss, reward, advantages, clip ratio, KL, importance ratios, staleness, tokens/s)."""
     from polar_mitm.train.metrics import plot_run
@@ -246,8 +301,12 @@ def sft_command(
     data: Annotated[list[Path], typer.Option("--data", help="Merged shards (repeatable).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
     min_reward: Annotated[float, typer.Option(help="Keep sessions whose reward is at least this.")] = 1.0,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Tokenizer for the messages form "
-                                                                    "(checkpoint dir, tiny, smollm2).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="Tokenizer for the messages form (checkpoint dir, tiny, smollm2)."
+        ),
+    ] = None,
 ) -> None:
     """Export successful trajectories for SFTTrainer: pre-tokenised (ids + assistant_masks + labels) and, with a
     ChatML tokenizer, messages + tools; prints the acceptance table."""
@@ -266,13 +325,21 @@ def sft_command(
     for column in ("task", "attempted", "accepted", "rate", "sequences", "sampled tokens"):
         table.add_column(column, justify="left" if column == "task" else "right")
     for row in [*export.per_task, export.total]:
-        table.add_row(row.name, str(row.attempted), str(row.accepted), f"{row.rate:.1%}", str(row.sequences),
-                      str(row.sampled_tokens))
+        table.add_row(
+            row.name,
+            str(row.attempted),
+            str(row.accepted),
+            f"{row.rate:.1%}",
+            str(row.sequences),
+            str(row.sampled_tokens),
+        )
     console.print(table)
     console.print(f"[green]tokenized[/] → {output / 'tokenized'}")
     if export.messages_rows is not None:
-        console.print(f"[green]messages[/] → {output / 'messages'} ({export.messages_rows} rows; "
-                      f"{export.messages_skipped} did not render back to their token ids)")
+        console.print(
+            f"[green]messages[/] → {output / 'messages'} ({export.messages_rows} rows; "
+            f"{export.messages_skipped} did not render back to their token ids)"
+        )
 
 
 def is_main_process() -> bool:

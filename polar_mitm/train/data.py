@@ -79,7 +79,9 @@ class TrainingData:
         from datasets import Dataset
 
         if not self.rows:
-            raise MergedDataError("no trainable sequences (all unrewarded, or nothing sampled within --max-length)")
+            raise MergedDataError(
+                "no trainable sequences (all unrewarded, or nothing sampled within --max-length)"
+            )
         sources = padding_sources(self.lengths(), batch_size) if batch_size else []
         return Dataset.from_list(self.rows + [{**self.rows[i], "placeholder": True} for i in sources])
 
@@ -121,7 +123,9 @@ def build_training_data(
             continue
         stats.truncated += kept is not seq
         versions[seq.weight_version_min or "unknown"] += 1
-        temperatures.update(temperature_key(t.temperature) for t in turns if keep_truncated_sampling or not t.excluded)
+        temperatures.update(
+            temperature_key(t.temperature) for t in turns if keep_truncated_sampling or not t.excluded
+        )
         stats.unknown_temperature_sequences += any(t.temperature is None for t in turns)
         rows.append(_training_row(seq, kept, turns, adv))
     for i, row in enumerate(rows):
@@ -138,13 +142,18 @@ def build_training_data(
     return TrainingData(rows=rows, stats=stats)
 
 
-def _group_stats(sequences: Sequence[MergedSequence], adv: GroupAdvantages, group_size: int | None) -> DataStats:
+def _group_stats(
+    sequences: Sequence[MergedSequence], adv: GroupAdvantages, group_size: int | None
+) -> DataStats:
     """The stats the advantages already decide: sessions, groups and what they left out."""
     stats = DataStats(
-        sequences_read=len(sequences), sessions=len(adv.group_of),
+        sequences_read=len(sequences),
+        sessions=len(adv.group_of),
         groups=len({t for t in adv.group_of.values() if t is not None}),
-        unrewarded_sessions=adv.unrewarded_sessions, singleton_groups=adv.singleton_groups,
-        zero_variance_groups=adv.zero_variance_groups, mixed_reward_sessions=adv.mixed_reward_sessions,
+        unrewarded_sessions=adv.unrewarded_sessions,
+        singleton_groups=adv.singleton_groups,
+        zero_variance_groups=adv.zero_variance_groups,
+        mixed_reward_sessions=adv.mixed_reward_sessions,
         group_sizes=adv.group_sizes,
     )
     if group_size is not None:
@@ -152,8 +161,9 @@ def _group_stats(sequences: Sequence[MergedSequence], adv: GroupAdvantages, grou
     return stats
 
 
-def _training_row(seq: MergedSequence, kept: MergedSequence, turns: Sequence[TurnSampling],
-                  adv: GroupAdvantages) -> dict[str, Any]:
+def _training_row(
+    seq: MergedSequence, kept: MergedSequence, turns: Sequence[TurnSampling], adv: GroupAdvantages
+) -> dict[str, Any]:
     """One training row: `kept` (the truncated `seq`) as plain values, with its session's reward and advantage."""
     return {
         "sequence_id": seq.sequence_id,
@@ -175,8 +185,9 @@ def _training_row(seq: MergedSequence, kept: MergedSequence, turns: Sequence[Tur
     }
 
 
-def _without_excluded_turns(seq: MergedSequence, turns: Sequence[TurnSampling],
-                            stats: DataStats) -> MergedSequence | None:
+def _without_excluded_turns(
+    seq: MergedSequence, turns: Sequence[TurnSampling], stats: DataStats
+) -> MergedSequence | None:
     """`seq` with its excluded turns out of the loss (counted in `stats`); None when nothing trainable is left."""
     excluded = [t for t in turns if t.excluded]
     if not excluded:

@@ -34,139 +34,179 @@ class PolarGRPOConfig(GRPOConfig):
     # -- TRL defaults we change ------------------------------------------------------------------------------------
     bf16: bool | None = field(
         default=False,
-        metadata={"help": "bf16 autocast. Off by default: importance ratios need logprobs that match the engine's, "
-                          "and bf16 shifts them by ~1e-2."},
+        metadata={
+            "help": "bf16 autocast. Off by default: importance ratios need logprobs that match the engine's, "
+            "and bf16 shifts them by ~1e-2."
+        },
     )
     activation_checkpointing: bool | None = field(
         default=False,
         metadata={"help": "Recompute activations in the backward pass (saves memory on long sequences)."},
     )
     gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5)."},
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5)."},
     )
     logging_steps: float = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
     save_strategy: str = field(
         default="no",
-        metadata={"help": "Intermediate checkpoints (`no` | `steps` | `epoch`); the final model is always saved."},
+        metadata={
+            "help": "Intermediate checkpoints (`no` | `steps` | `epoch`); the final model is always saved."
+        },
     )
     report_to: str | list[str] | None = field(
         default_factory=lambda: ["tensorboard"],
-        metadata={"help": "Integrations to log to (TensorBoard by default; metrics.jsonl is always written)."},
+        metadata={
+            "help": "Integrations to log to (TensorBoard by default; metrics.jsonl is always written)."
+        },
     )
     temperature: float = field(
         default=1.0,
-        metadata={"help": "Fallback sampling temperature, for rows without a recorded one (merged schema v1 / record "
-                          "schema v1; counted as `unknown_temperature_sequences` in the data summary). Rows with a "
-                          "recorded temperature are scored at their own: each token's logits are divided by the "
-                          "temperature of the call that sampled it, so ratios are 1 on fresh data whatever the "
-                          "harness sent."},
+        metadata={
+            "help": "Fallback sampling temperature, for rows without a recorded one (merged schema v1 / record "
+            "schema v1; counted as `unknown_temperature_sequences` in the data summary). Rows with a "
+            "recorded temperature are scored at their own: each token's logits are divided by the "
+            "temperature of the call that sampled it, so ratios are 1 on fresh data whatever the "
+            "harness sent."
+        },
     )
     num_generations: int | None = field(
         default=None,
-        metadata={"help": "Set from the batch shape for TRL's checks; not a group size here (see `group_size`)."},
+        metadata={
+            "help": "Set from the batch shape for TRL's checks; not a group size here (see `group_size`)."
+        },
     )
     shuffle_dataset: bool | None = field(
-        default=True, metadata={"help": "Shuffle the order of the length buckets (each epoch)."},
+        default=True,
+        metadata={"help": "Shuffle the order of the length buckets (each epoch)."},
     )
 
     # -- recorded data ---------------------------------------------------------------------------------------------
     group_size: int | None = field(
         default=None,
-        metadata={"help": "Sessions expected per task_id group (the rollouts per task). Groups of another size are "
-                          "counted and reported (strict_group_size makes that an error)."},
+        metadata={
+            "help": "Sessions expected per task_id group (the rollouts per task). Groups of another size are "
+            "counted and reported (strict_group_size makes that an error)."
+        },
     )
     strict_group_size: bool = field(
-        default=False, metadata={"help": "Fail when a group does not have exactly `group_size` sessions."},
+        default=False,
+        metadata={"help": "Fail when a group does not have exactly `group_size` sessions."},
     )
     advantage_estimator: str = field(
         default="mean_std",
-        metadata={"help": "`mean_std`: (r - group mean) / group std (see `scale_rewards`); `leave_one_out`: r - mean "
-                          "of the other sessions of the group (RLOO). Every sequence of a session gets its session's "
-                          "advantage; groups with equal rewards get 0."},
+        metadata={
+            "help": "`mean_std`: (r - group mean) / group std (see `scale_rewards`); `leave_one_out`: r - mean "
+            "of the other sessions of the group (RLOO). Every sequence of a session gets its session's "
+            "advantage; groups with equal rewards get 0."
+        },
     )
     max_length: int | None = field(
         default=None,
-        metadata={"help": "Cut sequences to their first `max_length` tokens (an exact causal prefix: each kept token "
-                          "keeps its own logprob). Sequences with no sampled token left are dropped."},
+        metadata={
+            "help": "Cut sequences to their first `max_length` tokens (an exact causal prefix: each kept token "
+            "keeps its own logprob). Sequences with no sampled token left are dropped."
+        },
     )
 
     keep_truncated_sampling: bool = field(
         default=False,
-        metadata={"help": "Keep greedy, top-p/top-k/min-p-truncated and grammar-constrained calls in the loss. "
-                          "Off by default: their "
-                          "recorded logprobs are of the full tempered distribution, not of the (argmax or "
-                          "renormalised) distribution that drew the token, so the importance ratio is biased. They "
-                          "stay in the sequence as context and are counted (`excluded_*` in data_stats.json). Kept "
-                          "greedy calls are scored at T=1, as engines record them. Applied when the training data "
-                          "is built (`build_training_data(keep_truncated_sampling=...)`)."},
+        metadata={
+            "help": "Keep greedy, top-p/top-k/min-p-truncated and grammar-constrained calls in the loss. "
+            "Off by default: their "
+            "recorded logprobs are of the full tempered distribution, not of the (argmax or "
+            "renormalised) distribution that drew the token, so the importance ratio is biased. They "
+            "stay in the sequence as context and are counted (`excluded_*` in data_stats.json). Kept "
+            "greedy calls are scored at T=1, as engines record them. Applied when the training data "
+            "is built (`build_training_data(keep_truncated_sampling=...)`)."
+        },
     )
     session_weighting: bool = field(
         default=True,
-        metadata={"help": "With per-sequence loss types (`grpo`, `sapo`: every sequence weighs the same), give each "
-                          "session one unit of weight shared by its sequences (per_request rows, broken "
-                          "prefix_merging chains), scaled so the mean row weight is 1. Without it a session split "
-                          "into 30 sequences counts 30 times. Token-level losses (`dapo`, `bnpo`, `dr_grpo`, `cispo`, "
-                          "`luspo`, `vespo`) weigh tokens and need no correction. The KL term is not reweighted."},
+        metadata={
+            "help": "With per-sequence loss types (`grpo`, `sapo`: every sequence weighs the same), give each "
+            "session one unit of weight shared by its sequences (per_request rows, broken "
+            "prefix_merging chains), scaled so the mean row weight is 1. Without it a session split "
+            "into 30 sequences counts 30 times. Token-level losses (`dapo`, `bnpo`, `dr_grpo`, `cispo`, "
+            "`luspo`, `vespo`) weigh tokens and need no correction. The KL term is not reweighted."
+        },
     )
 
     # -- behaviour logprob check -----------------------------------------------------------------------------------
     behaviour_logp_tolerance: float = field(
         default=0.1,
-        metadata={"help": "Rows whose mean |recomputed - recorded| logprob over their sampled tokens exceeds this "
-                          "(in nats) are reported (logp_diff/frac_over_threshold, behaviour_check.json). fp32 on the "
-                          "engine's weights gives ~1e-6; bf16 ~1e-2."},
+        metadata={
+            "help": "Rows whose mean |recomputed - recorded| logprob over their sampled tokens exceeds this "
+            "(in nats) are reported (logp_diff/frac_over_threshold, behaviour_check.json). fp32 on the "
+            "engine's weights gives ~1e-6; bf16 ~1e-2."
+        },
     )
     drop_mismatched_rows: bool = field(
         default=False,
-        metadata={"help": "Leave rows above `behaviour_logp_tolerance` out of the loss (their loss mask is zeroed)."},
+        metadata={
+            "help": "Leave rows above `behaviour_logp_tolerance` out of the loss (their loss mask is zeroed)."
+        },
     )
 
     # -- staleness / off-policy correction -------------------------------------------------------------------------
     policy_weight_version: str | None = field(
         default=None,
-        metadata={"help": "The engine weight_version of the starting weights. Default: the newest weight_version in "
-                          "the data. Each optimizer step counts as one more version, so a rollout's staleness is "
-                          "(this + steps taken) - its weight_version."},
+        metadata={
+            "help": "The engine weight_version of the starting weights. Default: the newest weight_version in "
+            "the data. Each optimizer step counts as one more version, so a rollout's staleness is "
+            "(this + steps taken) - its weight_version."
+        },
     )
     stale_correction: str = field(
         default="token_truncate",
-        metadata={"help": "Off-policy correction for stale rollouts (staleness > 0): anchor the PPO ratio on the "
-                          "current weights' logprobs and weight each token by pi_current / pi_behaviour, truncated "
-                          "at `stale_is_clip_max` (`*_truncate`) or zeroed above it (`*_mask`), per token or per "
-                          "sequence. Fresh rollouts always use the recorded behaviour logprobs as the ratio anchor. "
-                          "`none`: the behaviour logprobs anchor every rollout (plain clipped ratio)."},
+        metadata={
+            "help": "Off-policy correction for stale rollouts (staleness > 0): anchor the PPO ratio on the "
+            "current weights' logprobs and weight each token by pi_current / pi_behaviour, truncated "
+            "at `stale_is_clip_max` (`*_truncate`) or zeroed above it (`*_mask`), per token or per "
+            "sequence. Fresh rollouts always use the recorded behaviour logprobs as the ratio anchor. "
+            "`none`: the behaviour logprobs anchor every rollout (plain clipped ratio)."
+        },
     )
     stale_is_clip_max: float = field(
-        default=2.0, metadata={"help": "Upper bound C of the stale-rollout importance weight."},
+        default=2.0,
+        metadata={"help": "Upper bound C of the stale-rollout importance weight."},
     )
     stale_is_clip_min: float | None = field(
-        default=None, metadata={"help": "Optional lower bound of the stale-rollout importance weight."},
+        default=None,
+        metadata={"help": "Optional lower bound of the stale-rollout importance weight."},
     )
     check_behaviour_logps: bool = field(
         default=True,
-        metadata={"help": "Before the first step, recompute the logprobs of every row sampled by the starting weights "
-                          "(staleness 0) and compare them with the recorded ones: per row, the mean |recomputed - "
-                          "recorded| over its sampled tokens, near 0 when tokens, weights and temperatures line up. "
-                          "Every step then logs its rows' values (logp_diff/fresh_mean, fresh_max, "
-                          "frac_over_threshold, frac_checked), and behaviour_check.json lists the worst rows. Costs "
-                          "one no-grad forward pass over those rows."},
+        metadata={
+            "help": "Before the first step, recompute the logprobs of every row sampled by the starting weights "
+            "(staleness 0) and compare them with the recorded ones: per row, the mean |recomputed - "
+            "recorded| over its sampled tokens, near 0 when tokens, weights and temperatures line up. "
+            "Every step then logs its rows' values (logp_diff/fresh_mean, fresh_max, "
+            "frac_over_threshold, frac_checked), and behaviour_check.json lists the worst rows. Costs "
+            "one no-grad forward pass over those rows."
+        },
     )
 
     # -- outputs ---------------------------------------------------------------------------------------------------
     save_merged: bool = field(
-        default=True, metadata={"help": "With LoRA, also write the merged full model to `<output_dir>/merged`."},
+        default=True,
+        metadata={"help": "With LoRA, also write the merged full model to `<output_dir>/merged`."},
     )
     # Read by `polar_mitm.train.sync.EnginePushCallback`, which the trainer's caller attaches (`attach_engine_push`).
     push_to_engine: str | None = field(
         default=None,
-        metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`): after training (and every "
-                          "`push_every_steps`), save the weights and call its /update_weights_from_disk."},
+        metadata={
+            "help": "Engine base URL (SGLang or `polar-mitm serve`): after training (and every "
+            "`push_every_steps`), save the weights and call its /update_weights_from_disk."
+        },
     )
     push_every_steps: int = field(
-        default=0, metadata={"help": "Push to the engine every N optimizer steps (0 = only at the end)."},
+        default=0,
+        metadata={"help": "Push to the engine every N optimizer steps (0 = only at the end)."},
     )
     metrics_file: str = field(
-        default="metrics.jsonl", metadata={"help": "Per-step metrics, one JSON object a line, in output_dir."},
+        default="metrics.jsonl",
+        metadata={"help": "Per-step metrics, one JSON object a line, in output_dir."},
     )
 
     def __post_init__(self) -> None:
@@ -193,7 +233,9 @@ class PolarGRPOConfig(GRPOConfig):
             if self.generation_batch_size is not None:
                 local = self.generation_batch_size
             if local < 2:
-                raise ValueError("a generation batch needs at least 2 sequences per device: raise "
-                                 "per_device_train_batch_size or gradient_accumulation_steps")
+                raise ValueError(
+                    "a generation batch needs at least 2 sequences per device: raise "
+                    "per_device_train_batch_size or gradient_accumulation_steps"
+                )
             self.num_generations = local
         super().__post_init__()

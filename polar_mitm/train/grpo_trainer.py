@@ -52,7 +52,9 @@ MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which p
 
 
 @contextmanager
-def disable_gradient_checkpointing(model, gradient_checkpointing_kwargs: dict | None = None) -> Iterator[None]:
+def disable_gradient_checkpointing(
+    model, gradient_checkpointing_kwargs: dict | None = None
+) -> Iterator[None]:
     """TRL's helper of the same name, reading transformers 5's `is_activation_checkpointing` (TRL 1.16 reads the
     deprecated `is_gradient_checkpointing`, which warns on every training step)."""
     was_enabled = model.is_activation_checkpointing
@@ -86,21 +88,44 @@ class PolarGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "polar-mitm"]
     _name = "Polar GRPO"
 
-    def __init__(self, model, args: PolarGRPOConfig, train_data: TrainingData, processing_class=None,
-                 callbacks=None, peft_config=None) -> None:
+    def __init__(
+        self,
+        model,
+        args: PolarGRPOConfig,
+        train_data: TrainingData,
+        processing_class=None,
+        callbacks=None,
+        peft_config=None,
+    ) -> None:
         if args.strict_group_size and train_data.stats.group_size_mismatches:
-            raise ValueError(f"{train_data.stats.group_size_mismatches} groups do not have {args.group_size} "
-                             f"sessions (sizes: {train_data.stats.group_sizes})")
+            raise ValueError(
+                f"{train_data.stats.group_size_mismatches} groups do not have {args.group_size} "
+                f"sessions (sizes: {train_data.stats.group_sizes})"
+            )
         self.train_data = train_data
         self.model_source = Path(model) if isinstance(model, str | Path) else None
-        self._token_temperature: torch.Tensor | None = None  # per-token scoring temperatures of the current forward
-        self._hidden_factor: torch.Tensor | None = None  # what the backbone hook multiplies the hidden states by
-        self._kl_anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (loss mask, logps outside the loss)
-        self.behaviour_logp_diff: dict[int, float] | None = None  # row → mean |recomputed - recorded|, at step 0
+        self._token_temperature: torch.Tensor | None = (
+            None  # per-token scoring temperatures of the current forward
+        )
+        self._hidden_factor: torch.Tensor | None = (
+            None  # what the backbone hook multiplies the hidden states by
+        )
+        self._kl_anchor: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # (loss mask, logps outside the loss)
+        )
+        self.behaviour_logp_diff: dict[int, float] | None = (
+            None  # row → mean |recomputed - recorded|, at step 0
+        )
         # The dataset holds the rows, then zero-weight placeholders that fill the last length bucket.
-        super().__init__(model=str(model) if isinstance(model, Path) else model, reward_funcs=recorded_reward,
-                         args=args, train_dataset=train_data.to_dataset(args.generation_batch_size),
-                         processing_class=processing_class, callbacks=callbacks, peft_config=peft_config)
+        super().__init__(
+            model=str(model) if isinstance(model, Path) else model,
+            reward_funcs=recorded_reward,
+            args=args,
+            train_dataset=train_data.to_dataset(args.generation_batch_size),
+            processing_class=processing_class,
+            callbacks=callbacks,
+            peft_config=peft_config,
+        )
         self.base_weight_version = args.policy_weight_version or newest_weight_version(train_data.rows)
         self._install_temperature_hooks()
         self._log_data_summary()
@@ -142,7 +167,9 @@ class PolarGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        forward_batch = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        forward_batch = (
+            self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        )
 
         logp_diff = self._behaviour_check_values(inputs, device)
         if self.args.drop_mismatched_rows:
@@ -157,18 +184,28 @@ class PolarGRPOTrainer(GRPOTrainer):
         any_stale = self.accelerator.gather(stale.any().float().reshape(1)).max().item() > 0
         old_per_token_logps = behaviour_logps
         current_logps = None
-        with (torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-              self.scoring_temperatures(batch["token_temperature"])):
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self.scoring_temperatures(batch["token_temperature"]),
+        ):
             if self.args.stale_correction != "none" and any_stale:
                 current_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch)
-                weights = self._stale_importance_weights(current_logps, behaviour_logps, loss_mask, stale, mode)
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+                )
+                weights = self._stale_importance_weights(
+                    current_logps, behaviour_logps, loss_mask, stale, mode
+                )
                 anchor_current = stale.unsqueeze(1) & loss_mask.bool()
                 old_per_token_logps = torch.where(anchor_current, current_logps, behaviour_logps)
                 # A non-negative weight on the advantage is the weight on the token's loss: TRL's clipped objective
                 # is linear in A, and the sign (which the clip metrics read) is kept.
-                advantages = advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
-            ref_per_token_logps = self._reference_logps(input_ids, attention_mask, logits_to_keep, forward_batch)
+                advantages = (
+                    advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
+                )
+            ref_per_token_logps = self._reference_logps(
+                input_ids, attention_mask, logits_to_keep, forward_batch
+            )
 
         num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()
         self._log_batch_metrics(mode, batch, staleness)
@@ -199,20 +236,29 @@ class PolarGRPOTrainer(GRPOTrainer):
             # reference the same finite value there (the ratio anchor), so both exponents are exactly 0 and no
             # token outside the loss can overflow into inf · 0 = NaN. Inside the loss, TRL's formula is untouched.
             anchor = inputs["old_per_token_logps"].detach()
-            inputs = {**inputs, "ref_per_token_logps": torch.where(mask, inputs["ref_per_token_logps"], anchor)}
-        with self.scoring_temperatures(inputs.get("token_temperature")), self._kl_zero_outside_loss(mask, anchor):
+            inputs = {
+                **inputs,
+                "ref_per_token_logps": torch.where(mask, inputs["ref_per_token_logps"], anchor),
+            }
+        with (
+            self.scoring_temperatures(inputs.get("token_temperature")),
+            self._kl_zero_outside_loss(mask, anchor),
+        ):
             return super()._compute_loss(model, inputs)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
+    ):
         """TRL's logprobs, with each completion token scored at its own temperature (`scoring_temperatures`)."""
         temperatures = self._token_temperature
         if temperatures is None or bool((temperatures == self.temperature).all()):
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+            )
         else:
             logps, entropies, aux = self._per_temperature_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs)
+                model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs
+            )
         if self._kl_anchor is not None:  # see _compute_loss; no gradient flows outside the loss, as before
             mask, anchor = self._kl_anchor
             logps = torch.where(mask, logps, anchor.to(logps.dtype))
@@ -244,25 +290,34 @@ class PolarGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad(), self.scoring_temperatures(batch["token_temperature"]):
             return self._get_per_token_logps_and_entropies(
-                model or self.model, input_ids, attention_mask, batch["completion_ids"].size(1))[0]
+                model or self.model, input_ids, attention_mask, batch["completion_ids"].size(1)
+            )[0]
 
-    def _per_temperature_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures,
-                               **kwargs):
+    def _per_temperature_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs
+    ):
         """TRL's fused head at `self.temperature`, with the hidden state that predicts each completion token scaled
         by self.temperature / its temperature: (h · s) W / T_global = h W / T_token."""
         batch_size = batch_size or input_ids.size(0)
         factor = torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         width = input_ids.size(1)
         # Position p's hidden state predicts token p + 1: completion token j sits at width - logits_to_keep + j.
-        factor[:, width - logits_to_keep - 1:width - 1] = self.temperature / temperatures.to(factor.device)
+        factor[:, width - logits_to_keep - 1 : width - 1] = self.temperature / temperatures.to(factor.device)
         parts = []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             self._hidden_factor = factor[start:end]
             try:
-                parts.append(super()._get_per_token_logps_and_entropies(
-                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, batch_size=end - start,
-                    **kwargs))
+                parts.append(
+                    super()._get_per_token_logps_and_entropies(
+                        model,
+                        input_ids[start:end],
+                        attention_mask[start:end],
+                        logits_to_keep,
+                        batch_size=end - start,
+                        **kwargs,
+                    )
+                )
             finally:
                 self._hidden_factor = None
         logps = torch.cat([p[0] for p in parts])
@@ -287,12 +342,18 @@ class PolarGRPOTrainer(GRPOTrainer):
         head = lm.get_output_embeddings()
         softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
         if getattr(head, "bias", None) is not None or softcap is not None:
-            sessions = sorted({r["session_id"] for r in self.train_data.rows
-                               if set(r["turn_temperatures"]) - {None, self.temperature}})
+            sessions = sorted(
+                {
+                    r["session_id"]
+                    for r in self.train_data.rows
+                    if set(r["turn_temperatures"]) - {None, self.temperature}
+                }
+            )
             raise ValueError(
                 f"rows were sampled at temperatures {sorted(temperatures)} but this model's LM head (bias or logit "
                 f"soft-capping) cannot be scored per token; train them separately, each with its own --temperature "
-                f"(sessions not at {self.temperature}: {', '.join(sessions[:10])}{' …' if len(sessions) > 10 else ''})")
+                f"(sessions not at {self.temperature}: {', '.join(sessions[:10])}{' …' if len(sessions) > 10 else ''})"
+            )
 
     def _scale_hidden_states(self, module, args, output):
         if self._hidden_factor is None:
@@ -315,7 +376,9 @@ class PolarGRPOTrainer(GRPOTrainer):
         if self.args.check_behaviour_logps and self.behaviour_logp_diff is None:
             self.behaviour_logp_diff = self._run_behaviour_check()
         checked = self.behaviour_logp_diff or {}
-        values = [math.nan if row.get("placeholder") else checked.get(row.get("row"), math.nan) for row in inputs]
+        values = [
+            math.nan if row.get("placeholder") else checked.get(row.get("row"), math.nan) for row in inputs
+        ]
         return torch.tensor(values, dtype=torch.float32, device=device)
 
     def _run_behaviour_check(self) -> dict[int, float]:
@@ -325,9 +388,14 @@ class PolarGRPOTrainer(GRPOTrainer):
         the current weights would see only stale rows and hide a mismatch inside the stale-rollout weights.
         """
         rows = self.train_data.rows
-        fresh = sorted((i for i, r in enumerate(rows) if version_distance(self.base_weight_version,
-                                                                          r.get("weight_version")) == 0),
-                       key=lambda i: len(rows[i]["input_ids"]))
+        fresh = sorted(
+            (
+                i
+                for i, r in enumerate(rows)
+                if version_distance(self.base_weight_version, r.get("weight_version")) == 0
+            ),
+            key=lambda i: len(rows[i]["input_ids"]),
+        )
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         mine, size = fresh[rank::world], self.args.per_device_train_batch_size
         # Every rank runs the same number of forward passes (collective under ZeRO-3/FSDP).
@@ -335,7 +403,7 @@ class PolarGRPOTrainer(GRPOTrainer):
         n_batches = int(self.accelerator.gather(local).max().item())
         results: dict[int, float] = {}
         for b in range(n_batches):
-            chunk = mine[b * size:(b + 1) * size] or fresh[:1]
+            chunk = mine[b * size : (b + 1) * size] or fresh[:1]
             for i, value in zip(chunk, self._row_logp_diff([rows[i] for i in chunk]), strict=True):
                 results[i] = value
         from accelerate.utils import gather_object
@@ -364,15 +432,27 @@ class PolarGRPOTrainer(GRPOTrainer):
             "rows_dropped": len(over) if self.args.drop_mismatched_rows else 0,
             "mean_abs_diff": sum(diffs.values()) / len(diffs) if diffs else None,
             "max_abs_diff": max(diffs.values()) if diffs else None,
-            "worst_rows": [{"sequence_id": rows[i]["sequence_id"], "session_id": rows[i]["session_id"],
-                            "mean_abs_diff": diffs[i]} for i in over[:WORST_ROWS_REPORTED]],
+            "worst_rows": [
+                {
+                    "sequence_id": rows[i]["sequence_id"],
+                    "session_id": rows[i]["session_id"],
+                    "mean_abs_diff": diffs[i],
+                }
+                for i in over[:WORST_ROWS_REPORTED]
+            ],
         }
         if over:
             names = ", ".join(f"{rows[i]['session_id']} ({diffs[i]:.3g})" for i in over[:5])
-            logger.warning("%d of %d rows sampled by the starting weights have recorded logprobs off by more than "
-                           "%g nats on average (%s%s)%s: wrong temperature, weights or tokens?", len(over), len(diffs),
-                           tolerance, names, " …" if len(over) > 5 else "",
-                           "; left out of the loss" if self.args.drop_mismatched_rows else "")
+            logger.warning(
+                "%d of %d rows sampled by the starting weights have recorded logprobs off by more than "
+                "%g nats on average (%s%s)%s: wrong temperature, weights or tokens?",
+                len(over),
+                len(diffs),
+                tolerance,
+                names,
+                " …" if len(over) > 5 else "",
+                "; left out of the loss" if self.args.drop_mismatched_rows else "",
+            )
         if self.accelerator.is_main_process:
             out = Path(self.args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -392,30 +472,52 @@ class PolarGRPOTrainer(GRPOTrainer):
             metrics["logp_diff/fresh_mean"].append(diffs.mean().item())
             metrics["logp_diff/fresh_max"].append(diffs.max().item())
             metrics["logp_diff/frac_over_threshold"].append(
-                (diffs > self.args.behaviour_logp_tolerance).float().mean().item())
+                (diffs > self.args.behaviour_logp_tolerance).float().mean().item()
+            )
 
     def _log_data_summary(self) -> None:
         stats = self.train_data.stats
         if stats.unknown_temperature_sequences:
-            logger.warning("%d sequences have no recorded sampling temperature (v1 data): scored at --temperature "
-                           "%g", stats.unknown_temperature_sequences, self.temperature)
-        excluded = stats.excluded_greedy_turns + stats.excluded_truncated_turns + stats.excluded_constrained_turns
+            logger.warning(
+                "%d sequences have no recorded sampling temperature (v1 data): scored at --temperature %g",
+                stats.unknown_temperature_sequences,
+                self.temperature,
+            )
+        excluded = (
+            stats.excluded_greedy_turns + stats.excluded_truncated_turns + stats.excluded_constrained_turns
+        )
         if excluded:
-            logger.info("left out of the loss: %d greedy, %d top-p/top-k/min-p-truncated and %d grammar-constrained "
-                        "calls (%d sampled tokens; %d sequences with nothing else), see --keep-truncated-sampling",
-                        stats.excluded_greedy_turns, stats.excluded_truncated_turns,
-                        stats.excluded_constrained_turns, stats.excluded_sampled_tokens,
-                        stats.dropped_excluded_sampling)
-        if (self.loss_type in PER_SEQUENCE_LOSSES and not self.args.session_weighting
-                and stats.sequences_per_session_max > 1):
-            logger.warning("loss_type=%s weighs every sequence alike and sessions have up to %d sequences: "
-                           "sessions with more sequences count more (session_weighting is off)", self.loss_type,
-                           stats.sequences_per_session_max)
+            logger.info(
+                "left out of the loss: %d greedy, %d top-p/top-k/min-p-truncated and %d grammar-constrained "
+                "calls (%d sampled tokens; %d sequences with nothing else), see --keep-truncated-sampling",
+                stats.excluded_greedy_turns,
+                stats.excluded_truncated_turns,
+                stats.excluded_constrained_turns,
+                stats.excluded_sampled_tokens,
+                stats.dropped_excluded_sampling,
+            )
+        if (
+            self.loss_type in PER_SEQUENCE_LOSSES
+            and not self.args.session_weighting
+            and stats.sequences_per_session_max > 1
+        ):
+            logger.warning(
+                "loss_type=%s weighs every sequence alike and sessions have up to %d sequences: "
+                "sessions with more sequences count more (session_weighting is off)",
+                self.loss_type,
+                stats.sequences_per_session_max,
+            )
 
     # -- pieces ----------------------------------------------------------------------------------------------------
 
-    def _stale_importance_weights(self, current: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
-                                  stale: torch.Tensor, mode: str) -> torch.Tensor:
+    def _stale_importance_weights(
+        self,
+        current: torch.Tensor,
+        behaviour: torch.Tensor,
+        mask: torch.Tensor,
+        stale: torch.Tensor,
+        mode: str,
+    ) -> torch.Tensor:
         """pi_current / pi_behaviour per token (or per sequence), truncated or masked; 1 for fresh rollouts."""
         correction = self.args.stale_correction
         log_ratio = ((current - behaviour) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -428,7 +530,9 @@ class PolarGRPOTrainer(GRPOTrainer):
             weights = ratio.clamp(min=low, max=high)
         else:
             weights = torch.where((ratio > high) | (ratio < low), torch.zeros_like(ratio), ratio)
-        weights = torch.where(stale.unsqueeze(1), weights, torch.ones_like(weights)).expand_as(mask).contiguous()
+        weights = (
+            torch.where(stale.unsqueeze(1), weights, torch.ones_like(weights)).expand_as(mask).contiguous()
+        )
 
         token_mask = (mask.bool() & stale.unsqueeze(1)) if ratio.size(1) > 1 else stale.unsqueeze(1)
         raw = self._gather_values(ratio[token_mask])
@@ -442,17 +546,21 @@ class PolarGRPOTrainer(GRPOTrainer):
             metrics["importance_weight/frac_corrected"].append((used != raw).float().mean().item())
         return weights
 
-    def _reference_logps(self, input_ids, attention_mask, logits_to_keep, forward_batch) -> torch.Tensor | None:
+    def _reference_logps(
+        self, input_ids, attention_mask, logits_to_keep, forward_batch
+    ) -> torch.Tensor | None:
         """Logprobs under the reference model (beta > 0): TRL's ref model, or the base model under a LoRA."""
         if self.beta == 0.0:
             return None
         if self.ref_model is not None:
             return self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch)[0]
+                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+            )[0]
         model = self.accelerator.unwrap_model(self.model)
         with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
             return self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch)[0]
+                self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
+            )[0]
 
     def _gather_values(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's values of a ragged 1-D tensor."""
@@ -473,7 +581,8 @@ class PolarGRPOTrainer(GRPOTrainer):
         grid = batch["prompt_mask"].numel() + completion_mask.numel()
         totals = self.accelerator.reduce(
             torch.stack([real_tokens.float(), torch.tensor(float(grid), device=real_tokens.device)]),
-            reduction="sum")
+            reduction="sum",
+        )
         if mode == "train":
             self.state.num_input_tokens_seen += int(totals[0].item())
         metrics["num_tokens"] = [self.state.num_input_tokens_seen]

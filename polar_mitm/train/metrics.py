@@ -18,8 +18,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("advantages", ("advantages/mean", "advantages/std", "advantages/min", "advantages/max")),
     ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")),
     ("KL to reference", ("kl",)),
-    ("importance ratio (stale rollouts, log scale)", ("importance_ratio/mean", "importance_ratio/min", "importance_ratio/max",
-                                           "importance_weight/mean")),
+    (
+        "importance ratio (stale rollouts, log scale)",
+        ("importance_ratio/mean", "importance_ratio/min", "importance_ratio/max", "importance_weight/mean"),
+    ),
     ("staleness (weight versions)", ("staleness/mean", "staleness/max")),
     ("throughput (tokens/s)", ("tokens_per_second",)),
     ("entropy", ("entropy",)),
@@ -83,8 +85,9 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
 
     run = Path(run)
     records = [r for r in read_metrics(run) if "train_runtime" not in r]
-    panels = [(title, keys) for title, keys in PANELS
-              if any(r.get(k) is not None for r in records for k in keys)]
+    panels = [
+        (title, keys) for title, keys in PANELS if any(r.get(k) is not None for r in records for k in keys)
+    ]
     if not panels:
         raise ValueError(f"no plottable metrics in {run}")
     cols = 2 if len(panels) > 1 else 1
@@ -103,7 +106,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(run.name)
     fig.tight_layout()

@@ -53,14 +53,19 @@ class SftExport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "output_dir": str(self.output_dir), "min_reward": self.min_reward, "total": self.total.to_dict(),
-            "per_task": [row.to_dict() for row in self.per_task], "unrewarded_sessions": self.unrewarded_sessions,
-            "messages_rows": self.messages_rows, "messages_skipped": self.messages_skipped,
+            "output_dir": str(self.output_dir),
+            "min_reward": self.min_reward,
+            "total": self.total.to_dict(),
+            "per_task": [row.to_dict() for row in self.per_task],
+            "unrewarded_sessions": self.unrewarded_sessions,
+            "messages_rows": self.messages_rows,
+            "messages_skipped": self.messages_skipped,
         }
 
 
-def select_successful(sequences: list[MergedSequence], min_reward: float
-                      ) -> tuple[list[MergedSequence], AcceptanceRow, list[AcceptanceRow], int]:
+def select_successful(
+    sequences: list[MergedSequence], min_reward: float
+) -> tuple[list[MergedSequence], AcceptanceRow, list[AcceptanceRow], int]:
     """Sequences of sessions whose reward is ≥ `min_reward`, and the acceptance counts (per task, total)."""
     reward, task_of, _ = session_rewards(sequences)
     total = AcceptanceRow("total")
@@ -85,7 +90,9 @@ def tokenized_row(seq: MergedSequence, reward: float | None = None) -> dict[str,
     return {
         "input_ids": list(seq.input_ids),
         "assistant_masks": list(seq.loss_mask),
-        "labels": [tok if mask else IGNORE_INDEX for tok, mask in zip(seq.input_ids, seq.loss_mask, strict=True)],
+        "labels": [
+            tok if mask else IGNORE_INDEX for tok, mask in zip(seq.input_ids, seq.loss_mask, strict=True)
+        ],
         "session_id": seq.session_id,
         "task_id": seq.task_id,
         "sequence_id": seq.sequence_id,
@@ -116,7 +123,9 @@ def chatml_messages(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any
     tools: list[dict[str, Any]] | None = None
 
     def add(role: str, content: str, reasoning: str | None = None, calls: list | None = None) -> None:
-        messages.append({"role": role, "content": content, "reasoning_content": reasoning, "tool_calls": calls or []})
+        messages.append(
+            {"role": role, "content": content, "reasoning_content": reasoning, "tool_calls": calls or []}
+        )
 
     for block in text.split(IM_START)[1:]:
         body = block.split(IM_END, 1)[0]
@@ -133,8 +142,12 @@ def chatml_messages(text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any
         elif role == "assistant":
             reasoning, rest = split_reasoning(content, "qwen3")
             visible, calls = parse_tool_calls(rest, "qwen25")
-            add("assistant", visible, reasoning,
-                [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])
+            add(
+                "assistant",
+                visible,
+                reasoning,
+                [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls],
+            )
         elif role in ("system", "user"):
             add(role, content)
         else:
@@ -148,19 +161,28 @@ def messages_row(seq: MergedSequence, tokenizer) -> dict[str, Any] | None:
     text = tokenizer.decode(seq.input_ids, skip_special_tokens=False)
     try:
         messages, tools = chatml_messages(text)
-        rendered = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False))
+        rendered = list(
+            tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+        )
     except (ValueError, KeyError, TypeError, IndexError):
         return None
     ids = list(seq.input_ids)
     # The template closes every turn with "<|im_end|>\n"; a sampled turn ends at <|im_end|>.
     if rendered != ids and rendered[:-1] != ids:
         return None
-    return {"messages": messages, "tools": json.dumps(tools) if tools else None, "session_id": seq.session_id,
-            "task_id": seq.task_id, "sequence_id": seq.sequence_id, "reward": seq.reward}
+    return {
+        "messages": messages,
+        "tools": json.dumps(tools) if tools else None,
+        "session_id": seq.session_id,
+        "task_id": seq.task_id,
+        "sequence_id": seq.sequence_id,
+        "reward": seq.reward,
+    }
 
 
-def export_sft(sequences: list[MergedSequence], output_dir: str | Path, *, min_reward: float,
-               tokenizer=None) -> SftExport:
+def export_sft(
+    sequences: list[MergedSequence], output_dir: str | Path, *, min_reward: float, tokenizer=None
+) -> SftExport:
     """Write `tokenized/` (always), `messages/` (with a ChatML tokenizer) and `counts.json` under `output_dir`.
 
     Both datasets load with `datasets.load_from_disk` and go straight into `SFTTrainer(train_dataset=...)`.
@@ -171,10 +193,16 @@ def export_sft(sequences: list[MergedSequence], output_dir: str | Path, *, min_r
     output_dir.mkdir(parents=True, exist_ok=True)
     accepted, total, per_task, unrewarded = select_successful(sequences, min_reward)
     reward, _, _ = session_rewards(sequences)
-    export = SftExport(output_dir=output_dir, min_reward=min_reward, total=total, per_task=per_task,
-                       unrewarded_sessions=unrewarded)
-    Dataset.from_list([tokenized_row(s, reward.get(s.session_id)) for s in accepted],
-                      features=_tokenized_features()).save_to_disk(output_dir / "tokenized")
+    export = SftExport(
+        output_dir=output_dir,
+        min_reward=min_reward,
+        total=total,
+        per_task=per_task,
+        unrewarded_sessions=unrewarded,
+    )
+    Dataset.from_list(
+        [tokenized_row(s, reward.get(s.session_id)) for s in accepted], features=_tokenized_features()
+    ).save_to_disk(output_dir / "tokenized")
     if tokenizer is not None and IM_START in (tokenizer.chat_template or ""):
         rows = [messages_row(s, tokenizer) for s in accepted]
         kept = [r for r in rows if r is not None]
@@ -188,8 +216,14 @@ def export_sft(sequences: list[MergedSequence], output_dir: str | Path, *, min_r
 def _tokenized_features():
     from datasets import Features, Sequence, Value
 
-    return Features({
-        "input_ids": Sequence(Value("int32")), "assistant_masks": Sequence(Value("int8")),
-        "labels": Sequence(Value("int32")), "session_id": Value("string"), "task_id": Value("string"),
-        "sequence_id": Value("string"), "reward": Value("float64"),
-    })
+    return Features(
+        {
+            "input_ids": Sequence(Value("int32")),
+            "assistant_masks": Sequence(Value("int8")),
+            "labels": Sequence(Value("int32")),
+            "session_id": Value("string"),
+            "task_id": Value("string"),
+            "sequence_id": Value("string"),
+            "reward": Value("float64"),
+        }
+    )

@@ -39,15 +39,20 @@ class EnginePushCallback(TrainerCallback):
             return None
         target = Path(trainer.args.output_dir) / ENGINE_WEIGHTS_DIR
         if trainer.accelerator.is_main_process and target.exists():
-            shutil.rmtree(target)  # the engine has loaded it already: the call returns once weights are in memory
+            shutil.rmtree(
+                target
+            )  # the engine has loaded it already: the call returns once weights are in memory
         trainer.accelerator.wait_for_everyone()
         trainer.save_for_engine(target)
         version = None
         if trainer.accelerator.is_main_process:
-            version = push_weights(trainer.args.push_to_engine, target,
-                                   weight_version=trainer.policy_weight_version())
+            version = push_weights(
+                trainer.args.push_to_engine, target, weight_version=trainer.policy_weight_version()
+            )
             self.pushes.append({"step": step, "weight_version": version, "path": str(target)})
-            logger.info("pushed step %d to %s as weight_version %s", step, trainer.args.push_to_engine, version)
+            logger.info(
+                "pushed step %d to %s as weight_version %s", step, trainer.args.push_to_engine, version
+            )
         self.pushed_step = step
         return version
 

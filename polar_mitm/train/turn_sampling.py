@@ -50,10 +50,20 @@ def turn_sampling(seq: MergedSequence) -> list[TurnSampling]:
     for k, start in enumerate(starts):
         t = temperatures[k]
         greedy_turn = bool(greedy[k]) or is_greedy(t, top_k[k])
-        truncated = ((top_p[k] is not None and top_p[k] < 1.0) or (top_k[k] is not None and top_k[k] > 0)
-                     or (min_p[k] is not None and min_p[k] > 0.0))
-        excluded = (EXCLUDED_GREEDY if greedy_turn else EXCLUDED_TRUNCATED if truncated
-                    else EXCLUDED_CONSTRAINED if constrained[k] else None)
+        truncated = (
+            (top_p[k] is not None and top_p[k] < 1.0)
+            or (top_k[k] is not None and top_k[k] > 0)
+            or (min_p[k] is not None and min_p[k] > 0.0)
+        )
+        excluded = (
+            EXCLUDED_GREEDY
+            if greedy_turn
+            else EXCLUDED_TRUNCATED
+            if truncated
+            else EXCLUDED_CONSTRAINED
+            if constrained[k]
+            else None
+        )
         scoring = GREEDY_SCORING_TEMPERATURE if greedy_turn else (None if t is None else float(t))
         turns.append(TurnSampling(start=int(start), temperature=scoring, excluded=excluded))
     return turns
@@ -66,7 +76,7 @@ def exclude_turns(loss_mask: Sequence[int], turns: Sequence[TurnSampling]) -> li
         if turn.excluded is None:
             continue
         end = turns[k + 1].start if k + 1 < len(turns) else len(mask)
-        mask[turn.start:end] = [0] * (end - turn.start)
+        mask[turn.start : end] = [0] * (end - turn.start)
     return mask
 
 
@@ -75,8 +85,9 @@ def temperature_key(temperature: float | None) -> str:
     return "unknown" if temperature is None else f"{temperature:.6g}"
 
 
-def token_temperatures(turn_starts: Sequence[int], turn_temperatures: Sequence[float | None], length: int,
-                       default: float) -> list[float]:
+def token_temperatures(
+    turn_starts: Sequence[int], turn_temperatures: Sequence[float | None], length: int, default: float
+) -> list[float]:
     """The scoring temperature of every token of a row: its turn's (`default` where unknown). Tokens before the first
     turn (the prompt) take the first turn's: they are never scored for the loss."""
     temps = [default if t is None else float(t) for t in turn_temperatures] or [default]

@@ -41,39 +41,74 @@ def claude_code_request(billing: str = BILLING) -> dict[str, Any]:
         "thinking": {"type": "enabled", "budget_tokens": 31999},
         "system": [
             {"type": "text", "text": billing},
-            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
-             "cache_control": {"type": "ephemeral"}},
+            {
+                "type": "text",
+                "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+                "cache_control": {"type": "ephemeral"},
+            },
             {"type": "text", "text": "Use the tools available to you."},
         ],
         "tools": [
             {"name": "Read", "description": "Reads a file.", "input_schema": READ_SCHEMA},
-            {"name": "Bash", "description": "Runs a command.", "input_schema": BASH_SCHEMA,
-             "defer_loading": True, "cache_control": {"type": "ephemeral"}},
+            {
+                "name": "Bash",
+                "description": "Runs a command.",
+                "input_schema": BASH_SCHEMA,
+                "defer_loading": True,
+                "cache_control": {"type": "ephemeral"},
+            },
             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
         ],
         "tool_choice": {"type": "auto"},
         "messages": [
-            {"role": "user", "content": [
-                {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"},
-                {"type": "text", "text": "What is in README.md?", "cache_control": {"type": "ephemeral"}},
-            ]},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "I should read the file.", "signature": "c2ln"},
-                {"type": "redacted_thinking", "data": "opaque"},
-                {"type": "text", "text": "Let me look."},
-                {"type": "tool_use", "id": "toolu_01", "name": "Read", "input": {"file_path": "/r/README.md"}},
-            ]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_01", "content": "# Demo\nHello ✓"},
-            ]},
-            {"role": "assistant", "content": [
-                {"type": "tool_use", "id": "toolu_02", "name": "Bash", "input": {"command": "ls"}},
-            ]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_02", "is_error": True,
-                 "content": [{"type": "text", "text": "ls: denied"}, {"type": "text", "text": "exit 2"}]},
-                {"type": "text", "text": "Never mind, summarise."},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"},
+                    {"type": "text", "text": "What is in README.md?", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I should read the file.", "signature": "c2ln"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Let me look."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_01",
+                        "name": "Read",
+                        "input": {"file_path": "/r/README.md"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "# Demo\nHello ✓"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "toolu_02", "name": "Bash", "input": {"command": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_02",
+                        "is_error": True,
+                        "content": [
+                            {"type": "text", "text": "ls: denied"},
+                            {"type": "text", "text": "exit 2"},
+                        ],
+                    },
+                    {"type": "text", "text": "Never mind, summarise."},
+                ],
+            },
         ],
     }
 
@@ -81,8 +116,14 @@ def claude_code_request(billing: str = BILLING) -> dict[str, Any]:
 def completion(**overrides: Any) -> Completion:
     """An engine answer built by hand; id lists and logprobs of matching lengths."""
     fields: dict[str, Any] = {
-        "id": "chatcmpl-7f3a9c", "model": "default", "content": "", "reasoning": None, "tool_calls": [],
-        "finish_reason": "stop", "prompt_ids": list(range(40)), "completion_ids": list(range(12)),
+        "id": "chatcmpl-7f3a9c",
+        "model": "default",
+        "content": "",
+        "reasoning": None,
+        "tool_calls": [],
+        "finish_reason": "stop",
+        "prompt_ids": list(range(40)),
+        "completion_ids": list(range(12)),
         "completion_logprobs": [-0.5] * 12,
     }
     fields.update(overrides)
@@ -93,15 +134,22 @@ TEXT = completion(content="The README describes a demo project. It says hello, w
 FULL = completion(
     reasoning="The user wants a summary; the file is short, so one sentence will do.\nThen run ls again.",
     content="Here is the summary you asked for.",
-    tool_calls=[ToolCall(id="call_9", name="Bash", arguments='{"command": "ls -la /r", "timeout": 30}'),
-                ToolCall(id="toolu_kept", name="Read", arguments='{"file_path": "/r/ünïcode.md"}')],
+    tool_calls=[
+        ToolCall(id="call_9", name="Bash", arguments='{"command": "ls -la /r", "timeout": 30}'),
+        ToolCall(id="toolu_kept", name="Read", arguments='{"file_path": "/r/ünïcode.md"}'),
+    ],
     finish_reason="tool_calls",
 )
 EMPTY = completion(completion_ids=[], completion_logprobs=[], finish_reason="length")
 THINKING_ONLY = completion(reasoning="Hmm, out of budget", finish_reason="length")
 STOP_SEQUENCE = completion(content="1, 2, 3", meta_info={"finish_reason": {"type": "stop", "matched": "4"}})
-ANSWERS = {"text": TEXT, "full": FULL, "empty": EMPTY, "thinking_only": THINKING_ONLY,
-           "stop_sequence": STOP_SEQUENCE}
+ANSWERS = {
+    "text": TEXT,
+    "full": FULL,
+    "empty": EMPTY,
+    "thinking_only": THINKING_ONLY,
+    "stop_sequence": STOP_SEQUENCE,
+}
 
 
 def sse_events(chunks: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
@@ -115,8 +163,9 @@ def assemble(events: list[dict[str, Any]]) -> SdkMessage:
     snapshot = None
     json_bufs: dict[int, bytes] = {}
     for data in events:
-        snapshot = accumulate_event(event=STREAM_EVENT.validate_python(data), current_snapshot=snapshot,
-                                    json_bufs=json_bufs)
+        snapshot = accumulate_event(
+            event=STREAM_EVENT.validate_python(data), current_snapshot=snapshot, json_bufs=json_bufs
+        )
     assert snapshot is not None
     return SdkMessage.model_validate(snapshot.model_dump())
 
@@ -124,15 +173,24 @@ def assemble(events: list[dict[str, Any]]) -> SdkMessage:
 # -- routing ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/messages", "/s/SESSION/v1/messages", "/anthropic/v1/messages",
-                                  "/v1/messages/"])
+@pytest.mark.parametrize(
+    "path", ["/v1/messages", "/s/SESSION/v1/messages", "/anthropic/v1/messages", "/v1/messages/"]
+)
 def test_matches_messages_path_under_any_prefix(path: str) -> None:
     assert CODEC.matches(path)
     assert not CODEC.count_tokens_path(path)
 
 
-@pytest.mark.parametrize("path", ["/v1/messages/count_tokens", "/v1/chat/completions", "/v1/messagesx",
-                                  "/v1/models", "/v1/messages/batches"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/messages/count_tokens",
+        "/v1/chat/completions",
+        "/v1/messagesx",
+        "/v1/models",
+        "/v1/messages/batches",
+    ],
+)
 def test_does_not_match_other_paths(path: str) -> None:
     assert not CODEC.matches(path)
 
@@ -142,10 +200,17 @@ def test_count_tokens_path(path: str) -> None:
     assert CODEC.count_tokens_path(path)
 
 
-@pytest.mark.parametrize(("path", "method", "expected"), [
-    ("/v1/models", "GET", True), ("/s/S1/v1/models", "GET", True), ("/v1/models/claude-x", "GET", True),
-    ("/v1/models", "POST", False), ("/v1/models/a/b", "GET", False), ("/v1/modelsx", "GET", False),
-])
+@pytest.mark.parametrize(
+    ("path", "method", "expected"),
+    [
+        ("/v1/models", "GET", True),
+        ("/s/S1/v1/models", "GET", True),
+        ("/v1/models/claude-x", "GET", True),
+        ("/v1/models", "POST", False),
+        ("/v1/models/a/b", "GET", False),
+        ("/v1/modelsx", "GET", False),
+    ],
+)
 def test_models_path(path: str, method: str, expected: bool) -> None:
     assert CODEC.models_path(path, method) is expected
 
@@ -157,18 +222,29 @@ def test_decodes_claude_code_multi_turn_request() -> None:
     conv = CODEC.decode_request(claude_code_request(), "/v1/messages", {})
 
     assert conv.messages == [
-        Message(role="system", content="You are Claude Code, Anthropic's official CLI for Claude.\n"
-                                       "Use the tools available to you."),
+        Message(
+            role="system",
+            content="You are Claude Code, Anthropic's official CLI for Claude.\n"
+            "Use the tools available to you.",
+        ),
         Message(role="user", content="<system-reminder>Be brief.</system-reminder>\nWhat is in README.md?"),
-        Message(role="assistant", content="Let me look.", reasoning="I should read the file.",
-                tool_calls=[ToolCall(id="toolu_01", name="Read", arguments='{"file_path": "/r/README.md"}')]),
+        Message(
+            role="assistant",
+            content="Let me look.",
+            reasoning="I should read the file.",
+            tool_calls=[ToolCall(id="toolu_01", name="Read", arguments='{"file_path": "/r/README.md"}')],
+        ),
         Message(role="tool", content="# Demo\nHello ✓", tool_call_id="toolu_01", name="Read"),
-        Message(role="assistant", tool_calls=[ToolCall(id="toolu_02", name="Bash", arguments='{"command": "ls"}')]),
+        Message(
+            role="assistant", tool_calls=[ToolCall(id="toolu_02", name="Bash", arguments='{"command": "ls"}')]
+        ),
         Message(role="tool", content="ls: denied\nexit 2", tool_call_id="toolu_02", name="Bash"),
         Message(role="user", content="Never mind, summarise."),
     ]
-    assert conv.tools == [Tool(name="Read", description="Reads a file.", parameters=READ_SCHEMA),
-                          Tool(name="Bash", description="Runs a command.", parameters=BASH_SCHEMA)]
+    assert conv.tools == [
+        Tool(name="Read", description="Reads a file.", parameters=READ_SCHEMA),
+        Tool(name="Bash", description="Runs a command.", parameters=BASH_SCHEMA),
+    ]
     assert conv.model == "claude-sonnet-4-5-20250929"
     assert (conv.max_tokens, conv.temperature, conv.top_p, conv.top_k) == (32000, 1.0, None, None)
     assert conv.tool_choice == "auto"
@@ -180,29 +256,47 @@ def test_decodes_claude_code_multi_turn_request() -> None:
 
 def test_billing_line_removed_so_system_prefix_is_stable_across_turns() -> None:
     first = CODEC.decode_request(claude_code_request(BILLING), "/v1/messages", {})
-    second = CODEC.decode_request(claude_code_request(BILLING.replace("cch=8f3a1", "cch=0c1d2")), "/v1/messages", {})
+    second = CODEC.decode_request(
+        claude_code_request(BILLING.replace("cch=8f3a1", "cch=0c1d2")), "/v1/messages", {}
+    )
     assert first.messages[0] == second.messages[0]
     assert "billing" not in first.messages[0].content
 
 
 def test_billing_line_removed_from_system_string_keeping_the_rest() -> None:
-    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
-            "system": f"{BILLING}\nYou are helpful.\nBe concise."}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "system": f"{BILLING}\nYou are helpful.\nBe concise.",
+    }
     conv = CODEC.decode_request(body, "/v1/messages", {})
     assert conv.messages[0] == Message(role="system", content="You are helpful.\nBe concise.")
 
 
 def test_mid_conversation_system_message_is_kept_as_a_system_turn() -> None:
     """Claude Code 2.1 puts its environment block in a `role: "system"` message after the first user turn."""
-    body = {"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": BILLING}, {"type": "text",
-                                                                                         "text": "Be useful."}],
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                         {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /w",
-                                                         "cache_control": {"type": "ephemeral"}}],
-                          "output_config": {"effort": "medium"}}]}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": BILLING}, {"type": "text", "text": "Be useful."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "# Environment\ncwd: /w", "cache_control": {"type": "ephemeral"}}
+                ],
+                "output_config": {"effort": "medium"},
+            },
+        ],
+    }
     conv = CODEC.decode_request(body, "/v1/messages", {})
-    assert conv.messages == [Message(role="system", content="Be useful."), Message(role="user", content="hi"),
-                             Message(role="system", content="# Environment\ncwd: /w")]
+    assert conv.messages == [
+        Message(role="system", content="Be useful."),
+        Message(role="user", content="hi"),
+        Message(role="system", content="# Environment\ncwd: /w"),
+    ]
 
 
 def test_system_absent_or_only_billing_gives_no_system_message() -> None:
@@ -213,18 +307,28 @@ def test_system_absent_or_only_billing_gives_no_system_message() -> None:
 
 
 def test_user_message_mixing_text_and_tool_results_puts_results_first_in_order() -> None:
-    body = {"model": "m", "max_tokens": 5, "messages": [
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_a", "name": "A", "input": {}},
-            {"type": "tool_use", "id": "toolu_b", "name": "B", "input": {"x": [1, "é"]}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "text", "text": "first"},
-            {"type": "tool_result", "tool_use_id": "toolu_a", "content": "ra"},
-            {"type": "text", "text": "second"},
-            {"type": "tool_result", "tool_use_id": "toolu_b"},
-        ]},
-    ]}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "toolu_a", "name": "A", "input": {}},
+                    {"type": "tool_use", "id": "toolu_b", "name": "B", "input": {"x": [1, "é"]}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "first"},
+                    {"type": "tool_result", "tool_use_id": "toolu_a", "content": "ra"},
+                    {"type": "text", "text": "second"},
+                    {"type": "tool_result", "tool_use_id": "toolu_b"},
+                ],
+            },
+        ],
+    }
     conv = CODEC.decode_request(body, "/v1/messages", {})
     assert conv.messages[0].tool_calls[1].arguments == '{"x": [1, "é"]}'
     assert conv.messages[1:] == [
@@ -235,34 +339,68 @@ def test_user_message_mixing_text_and_tool_results_puts_results_first_in_order()
 
 
 def test_string_contents_and_sampling_fields() -> None:
-    body = {"model": "m", "max_tokens": 64, "top_p": 0.9, "top_k": 20, "temperature": 0.2,
-            "stop_sequences": ["END", "\n\nHuman:"], "stream": False,
-            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                         {"role": "user", "content": "Bye"}]}
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "top_p": 0.9,
+        "top_k": 20,
+        "temperature": 0.2,
+        "stop_sequences": ["END", "\n\nHuman:"],
+        "stream": False,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+        ],
+    }
     conv = CODEC.decode_request(body, "/v1/messages", {})
-    assert conv.messages == [Message(role="user", content="Hi"), Message(role="assistant", content="Hello"),
-                             Message(role="user", content="Bye")]
+    assert conv.messages == [
+        Message(role="user", content="Hi"),
+        Message(role="assistant", content="Hello"),
+        Message(role="user", content="Bye"),
+    ]
     assert (conv.top_p, conv.top_k, conv.temperature, conv.stop) == (0.9, 20, 0.2, ["END", "\n\nHuman:"])
     assert conv.thinking is None
     assert conv.stream is False
 
 
-@pytest.mark.parametrize(("choice", "expected"), [
-    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
-    ({"type": "tool", "name": "Bash"}, {"name": "Bash"}),
-    ({"type": "auto", "disable_parallel_tool_use": True}, "auto"), (None, None),
-])
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "auto"}, "auto"),
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "tool", "name": "Bash"}, {"name": "Bash"}),
+        ({"type": "auto", "disable_parallel_tool_use": True}, "auto"),
+        (None, None),
+    ],
+)
 def test_tool_choice_mapping(choice: dict[str, Any] | None, expected: Any) -> None:
-    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "x"}],
+        "tool_choice": choice,
+    }
     assert CODEC.decode_request(body, "/v1/messages", {}).tool_choice == expected
 
 
-@pytest.mark.parametrize(("thinking", "expected"), [
-    ({"type": "enabled", "budget_tokens": 1024}, True), ({"type": "adaptive"}, True),
-    ({"type": "disabled"}, False), (None, None),
-])
+@pytest.mark.parametrize(
+    ("thinking", "expected"),
+    [
+        ({"type": "enabled", "budget_tokens": 1024}, True),
+        ({"type": "adaptive"}, True),
+        ({"type": "disabled"}, False),
+        (None, None),
+    ],
+)
 def test_thinking_config(thinking: dict[str, Any] | None, expected: bool | None) -> None:
-    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": thinking}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "x"}],
+        "thinking": thinking,
+    }
     assert CODEC.decode_request(body, "/v1/messages", {}).thinking is expected
 
 
@@ -270,11 +408,20 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 PDF = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
 
 
-@pytest.mark.parametrize("content", [
-    [IMAGE, {"type": "text", "text": "what is this?"}],
-    [PDF],
-    [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "shot:"}, IMAGE]}],
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        [IMAGE, {"type": "text", "text": "what is this?"}],
+        [PDF],
+        [
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_1",
+                "content": [{"type": "text", "text": "shot:"}, IMAGE],
+            }
+        ],
+    ],
+)
 def test_images_and_documents_are_rejected(content: list[dict[str, Any]]) -> None:
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
     with pytest.raises(GatewayError) as caught:
@@ -316,12 +463,15 @@ MALFORMED: dict[str, Any] = {
     "unknown block type": _message([{"type": "hologram"}]),
     "tool_use without name": _message([{"type": "tool_use", "id": "t", "input": {}}], "assistant"),
     "tool_use without id": _message([{"type": "tool_use", "name": "n", "input": {}}], "assistant"),
-    "tool_use input a list": _message([{"type": "tool_use", "id": "t", "name": "n", "input": [1]}], "assistant"),
+    "tool_use input a list": _message(
+        [{"type": "tool_use", "id": "t", "name": "n", "input": [1]}], "assistant"
+    ),
     "thinking not a string": _message([{"type": "thinking", "thinking": None}], "assistant"),
     "tool_result without id": _message([{"type": "tool_result", "content": "x"}]),
     "tool_result content a number": _message([{"type": "tool_result", "tool_use_id": "t", "content": 3}]),
-    "tool_result nested non-text": _message([{"type": "tool_result", "tool_use_id": "t",
-                                              "content": [{"type": "tool_use"}]}]),
+    "tool_result nested non-text": _message(
+        [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "tool_use"}]}]
+    ),
     "max_tokens missing": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
     "max_tokens a string": _with(max_tokens="5"),
     "max_tokens a float": _with(max_tokens=5.0),
@@ -372,6 +522,8 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=20,
 )
+
+
 def _decode_or_invalid(decode: Callable[[Any], Conversation], body: Any) -> None:
     try:
         assert isinstance(decode(body), Conversation)
@@ -399,7 +551,8 @@ DELETE = object()
 @settings(max_examples=500, deadline=None)
 @given(st.sampled_from(REQUEST_PATHS), st.just(DELETE) | JSON)
 def test_realistic_body_with_any_part_deleted_or_garbled_only_ever_raises_gateway_error(
-        path: tuple[Any, ...], garbage: Any) -> None:
+    path: tuple[Any, ...], garbage: Any
+) -> None:
     body = copy.deepcopy(claude_code_request())  # it shares the module's schema dicts
     parent = body
     for key in path[:-1]:
@@ -415,7 +568,9 @@ def test_realistic_body_with_any_part_deleted_or_garbled_only_ever_raises_gatewa
 
 
 def _conv(stop: list[str] | None = None) -> Conversation:
-    return Conversation(messages=[Message(role="user", content="hi")], model="claude-sonnet-4-5", stop=stop or [])
+    return Conversation(
+        messages=[Message(role="user", content="hi")], model="claude-sonnet-4-5", stop=stop or []
+    )
 
 
 @pytest.mark.parametrize("name", ANSWERS)
@@ -437,20 +592,30 @@ def test_response_carries_thinking_text_and_tool_use_blocks() -> None:
     assert text.type == "text" and text.text == "Here is the summary you asked for."
     assert bash.type == "tool_use" and bash.id.startswith("toolu_") and bash.name == "Bash"
     assert bash.input == {"command": "ls -la /r", "timeout": 30}
-    assert read.type == "tool_use" and read.id == "toolu_kept" and read.input == {"file_path": "/r/ünïcode.md"}
+    assert (
+        read.type == "tool_use" and read.id == "toolu_kept" and read.input == {"file_path": "/r/ünïcode.md"}
+    )
     assert message.stop_reason == "tool_use"
     assert body["id"] == "msg_7f3a9c"
 
 
-@pytest.mark.parametrize(("answer", "stop", "reason", "sequence"), [
-    (TEXT, [], "end_turn", None),
-    (STOP_SEQUENCE, ["4"], "stop_sequence", "4"),
-    (STOP_SEQUENCE, ["5"], "end_turn", None),  # matched something the harness did not ask for
-    (completion(content="x", meta_info={"finish_reason": {"type": "stop", "matched": 151645}}), [], "end_turn", None),
-    (EMPTY, [], "max_tokens", None),
-    (FULL, [], "tool_use", None),
-    (completion(content="cut", finish_reason="abort"), [], "end_turn", None),
-])
+@pytest.mark.parametrize(
+    ("answer", "stop", "reason", "sequence"),
+    [
+        (TEXT, [], "end_turn", None),
+        (STOP_SEQUENCE, ["4"], "stop_sequence", "4"),
+        (STOP_SEQUENCE, ["5"], "end_turn", None),  # matched something the harness did not ask for
+        (
+            completion(content="x", meta_info={"finish_reason": {"type": "stop", "matched": 151645}}),
+            [],
+            "end_turn",
+            None,
+        ),
+        (EMPTY, [], "max_tokens", None),
+        (FULL, [], "tool_use", None),
+        (completion(content="cut", finish_reason="abort"), [], "end_turn", None),
+    ],
+)
 def test_stop_reason(answer: Completion, stop: list[str], reason: str, sequence: str | None) -> None:
     body = CODEC.encode_response(_conv(stop), answer)
     assert (body["stop_reason"], body["stop_sequence"]) == (reason, sequence)
@@ -465,12 +630,20 @@ def test_thinking_only_answer_has_no_text_block() -> None:
 
 
 def test_tool_arguments_that_are_not_an_object_are_kept_raw() -> None:
-    answer = completion(tool_calls=[ToolCall(id="c1", name="Bash", arguments='{"command": "ls"'),
-                                    ToolCall(id="c2", name="Bash", arguments="[1, 2]"),
-                                    ToolCall(id="c3", name="Bash", arguments="")],
-                        finish_reason="tool_calls")
+    answer = completion(
+        tool_calls=[
+            ToolCall(id="c1", name="Bash", arguments='{"command": "ls"'),
+            ToolCall(id="c2", name="Bash", arguments="[1, 2]"),
+            ToolCall(id="c3", name="Bash", arguments=""),
+        ],
+        finish_reason="tool_calls",
+    )
     message = SdkMessage.model_validate(CODEC.encode_response(_conv(), answer))
-    assert [block.input for block in message.content] == [{"_raw": '{"command": "ls"'}, {"_raw": "[1, 2]"}, {}]
+    assert [block.input for block in message.content] == [
+        {"_raw": '{"command": "ls"'},
+        {"_raw": "[1, 2]"},
+        {},
+    ]
 
 
 @pytest.mark.parametrize("name", ANSWERS)
@@ -512,24 +685,33 @@ def test_empty_stream_starts_with_zero_output_tokens() -> None:
 def test_assistant_answer_sent_back_decodes_to_the_same_turn() -> None:
     """The next request carries our answer verbatim: thinking, text and tool calls must survive the round trip."""
     answer = CODEC.encode_response(_conv(), FULL)
-    body = {"model": "m", "max_tokens": 5, "messages": [
-        {"role": "user", "content": "go"}, {"role": "assistant", "content": answer["content"]}]}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": answer["content"]}],
+    }
     turn = CODEC.decode_request(body, "/v1/messages", {}).messages[1]
     assert turn.reasoning == FULL.reasoning
     assert turn.content == FULL.content
     assert [(c.name, c.arguments_obj()) for c in turn.tool_calls] == [
-        (c.name, c.arguments_obj()) for c in FULL.tool_calls]
+        (c.name, c.arguments_obj()) for c in FULL.tool_calls
+    ]
     assert [c.id for c in turn.tool_calls] == [block["id"] for block in answer["content"][2:]]
 
 
 # -- errors and auxiliary endpoints -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "status", "error_type"), [
-    ("invalid_request", 400, "invalid_request_error"), ("context_length", 400, "invalid_request_error"),
-    ("not_found", 404, "not_found_error"), ("overloaded", 529, "overloaded_error"),
-    ("engine_error", 500, "api_error"),
-])
+@pytest.mark.parametrize(
+    ("kind", "status", "error_type"),
+    [
+        ("invalid_request", 400, "invalid_request_error"),
+        ("context_length", 400, "invalid_request_error"),
+        ("not_found", 404, "not_found_error"),
+        ("overloaded", 529, "overloaded_error"),
+        ("engine_error", 500, "api_error"),
+    ],
+)
 def test_error_shape_and_status(kind: str, status: int, error_type: str) -> None:
     answer = CODEC.encode_error(GatewayError(kind, "what went wrong"))  # type: ignore[arg-type]
     assert answer.status == status and answer.content_type == "application/json"
@@ -544,8 +726,12 @@ def test_models_list_and_lookup_validate_as_sdk_model_info() -> None:
     assert (page["has_more"], page["first_id"], page["last_id"]) == (False, "claude-a", "claude-b")
     one = ModelInfo.model_validate(CODEC.encode_models(["claude-a"], "/v1/models/claude-sonnet-4-5"))
     assert (one.id, one.type) == ("claude-sonnet-4-5", "model")
-    assert CODEC.encode_models([], "/v1/models") == {"data": [], "has_more": False, "first_id": None,
-                                                     "last_id": None}
+    assert CODEC.encode_models([], "/v1/models") == {
+        "data": [],
+        "has_more": False,
+        "first_id": None,
+        "last_id": None,
+    }
 
 
 # -- the official client, end to end through the codec -----------------------------------------------------------------
@@ -566,17 +752,22 @@ def sdk_client(answer: Completion, seen: list[Conversation]) -> anthropic.Anthro
             conv = CODEC.decode_request(body, path, {})
         except GatewayError as error:
             failure = CODEC.encode_error(error)
-            return httpx2.Response(failure.status, content=failure.body,
-                                   headers={"content-type": failure.content_type})
+            return httpx2.Response(
+                failure.status, content=failure.body, headers={"content-type": failure.content_type}
+            )
         seen.append(conv)
         if conv.stream:
-            return httpx2.Response(200, content=b"".join(CODEC.encode_stream(conv, answer)),
-                                   headers={"content-type": "text/event-stream"})
+            return httpx2.Response(
+                200,
+                content=b"".join(CODEC.encode_stream(conv, answer)),
+                headers={"content-type": "text/event-stream"},
+            )
         return httpx2.Response(200, json=CODEC.encode_response(conv, answer))
 
     http_client = httpx2.Client(transport=httpx2.MockTransport(handle))
-    return anthropic.Anthropic(api_key="session-1", base_url="http://gateway/s/session-1", http_client=http_client,
-                               max_retries=0)
+    return anthropic.Anthropic(
+        api_key="session-1", base_url="http://gateway/s/session-1", http_client=http_client, max_retries=0
+    )
 
 
 SDK_TOOLS: list[Any] = [{"name": "Bash", "description": "Runs a command.", "input_schema": BASH_SCHEMA}]
@@ -585,10 +776,14 @@ SDK_TOOLS: list[Any] = [{"name": "Bash", "description": "Runs a command.", "inpu
 def test_sdk_client_create_and_stream_agree() -> None:
     seen: list[Conversation] = []
     client = sdk_client(FULL, seen)
-    kwargs: dict[str, Any] = {"model": "claude-local", "max_tokens": 256, "tools": SDK_TOOLS,
-                              "system": [{"type": "text", "text": BILLING}, {"type": "text", "text": "Be useful."}],
-                              "messages": [{"role": "user", "content": "list files"}],
-                              "thinking": {"type": "enabled", "budget_tokens": 128}}
+    kwargs: dict[str, Any] = {
+        "model": "claude-local",
+        "max_tokens": 256,
+        "tools": SDK_TOOLS,
+        "system": [{"type": "text", "text": BILLING}, {"type": "text", "text": "Be useful."}],
+        "messages": [{"role": "user", "content": "list files"}],
+        "thinking": {"type": "enabled", "budget_tokens": 128},
+    }
     created = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
         texts = list(stream.text_stream)
@@ -604,9 +799,21 @@ def test_sdk_client_create_and_stream_agree() -> None:
 def test_sdk_client_sees_errors_count_tokens_and_models() -> None:
     client = sdk_client(TEXT, [])
     with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model="m", max_tokens=5, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {
-                "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+        client.messages.create(
+            model="m",
+            max_tokens=5,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                        }
+                    ],
+                }
+            ],
+        )
     assert "not supported" in str(caught.value)
     counted = client.messages.count_tokens(model="m", system="s", messages=[{"role": "user", "content": "x"}])
     assert counted.input_tokens == 2

@@ -39,10 +39,22 @@ class AnthropicLive(LiveStream):
         self.thinking = ""  # the open thinking block's text (its signature covers it)
 
     def start(self) -> bytes:
-        usage = {"input_tokens": self.head.prompt_tokens, "output_tokens": 1,  # as the API does before sampling
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        message = {"id": _message_id(self.head.id), "type": "message", "role": "assistant", "model": self.conv.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+        usage = {
+            "input_tokens": self.head.prompt_tokens,
+            "output_tokens": 1,  # as the API does before sampling
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+        message = {
+            "id": _message_id(self.head.id),
+            "type": "message",
+            "role": "assistant",
+            "model": self.conv.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
         return _event({"type": "message_start", "message": message}) + self.keepalive()
 
     def keepalive(self) -> bytes:
@@ -51,8 +63,12 @@ class AnthropicLive(LiveStream):
     def delta(self, delta: Delta) -> bytes:
         if delta.kind == "tool_call":
             assert delta.call is not None
-            block = {"type": "tool_use", "id": _anthropic_id("toolu_", delta.call.id), "name": delta.call.name,
-                     "input": _tool_input(delta.call)}
+            block = {
+                "type": "tool_use",
+                "id": _anthropic_id("toolu_", delta.call.id),
+                "name": delta.call.name,
+                "input": _tool_input(delta.call),
+            }
             out = self._close()
             self.index += 1
             return out + b"".join(_event(e) for e in _block_events(self.index, block))
@@ -70,8 +86,13 @@ class AnthropicLive(LiveStream):
         if self.index < 0:  # nothing was said: one empty text block, as the JSON answer has
             out += self._open("text") + self._close()
         stop_reason, stop_sequence = _stop_reason(self.conv, completion)
-        out += _event({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       "usage": _usage(completion)})
+        out += _event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": _usage(completion),
+            }
+        )
         return out + _event({"type": "message_stop"})
 
     def fail(self, error: GatewayError) -> bytes:
@@ -81,8 +102,11 @@ class AnthropicLive(LiveStream):
     def _open(self, kind: str) -> bytes:
         self.index += 1
         self.open_kind = kind
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
-                                                                                                 "text": ""}
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
         return _event({"type": "content_block_start", "index": self.index, "content_block": block})
 
     def _close(self) -> bytes:
@@ -90,8 +114,13 @@ class AnthropicLive(LiveStream):
             return b""
         out = b""
         if self.open_kind == "thinking":
-            out = _event({"type": "content_block_delta", "index": self.index,
-                          "delta": {"type": "signature_delta", "signature": _signature(self.thinking)}})
+            out = _event(
+                {
+                    "type": "content_block_delta",
+                    "index": self.index,
+                    "delta": {"type": "signature_delta", "signature": _signature(self.thinking)},
+                }
+            )
             self.thinking = ""
         self.open_kind = None
         return out + _event({"type": "content_block_stop", "index": self.index})

@@ -36,8 +36,13 @@ class GoogleLive(LiveStream):
 
     def _parts_chunk(self, parts: list[dict[str, Any]]) -> bytes:
         candidate = {"content": {"role": "model", "parts": parts}, "index": 0}
-        return self._frame({"candidates": [candidate], "modelVersion": self.conv.model or self.head.model,
-                            "responseId": self.head.id or "polar-response"})
+        return self._frame(
+            {
+                "candidates": [candidate],
+                "modelVersion": self.conv.model or self.head.model,
+                "responseId": self.head.id or "polar-response",
+            }
+        )
 
     def start(self) -> bytes:
         return b"" if self.sse else b"["
@@ -48,12 +53,25 @@ class GoogleLive(LiveStream):
     def delta(self, delta: Delta) -> bytes:
         if delta.kind == "reasoning":
             # Gemini hides thoughts unless the request set includeThoughts.
-            return self._parts_chunk([{"text": delta.text, "thought": True}]) if self.conv.thinking is True else b""
+            return (
+                self._parts_chunk([{"text": delta.text, "thought": True}])
+                if self.conv.thinking is True
+                else b""
+            )
         if delta.kind == "text":
             return self._parts_chunk([{"text": delta.text}])
         assert delta.call is not None
-        holder = Completion(id="", model="", content="", reasoning=None, tool_calls=[delta.call],
-                            finish_reason="tool_calls", prompt_ids=[], completion_ids=[], completion_logprobs=[])
+        holder = Completion(
+            id="",
+            model="",
+            content="",
+            reasoning=None,
+            tool_calls=[delta.call],
+            finish_reason="tool_calls",
+            prompt_ids=[],
+            completion_ids=[],
+            completion_logprobs=[],
+        )
         return self._parts_chunk(_call_parts(holder))
 
     def finish(self, completion: Completion) -> bytes:

@@ -22,11 +22,17 @@ class OpenAIChatLive(LiveStream):
 
     def __init__(self, conv: Conversation, head: StreamHead) -> None:
         super().__init__(conv, head)
-        self.chunk_head: dict[str, Any] = {"id": "chatcmpl-" + id_core(head.id), "object": "chat.completion.chunk",
-                                           "created": int(time.time()), "model": conv.model or head.model,
-                                           "system_fingerprint": None}
+        self.chunk_head: dict[str, Any] = {
+            "id": "chatcmpl-" + id_core(head.id),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": conv.model or head.model,
+            "system_fingerprint": None,
+        }
         if conv.include_usage:
-            self.chunk_head["usage"] = None  # OpenAI sends `usage: null` on every chunk before the usage chunk
+            self.chunk_head["usage"] = (
+                None  # OpenAI sends `usage: null` on every chunk before the usage chunk
+            )
         self.calls = 0
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:

@@ -39,18 +39,36 @@ class OpenAIResponsesLive(LiveStream):
         super().__init__(conv, head)
         self.core = id_core(head.id)
         self.events = _EventCounter()
-        self.items: list[dict[str, Any]] = []  # output items, in the order they were added (final form once done)
+        self.items: list[
+            dict[str, Any]
+        ] = []  # output items, in the order they were added (final form once done)
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.text = ""  # the open item's text so far
         self.calls = 0
 
     def start(self) -> bytes:
-        placeholder = Completion(id=self.head.id, model=self.head.model, content="", reasoning=None, tool_calls=[],
-                                 finish_reason="stop", prompt_ids=[], completion_ids=[], completion_logprobs=[])
-        started = {**_response(self.conv, placeholder, self.core), "status": "in_progress", "output": [],
-                   "usage": None, "incomplete_details": None, "completed_at": None}
-        return (self.events.emit("response.created", response=started)
-                + self.events.emit("response.in_progress", response=started))
+        placeholder = Completion(
+            id=self.head.id,
+            model=self.head.model,
+            content="",
+            reasoning=None,
+            tool_calls=[],
+            finish_reason="stop",
+            prompt_ids=[],
+            completion_ids=[],
+            completion_logprobs=[],
+        )
+        started = {
+            **_response(self.conv, placeholder, self.core),
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
+            "incomplete_details": None,
+            "completed_at": None,
+        }
+        return self.events.emit("response.created", response=started) + self.events.emit(
+            "response.in_progress", response=started
+        )
 
     def delta(self, delta: Delta) -> bytes:
         if self.conv.compaction:  # the summary goes out whole, sealed, at the end
@@ -58,21 +76,27 @@ class OpenAIResponsesLive(LiveStream):
         if delta.kind == "tool_call":
             return self._close("completed") + self._call(delta)
         kind = "reasoning" if delta.kind == "reasoning" else "message"
-        out = b"" if self.open is not None and self.open["type"] == kind else self._close("completed") + self._open(
-            kind)
+        out = (
+            b""
+            if self.open is not None and self.open["type"] == kind
+            else self._close("completed") + self._open(kind)
+        )
         self.text += delta.text
         ids = {"item_id": self.open["id"], "output_index": len(self.items) - 1}
         if kind == "reasoning":
-            return out + self.events.emit("response.reasoning_summary_text.delta", **ids, summary_index=0,
-                                          delta=delta.text)
-        return out + self.events.emit("response.output_text.delta", **ids, content_index=0, delta=delta.text,
-                                      logprobs=[])
+            return out + self.events.emit(
+                "response.reasoning_summary_text.delta", **ids, summary_index=0, delta=delta.text
+            )
+        return out + self.events.emit(
+            "response.output_text.delta", **ids, content_index=0, delta=delta.text, logprobs=[]
+        )
 
     def finish(self, completion: Completion) -> bytes:
         if self.conv.compaction:
             final = _response(self.conv, completion, self.core)  # its output: the compaction item alone
-            out = self._compaction_open() + self.events.emit("response.output_item.done", output_index=0,
-                                                             item=final["output"][0])
+            out = self._compaction_open() + self.events.emit(
+                "response.output_item.done", output_index=0, item=final["output"][0]
+            )
             return out + self.events.emit(f"response.{final['status']}", response=final)
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         out = self._close(status)
@@ -100,17 +124,28 @@ class OpenAIResponsesLive(LiveStream):
         if kind == "reasoning":
             item: dict[str, Any] = {"id": item_id, "type": "reasoning", "summary": []}
         else:
-            item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item = {
+                "id": item_id,
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
         self.open, self.text = item, ""
         self.items.append(item)
         index = len(self.items) - 1
         ids = {"item_id": item_id, "output_index": index}
         out = self.events.emit("response.output_item.added", output_index=index, item=dict(item))
         if kind == "reasoning":
-            return out + self.events.emit("response.reasoning_summary_part.added", **ids, summary_index=0,
-                                          part={"type": "summary_text", "text": ""})
-        return out + self.events.emit("response.content_part.added", **ids, content_index=0,
-                                      part=_output_text_part(""))
+            return out + self.events.emit(
+                "response.reasoning_summary_part.added",
+                **ids,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            )
+        return out + self.events.emit(
+            "response.content_part.added", **ids, content_index=0, part=_output_text_part("")
+        )
 
     def _close(self, status: str) -> bytes:
         item, text = self.open, self.text
@@ -124,13 +159,15 @@ class OpenAIResponsesLive(LiveStream):
             item["summary"] = [part]
             if "reasoning.encrypted_content" in self.conv.extra.get("include", []):
                 item["encrypted_content"] = seal_reasoning(text)
-            out = (self.events.emit("response.reasoning_summary_text.done", **ids, summary_index=0, text=text)
-                   + self.events.emit("response.reasoning_summary_part.done", **ids, summary_index=0, part=part))
+            out = self.events.emit(
+                "response.reasoning_summary_text.done", **ids, summary_index=0, text=text
+            ) + self.events.emit("response.reasoning_summary_part.done", **ids, summary_index=0, part=part)
         else:
             part = _output_text_part(text)
             item["content"], item["status"] = [part], status
-            out = (self.events.emit("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
-                   + self.events.emit("response.content_part.done", **ids, content_index=0, part=part))
+            out = self.events.emit(
+                "response.output_text.done", **ids, content_index=0, text=text, logprobs=[]
+            ) + self.events.emit("response.content_part.done", **ids, content_index=0, part=part)
         return out + self.events.emit("response.output_item.done", output_index=index, item=item)
 
     def _call(self, delta: Delta) -> bytes:
@@ -139,12 +176,23 @@ class OpenAIResponsesLive(LiveStream):
         self.calls += 1
         call_id = call.id or f"call_{self.core}_{index}"
         if call.name in set(self.conv.extra.get("custom_tools", [])):
-            item: dict[str, Any] = {"id": f"ctc_{self.core}_{index}", "type": "custom_tool_call", "call_id": call_id,
-                                    "name": call.name, "input": _custom_input(call)}
+            item: dict[str, Any] = {
+                "id": f"ctc_{self.core}_{index}",
+                "type": "custom_tool_call",
+                "call_id": call_id,
+                "name": call.name,
+                "input": _custom_input(call),
+            }
             stream = _stream_custom_tool_call
         else:
-            item = {"id": f"fc_{self.core}_{index}", "type": "function_call", "call_id": call_id, "name": call.name,
-                    "arguments": call.arguments, "status": "completed"}
+            item = {
+                "id": f"fc_{self.core}_{index}",
+                "type": "function_call",
+                "call_id": call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": "completed",
+            }
             stream = _stream_function_call
         self.items.append(item)
         return b"".join(stream(self.events, len(self.items) - 1, item))
