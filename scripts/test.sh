@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up the environment (idempotent), lint (ruff check) and run the whole test suite. README command (2);
+# Set up the environment (idempotent), lint (ruff check + ruff format --check) and run the whole test suite. README command (2);
 # CI runs this.
 #   bash scripts/test.sh              everything (what .ci/run does)
 #   bash scripts/test.sh --fast ...   local work: skips the tests marked `slow` (real harness CLIs, training,
@@ -14,6 +14,7 @@ fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
+.venv/bin/ruff format --check .  # the tree stays as `ruff format .` writes it
 if (( fast )); then
   exec .venv/bin/python -m pytest -q -ra -m "not slow" "$@"
 fi
