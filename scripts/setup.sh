@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The six real harness CLIs (tests/test_harnesses.py), pinned in package.json + package-lock.json. Their own
+# The six real harness CLIs (tests/harness/test_harnesses.py), pinned in package.json + package-lock.json. Their own
 # stamp lives inside node_modules/, so deleting node_modules/ reinstalls them; no npm on PATH: a warning only.
 # Why the fallback: a registry mirror that lacks other platforms' optional binaries (opencode-darwin-*, …) yields
 # a lock without them, which `npm ci` then calls out of sync; `npm install --no-save` installs the same locked
@@ -22,7 +22,7 @@ if command -v npm >/dev/null 2>&1; then
         echo "$npm_want" > "$NPM_STAMP"
     fi
 else
-    echo "setup.sh: npm not found; the harness CLIs (tests/test_harnesses.py) are not installed" >&2
+    echo "setup.sh: npm not found; the harness CLIs (tests/harness/test_harnesses.py) are not installed" >&2
 fi
 
 PY=${POLAR_PYTHON:-python3.11}

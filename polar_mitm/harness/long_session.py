@@ -1,4 +1,4 @@
-"""A scripted long session that drives any harness through its own compaction (tests/test_long_sessions.py).
+"""A scripted long session that drives any harness through its own compaction (tests/harness/test_long_sessions.py).
 
 The script is a small state machine over the prompt text rather than over the turn index, because a compaction
 replaces the history (and with it the count of assistant turns the engine would otherwise go by):

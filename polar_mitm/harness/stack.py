@@ -1,5 +1,5 @@
 """A scripted engine and a gateway (inside a private network namespace when possible) that real harnesses run
-against: used by tests/test_harnesses.py and scripts/record_harness_flows.py.
+against: used by tests/harness/test_harnesses.py and scripts/record_harness_flows.py.
 """
 
 from __future__ import annotations

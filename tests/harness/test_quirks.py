@@ -24,7 +24,7 @@ from polar_mitm.harness.policy import THINKING
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows" / "harness"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_flows" / "harness"
 RECORDED = [name for name in HARNESSES if (SAMPLES / f"{name}.flow").exists()]
 needs_samples = pytest.mark.skipif(
     len(RECORDED) < len(HARNESSES), reason="run scripts/record_harness_flows.py"

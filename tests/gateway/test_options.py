@@ -23,7 +23,7 @@ from polar_mitm.gateway.mitm_addon import PolarGateway
 from polar_mitm.gateway.options import PREFIX, GatewayOptions, PromptMode, mitmproxy_options
 from polar_mitm.gateway.prompts import PROMPT_MODES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_defaults() -> dict[str, str]:

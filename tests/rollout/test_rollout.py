@@ -113,7 +113,7 @@ def test_task_file_errors_name_the_line(tmp_path):
     bad.write_text(json.dumps(task("ok")) + "\n" + json.dumps({"task_id": "x"}) + "\n")
     with pytest.raises(TaskFileError, match=r"bad.jsonl:2: prompt"):
         load_tasks(bad)
-    demo = load_tasks(Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks" / "tasks.jsonl")
+    demo = load_tasks(Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks" / "tasks.jsonl")
     assert [t.task_id for t in demo] == ["hello-file", "fix-typo", "append-done"]
     assert all(t.workspace_dir and t.workspace_dir.is_dir() for t in demo)
 

@@ -12,9 +12,9 @@ import pytest
 from polar_mitm.reconstruct.merge import merge
 from polar_mitm.reconstruct.prefix_merging import build_prefix_merging, polar_routing
 from polar_mitm.reconstruct.turns import prepare_session, turns_from_table
-from tests.test_reconstruct_properties import naive_prefix_merging
+from tests.reconstruct.test_properties import naive_prefix_merging
 
-RECORDS = Path(__file__).resolve().parent.parent / "sample_flows" / "records"
+RECORDS = Path(__file__).resolve().parents[2] / "sample_flows" / "records"
 SHARDS = sorted(RECORDS.glob("*.parquet"))
 pytestmark = pytest.mark.skipif(not SHARDS, reason="no recorded sessions in sample_flows/records/")
 

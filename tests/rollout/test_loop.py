@@ -11,7 +11,7 @@ import pytest
 from polar_mitm.rollout.loop import Loop, LoopConfig
 from polar_mitm.storage.records import read_all
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_merge_training.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_merge_training.py"
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 from polar_mitm.codecs import CODECS, detect
 from polar_mitm.gateway.import_flows import import_flows, iter_flows
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_flows"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_flows"
 FLOW_FILE = SAMPLES / "sdk_sessions.flow"
 pytestmark = pytest.mark.skipif(not FLOW_FILE.exists(), reason="run scripts/record_sample_flows.py")
 

@@ -31,7 +31,7 @@ from polar_mitm.rollout.swe_grading import GradingSpec, grade, suite_argv
 from polar_mitm.rollout.tasks import Task, load_tasks
 from polar_mitm.storage.records import read_all
 
-SET = Path(__file__).resolve().parent.parent / "examples" / "swe_tasks"
+SET = Path(__file__).resolve().parents[2] / "examples" / "swe_tasks"
 INSTANCES = [json.loads(line) for line in (SET / "instances.jsonl").read_text().splitlines()]
 WRONG = {
     w["instance_id"]: w["patch"]

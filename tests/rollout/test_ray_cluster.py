@@ -17,7 +17,7 @@ from polar_mitm import engines, procs
 from polar_mitm.storage.records import read_all
 
 pytestmark = pytest.mark.slow
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
 SMALL = {"object_store_memory": 80 << 20}
 
 

@@ -57,7 +57,7 @@ def report(config: pytest.Config, isolation: str) -> None:
 
 
 def installed_version(package: str) -> str:
-    manifest = Path(__file__).resolve().parent.parent / "node_modules" / package / "package.json"
+    manifest = Path(__file__).resolve().parents[2] / "node_modules" / package / "package.json"
     return json.loads(manifest.read_text())["version"] if manifest.exists() else "?"
 
 
