@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -267,17 +268,9 @@ class Engine:
                 gen.output_top_logprobs.append(step.top_logprobs)
                 if on_token is not None:
                     on_token(step)
-                n = len(gen.output_ids)
-                if step.token_id in stop_ids and n > params.min_new_tokens:
-                    gen.finish_reason = {"type": "stop", "matched": step.token_id}
-                    break
-                if params.stop and n > params.min_new_tokens:
-                    matched = self._matched_stop_string(gen.output_ids, params)
-                    if matched is not None:
-                        gen.finish_reason = {"type": "stop", "matched": matched}
-                        break
-                if n >= max_new:
-                    gen.finish_reason = {"type": "length", "length": n}
+                finish = self._finish_reason(gen.output_ids, params, stop_ids, max_new)
+                if finish is not None:
+                    gen.finish_reason = finish
                     break
                 out = self.model(
                     input_ids=torch.tensor([[step.token_id]]), use_cache=True, **{self._cache_kw: cache}
@@ -286,6 +279,21 @@ class Engine:
             gen.decode_s = time.perf_counter() - t1
         gen.text = self.output_text(gen.output_ids, params, gen.finish_reason)
         return gen
+
+    def _finish_reason(
+        self, output_ids: list[int], params: SamplingParams, stop_ids: set[int], max_new: int
+    ) -> dict[str, Any] | None:
+        """Why generation ends after the last sampled token (a stop id, a stop string, the budget), or None."""
+        n = len(output_ids)
+        if output_ids[-1] in stop_ids and n > params.min_new_tokens:
+            return {"type": "stop", "matched": output_ids[-1]}
+        if params.stop and n > params.min_new_tokens:
+            matched = self._matched_stop_string(output_ids, params)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if n >= max_new:
+            return {"type": "length", "length": n}
+        return None
 
     def _choose(
         self, prompt_ids: list[int], candidates: list[list[int]], params: SamplingParams, rng: torch.Generator

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -379,49 +379,10 @@ class EngineServer:
                     )
                     break
                 if isinstance(item, Generation):
-                    gen = item
-                    pieces = parse(decoder.finish(gen), final=True)
-                    for payload in self._deltas(pieces, calls):
-                        yield sse_event(chat.chunk(request_id, model, created, payload))
-                    yield sse_event(
-                        chat.chunk(
-                            request_id,
-                            model,
-                            created,
-                            {},
-                            finish_reason=chat.openai_finish_reason(gen, calls),
-                            matched=chat.matched_stop(gen),
-                        )
-                    )
-                    if job.include_usage:
-                        yield sse_event(
-                            {
-                                "id": request_id,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "usage": chat.usage(gen),
-                            }
-                        )
-                    want_in, want_out = job.want_sglext_ids
-                    if want_in or want_out:
-                        ext: dict[str, Any] = {}
-                        if want_in:
-                            ext["input_ids"] = [gen.prompt_ids]
-                        if want_out:
-                            ext["output_ids"] = [gen.output_ids]
-                        ext["weight_version"] = gen.weight_version
-                        yield sse_event(
-                            {
-                                "id": request_id,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "sglext": ext,
-                            }
-                        )
+                    for event in self._closing_events(
+                        job, item, parse(decoder.finish(item), final=True), calls, request_id, model, created
+                    ):
+                        yield event
                     break
                 step: TokenStep = item
                 logprobs = None
@@ -442,6 +403,59 @@ class EngineServer:
             yield SSE_DONE
         finally:
             cancelled.set()  # client gone or stream over: stop decoding
+
+    def _closing_events(
+        self,
+        job: chat.ChatJob,
+        gen: Generation,
+        pieces: list[tuple[str, object]],
+        calls: list,
+        request_id: str,
+        model: str,
+        created: int,
+    ) -> Iterator[bytes]:
+        """The end of a stream: the last deltas, the finish chunk, usage, and SGLang's sglext ids."""
+        for payload in self._deltas(pieces, calls):
+            yield sse_event(chat.chunk(request_id, model, created, payload))
+        yield sse_event(
+            chat.chunk(
+                request_id,
+                model,
+                created,
+                {},
+                finish_reason=chat.openai_finish_reason(gen, calls),
+                matched=chat.matched_stop(gen),
+            )
+        )
+        if job.include_usage:
+            yield sse_event(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": chat.usage(gen),
+                }
+            )
+        want_in, want_out = job.want_sglext_ids
+        if want_in or want_out:
+            ext: dict[str, Any] = {}
+            if want_in:
+                ext["input_ids"] = [gen.prompt_ids]
+            if want_out:
+                ext["output_ids"] = [gen.output_ids]
+            ext["weight_version"] = gen.weight_version
+            yield sse_event(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "sglext": ext,
+                }
+            )
 
     @staticmethod
     def _deltas(pieces, calls):
