@@ -272,6 +272,10 @@ def test_sigterm_records_every_call_in_flight_as_abort_with_what_was_sampled(slo
     )
     assert max(sampled) > 20, sampled  # the stream that was sampling: its tokens are in its record
     assert exited < 1 + 15, f"exit took {exited:.1f}s"
+    print(
+        f"\nSIGTERM: {len(rows)} calls in flight → {len(rows)} abort records, sampled {sorted(sampled)}, "
+        f"exit {exited:.1f}s after the signal (grace 1 s)"
+    )
 
 
 # ---- 7: an HTTP/2 stream reset cancels its engine call -----------------------------------------------------
@@ -366,6 +370,9 @@ def test_an_http2_stream_reset_cancels_the_engine_call_and_is_recorded_abort(slo
     [row] = long_call
     assert row["finish_reason"] == "abort" and row["status_code"] == 499, row["error"]
     assert aborted_after < 10, f"the abort was recorded {aborted_after:.1f}s after the reset"
+    print(
+        f"\nHTTP/2 reset: abort recorded {aborted_after:.2f}s after RST_STREAM; the next stream answered {status}"
+    )
     assert SECRET not in json.dumps(row, default=str)
 
 
@@ -429,6 +436,10 @@ def test_an_oversized_body_is_refused_at_its_headers_and_memory_stays_flat(slow_
     assert ok.status_code == 200
     assert answered < 2, f"the 413 took {answered:.1f}s"
     assert grown < 48, f"peak memory grew {grown:.0f} MiB for a 256 MiB body and a 64 MiB chunked one"
+    print(
+        f"\nbody limit: 413 {answered:.3f}s after the headers of a 256 MiB body; peak RSS +{grown:.1f} MiB "
+        f"(256 MiB Content-Length body + 64 MiB chunked body, limit 1 MiB)"
+    )
     assert [r["status_code"] for r in session_rows(gw.out_dir, session)] == [200, 413, 413, 200]
 
 
