@@ -329,12 +329,12 @@ class PolarGateway:
 
     async def _handle(self, flow: http.HTTPFlow, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
         """`gateway.handle` as a tracked task, so shutdown can wait for it and cancel it per call."""
-        task = asyncio.ensure_future(self.handle_call(flow.id, flow.client_conn, req))
+        task = asyncio.ensure_future(self._handle_call(flow.id, flow.client_conn, req))
         self._handling.add(task)
         task.add_done_callback(self._handling.discard)
         return await asyncio.shield(task)
 
-    async def handle_call(
+    async def _handle_call(
         self, flow_id: str, client: Any, req: GatewayRequest
     ) -> HttpAnswer | LiveAnswer | None:
         """Run one call with its own cancel, set when its connection closes, its stream resets or at shutdown."""
@@ -344,17 +344,14 @@ class PolarGateway:
             cancel.cancel()
         self._calls[flow_id] = cancel
         self._connections.setdefault(connection, set()).add(flow_id)
+        answer: HttpAnswer | LiveAnswer | None = None
         try:
             answer = await self.gateway.handle(req) if self.gateway is not None else None
         finally:
-            self._calls.pop(flow_id, None)
-            flows = self._connections.get(connection)
-            if flows is not None:
-                flows.discard(flow_id)
-        if isinstance(answer, LiveAnswer):  # it runs on: its cancel stays reachable until it ends
-            self._calls[flow_id] = cancel
-            self._connections.setdefault(connection, set()).add(flow_id)
-            answer.on_end(lambda: self._end_call(flow_id, connection))
+            if isinstance(answer, LiveAnswer):  # it runs on: its cancel stays reachable until it ends
+                answer.on_end(lambda: self._end_call(flow_id, connection))
+            else:
+                self._end_call(flow_id, connection)
         return answer
 
     def _end_call(self, flow_id: str, connection: str) -> None:
