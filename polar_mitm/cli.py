@@ -298,5 +298,14 @@ def _register_train() -> None:
 _register_train()
 
 
+def _register_vllm() -> None:
+    from polar_mitm.vllm.cli import vllm_app
+
+    app.add_typer(vllm_app, name="vllm")
+
+
+_register_vllm()
+
+
 if __name__ == "__main__":
     app()

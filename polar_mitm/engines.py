@@ -3,6 +3,11 @@
 
 A weight push is `POST /update_weights_from_disk` (SGLang's endpoint, also served by `polar-mitm serve`). The engine's
 `weight_version` then shows up in every new record, which is how training later measures how stale a rollout is.
+vLLM (started by `polar-mitm vllm serve`: dev-mode endpoints and our worker extension) is pushed differently: pause
+(in-flight calls finish), reload the checkpoint in place through the worker extension (which keeps a tied output head
+right; vLLM's own `reload_weights` does not), drop the prefix cache computed with the old weights, set the version,
+resume, and read the version back (`push_weights_to_vllm`). Which kind an engine is, is asked of it
+(`engine_kind_at`: `/model_info` answers on SGLang and the embedded engine, `/version` on vLLM).
 
 `--engine` takes one engine URL, the URL of a running router, or a comma list of engine URLs (then we start the
 router: `smg launch --worker-urls … --policy cache_aware`). The router spreads the harnesses' calls over the
@@ -79,8 +84,9 @@ def engine_workers(spec: str) -> list[str]:
 
 
 def model_info(url: str, *, timeout: float = 10.0) -> dict:
-    """The engine's model info: `/model_info` (SGLang, polar-mitm serve), else `/get_model_info` (the router's)."""
-    for path in ("/model_info", "/get_model_info"):
+    """The engine's model info: `/model_info` (SGLang, polar-mitm serve), else `/get_model_info` (the router's), else
+    vLLM's `/weight_info` (its weight version only)."""
+    for path in ("/model_info", "/get_model_info", "/weight_info"):
         try:
             response = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout)
         except httpx.HTTPError:
@@ -165,13 +171,67 @@ def next_version(versions: dict[str, str | None]) -> str | None:
 
 
 def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | None:
-    """The engine's current `weight_version` (GET /model_info)."""
+    """The engine's current `weight_version` (GET /model_info; vLLM: GET /weight_info)."""
+    path = "/weight_info" if engine_kind_at(engine_url, timeout=timeout) == "vllm" else "/model_info"
     try:
-        response = httpx.get(f"{engine_url.rstrip('/')}/model_info", timeout=timeout)
+        response = httpx.get(f"{engine_url.rstrip('/')}{path}", timeout=timeout)
         response.raise_for_status()
     except httpx.HTTPError as exc:
-        raise EngineSyncError(f"cannot read {engine_url}/model_info: {exc}") from exc
+        raise EngineSyncError(f"cannot read {engine_url}{path}: {exc}") from exc
     return weight_version_of(response.json())
+
+
+def engine_kind_at(engine_url: str, *, timeout: float = 10.0) -> str:
+    """`vllm` when the engine answers vLLM's `/version` and no `/model_info`; else `sglang` (SGLang, the embedded
+    engine: one weight API)."""
+    base = engine_url.rstrip("/")
+    try:
+        if httpx.get(f"{base}/model_info", timeout=timeout).status_code == 200:
+            return "sglang"
+        version = httpx.get(f"{base}/version", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise EngineSyncError(f"cannot reach {engine_url}: {exc}") from exc
+    return "vllm" if version.status_code == 200 else "sglang"
+
+
+def _vllm_post(base: str, path: str, body: dict | None, timeout: float) -> httpx.Response:
+    try:
+        response = httpx.post(f"{base}{path}", json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise EngineSyncError(f"cannot reach {base}{path}: {exc}") from exc
+    if response.status_code != 200:
+        raise EngineSyncError(f"{base}{path} refused: HTTP {response.status_code} {response.text[:500]}")
+    return response
+
+
+def push_weights_to_vllm(
+    engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
+) -> str:
+    """Load the checkpoint in `model_dir` into the vLLM engine at `engine_url`; return its new weight_version.
+
+    Needs `polar-mitm vllm serve` (VLLM_SERVER_DEV_MODE=1 and `PolarWorkerExtension`). Calls in flight finish
+    first (`/pause?mode=wait`); new ones wait until `/resume`, which is sent however the reload went.
+    """
+    base = engine_url.rstrip("/")
+    version = weight_version or next_version({base: engine_weight_version(base)}) or "1"
+    _vllm_post(base, "/pause?mode=wait", None, timeout)
+    try:
+        rpc = {
+            "method": "polar_reload_weights",
+            "kwargs": {"weights_path": str(Path(model_dir).resolve())},
+            "timeout": timeout,
+        }
+        results = _vllm_post(base, "/collective_rpc", rpc, timeout).json().get("results")
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise EngineSyncError(f"{base} did not reload {model_dir}: {results!r:.500}")
+        _vllm_post(base, "/reset_prefix_cache", None, timeout)  # cached prefixes hold the old weights' keys
+        _vllm_post(base, "/update_weight_version", {"new_version": version}, timeout)
+    finally:
+        _vllm_post(base, "/resume", None, timeout)
+    served = engine_weight_version(base)
+    if served != version:
+        raise EngineSyncError(f"{base} serves weight_version {served} after the push, expected {version}")
+    return version
 
 
 def push_weights(
@@ -195,6 +255,8 @@ def push_weights_to_engine(
 
     `model_dir` must be readable by the engine at that path (same machine or a shared filesystem).
     """
+    if engine_kind_at(engine_url) == "vllm":
+        return push_weights_to_vllm(engine_url, model_dir, weight_version=weight_version, timeout=timeout)
     body: dict[str, str] = {"model_path": str(Path(model_dir).resolve())}
     if weight_version is not None:
         body["weight_version"] = str(weight_version)

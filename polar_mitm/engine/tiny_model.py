@@ -63,6 +63,10 @@ QWEN2_PRETOKENIZE_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\
 FIRST_SPECIAL_ID = 151643
 PADDED_VOCAB_SIZE = 151936  # as in the released Qwen3 checkpoints
 TINY_CONTEXT = 131072
+TINY_HEAD_DIM = 16  # the suite's model: the smallest attention that still exercises grouped-query heads
+VLLM_HEAD_DIM = (
+    32  # the smallest head_dim vLLM's CPU attention accepts (16 starts, then fails the first request)
+)
 BUILD_VERSION = 2  # bump when the recipe changes so cached models are rebuilt
 
 
@@ -106,8 +110,12 @@ def build_qwen_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a deterministic tiny Qwen3 checkpoint (≈5M parameters, almost all embedding) to `out_dir`."""
+def build_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_DIM) -> Path:
+    """Write a deterministic tiny Qwen3 checkpoint (≈5M parameters, almost all embedding) to `out_dir`.
+
+    `head_dim`: 16 for the embedded engine and the suite; vLLM's CPU attention needs at least 32
+    (`VLLM_HEAD_DIM`, the variant `polar-mitm vllm serve tiny` builds).
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
@@ -120,7 +128,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=TINY_CONTEXT,
         rope_theta=1_000_000.0,
         tie_word_embeddings=True,
@@ -141,6 +149,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
                 {
                     "kind": "tiny",
                     "seed": seed,
+                    "head_dim": head_dim,
                     "build_version": BUILD_VERSION,
                     "family": "qwen3",
                     "tool_call_parser": "qwen25",
@@ -158,13 +167,19 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
-def ensure_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+def ensure_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_DIM) -> Path:
     """Build the tiny model into `out_dir` unless an up-to-date build is already there."""
     out_dir = Path(out_dir)
     marker = out_dir / "polar_model.json"
     if marker.exists():
         meta = json.loads(marker.read_text())
-        if meta.get("build_version") == BUILD_VERSION and meta.get("seed") == seed:
+        # Builds from before head_dim was recorded are the default head_dim's.
+        built_head_dim = meta.get("head_dim", TINY_HEAD_DIM)
+        if (
+            meta.get("build_version") == BUILD_VERSION
+            and meta.get("seed") == seed
+            and built_head_dim == head_dim
+        ):
             return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return build_tiny_model(out_dir, seed=seed)
+    return build_tiny_model(out_dir, seed=seed, head_dim=head_dim)

@@ -1,11 +1,19 @@
-"""Talks to the engine (SGLang or the embedded one) over HTTP: chat with ids, logprobs, meta info — answered whole,
-or streamed (`open_stream`: SSE chunks with per-chunk logprobs and the final sglext chunk with the ids).
+"""Talks to the engine over HTTP: chat with ids, logprobs, meta info — answered whole, or streamed (`open_stream`:
+SSE chunks with per-chunk logprobs and the final sglext chunk with the ids).
+
+Three engines, two dialects: SGLang and the embedded engine speak SGLang's API, which is what the gateway speaks;
+vLLM's calls and answers are translated both ways by `polar_mitm/vllm/dialect.py`, so the rest of the gateway
+never knows which engine answered. The kind is asked of the engine at the first call (`polar_engine=auto`: SGLang
+and `polar-mitm serve` answer `/model_info`, vLLM `/version`) or set (`sglang|vllm|embedded`), and written into
+the model info (`engine_kind`, in `_engine.json`). Every answer's meta info says whether its logprobs are
+temperature-scaled (`logprobs_temperature_scaled`): SGLang's always are; vLLM's per its `--logprobs-mode`.
 
 aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0.7 ms (benchmarks/bench_gateway.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,20 +24,55 @@ import orjson
 
 from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engines import weight_version_of
+from polar_mitm.vllm.dialect import ENGINE_KINDS, VllmCall, VllmStream, engine_kind, sglang_answer, to_vllm
+from polar_mitm.vllm.dialect import vllm_model_info as describe_vllm
 
 # uvicorn (SGLang's server and ours) closes an idle keep-alive connection after 5 s; aiohttp would keep it 15 s, and a
 # call sent on a connection the engine is closing fails with ServerDisconnectedError before the engine read it. Idle
 # connections are dropped first on our side, and such a call is sent once more on a fresh connection.
 KEEPALIVE_SECONDS = 4.0
+OFFLOAD_BYTES = 32 << 10  # vLLM answers larger than this are translated in a worker thread
+# SGLang's (and the embedded engine's) logprobs are log_softmax(logits / T) before top-p/top-k: said in each answer
+# without re-encoding it (a 30k-id answer costs ~1 ms to parse and write again).
+SGLANG_META = b'"meta_info":{'
+SGLANG_LOGPROBS_FIELD = b'"logprobs_temperature_scaled":true'
+
+
+class EngineStream:
+    """An engine's open streamed answer; `sse_frames` reads its events in SGLang's shape whatever the engine."""
+
+    def __init__(self, response: aiohttp.ClientResponse, translator: VllmStream | None = None) -> None:
+        self.response = response
+        self.translator = translator
+
+    async def frames(self) -> AsyncIterator[tuple[str | None, bytes]]:
+        if self.translator is None:
+            async for frame in raw_sse_frames(self.response):
+                yield frame
+            return
+        async for event, data in raw_sse_frames(self.response):
+            if data == b"[DONE]":
+                break
+            for chunk in self.translator.feed(orjson.loads(data)):
+                yield event, orjson.dumps(chunk)
+        for chunk in self.translator.finish():  # also when the engine closed without [DONE] (an abort)
+            yield None, orjson.dumps(chunk)
+        yield None, b"[DONE]"
 
 
 class EngineClient:
     """A pooled async HTTP client; maps engine failures to typed GatewayErrors."""
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 512) -> None:
+    def __init__(
+        self, base_url: str, *, timeout: float = 600.0, max_connections: int = 512, kind: str = "auto"
+    ) -> None:
+        if kind != "auto" and kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind must be auto or one of {ENGINE_KINDS}, got {kind!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.max_connections = max_connections
+        self.kind_setting = kind
+        self._kind: str | None = None if kind == "auto" else kind
         self._session: aiohttp.ClientSession | None = None
         self._served_model: str | None = None
         self._model_info: dict[str, Any] | None = None
@@ -76,26 +119,108 @@ class EngineClient:
             raise status_error(status, raw)
         return raw
 
-    @asynccontextmanager
-    async def open_stream(self, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST /v1/chat/completions (a `stream: true` body); the open response once the engine accepted it.
+    async def _get_json(self, path: str) -> Any:
+        raw = await self._request("GET", path)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(
+                "engine_error", f"the engine's {path} answer is not JSON: {raw[:200]!r}"
+            ) from exc
 
-        Leaving the context early closes the connection, which SGLang and `polar-mitm serve` both take as an abort.
+    async def kind(self) -> str:
+        """sglang | vllm | embedded: as set, or asked of the engine once (GatewayError while it is down)."""
+        if self._kind is None:
+            info: dict[str, Any] | None = None
+            version: str | None = None
+            try:
+                info = await self._sglang_model_info()
+            except GatewayError as err:
+                if err.kind == "overloaded":  # down: nothing was learnt, ask again next time
+                    raise
+                try:
+                    version = str((await self._get_json("/version")).get("version"))
+                except (GatewayError, AttributeError):
+                    version = None
+            try:
+                self._kind = engine_kind(info, version)
+            except ValueError as exc:
+                raise GatewayError("engine_error", f"{self.base_url}: {exc}") from exc
+        return self._kind
+
+    async def _sglang_model_info(self) -> dict[str, Any]:
+        try:
+            info = await self._get_json("/model_info")
+        except GatewayError as err:  # SGLang's router serves only the older name
+            if err.kind == "overloaded":
+                raise
+            info = await self._get_json("/get_model_info")
+        if not isinstance(info, dict):
+            raise GatewayError("engine_error", f"unexpected /model_info answer: {info!r:.200}")
+        return info
+
+    async def _vllm_model_info(self) -> dict[str, Any]:
+        models = await self._get_json("/v1/models")
+        version = (await self._get_json("/version")).get("version")
+        try:  # dev-mode endpoints (polar-mitm vllm serve sets VLLM_SERVER_DEV_MODE=1); a plain vLLM lacks them
+            server_info = await self._get_json("/server_info?config_format=json")
+        except GatewayError:
+            server_info = None
+        try:
+            return describe_vllm(models, await self.weight_version(), server_info, str(version))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise GatewayError("engine_error", f"unexpected vLLM /v1/models answer: {models!r:.200}") from exc
+
+    async def model_info(self) -> dict[str, Any]:
+        """The engine's description in SGLang's `/model_info` names (model and tokenizer paths, EOS ids, version),
+        with `engine_kind`; vLLM's is assembled from its own endpoints."""
+        if self._model_info is None:
+            kind = await self.kind()
+            info = await (self._vllm_model_info() if kind == "vllm" else self._sglang_model_info())
+            if kind != "vllm":
+                info.setdefault("logprobs_temperature_scaled", True)
+            self._model_info = {**info, "engine_kind": kind}
+        return self._model_info
+
+    async def weight_version(self) -> str | None:
+        """The engine's current weight version, asked now (streamed chunks do not carry it)."""
+        if await self.kind() == "vllm":
+            try:
+                return weight_version_of(await self._get_json("/weight_info"))
+            except GatewayError as err:
+                if err.kind == "overloaded":
+                    raise
+                return None  # a vLLM without dev mode has no versions
+        raw = await self._request("GET", "/model_info")
+        try:
+            return weight_version_of(orjson.loads(raw))
+        except ValueError:
+            return None
+
+    async def _vllm_call(self, body: bytes) -> VllmCall:
+        request = await _offload(orjson.loads, len(body), body)
+        return to_vllm(request, await self.model_info())
+
+    @asynccontextmanager
+    async def open_stream(self, body: bytes) -> AsyncIterator[EngineStream]:
+        """POST a `stream: true` chat body; the open stream once the engine accepted it (vLLM's translated).
+
+        Leaving the context early closes the connection, which SGLang, vLLM and `polar-mitm serve` take as an abort.
         """
+        path, translator = "/v1/chat/completions", None
+        if await self.kind() == "vllm":
+            call = await self._vllm_call(body)
+            path, body, translator = call.path, orjson.dumps(call.body), VllmStream(call)
         try:
             try:
                 resp = await self._client().post(
-                    self.base_url + "/v1/chat/completions",
-                    data=body,
-                    headers={"content-type": "application/json"},
+                    self.base_url + path, data=body, headers={"content-type": "application/json"}
                 )
             except (
                 aiohttp.ServerDisconnectedError
             ):  # a closing keep-alive connection: once more on a fresh one
                 resp = await self._client().post(
-                    self.base_url + "/v1/chat/completions",
-                    data=body,
-                    headers={"content-type": "application/json"},
+                    self.base_url + path, data=body, headers={"content-type": "application/json"}
                 )
         except TimeoutError as exc:
             raise GatewayError(
@@ -108,7 +233,7 @@ class EngineClient:
         try:
             if resp.status >= 400:
                 raise status_error(resp.status, await resp.read())
-            yield resp
+            yield EngineStream(resp, translator)
         finally:
             if resp.content.at_eof():
                 resp.release()
@@ -116,20 +241,22 @@ class EngineClient:
                 resp.close()
 
     async def abort_request(self, rid: str) -> None:
-        """SGLang's `POST /abort_request`: stop generating `rid` (a streamed call then ends with finish `abort`)."""
+        """Stop generating `rid` (a streamed call then ends with finish `abort`): SGLang's `POST /abort_request`;
+        vLLM's `POST /abort_requests` with the ids its two endpoints give our request id."""
+        if await self.kind() == "vllm":
+            ids = [f"chatcmpl-{rid}", f"cmpl-{rid}"]
+            await self._request("POST", "/abort_requests", orjson.dumps({"request_ids": ids}))
+            return
         await self._request("POST", "/abort_request", orjson.dumps({"rid": rid}))
 
-    async def weight_version(self) -> str | None:
-        """The engine's current weight version, asked now (SGLang's streamed chunks do not carry it)."""
-        raw = await self._request("GET", "/model_info")
-        try:
-            return weight_version_of(orjson.loads(raw))
-        except ValueError:
-            return None
-
     async def chat(self, body: bytes) -> bytes:
-        """POST /v1/chat/completions; returns the raw JSON bytes (parsed off the event loop by the caller)."""
-        return await self._request("POST", "/v1/chat/completions", body)
+        """A chat call answered whole; returns SGLang's answer as raw JSON bytes (parsed off the loop by the caller)."""
+        if await self.kind() != "vllm":
+            return with_logprobs_meta(await self._request("POST", "/v1/chat/completions", body))
+        call = await self._vllm_call(body)
+        raw = await self._request("POST", call.path, orjson.dumps(call.body))
+        version = await self.weight_version()
+        return await _offload(_translated_answer, len(raw), call, raw, version)
 
     async def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": False}
@@ -148,19 +275,6 @@ class EngineClient:
             )
         return count
 
-    async def model_info(self) -> dict[str, Any]:
-        """GET /model_info (SGLang and the embedded engine): model and tokenizer paths, EOS ids, versions."""
-        if self._model_info is None:
-            try:
-                raw = await self._request("GET", "/model_info")
-            except GatewayError:  # SGLang's router serves only the older name
-                raw = await self._request("GET", "/get_model_info")
-            info = orjson.loads(raw)
-            if not isinstance(info, dict):
-                raise GatewayError("engine_error", f"unexpected /model_info answer: {raw[:200]!r}")
-            self._model_info = info
-        return self._model_info
-
     async def served_model(self) -> str:
         if self._served_model is None:
             raw = await self._request("GET", "/v1/models")
@@ -172,6 +286,31 @@ class EngineClient:
                 raise GatewayError("engine_error", f"unexpected /v1/models answer: {raw[:200]!r}")
             self._served_model = served
         return self._served_model
+
+
+def with_logprobs_meta(raw: bytes) -> bytes:
+    """SGLang's answer with `logprobs_temperature_scaled: true` in its meta info, spliced in as bytes."""
+    at = raw.find(SGLANG_META)
+    if at < 0:
+        return raw  # no meta info (not our request's answer): Completion parsing will say what is wrong
+    cut = at + len(SGLANG_META)
+    separator = b"" if raw[cut : cut + 1] == b"}" else b","
+    return raw[:cut] + SGLANG_LOGPROBS_FIELD + separator + raw[cut:]
+
+
+def _translated_answer(call: VllmCall, raw: bytes, weight_version: str | None) -> bytes:
+    """vLLM's whole answer as SGLang's, JSON bytes (an unreadable answer is an engine error)."""
+    try:
+        return orjson.dumps(sglang_answer(call, orjson.loads(raw), weight_version))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}: {raw[:200]!r}") from exc
+
+
+async def _offload(fn, size: int, *args):
+    """`fn(*args)` in a worker thread when its payload is large (long prompts' ids), inline otherwise."""
+    if size < OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def status_error(status: int, raw: bytes) -> GatewayError:
@@ -196,7 +335,13 @@ def status_error(status: int, raw: bytes) -> GatewayError:
 OVERFLOW_COUNTS = re.compile(r"\((\d+) tokens\).*?\((\d+) tokens\)", re.DOTALL)
 
 
-async def sse_frames(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, bytes]]:
+async def sse_frames(stream: EngineStream) -> AsyncIterator[tuple[str | None, bytes]]:
+    """(event name, data) of each event of an engine stream, in SGLang's shape (vLLM's translated)."""
+    async for frame in stream.frames():
+        yield frame
+
+
+async def raw_sse_frames(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, bytes]]:
     """(event name, data) of each Server-Sent Event of `resp`; comments and empty frames are skipped.
 
     Read in raw chunks rather than lines: the final sglext frame of a long prompt is far longer than aiohttp's

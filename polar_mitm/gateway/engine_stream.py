@@ -4,7 +4,8 @@ same `Completion` the non-streamed path builds — or an error when the stream's
 The engine streams SGLang's shape: `chat.completion.chunk`s whose deltas carry `content`, `reasoning_content` and
 `tool_calls` (whole, or — SGLang's incremental parsers — a name first, then argument pieces, keyed by `index`),
 each with the logprobs of the tokens it covers; a finish chunk (`finish_reason`, `matched_stop`); the sglext
-chunk (`choices: []`, `sglext: {input_ids, output_ids}`); the usage chunk; `[DONE]`. A tool call is handed on
+chunk (`choices: []`, `sglext: {input_ids, output_ids}`, plus `meta` from the vLLM dialect: what its answers'
+meta info says about the engine); the usage chunk; `[DONE]`. A tool call is handed on
 once it has closed (another call, text, or the finish follows), never half-written.
 """
 
@@ -41,6 +42,8 @@ class StreamAssembler:
         self.output_ids: list[int] | None = None
         self.weight_version: str | None = None
         self.usage: dict[str, Any] = {}
+        # SGLang's logprobs are after temperature; an engine that says otherwise does so in sglext's `meta`.
+        self.engine_meta: dict[str, Any] = {"logprobs_temperature_scaled": True}
         self.chunks = 0
         self._open: dict[int, _OpenCall] = {}  # tool calls still being written, by index
 
@@ -77,6 +80,8 @@ class StreamAssembler:
                 self.output_ids = _flat(ext["output_ids"])
             if ext.get("weight_version") is not None:
                 self.weight_version = str(ext["weight_version"])
+            if isinstance(ext.get("meta"), dict):
+                self.engine_meta.update(ext["meta"])
         metadata = chunk.get("metadata")
         if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
             self.weight_version = str(metadata["weight_version"])
@@ -135,6 +140,7 @@ class StreamAssembler:
         """The stream as the non-streamed engine answer would have said it (`Completion.from_engine_response`)."""
         finish = self.finish_reason or "stop"
         meta = {
+            **self.engine_meta,
             "id": self.id,
             "prompt_tokens": len(self.input_ids or ()),
             "completion_tokens": len(self.output_ids or ()),

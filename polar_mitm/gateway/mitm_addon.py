@@ -41,8 +41,8 @@ WRITER_OPTIONS = (
     "rotate_seconds",
     "fsync",
 )  # GatewayOptions fields the writer is made from
-ENGINE_OPTIONS = ("backend", "engine_timeout")
-PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend")
+ENGINE_OPTIONS = ("backend", "engine", "engine_timeout")
+PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend", "engine")
 
 
 def stop_process(message: str) -> NoReturn:
@@ -160,7 +160,7 @@ class PolarGateway:
             writer, last_seq = self._new_writer(options)
         engine = self.engine
         if engine is None or changed & set(ENGINE_OPTIONS):
-            engine = EngineClient(options.backend, timeout=options.engine_timeout)
+            engine = EngineClient(options.backend, timeout=options.engine_timeout, kind=options.engine)
         prompts = self.prompts
         if prompts is None or changed & set(PROMPT_OPTIONS):
             prompts = PromptBuilder(

