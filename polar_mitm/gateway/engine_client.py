@@ -244,7 +244,7 @@ class EngineClient:
         """Stop generating `rid` (a streamed call then ends with finish `abort`): SGLang's `POST /abort_request`;
         vLLM's `POST /abort_requests` with the ids its two endpoints give our request id."""
         if await self.kind() == "vllm":
-            ids = [f"chatcmpl-{rid}", f"cmpl-{rid}"]
+            ids = [f"chatcmpl-{rid}", f"cmpl-{rid}-0"]  # the completions endpoint numbers its prompts
             await self._request("POST", "/abort_requests", orjson.dumps({"request_ids": ids}))
             return
         await self._request("POST", "/abort_request", orjson.dumps({"rid": rid}))

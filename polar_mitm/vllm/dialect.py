@@ -67,6 +67,7 @@ def vllm_model_info(
         "context_length": served.get("max_model_len"),
         "weight_version": weight_version,
         "logprobs_mode": logprobs_mode,
+        "logprobs_temperature_scaled": temperature_scaled(logprobs_mode),
         # The gateway's parsers for token-in answers: the `<tool_call>` JSON (vLLM's hermes) and `<think>` formats.
         "tool_call_parser": "qwen25",
         "reasoning_parser": "qwen3",
