@@ -11,7 +11,7 @@ that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Literal, get_args
 
 from trl import GRPOConfig
 
@@ -129,6 +129,27 @@ class PolarGRPOConfig(GRPOConfig):
             "prefix_merging chains), scaled so the mean row weight is 1. Without it a session split "
             "into 30 sequences counts 30 times. Token-level losses (`dapo`, `bnpo`, `dr_grpo`, `cispo`, "
             "`luspo`, `vespo`) weigh tokens and need no correction. The KL term is not reweighted."
+        },
+    )
+
+    # -- batching (train/batching.py, train/packing.py) ------------------------------------------------------------
+    keep_zero_advantage_groups: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on groups whose advantages are all 0 (equal rewards, one session, no task_id). Off by "
+            "default (dynamic sampling): they have no policy gradient, but their tokens would count in "
+            "the loss normaliser and shrink every other group's update; they are counted "
+            "(zero_advantage_* in data_stats.json). Kept anyway when no other group is left."
+        },
+    )
+    batch_layout: Literal["auto", "packed", "padded"] = field(
+        default="auto",
+        metadata={
+            "help": "Micro-batch layout: `padded` trims each micro-batch to its own longest row; `packed` puts its "
+            "rows end to end in one row with position ids restarting per sequence (no padding; "
+            "FlashAttention varlen, or sdpa run per sequence). `auto`: packed where the loss weighs "
+            "tokens alone (dapo, bnpo, cispo with token-level ratios) and the attention is sdpa or "
+            "FlashAttention (measured faster on CPU too: benchmarks/bench_train_step.py), else padded."
         },
     )
 
