@@ -12,6 +12,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
 fi
 bash scripts/setup.sh
+bash scripts/setup-vllm.sh  # vLLM (CPU build) in .venv-vllm for tests/engine/test_vllm.py: a real production engine
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
 .venv/bin/ruff format --check .  # the tree stays as `ruff format .` writes it

@@ -14,6 +14,7 @@ aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,8 @@ from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engines import weight_version_of
 from polar_mitm.vllm.dialect import ENGINE_KINDS, VllmCall, VllmStream, engine_kind, sglang_answer, to_vllm
 from polar_mitm.vllm.dialect import vllm_model_info as describe_vllm
+
+log = logging.getLogger(__name__)
 
 # uvicorn (SGLang's server and ours) closes an idle keep-alive connection after 5 s; aiohttp would keep it 15 s, and a
 # call sent on a connection the engine is closing fails with ServerDisconnectedError before the engine read it. Idle
@@ -44,6 +47,10 @@ class EngineStream:
     def __init__(self, response: aiohttp.ClientResponse, translator: VllmStream | None = None) -> None:
         self.response = response
         self.translator = translator
+
+    async def read(self) -> bytes:
+        """The whole raw body (as the engine sent it, untranslated)."""
+        return await self.response.read()
 
     async def frames(self) -> AsyncIterator[tuple[str | None, bytes]]:
         if self.translator is None:
@@ -144,8 +151,11 @@ class EngineClient:
                     version = None
             try:
                 self._kind = engine_kind(info, version)
-            except ValueError as exc:
-                raise GatewayError("engine_error", f"{self.base_url}: {exc}") from exc
+            except (
+                ValueError
+            ) as exc:  # an engine that only serves chat: SGLang's dialect is the gateway's own
+                log.warning("%s: %s; speaking SGLang's API to it", self.base_url, exc)
+                self._kind = "sglang"
         return self._kind
 
     async def _sglang_model_info(self) -> dict[str, Any]:

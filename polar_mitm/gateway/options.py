@@ -40,7 +40,8 @@ class GatewayOptions:
     """The gateway's options (`--set polar_<field>=value`), parsed and checked."""
 
     backend: str = field(
-        default="http://127.0.0.1:30000", metadata={"help": "Engine base URL (SGLang or `polar-mitm serve`)."}
+        default="http://127.0.0.1:30000",
+        metadata={"help": "Engine base URL (SGLang, vLLM or `polar-mitm serve`)."},
     )
     engine: EngineKind = field(
         default="auto",

@@ -52,18 +52,24 @@ def vllm_gateway(vllm_url, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_reference(vllm_model_dir):
-    """transformers on the same checkpoint: log-probabilities of given tokens after a given context."""
+    """transformers on the same checkpoint: log-probabilities of given tokens after a given context, at a given
+    temperature (log_softmax(logits / T): what the trainer computes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     models: dict[Path, object] = {}
 
-    def score(prompt_ids: list[int], sampled_ids: list[int], model_dir: Path = vllm_model_dir) -> list[float]:
+    def score(
+        prompt_ids: list[int],
+        sampled_ids: list[int],
+        model_dir: Path = vllm_model_dir,
+        temperature: float = 1.0,
+    ) -> list[float]:
         if model_dir not in models:
             models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             logits = models[model_dir](torch.tensor([prompt_ids + sampled_ids])).logits[0]
-        logprobs = logits.float().log_softmax(-1)
+        logprobs = (logits.float() / temperature).log_softmax(-1)
         start = len(prompt_ids) - 1
         return [logprobs[start + i, token].item() for i, token in enumerate(sampled_ids)]
 

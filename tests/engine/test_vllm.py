@@ -247,6 +247,25 @@ def test_weight_push_reaches_the_tied_head(vllm_url, vllm_reference, vllm_model_
     )
 
 
+def test_count_tokens_and_model_listing_are_answered_from_vllm(vllm_gateway, vllm_url):
+    base = f"{vllm_gateway.reverse_url}/t/vllm/s/side-{uuid.uuid4().hex[:6]}"
+    messages = [{"role": "user", "content": "Count these tokens, please."}]
+    counted = httpx.post(
+        f"{base}/v1/messages/count_tokens",
+        json={"model": "claude-sonnet-4-6", "messages": messages},
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert counted.status_code == 200, counted.text
+    by_vllm = httpx.post(
+        f"{vllm_url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=60
+    ).json()["count"]
+    assert counted.json()["input_tokens"] == by_vllm > 0
+    served = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    listed = httpx.get(f"{base}/v1/models", timeout=30).json()
+    assert served in [model["id"] for model in listed["data"]]
+
+
 def test_context_overflow_on_vllm_is_the_providers_400(vllm_gateway):
     base = f"{vllm_gateway.reverse_url}/t/vllm/s/overflow-{uuid.uuid4().hex[:6]}/v1"
     body = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "word " * 9000}]}
@@ -277,3 +296,32 @@ def test_vllm_down_is_a_provider_shaped_error(tmp_path):
     assert anthropic.status_code == 529 and anthropic.json()["error"]["type"] == "overloaded_error"
     rows = read_all(gateway.out_dir).to_pylist()
     assert len(rows) == 2 and all(r["finish_reason"] == "error" and "overloaded" in r["error"] for r in rows)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["full", "top_p"])
+def test_recorded_logprobs_are_the_trainers_at_the_sampling_temperature(vllm_url, vllm_reference, top_p):
+    """At T=0.7 vLLM's processed logprobs are log_softmax(logits / T), as the trainer scores them; with top_p < 1
+    they are of the truncated distribution instead — such turns are left out of the loss (train/turn_sampling.py),
+    and the record keeps the top_p that says so."""
+    prompt = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+    body = {"model": "default", "input_ids": prompt, "messages": [], "max_tokens": 16, "logprobs": True}
+
+    async def sample() -> dict:
+        client = EngineClient(vllm_url)
+        try:
+            raw = await client.chat(orjson.dumps({**body, "temperature": 0.7, "top_p": top_p, "top_k": -1}))
+        finally:
+            await client.aclose()
+        return orjson.loads(raw)["choices"][0]
+
+    choice = asyncio.run(sample())
+    sampled, logprobs = choice["response_token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert choice["meta_info"]["logprobs_temperature_scaled"] is True
+    gap_at_t = max_gap(logprobs, vllm_reference(prompt, sampled, temperature=0.7))
+    gap_at_1 = max_gap(logprobs, vllm_reference(prompt, sampled))
+    print(f"top_p={top_p}: max |Δ| vs transformers at T=0.7 {gap_at_t:.2e}, at T=1 {gap_at_1:.2e}")
+    assert gap_at_1 > 1e-2  # the temperature is in them (vLLM's default raw_logprobs would be the T=1 values)
+    if top_p == 1.0:
+        assert gap_at_t <= LOGPROB_TOLERANCE
+    else:
+        assert gap_at_t > 1e-3  # renormalised over the nucleus: not what the trainer computes
