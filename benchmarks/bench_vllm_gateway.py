@@ -3,8 +3,8 @@
 Both engines serve the tiny model at head_dim 32 (the one vLLM's CPU attention accepts). For each engine, the same
 OpenAI Chat call (a ~1k-token prompt, 8 sampled tokens at T=1) is made directly against the engine and through
 the gateway (mitmdump + addon, reverse mode, tokens mode, fsynced records): a fresh session per call (a chain's
-first call, the engine renders) and a session's second turn (token-in: on vLLM `/v1/completions`). Prints the
-median of each and the gateway's added latency (gateway − direct).
+first call, the engine renders) and a session's second turn (token-in: on vLLM `/v1/completions`), interleaved.
+Prints the median of each and the gateway's added latency (gateway − direct).
 Run: .venv/bin/python benchmarks/bench_vllm_gateway.py [--calls 20]   (needs bash scripts/setup-vllm.sh)
 """
 
@@ -28,14 +28,10 @@ PROMPT = "Summarise this: " + "word " * 1000
 SAMPLING = {"max_tokens": 8, "temperature": 1.0}
 
 
-def median_ms(call: Callable[[], None], calls: int) -> float:
-    call()  # warm: connections, the gateway's renderer, the engine's first batch
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+def timed_ms(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1000
 
 
 def post(url: str, body: dict) -> dict:
@@ -45,40 +41,45 @@ def post(url: str, body: dict) -> dict:
 
 
 def measure(engine_url: str, served: str, root: Path, calls: int) -> dict[str, float]:
-    """Median ms of: direct, gateway (first call of a session), gateway (second turn, token-in)."""
+    """Median ms of: direct, gateway (first call of a session), gateway (second turn, token-in). The three are
+    interleaved call by call, so load from elsewhere on the machine falls on all of them alike."""
     first_turn = [{"role": "user", "content": PROMPT}]
-    direct = median_ms(
-        lambda: post(
-            f"{engine_url}/v1/chat/completions", {"model": served, "messages": first_turn, **SAMPLING}
-        ),
-        calls,
-    )
+    times: dict[str, list[float]] = {"direct": [], "gateway": [], "gateway_turn2": []}
     with procs.gateway_running(engine_url, root / "flows", confdir=root / "conf") as gateway:
+
+        def direct() -> None:
+            post(f"{engine_url}/v1/chat/completions", {"model": served, "messages": first_turn, **SAMPLING})
 
         def session_base() -> str:
             return f"{gateway.reverse_url}{SessionId(uuid.uuid4().hex[:12], 'bench').path_prefix}/v1"
 
-        def first() -> None:
-            post(f"{session_base()}/chat/completions", {"model": "m", "messages": first_turn, **SAMPLING})
-
-        def second() -> None:
+        def two_turns() -> tuple[float, float]:
             base = session_base()
-            answer = post(f"{base}/chat/completions", {"model": "m", "messages": first_turn, **SAMPLING})
+            answer: dict = {}
+            first = timed_ms(
+                lambda: answer.update(
+                    post(f"{base}/chat/completions", {"model": "m", "messages": first_turn, **SAMPLING})
+                )
+            )
             text = answer["choices"][0]["message"]["content"] or ""
             turn_two = [
                 *first_turn,
                 {"role": "assistant", "content": text},
                 {"role": "user", "content": "More."},
             ]
-            started = time.perf_counter()
-            post(f"{base}/chat/completions", {"model": "m", "messages": turn_two, **SAMPLING})
-            second_times.append((time.perf_counter() - started) * 1000)
+            second = timed_ms(
+                lambda: post(f"{base}/chat/completions", {"model": "m", "messages": turn_two, **SAMPLING})
+            )
+            return first, second
 
-        second_times: list[float] = []
-        via_gateway = median_ms(first, calls)
+        direct()  # warm: connections, the gateway's renderer, the engine's first batch
+        two_turns()
         for _ in range(calls):
-            second()
-    return {"direct": direct, "gateway": via_gateway, "gateway_turn2": statistics.median(second_times)}
+            times["direct"].append(timed_ms(direct))
+            first, second = two_turns()
+            times["gateway"].append(first)
+            times["gateway_turn2"].append(second)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
