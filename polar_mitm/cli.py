@@ -248,10 +248,10 @@ def records_command(
 
 
 def _register_subcommands() -> None:
-    from polar_mitm.rollout.cli import loop_command, rollout_command
+    from polar_mitm.rollout.cli import LoopCommand, loop_command, rollout_command
 
     app.command("rollout")(rollout_command)
-    app.command("loop")(loop_command)
+    app.command("loop", cls=LoopCommand)(loop_command)  # + every `grpo` option (generated on first use)
 
 
 _register_subcommands()

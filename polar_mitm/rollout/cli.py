@@ -1,4 +1,6 @@
-"""`polar-mitm rollout`: run G harness sessions per task through the gateway and write rewards."""
+"""`polar-mitm rollout`: run G harness sessions per task through the gateway and write rewards; `polar-mitm loop`: the
+RL loop, whose options are LoopConfig's fields plus every `polar-mitm grpo` option (`LoopCommand`: generated from
+PolarGRPOConfig like grpo's, but for the fields the loop sets itself, `LOOP_SETS`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -19,10 +21,17 @@ from rich.live import Live
 from polar_mitm import procs
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
-from polar_mitm.rollout.loop import LoopConfig
+from polar_mitm.rollout.loop import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, TaskFileError, load_tasks
 from polar_mitm.rollout.view import render, summary_table
+from polar_mitm.train.cli import (
+    CONFIG_FIELDS,
+    RENAMED_OPTIONS,
+    TRL_OPTIONS,
+    ConfigOptionsCommand,
+    config_options,
+)
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
@@ -37,6 +46,27 @@ ROLLOUT_FIELDS = (
     "failure_reward",
     "keep_workspaces",
 )
+
+
+def loop_trainer_options() -> list:
+    """`polar-mitm loop`'s trainer options: `polar-mitm grpo`'s, generated from the same PolarGRPOConfig, without the
+    fields the loop sets (LOOP_SETS) and with the loop's defaults where they differ (LOOP_TRAINER_DEFAULTS)."""
+    from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+    trl = {
+        name: dataclasses.replace(option, default=LOOP_TRAINER_DEFAULTS[name])
+        if name in LOOP_TRAINER_DEFAULTS
+        else option
+        for name, option in TRL_OPTIONS.items()
+    }
+    return config_options(PolarGRPOConfig, trl, RENAMED_OPTIONS, exclude=LOOP_SETS)
+
+
+class LoopCommand(ConfigOptionsCommand):
+    """`polar-mitm loop`: LoopConfig's options and `loop_trainer_options()`, whose values become `LoopConfig.grpo`."""
+
+    def config_options(self) -> list:
+        return loop_trainer_options()
 
 
 def help_of(config: type, name: str) -> str:
@@ -288,7 +318,7 @@ def iteration_table(results):
         table.add_row(
             str(r.iteration),
             str(r.weight_version),
-            str(r.sessions),
+            f"{r.sessions} ({r.cut_sessions} cut)" if r.cut_sessions else str(r.sessions),
             f"{r.reward_mean:.3f}",
             f"{r.reward_std:.2f}",
             f"{r.pass_rate:.0%}",
@@ -300,7 +330,18 @@ def iteration_table(results):
     return table
 
 
+# `polar-mitm loop` options spelt otherwise than their LoopConfig field.
+LOOP_OPTION_FIELDS = {"engine": "engine_url", "batch_size": "per_device_batch_size", "ray": "ray_address"}
+
+
+def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
+    """The LoopConfig of `polar-mitm loop`'s parsed options: its own by option name, the trainer's (the generated
+    `loop_trainer_options`) by PolarGRPOConfig field name."""
+    return LoopConfig(**{LOOP_OPTION_FIELDS.get(k, k): v for k, v in options.items()}, grpo=dict(grpo))
+
+
 def loop_command(
+    ctx: typer.Context,
     tasks: Annotated[Path, typer.Argument(help=help_of(LoopConfig, "tasks"))],
     run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
         "runs/loop"
@@ -332,6 +373,11 @@ def loop_command(
     ),
     epochs: Annotated[float, typer.Option(help=help_of(LoopConfig, "epochs"))] = LoopConfig.epochs,
     lora: Annotated[bool, typer.Option(help=help_of(LoopConfig, "lora"))] = LoopConfig.lora,
+    lora_r: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_r"))] = LoopConfig.lora_r,
+    lora_alpha: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_alpha"))] = LoopConfig.lora_alpha,
+    lora_target_modules: Annotated[str, typer.Option(help=help_of(LoopConfig, "lora_target_modules"))] = (
+        LoopConfig.lora_target_modules
+    ),
     builder: Annotated[BuilderName, typer.Option(help=help_of(LoopConfig, "builder"))] = LoopConfig.builder,
     overlap: Annotated[int, typer.Option(help=help_of(LoopConfig, "overlap"))] = LoopConfig.overlap,
     keep: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "keep"))] = LoopConfig.keep,
@@ -342,31 +388,13 @@ def loop_command(
         LoopConfig.train_processes
     ),
 ) -> None:
-    """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration."""
+    """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
+    schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
+    iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
+    given = {name: value for name, value in locals().items() if name != "ctx"}  # the loop's own options
     from polar_mitm.rollout.loop import Loop
 
-    cfg = LoopConfig(
-        tasks=tasks,
-        run_dir=run_dir,
-        harness=harness,
-        iterations=iterations,
-        group_size=group_size,
-        concurrency=concurrency,
-        model=model,
-        script=script,
-        engine_url=engine,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        learning_rate=learning_rate,
-        per_device_batch_size=batch_size,
-        epochs=epochs,
-        lora=lora,
-        builder=builder,
-        overlap=overlap,
-        keep=keep,
-        ray_address=ray,
-        train_processes=train_processes,
-    )
+    cfg = loop_config(given, ctx.meta[CONFIG_FIELDS])
     done = []
 
     def show(stats) -> None:

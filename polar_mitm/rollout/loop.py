@@ -8,6 +8,12 @@ the next iteration's records.
 `--overlap 1` runs iteration K+1's rollouts while the trainer trains on iteration K (Polar's asynchronous design):
 those rollouts are one weight version behind, which the trainer's importance ratios against the recorded behaviour
 logprobs correct for (staleness is reported in the metrics).
+
+The iterations share one optimizer: each training continues the AdamW state, the LR schedule (spanning all
+iterations) and the step count of the one before (`RUN/trainer-state`, see train/continuation.py), whether it runs
+in this process or as `--train-processes` processes, and the KL reference stays the run's initial model. Every
+`polar-mitm grpo` option is a loop option too (rollout/cli.py's `loop_trainer_options`), but for the few the loop
+sets (`LOOP_SETS`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
+from polar_mitm.train.cli import LORA_HELP
 
 if TYPE_CHECKING:
     from polar_mitm.rollout.ray_driver import RayPool
@@ -33,6 +40,28 @@ if TYPE_CHECKING:
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+RUN_STATE_DIR = "trainer-state"  # under the run directory: the optimizer carried across iterations
+
+# PolarGRPOConfig fields the loop sets itself, so `polar-mitm loop` has no option of that name: the loop's own
+# option for the same setting (LoopConfig), or what each iteration's training must be told.
+LOOP_SETS: dict[str, str] = {
+    "learning_rate": "--learning-rate",
+    "per_device_train_batch_size": "--batch-size",
+    "num_train_epochs": "--epochs",
+    "temperature": "--temperature (the gateway samples at it)",
+    "seed": "the loop's seed",
+    "group_size": "--group-size",
+    "push_to_engine": "the loop's engine",
+    "policy_weight_version": "the version the engine serves",
+    "run_state_dir": f"RUN/{RUN_STATE_DIR}",
+    "lr_schedule_trainings": "--iterations",
+    "save_merged": "always, with --lora (the merged copy is pushed)",
+    "resume_from_checkpoint": "each iteration is a new training",
+}
+# Where a loop option's default differs from `polar-mitm grpo`'s: the loop's LR stays constant unless asked.
+LOOP_TRAINER_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
 
 
 @dataclass
@@ -60,9 +89,18 @@ class LoopConfig:
     per_device_batch_size: int = field(default=4, metadata=_help("Sequences per training micro-batch."))
     epochs: float = field(default=1.0, metadata=_help("Passes over each iteration's sequences."))
     lora: bool = field(
-        default=False, metadata=_help("Train LoRA adapters (merged copy pushed to the engine).")
+        default=False,
+        metadata=_help(
+            "Train LoRA adapters on the initial model, carried across iterations (merged copy pushed to the "
+            "engine)."
+        ),
     )
-    loss_type: str = "dapo"  # not an option: `polar-mitm grpo --loss-type` names them
+    lora_r: int = field(default=16, metadata=_help(LORA_HELP["lora_r"]))
+    lora_alpha: int = field(default=32, metadata=_help(LORA_HELP["lora_alpha"]))
+    lora_target_modules: str = field(default="all-linear", metadata=_help(LORA_HELP["lora_target_modules"]))
+    # PolarGRPOConfig fields for every iteration's training, by name (`polar-mitm loop`'s generated trainer options,
+    # or set from Python); LOOP_TRAINER_DEFAULTS where absent; the loop's own settings (LOOP_SETS) win.
+    grpo: dict[str, Any] = field(default_factory=dict)
     builder: BuilderName = field(
         default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or "")
     )
@@ -101,9 +139,16 @@ class IterationStats:
     trainable_tokens: int
     total_tokens: int
     seconds: dict[str, float] = field(default_factory=dict)
+    # --keep: sessions stopped once K of their group were done; no reward, so left out of the group (and of training)
+    cut_sessions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__
+
+
+def cut_sessions(summary: RolloutSummary) -> int:
+    """Sessions the straggler cut (--keep) stopped: unevaluated, so without a reward."""
+    return sum(s.status == "cut" for s in summary.sessions)
 
 
 def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
@@ -116,14 +161,25 @@ def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
 
 
 class Loop:
-    """Owns the engine for the whole run; a fresh gateway (and record directory) per iteration."""
+    """Owns the engine for the whole run; a fresh gateway (and record directory) per iteration.
 
-    def __init__(self, cfg: LoopConfig, on_iteration=None, progress: LoopProgress | None = None) -> None:
+    `trainer_callbacks`: extra transformers `TrainerCallback`s for each training run in this process (the loop adds
+    its progress line and the engine push itself)."""
+
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        on_iteration=None,
+        progress: LoopProgress | None = None,
+        trainer_callbacks: list | None = None,
+    ) -> None:
         self.cfg = cfg
         self.tasks: list[Task] = load_tasks(cfg.tasks)
         self.on_iteration = on_iteration or (lambda stats: None)
         self.progress: LoopProgress = progress or NoProgress()
-        self.model_dir: Path | None = None
+        self.trainer_callbacks = list(trainer_callbacks or [])
+        self.initial_model_dir: Path | None = None  # the run's starting model: LoRA's base, the KL reference
+        self.model_dir: Path | None = None  # the newest weights (the next training starts from them)
         self.weight_version = "0"  # of self.model_dir, as the engine numbers it
         self.engine_url = cfg.engine_url
         self.ray_pool: RayPool | None = None  # with --ray: the node actors, kept for the whole run
@@ -213,10 +269,43 @@ class Loop:
         )
         return summary, time.monotonic() - started
 
+    def trainer_fields(self) -> dict[str, Any]:
+        """The PolarGRPOConfig fields of the next iteration's training: `cfg.grpo` over the loop's defaults, then
+        what the loop sets (LOOP_SETS) — the same for a training in this process or in `--train-processes` ones."""
+        cfg = self.cfg
+        fields = {**LOOP_TRAINER_DEFAULTS, **cfg.grpo}
+        reference = fields.get("reference_model")
+        fields.update(
+            learning_rate=cfg.learning_rate,
+            per_device_train_batch_size=cfg.per_device_batch_size,
+            num_train_epochs=cfg.epochs,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            push_to_engine=self.engine_url,
+            # The weights we start from, not "the newest in the data": with --overlap the data is one version behind,
+            # and staleness (hence the importance correction) is measured against this.
+            policy_weight_version=self.weight_version,
+            run_state_dir=str(cfg.run_dir / RUN_STATE_DIR),
+            lr_schedule_trainings=cfg.iterations,
+            save_merged=True,
+            # The initial policy unless asked otherwise (`start`: each iteration's own starting weights).
+            reference_model=str(self.initial_model_dir) if reference is None else reference,
+        )
+        fields.pop("resume_from_checkpoint", None)
+        return fields
+
+    def _train_start(self) -> Path:
+        """LoRA trains adapters on the initial model (the adapter so far comes from RUN/trainer-state); full
+        weights continue from the newest checkpoint."""
+        start = self.initial_model_dir if self.cfg.lora else self.model_dir
+        assert start is not None, "the loop's model is resolved in run()"
+        return start
+
     def _train(self, k: int) -> tuple[Path, str | None, float]:
         import torch
 
-        from polar_mitm.train.data import build_training_data, load_sequences
+        from polar_mitm.train.cli import lora_config, training_data
+        from polar_mitm.train.data import load_sequences
         from polar_mitm.train.grpo_config import PolarGRPOConfig
         from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
         from polar_mitm.train.sync import attach_engine_push
@@ -224,48 +313,37 @@ class Loop:
         cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
         self.progress.stage(k, "train")
+        fields = self.trainer_fields()
         if cfg.train_processes > 1:
-            saved_dir, version = train_in_processes(
-                cfg, self.model_dir, it, self.engine_url, self.weight_version
-            )
+            saved_dir, version = train_in_processes(cfg, self._train_start(), it, fields)
             return saved_dir, version, time.monotonic() - started
-        data = build_training_data(load_sequences([it / "merged"]))
-        out = it / "train"
+        data = training_data(load_sequences([it / "merged"]), fields)
         config = PolarGRPOConfig(
-            output_dir=str(out),
-            num_train_epochs=cfg.epochs,
-            learning_rate=cfg.learning_rate,
-            per_device_train_batch_size=cfg.per_device_batch_size,
-            temperature=cfg.temperature,
-            loss_type=cfg.loss_type,
-            push_to_engine=self.engine_url,
+            output_dir=str(it / "train"),
             report_to=[],
-            seed=cfg.seed,
-            lr_scheduler_type="constant",
-            save_merged=True,
             disable_tqdm=True,
             dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory needs an accelerator (else a warning)
-            # The weights we start from, not "the newest in the data": with --overlap the data is one version behind,
-            # and staleness (hence the importance correction) is measured against this.
-            policy_weight_version=self.weight_version,
+            **fields,
         )
-        peft_config = None
-        if cfg.lora:
-            from peft import LoraConfig
-
-            peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-        trainer = PolarGRPOTrainer(str(self.model_dir), args=config, train_data=data, peft_config=peft_config)
+        peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules) if cfg.lora else None
+        trainer = PolarGRPOTrainer(
+            str(self._train_start()), args=config, train_data=data, peft_config=peft_config
+        )
         attach_engine_push(trainer)
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(
             PrinterCallback
         )  # the loop prints its own table; metrics.jsonl has every step
-        trainer.add_callback(trainer_progress_callback(self.progress))
+        for callback in [trainer_progress_callback(self.progress), *self.trainer_callbacks]:
+            trainer.add_callback(callback)
         trainer.train()
         saved = trainer.save_final()
         version = trainer.policy_weight_version()
         (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
+        (it / "train" / "grpo_config.json").write_text(
+            config.to_json_string()
+        )  # as `polar-mitm grpo` writes it
         return (
             saved.get("merged", saved["model"]) if cfg.lora else saved["model"],
             version,
@@ -289,6 +367,7 @@ class Loop:
             trainable_tokens=merged.trainable_tokens,
             total_tokens=merged.total_tokens,
             seconds={"rollout": rollout_s, "merge": merge_s, "train": 0.0},
+            cut_sessions=cut_sessions(summary),
         )
 
     # -- driver --------------------------------------------------------------------------------------------------
@@ -299,7 +378,7 @@ class Loop:
         cfg = self.cfg
         cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = resolve_model(cfg.model, seed=cfg.seed)
+        self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
         with ExitStack() as running:
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
@@ -355,6 +434,7 @@ class Loop:
                     trainable_tokens=merged.trainable_tokens,
                     total_tokens=merged.total_tokens,
                     seconds={"rollout": rollout_s, "merge": merge_s, "train": train_s},
+                    cut_sessions=cut_sessions(summary),
                 )
                 results.append(stats)
                 self.on_iteration(stats)
@@ -391,11 +471,14 @@ def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
 
 
 def train_in_processes(
-    cfg: LoopConfig, model_dir: Path, it: Path, engine_url: str, weight_version: str | None
+    cfg: LoopConfig, start: Path, it: Path, fields: dict[str, Any]
 ) -> tuple[Path, str | None]:
-    """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo`; returns (weights, version)."""
+    """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo` with the trainer `fields` as its
+    options (the same run state, so the optimizer continues as in-process); returns (weights, version)."""
     import os
     import subprocess
+
+    from polar_mitm.train.cli import grpo_argv
 
     n = cfg.train_processes
     if cfg.per_device_batch_size % n:
@@ -405,39 +488,17 @@ def train_in_processes(
         )
     out = it / "train"
     launcher, env = train_launcher(n)
+    per_process = {**fields, "per_device_train_batch_size": cfg.per_device_batch_size // n}
     argv = [
         *launcher,
         "polar_mitm.cli",
         "grpo",
-        "--data",
-        str(it / "merged"),
-        "--model",
-        str(model_dir),
-        "-o",
-        str(out),
-        "--epochs",
-        str(cfg.epochs),
-        "--learning-rate",
-        str(cfg.learning_rate),
-        "--lr-scheduler",
-        "constant",
-        "--per-device-batch-size",
-        str(cfg.per_device_batch_size // n),
-        "--temperature",
-        str(cfg.temperature),
-        "--loss-type",
-        cfg.loss_type,
-        "--seed",
-        str(cfg.seed),
-        "--push-to-engine",
-        engine_url,
-        "--report-to",
-        "none",
+        *("--data", str(it / "merged"), "--model", str(start), "-o", str(out), "--report-to", "none"),
+        *grpo_argv(per_process),
     ]
-    if weight_version is not None:
-        argv += ["--policy-weight-version", weight_version]
     if cfg.lora:
-        argv += ["--lora", "--save-merged"]
+        argv += ["--lora", "--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)]
+        argv += ["--lora-target-modules", cfg.lora_target_modules]
     log = it / "train.log"
     with open(log, "wb") as sink:
         done = subprocess.run(argv, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT)

@@ -3,6 +3,8 @@
 `polar-mitm grpo`'s options are generated from `PolarGRPOConfig` (`GrpoCommand`): every field Polar adds to TRL's
 `GRPOConfig` is an option with the field's own help text, and so are the TRL fields listed in `TRL_OPTIONS`. Only
 what is not a config field (the data, the model, LoRA, how to spell checkpointing and logging) is declared here.
+`polar-mitm loop` gets the same generated options (`ConfigOptionsCommand`, rollout/cli.py), and `grpo_argv` turns
+config values back into `grpo` options for the loop's `--train-processes` launches.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ TRL_OPTIONS: dict[str, FieldOption] = {
     "temperature": FieldOption(),  # PolarGRPOConfig redefines it (default and help)
     "loss_type": FieldOption(help="dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo | vespo."),
     "epsilon": FieldOption(help="Lower clip range of the ratio."),
-    "epsilon_high": FieldOption(help="Upper clip range (default: --epsilon)."),
+    "epsilon_high": FieldOption(),  # redefined by PolarGRPOConfig (CISPO's own default)
+    "delta": FieldOption(),  # redefined by PolarGRPOConfig (on by default)
     "beta": FieldOption(help="KL coefficient to the starting model (0: no reference)."),
     "scale_rewards": FieldOption(help="mean_std scaling: group | batch | none."),
     "importance_sampling_level": FieldOption(help="Ratio per token or per sequence (GSPO)."),
@@ -67,6 +70,18 @@ TRL_OPTIONS: dict[str, FieldOption] = {
     "bf16": FieldOption(),  # redefined by PolarGRPOConfig
     "activation_checkpointing": FieldOption(),  # redefined by PolarGRPOConfig
     "seed": FieldOption(default=0, help="Seed for data order and initialisation."),
+    "resume_from_checkpoint": FieldOption(
+        help="Continue a stopped run: a checkpoint-N directory, or `last` (the newest in --output-dir). Weights, "
+        "optimizer, LR schedule, RNG and step come from it and the batches already trained are skipped; the "
+        "behaviour check stays the one made at step 0 against the weights that sampled the data, and "
+        "metrics.jsonl continues after the checkpoint's step (steps logged after it are dropped). Same data "
+        "and options as the stopped run."
+    ),
+}
+LORA_HELP = {
+    "lora_r": "LoRA rank.",
+    "lora_alpha": "LoRA alpha.",
+    "lora_target_modules": "LoRA target modules (comma list or all-linear).",
 }
 # Polar's own fields are all options; these keep the names the command gave them before they were config fields.
 RENAMED_OPTIONS: dict[str, FieldOption] = {
@@ -90,15 +105,18 @@ def config_options(
     config_class: type,
     trl_options: dict[str, FieldOption] | None = None,
     renamed: dict[str, FieldOption] | None = None,
+    exclude: typing.Collection[str] = (),
 ) -> list:
     """The command-line options (click parameters, built by Typer) of a GRPO config dataclass: the TRL fields of
-    `trl_options`, then every field the class adds to TRL's, with the field's default and `metadata["help"]`."""
+    `trl_options`, then every field the class adds to TRL's, with the field's default and `metadata["help"]` —
+    but those in `exclude` (fields a command sets itself)."""
     trl_options = TRL_OPTIONS if trl_options is None else trl_options
     renamed = RENAMED_OPTIONS if renamed is None else renamed
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     types = typing.get_type_hints(config_class)
     chosen = [(name, option, TRL_PANEL) for name, option in trl_options.items()]
     chosen += [(f.name, renamed.get(f.name, FieldOption()), POLAR_PANEL) for f in polar_fields(config_class)]
+    chosen = [entry for entry in chosen if entry[0] not in exclude]
     parameters = []
     for name, option, panel in chosen:
         field = fields[name]
@@ -144,18 +162,19 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
-class GrpoCommand(TyperCommand):
-    """`polar-mitm grpo`: the options `config_options(PolarGRPOConfig)` are added when the command is first parsed
-    or helped, not when the app is built — importing TRL takes seconds that the other commands should not pay. Their
-    values reach the command in `ctx.meta[CONFIG_FIELDS]`."""
+class ConfigOptionsCommand(TyperCommand):
+    """A command with generated config options (`config_options()` of a subclass): they are added when the command
+    is first parsed or helped, not when the app is built — importing TRL takes seconds that the other commands
+    should not pay. Their values reach the command in `ctx.meta[CONFIG_FIELDS]`."""
 
     config_params: list | None = None
 
+    def config_options(self) -> list:
+        raise NotImplementedError
+
     def get_params(self, ctx: typer.Context) -> list:
         if self.config_params is None:
-            from polar_mitm.train.grpo_config import PolarGRPOConfig
-
-            self.config_params = config_options(PolarGRPOConfig)
+            self.config_params = self.config_options()
             self.params.extend(self.config_params)
         return super().get_params(ctx)
 
@@ -164,6 +183,61 @@ class GrpoCommand(TyperCommand):
             param.name: ctx.params.pop(param.name) for param in self.config_params or []
         }
         return super().invoke(ctx)
+
+
+class GrpoCommand(ConfigOptionsCommand):
+    """`polar-mitm grpo`: the options of `config_options(PolarGRPOConfig)`."""
+
+    def config_options(self) -> list:
+        from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+        return config_options(PolarGRPOConfig)
+
+
+def grpo_argv(fields: dict[str, Any]) -> list[str]:
+    """`polar-mitm grpo` options that give these PolarGRPOConfig field values (those at the option's default are
+    left out); a field that is no `grpo` option is refused."""
+    from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+    params = {param.name: param for param in config_options(PolarGRPOConfig)}
+    argv: list[str] = []
+    for name, value in fields.items():
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"{name} is not a `polar-mitm grpo` option")
+        if value == param.default:
+            continue
+        if value is None:
+            raise ValueError(
+                f"{name}=None cannot be given as a `polar-mitm grpo` option (its default is {param.default})"
+            )
+        if param.is_flag:
+            argv.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            argv += [param.opts[0], str(value)]
+    return argv
+
+
+def training_data(sequences: list, fields: dict[str, Any]):
+    """The training rows of merged sequences under a config's data options (as `polar-mitm grpo` builds them)."""
+    from polar_mitm.train.data import build_training_data
+
+    return build_training_data(
+        sequences,
+        estimator=fields.get("advantage_estimator", "mean_std"),
+        scale_rewards=fields.get("scale_rewards", "group"),
+        max_length=fields.get("max_length"),
+        group_size=fields.get("group_size"),
+        keep_truncated_sampling=fields.get("keep_truncated_sampling", False),
+    )
+
+
+def lora_config(r: int, alpha: int, target_modules: str):
+    """PEFT's LoraConfig from the LoRA options (`all-linear` or a comma list of module names)."""
+    from peft import LoraConfig
+
+    targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM")
 
 
 def grpo_config(
@@ -193,11 +267,9 @@ def grpo_command(
         str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")
     ] = "tiny",
     lora: Annotated[bool, typer.Option(help="Train LoRA adapters instead of all weights.")] = False,
-    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
-    lora_alpha: Annotated[int, typer.Option(help="LoRA alpha.")] = 32,
-    lora_target_modules: Annotated[
-        str, typer.Option(help="LoRA target modules (comma list or all-linear).")
-    ] = ("all-linear"),
+    lora_r: Annotated[int, typer.Option(help=LORA_HELP["lora_r"])] = 16,
+    lora_alpha: Annotated[int, typer.Option(help=LORA_HELP["lora_alpha"])] = 32,
+    lora_target_modules: Annotated[str, typer.Option(help=LORA_HELP["lora_target_modules"])] = ("all-linear"),
     save_steps: Annotated[
         int, typer.Option(help="Intermediate checkpoints every N steps (0: none).", rich_help_panel=TRL_PANEL)
     ] = 0,
@@ -208,37 +280,20 @@ def grpo_command(
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
     from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.train.data import build_training_data, load_sequences
+    from polar_mitm.train.data import load_sequences
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
     from polar_mitm.train.sync import attach_engine_push
 
     fields = ctx.meta[CONFIG_FIELDS]
     model_dir = resolve_model(model)
-    sequences = load_sequences(data)
-    train_data = build_training_data(
-        sequences,
-        estimator=fields["advantage_estimator"],
-        scale_rewards=fields["scale_rewards"],
-        max_length=fields["max_length"],
-        group_size=fields["group_size"],
-        keep_truncated_sampling=fields["keep_truncated_sampling"],
-    )
+    train_data = training_data(load_sequences(data), fields)
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
     config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
-
-        targets = (
-            lora_target_modules if lora_target_modules == "all-linear" else lora_target_modules.split(",")
-        )
-        peft_config = LoraConfig(
-            r=lora_r, lora_alpha=lora_alpha, target_modules=targets, task_type="CAUSAL_LM"
-        )
+    peft_config = lora_config(lora_r, lora_alpha, lora_target_modules) if lora else None
     trainer = PolarGRPOTrainer(str(model_dir), args=config, train_data=train_data, peft_config=peft_config)
     attach_engine_push(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     saved = trainer.save_final()
     if trainer.accelerator.is_main_process:
         (output_dir / "data_stats.json").write_text(json.dumps(train_data.stats.to_dict(), indent=2))

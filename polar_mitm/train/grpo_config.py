@@ -5,11 +5,16 @@ TRL's fields keep their meaning wherever they still apply (`loss_type`, `epsilon
 completions were sampled by the engine behind the gateway, and are read from merged shards.
 
 Every field carries its help in `metadata["help"]`: each field added here becomes a `polar-mitm grpo` option with
-that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where its `TRL_OPTIONS` lists them).
+that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where its `TRL_OPTIONS` lists them), and a
+`polar-mitm loop` option too (the loop sets a few itself: `LOOP_SETS` in rollout/loop.py).
+
+TRL options that act only on the generation step this trainer replaces are refused when set (`NO_EFFECT_ON_RECORDED`):
+accepting them would silently do nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -19,6 +24,35 @@ from polar_mitm.train.advantages import AdvantageEstimator
 
 STALE_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)  # the one set: train/advantages.py
+TorchDtype = Literal["fp32", "bf16", "fp16", "auto"]
+TORCH_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+FRESH_RATIO_CAP = 2.0  # default `delta`: the same bound as the stale rows' TIS cap (`stale_is_clip_max`)
+CISPO_EPSILON_HIGH = 5.0  # CISPO's IS-weight cap (ScaleRL's ε_max; TRL's docs recommend it too)
+REFERENCE_AT_START = "start"
+
+_SAMPLING = (
+    "the engine behind the gateway sampled the completions: set sampling on the gateway (polar_top_p, …)"
+)
+_VLLM = "the engine behind the gateway samples; nothing is generated in the trainer"
+# TRL fields that act only on the generation step this trainer replaces: set to anything but TRL's default, refused.
+NO_EFFECT_ON_RECORDED: dict[str, str] = {
+    "mask_truncated_completions": "recorded sequences are cut by --max-length as exact prefixes, and calls the engine "
+    "cut (finish_reason length) are kept or excluded by merge, not by the trainer",
+    "top_p": _SAMPLING,
+    "top_k": _SAMPLING,
+    "min_p": _SAMPLING,
+    "repetition_penalty": _SAMPLING,
+    "generation_kwargs": _SAMPLING,
+    "chat_template_kwargs": "prompts are the recorded token ids; no chat template is applied",
+    "cache_implementation": _VLLM,
+    "use_vllm": _VLLM,
+    "use_transformers_continuous_batching": _VLLM,
+    "use_transformers_paged": _VLLM,
+    "max_tool_calling_iterations": "tool calls ran in the harness during the rollout",
+    "log_completions": "rows carry token ids, not the prompt/completion texts TRL's completion log prints",
+    "num_generations_eval": "groups are the recorded task_id groups; nothing is generated for evaluation",
+    "reward_weights": "the reward is the recorded one (one reward per session)",
+}
 
 
 @dataclass
@@ -79,6 +113,72 @@ class PolarGRPOConfig(GRPOConfig):
     shuffle_dataset: bool | None = field(
         default=True,
         metadata={"help": "Shuffle the order of the length buckets (each epoch)."},
+    )
+    delta: float | None = field(
+        default=FRESH_RATIO_CAP,
+        metadata={
+            "help": "Cap of the ratio pi_theta / pi_anchor in the clipped loss (TRL's two-sided clip, INTELLECT-2). "
+            "On by default: for rows sampled by the starting weights the anchor is the engine's recorded "
+            "logprob, and where the advantage is negative PPO's min takes the unclipped ratio, so without "
+            "a cap an engine/trainer gap of g nats weighs a token exp(g). Tokens over the cap get no "
+            "gradient (counted as off_policy/frac_over_delta). Must exceed 1 + epsilon_high; `inf` turns it "
+            "off. CISPO, SAPO and VESPO bound their weights themselves and ignore it."
+        },
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Upper clip range of the ratio (default: epsilon). With loss_type cispo it is the cap of "
+            f"CISPO's importance weight instead, default {CISPO_EPSILON_HIGH:g} (ScaleRL's epsilon_max): "
+            f"CISPO clips the weight at epsilon_high itself, so inheriting epsilon = 0.2 would clip every "
+            f"token above ratio 0.2."
+        },
+    )
+
+    # -- the model ----------------------------------------------------------------------------------------------------
+    torch_dtype: TorchDtype = field(
+        default="fp32",
+        metadata={
+            "help": "Dtype the weights are loaded and trained in: fp32 (exact logprobs, fp32 master weights), bf16, "
+            "fp16, or auto (the checkpoint's). Checkpoints are written, and pushed to the engine, in the "
+            "checkpoint's own dtype or this one, whichever is narrower: a bf16 model stays bf16 on disk and "
+            "on the push even when trained in fp32 (the trainer's own copy in output_dir keeps fp32)."
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Attention kernel the model is loaded with (eager | sdpa | flash_attention_2 | flex_attention | "
+            "…; default: transformers' choice for the model and device)."
+        },
+    )
+    reference_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "KL reference (beta > 0): a checkpoint directory, or `start` (the weights this training starts "
+            "from, the default of `polar-mitm grpo`). `polar-mitm loop` passes the run's initial model, so "
+            "the reference stays the initial policy across iterations. With LoRA the reference is the base "
+            "model (the adapter disabled)."
+        },
+    )
+
+    # -- one optimizer across trainings -----------------------------------------------------------------------------
+    run_state_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Carry one optimizer across separate trainings (the loop's iterations): at the start, load the "
+            "AdamW moments and step counts, the LR scheduler's position and (LoRA) the adapter from this "
+            "directory when it holds them; at the end, save them there. The weights themselves are the "
+            "model you start from."
+        },
+    )
+    lr_schedule_trainings: int = field(
+        default=1,
+        metadata={
+            "help": "The LR schedule (warmup included) spans this many trainings of the first one's length: the "
+            "loop passes its --iterations, so warmup and decay run once over the whole run. Fixed by the "
+            "first training and kept in run_state_dir; past its end the LR stays at its last value."
+        },
     )
 
     # -- recorded data ---------------------------------------------------------------------------------------------
@@ -241,6 +341,11 @@ class PolarGRPOConfig(GRPOConfig):
             raise ValueError("behaviour_logp_tolerance must be >= 0")
         if self.group_size is not None and self.group_size < 2:
             raise ValueError("group_size must be at least 2 (a group of one has no baseline)")
+        self._refuse_generation_options()
+        self._set_off_policy_bounds()
+        self._set_model_loading()
+        if self.lr_schedule_trainings < 1:
+            raise ValueError("lr_schedule_trainings must be at least 1")
         # Every row carries its own columns to the trainer: TRL must not drop them.
         self.remove_unused_columns = False
         if self.max_length is not None:
@@ -260,3 +365,36 @@ class PolarGRPOConfig(GRPOConfig):
                 )
             self.num_generations = local
         super().__post_init__()
+
+    def _refuse_generation_options(self) -> None:
+        """One line naming a TRL option that would do nothing here, and why (see NO_EFFECT_ON_RECORDED)."""
+        defaults = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+        for name, reason in NO_EFFECT_ON_RECORDED.items():
+            default = defaults[name]
+            expected = (
+                default.default_factory() if default.default is dataclasses.MISSING else default.default
+            )
+            if getattr(self, name) != expected:
+                raise ValueError(f"{name} does nothing on recorded rollouts: {reason}")
+
+    def _set_off_policy_bounds(self) -> None:
+        """CISPO's own weight cap; the fresh-row ratio cap must sit above PPO's clip range."""
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            self.epsilon_high = CISPO_EPSILON_HIGH
+        high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if self.delta is not None and self.loss_type != "cispo" and self.delta <= 1 + high:
+            raise ValueError(
+                f"delta ({self.delta:g}) must exceed 1 + epsilon_high ({1 + high:g}): below it the cap would "
+                f"clip the ratios PPO keeps"
+            )
+
+    def _set_model_loading(self) -> None:
+        """`torch_dtype` and `attn_implementation` reach TRL as `model_init_kwargs` (policy and reference alike)."""
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ValueError(f"torch_dtype must be one of {tuple(TORCH_DTYPES)}")
+        kwargs = dict(self.model_init_kwargs or {})
+        if self.torch_dtype != "fp32":  # TRL loads in float32 unless told otherwise
+            kwargs.setdefault("dtype", TORCH_DTYPES[self.torch_dtype])
+        if self.attn_implementation is not None:
+            kwargs.setdefault("attn_implementation", self.attn_implementation)
+        self.model_init_kwargs = kwargs or self.model_init_kwargs

@@ -15,6 +15,8 @@ Two TRL methods are overridden (pinned to trl==1.16.0, whose internals they foll
 - `_compute_loss`: logs the per-row behaviour-logprob check of each micro-batch, and makes TRL's KL exactly 0 on
   tokens outside the loss (policy and reference logprobs there both set to the ratio anchor before TRL
   exponentiates their differences), so a context token cannot overflow exp() into inf · 0 = NaN.
+- from `ContinuationMixin` (train/continuation.py): `create_scheduler`, `train` and `_save_checkpoint`, so one
+  optimizer, LR schedule and KL reference last a whole loop run, and a stopped run resumes exactly.
 
 Everything else — the loss types, clipping, KL to a reference, PEFT, gradient accumulation, multi-process
 training through accelerate, logging — is TRL's.
@@ -38,9 +40,11 @@ from trl import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
 from polar_mitm.train.batching import LengthBucketSampler, collate
+from polar_mitm.train.continuation import ContinuationMixin
 from polar_mitm.train.data import TrainingData
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.stats import newest_weight_version, version_distance
+from polar_mitm.train.sync import set_checkpoint_dtype, write_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def recorded_reward(completions: list[Any], reward: list[float] | None = None, *
     return [float(r) for r in reward or []]
 
 
-class PolarGRPOTrainer(GRPOTrainer):
+class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
     """GRPO on merged sequences (MERGED_SCHEMA): the loss only on sampled tokens, ratios against behaviour logprobs.
 
     Args:
@@ -116,6 +120,8 @@ class PolarGRPOTrainer(GRPOTrainer):
         self.behaviour_logp_diff: dict[int, float] | None = (
             None  # row → mean |recomputed - recorded|, at step 0
         )
+        # row → (sampled tokens whose step-0 ratio trainer/engine exceeds the fresh-row cap, sampled tokens, max log ratio)
+        self.behaviour_ratio_excess: dict[int, tuple[int, int, float]] = {}
         # The dataset holds the rows, then zero-weight placeholders that fill the last length bucket.
         super().__init__(
             model=str(model) if isinstance(model, Path) else model,
@@ -127,11 +133,19 @@ class PolarGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
         )
         self.base_weight_version = args.policy_weight_version or newest_weight_version(train_data.rows)
+        self._init_continuation()
+        if self.loss_type == "dr_grpo":
+            # Dr. GRPO's constant normaliser is the longest completion; here, the data's longest sequence.
+            self.max_completion_length = max(train_data.lengths())
         self._install_temperature_hooks()
         self._log_data_summary()
         from polar_mitm.train.metrics import JsonlMetricsCallback
 
-        self.add_callback(JsonlMetricsCallback(Path(args.output_dir) / args.metrics_file))
+        self.add_callback(
+            JsonlMetricsCallback(
+                Path(args.output_dir) / args.metrics_file, step_offset=self.run_state.optimizer_steps
+            )
+        )
 
     # -- versions --------------------------------------------------------------------------------------------------
 
@@ -379,7 +393,32 @@ class PolarGRPOTrainer(GRPOTrainer):
         values = [
             math.nan if row.get("placeholder") else checked.get(row.get("row"), math.nan) for row in inputs
         ]
+        self._log_ratio_cap(inputs, device)
         return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def fresh_ratio_cap(self) -> float:
+        """The cap on a fresh row's ratio against the engine's logprobs: CISPO's weight cap, else TRL's `delta`."""
+        if self.loss_type == "cispo":
+            return float(self.epsilon_high)
+        return math.inf if self.args.delta is None else float(self.args.delta)
+
+    def _log_ratio_cap(self, inputs: list[dict[str, Any]], device) -> None:
+        """Per generation batch, from the step-0 check: the share of its checked sampled tokens whose ratio
+        pi_trainer / pi_engine exceeds the fresh-row cap (they get no gradient), and the largest such log ratio."""
+        excess = [
+            self.behaviour_ratio_excess.get(row.get("row")) for row in inputs if not row.get("placeholder")
+        ]
+        excess = [e for e in excess if e is not None]
+        over, tokens = sum(e[0] for e in excess), sum(e[1] for e in excess)
+        top = max((e[2] for e in excess), default=-math.inf)
+        totals = self.accelerator.reduce(
+            torch.tensor([float(over), float(tokens)], device=device), reduction="sum"
+        )
+        if totals[1] > 0:
+            mode = "train" if self.model.training else "eval"
+            largest = self.accelerator.gather(torch.tensor([top], device=device)).max().item()
+            self._metrics[mode]["off_policy/frac_over_delta"].append((totals[0] / totals[1]).item())
+            self._metrics[mode]["off_policy/step0_log_ratio_max"].append(largest)
 
     def _run_behaviour_check(self) -> dict[int, float]:
         """Score every row sampled by the starting weights once, before the first step, split across processes.
@@ -401,7 +440,7 @@ class PolarGRPOTrainer(GRPOTrainer):
         # Every rank runs the same number of forward passes (collective under ZeRO-3/FSDP).
         local = torch.tensor([math.ceil(len(mine) / size)], device=self.accelerator.device)
         n_batches = int(self.accelerator.gather(local).max().item())
-        results: dict[int, float] = {}
+        results: dict[int, tuple[float, int, int, float]] = {}
         for b in range(n_batches):
             chunk = mine[b * size : (b + 1) * size] or fresh[:1]
             for i, value in zip(chunk, self._row_logp_diff([rows[i] for i in chunk]), strict=True):
@@ -409,17 +448,23 @@ class PolarGRPOTrainer(GRPOTrainer):
         from accelerate.utils import gather_object
 
         merged = dict(pair for pair in gather_object(list(results.items())))
-        self._write_behaviour_report(merged, unchecked=len(rows) - len(fresh))
-        return merged
+        self.behaviour_ratio_excess = {i: value[1:] for i, value in merged.items()}
+        diffs = {i: value[0] for i, value in merged.items()}
+        self._write_behaviour_report(diffs, unchecked=len(rows) - len(fresh))
+        return diffs
 
-    def _row_logp_diff(self, rows: list[dict[str, Any]]) -> list[float]:
-        """Per row: mean |logprob under the current weights - recorded logprob| over its sampled tokens."""
+    def _row_logp_diff(self, rows: list[dict[str, Any]]) -> list[tuple[float, int, int, float]]:
+        """Per row: mean |logprob under the current weights - recorded logprob| over its sampled tokens; how many of
+        them have a ratio pi_current / pi_recorded over the fresh-row cap; its sampled tokens; the largest log ratio."""
         batch = {k: v.to(self.accelerator.device) for k, v in self._collate(rows).items()}
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps = self.policy_logps(batch)
-        mask = batch["loss_mask"].float()
-        diff = ((logps - batch["behaviour_logps"]).abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return diff.tolist()
+        mask = batch["loss_mask"].bool()
+        log_ratio = logps - batch["behaviour_logps"]
+        diff = (log_ratio.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        over = ((log_ratio > math.log(self.fresh_ratio_cap())) & mask).sum(-1)
+        largest = torch.where(mask, log_ratio, torch.full_like(log_ratio, -math.inf)).max(-1).values
+        return list(zip(diff.tolist(), over.tolist(), mask.sum(-1).tolist(), largest.tolist(), strict=True))
 
     def _write_behaviour_report(self, diffs: dict[int, float], unchecked: int) -> None:
         rows, tolerance = self.train_data.rows, self.args.behaviour_logp_tolerance
@@ -430,6 +475,9 @@ class PolarGRPOTrainer(GRPOTrainer):
             "rows_unchecked_stale": unchecked,
             "rows_over_threshold": len(over),
             "rows_dropped": len(over) if self.args.drop_mismatched_rows else 0,
+            "fresh_ratio_cap": self.fresh_ratio_cap() if math.isfinite(self.fresh_ratio_cap()) else None,
+            "tokens_over_cap": sum(e[0] for e in self.behaviour_ratio_excess.values()),
+            "tokens_checked": sum(e[1] for e in self.behaviour_ratio_excess.values()),
             "mean_abs_diff": sum(diffs.values()) / len(diffs) if diffs else None,
             "max_abs_diff": max(diffs.values()) if diffs else None,
             "worst_rows": [
@@ -602,23 +650,34 @@ class PolarGRPOTrainer(GRPOTrainer):
     # -- saving ----------------------------------------------------------------------------------------------------
 
     def save_for_engine(self, output_dir: str | Path) -> Path:
-        """Write a full Hugging Face checkpoint an engine can load: the weights (LoRA merged in), the tokenizer, and
-        the model metadata polar-mitm's engine reads."""
+        """Write a full Hugging Face checkpoint an engine can load: the weights (LoRA merged in) in `write_dtype` —
+        a bf16 model stays bf16 even when trained in fp32 — the tokenizer, and the model metadata polar-mitm's
+        engine reads."""
         output_dir = Path(output_dir)
+        main = self.accelerator.is_main_process
+        model = self.accelerator.unwrap_model(self.model)
+        dtype = write_dtype(model.dtype, self.model_source)
         if self.is_peft:
-            if self.accelerator.is_main_process:
-                merged = copy.deepcopy(self.accelerator.unwrap_model(self.model)).merge_and_unload()
+            if main:
+                merged = copy.deepcopy(model).merge_and_unload().to(dtype)
                 merged.save_pretrained(output_dir)
                 self.processing_class.save_pretrained(output_dir)
             self.accelerator.wait_for_everyone()
-        else:
+        elif dtype == model.dtype:
             self.save_model(str(output_dir))
-        if self.accelerator.is_main_process:
+        else:
+            weights = self.accelerator.get_state_dict(self.model)  # collective under ZeRO-3 / FSDP
+            if main:
+                self._save(str(output_dir), state_dict={k: v.to(dtype) for k, v in weights.items()})
+            self.accelerator.wait_for_everyone()
+        if main:
+            set_checkpoint_dtype(output_dir, dtype)
             self._copy_model_metadata(output_dir)
         return output_dir
 
     def save_final(self) -> dict[str, Path]:
-        """Save the trained model to output_dir (full weights, or LoRA adapters plus `merged/` when asked)."""
+        """Save the trained model to output_dir (full weights in the training dtype — the copy a next training
+        continues from — or LoRA adapters plus `merged/` when asked); with `run_state_dir`, the optimizer too."""
         output_dir = Path(self.args.output_dir)
         self.save_model(str(output_dir))
         saved = {"model": output_dir}
@@ -626,6 +685,8 @@ class PolarGRPOTrainer(GRPOTrainer):
             self._copy_model_metadata(output_dir)
         if self.is_peft and self.args.save_merged:
             saved["merged"] = self.save_for_engine(output_dir / "merged")
+        if self.args.run_state_dir:
+            saved["run_state"] = self.save_run_state()
         return saved
 
     @property

@@ -30,24 +30,45 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 class JsonlMetricsCallback(TrainerCallback):
-    """Append every `on_log` payload to a JSONL file, with the step, wall time and tokens/s since the last log."""
+    """Append every `on_log` payload to a JSONL file, with the step, wall time and tokens/s since the last log.
 
-    def __init__(self, path: str | Path) -> None:
+    `run_step` is the optimizer step over the whole run (`step_offset`: the steps of the trainings before this one,
+    when a loop carries one optimizer across them). A resumed run first drops the records after the checkpoint's
+    step — steps logged after the last checkpoint, before the stop — so every step is written once.
+    """
+
+    def __init__(self, path: str | Path, step_offset: int = 0) -> None:
         self.path = Path(path)
+        self.step_offset = step_offset
         self._last_time: float | None = None
         self._last_tokens = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and state.global_step == 0 and self.path.exists():
-            self.path.unlink()  # a fresh run in a reused directory; a resumed one (global_step > 0) appends
+        if state.is_world_process_zero and self.path.exists():
+            if state.global_step == 0:
+                self.path.unlink()  # a fresh run in a reused directory
+            else:
+                self._keep_records_up_to(state.global_step)  # resumed from the checkpoint of that step
         self._last_time = time.time()
         self._last_tokens = state.num_input_tokens_seen or 0
+
+    def _keep_records_up_to(self, step: int) -> None:
+        """The step records up to `step`; the stopped training's closing summary goes too (the resumed one writes
+        its own)."""
+        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [r for r in records if r["step"] <= step and "train_runtime" not in r]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         now = time.time()
-        record: dict[str, Any] = {"step": state.global_step, "epoch": state.epoch, "time": now}
+        record: dict[str, Any] = {
+            "step": state.global_step,
+            "run_step": self.step_offset + state.global_step,
+            "epoch": state.epoch,
+            "time": now,
+        }
         record.update({k: _jsonable(v) for k, v in logs.items()})
         tokens = logs.get("num_tokens")
         if tokens is not None and self._last_time is not None and now > self._last_time:

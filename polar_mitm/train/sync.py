@@ -3,15 +3,22 @@
 
 The trainer does not attach it itself: whoever builds a `PolarGRPOTrainer` with `push_to_engine` set calls
 `attach_engine_push(trainer)`.
+
+The weights an engine loads are written in the narrower of the dtype they were trained in and the dtype of the
+checkpoint they came from (`write_dtype`): a bf16 model trained in fp32 is pushed as bf16 (half the bytes of a push,
+and what the engine serves anyway), and `config.json` says so (`set_checkpoint_dtype`), since engines pick the dtype
+they load in from it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import TrainerCallback
 
 from polar_mitm.engines import push_weights
@@ -72,3 +79,31 @@ def attach_engine_push(trainer: PolarGRPOTrainer) -> EnginePushCallback | None:
     callback = EnginePushCallback(trainer)
     trainer.add_callback(callback)
     return callback
+
+
+def checkpoint_dtype(directory: str | Path | None) -> torch.dtype | None:
+    """The dtype a Hugging Face checkpoint declares in its config.json (None: no directory, or not declared)."""
+    config = Path(directory) / "config.json" if directory is not None else None
+    if config is None or not config.exists():
+        return None
+    settings = json.loads(config.read_text())
+    name = settings.get("dtype") or settings.get("torch_dtype")  # transformers 5 / 4 spelling
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def write_dtype(trained: torch.dtype, source: str | Path | None) -> torch.dtype:
+    """The dtype to write a checkpoint in: the narrower of the training dtype and the source checkpoint's."""
+    declared = checkpoint_dtype(source)
+    if declared is None or not declared.is_floating_point:
+        return trained
+    return declared if torch.finfo(declared).bits < torch.finfo(trained).bits else trained
+
+
+def set_checkpoint_dtype(directory: str | Path, dtype: torch.dtype) -> None:
+    """Make config.json declare the dtype its weights were written in."""
+    config = Path(directory) / "config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("torch_dtype", None)
+    settings["dtype"] = str(dtype).removeprefix("torch.")
+    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
