@@ -1,16 +1,43 @@
-"""Training rows → TRL's batches: `collate` pads a batch into prompt/completion tensors, and `LengthBucketSampler`
-(TRL's RepeatSampler contract) groups rows of similar length so a batch wastes almost no padding.
+"""Training rows → TRL's batches: which rows share an optimizer step, and how each step is cut into micro-batches.
 
-Every row is in exactly one batch per epoch; the last batch is filled with zero-weight placeholder copies
-(`padding_sources`), so no row is trained on more often than the others.
+GRPO's advantages are group-relative, so a step must hold whole groups: an update built from part of a group has no
+baseline (one synthetic run gave one step a mean advantage of +1.06 and the next ones only negative values).
+`plan_batches` packs whole task groups — every sequence of every session — into *chunks* of at most
+`BatchShape.chunk_rows` rows, in length order (groups of similar length share a chunk), and splits each chunk across
+the processes by tokens. A chunk is the part of TRL's generation batch that `gcd(steps_per_generation,
+gradient_accumulation_steps)` micro-batches per process cover, so every optimizer step is made of whole chunks and
+holds whole groups, also across processes. `GroupBatchSampler` yields the plan in TRL's RepeatSampler contract;
+empty slots hold a placeholder row that never reaches a forward pass.
+
+**Dynamic sampling.** A group whose advantages are all 0 (equal rewards, one session, no task id) has no policy
+gradient, yet under token-level losses its tokens would dilute the loss normaliser (two such groups holding 2/3 of
+the tokens cut the gradient to 1/3). `plan_batches` leaves them out unless asked to keep them (and keeps them all
+when nothing else is left, so a run on such data still runs).
+
+**A group larger than a chunk** cannot grow the batch (TRL's generation batch has a fixed number of rows), so it is
+split into parts, each part taking whole sessions dealt in advantage order so every part holds high and low
+rewards. Each part is then treated as a smaller group: its advantages are recentred on the part's own mean (the
+group's scale kept), so each step's mean advantage stays 0 — one baseline per step instead of a baseline shared by
+steps that move the policy in turn. A part left with a single session (sessions so long that two do not fit in a
+chunk, or one longer than a chunk, whose sequences are then cut into chunks) keeps the group's advantage: it is
+the one case where a step's mean is not 0, counted and warned about.
+
+`micro_batches` then cuts a process's share of a chunk into its micro-batches: rows sorted by length, split where
+the largest micro-batch (its padded grid, or its tokens when packed) is smallest — never larger than the equal-count
+split TRL would use, so memory stays bounded by `per_device_train_batch_size` rows of the longest length.
+
+`collate` pads rows into TRL's prompt/completion tensors. `LengthBucketSampler` and `length_buckets` are the
+earlier sampler (length buckets over all rows, groups ignored), kept for comparison (benchmarks/bench_train_step.py).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from polar_mitm.train.turn_sampling import token_temperatures
 
@@ -149,3 +176,334 @@ class LengthBucketSampler:
     def __len__(self) -> int:
         n_chunks = math.ceil(len(self.lengths) / self.batch_size)
         return n_chunks * self.batch_size * self.repeat_count
+
+
+# -- whole groups per optimizer step ------------------------------------------------------------------------------
+
+MicroBatchCost = Literal["grid", "tokens"]
+ADVANTAGE_TOL = 1e-12  # a part whose advantages differ by less than this has none (exactly 0)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How TRL walks a generation batch: `per_device` rows per micro-batch slot, `processes`, and the micro-batches
+    per generation (`steps_per_generation`) and per optimizer step (`accumulation_steps`)."""
+
+    per_device: int
+    processes: int
+    steps_per_generation: int
+    accumulation_steps: int
+
+    @property
+    def micro_per_chunk(self) -> int:
+        """Micro-batches per process in a chunk: a whole number of them fills a generation batch and a step."""
+        return math.gcd(self.steps_per_generation, self.accumulation_steps)
+
+    @property
+    def chunk_slots(self) -> int:
+        """Rows of a chunk on one process."""
+        return self.per_device * self.micro_per_chunk
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of a chunk over all processes: the most rows a group may have and stay whole."""
+        return self.chunk_slots * self.processes
+
+    @property
+    def chunks_per_generation(self) -> int:
+        return self.steps_per_generation // self.micro_per_chunk
+
+    @property
+    def generation_rows(self) -> int:
+        return self.per_device * self.processes * self.steps_per_generation
+
+
+@dataclass
+class BatchUnit:
+    """Rows that must share a chunk: a whole group, or one part of a group too large for a chunk."""
+
+    group: str
+    rows: list[int]
+    advantage: dict[int, float] = field(default_factory=dict)  # recentred advantages of a split group's part
+    single_session_part: bool = False
+
+
+@dataclass
+class BatchPlan:
+    """Chunks (each: per process, the row indices it trains) and what the plan left out or changed."""
+
+    chunks: list[list[list[int]]]
+    advantage: dict[int, float]  # row → advantage, where a split part recentred it
+    zero_advantage_groups: int = 0  # left out (dynamic sampling)
+    zero_advantage_rows: int = 0
+    zero_advantage_tokens: int = 0
+    zero_advantage_kept: bool = False
+    split_groups: int = 0  # groups larger than a chunk, trained in parts
+    single_session_parts: int = (
+        0  # parts of one session (keep the group's advantage): their step's mean is not 0
+    )
+    rows_per_chunk: float = 0.0  # real rows over chunk_rows: how full the steps are
+
+    def rows(self) -> list[int]:
+        return [i for chunk in self.chunks for share in chunk for i in share]
+
+
+def group_key(row: dict[str, Any]) -> str:
+    """The GRPO group of a row: its task, or its own session where it has none (a group of one)."""
+    task = row.get("task_id")
+    return f"task:{task}" if task is not None else f"session:{row['session_id']}"
+
+
+def plan_batches(
+    rows: Sequence[dict[str, Any]], shape: BatchShape, *, keep_zero_advantage: bool = False
+) -> BatchPlan:
+    """Whole groups packed into chunks of at most `shape.chunk_rows` rows, in length order, each chunk's rows
+    split across the processes (see the module docstring). Deterministic: every process builds the same plan."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    units = [
+        unit
+        for group, members in _groups(rows).items()
+        for unit in _split_group(group, members, rows, shape.chunk_rows)
+    ]
+    informative = [u for u in units if _has_advantage(u, rows)]
+    dropped = [u for u in units if not _has_advantage(u, rows)]
+    kept_all = keep_zero_advantage or not informative  # nothing to learn: train on them as they are
+    chosen = units if kept_all else informative
+    chunks = _pack_units(chosen, lengths, shape.chunk_rows)
+    chunks += [[] for _ in range((-len(chunks)) % shape.chunks_per_generation)]
+    dropped_rows = [] if kept_all else [i for u in dropped for i in u.rows]
+    real = sum(len(c) for c in chunks)
+    return BatchPlan(
+        chunks=[_split_across_processes(c, lengths, shape) for c in chunks],
+        advantage={i: a for u in chosen for i, a in u.advantage.items()},
+        zero_advantage_groups=0 if kept_all else len({u.group for u in dropped}),
+        zero_advantage_rows=len(dropped_rows),
+        zero_advantage_tokens=sum(lengths[i] for i in dropped_rows),
+        zero_advantage_kept=bool(dropped) and kept_all,
+        split_groups=sum(n > 1 for n in Counter(u.group for u in units).values()),
+        single_session_parts=sum(u.single_session_part for u in chosen),
+        rows_per_chunk=real / (len(chunks) * shape.chunk_rows) if chunks else 0.0,
+    )
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        if not row.get("placeholder"):
+            members[group_key(row)].append(i)
+    return members
+
+
+def _has_advantage(unit: BatchUnit, rows: Sequence[dict[str, Any]]) -> bool:
+    return any(unit.advantage.get(i, float(rows[i]["advantage"])) != 0.0 for i in unit.rows)
+
+
+def _split_group(
+    group: str, members: list[int], rows: Sequence[dict[str, Any]], capacity: int
+) -> list[BatchUnit]:
+    """The group as one unit, or — larger than `capacity` rows — parts of whole sessions dealt in advantage order,
+    each recentred on its own mean advantage (module docstring)."""
+    if len(members) <= capacity:
+        return [BatchUnit(group, members)]
+    sessions: dict[str, list[int]] = defaultdict(list)
+    for i in members:
+        sessions[rows[i]["session_id"]].append(i)
+    order = sorted(sessions, key=lambda s: (float(rows[sessions[s][0]]["advantage"]), s))
+    parts: list[list[str]] = [[] for _ in range(math.ceil(len(members) / capacity))]
+    sizes = [0] * len(parts)
+    units: list[BatchUnit] = []
+    for n, session in enumerate(order):
+        size = len(sessions[session])
+        if size > capacity:  # a session larger than a chunk: its parts hold nothing else to recentre against
+            for start in range(0, size, capacity):
+                units.append(BatchUnit(group, sessions[session][start : start + capacity], {}, True))
+            continue
+        fits = [p for p in range(len(parts)) if sizes[p] + size <= capacity]
+        if not fits:
+            parts.append([])
+            sizes.append(0)
+            fits = [len(parts) - 1]
+        target = n % len(parts) if n % len(parts) in fits else max(fits, key=lambda p: capacity - sizes[p])
+        parts[target].append(session)
+        sizes[target] += size
+    for part in (p for p in parts if p):
+        units.append(_recentred_part(group, [sessions[s] for s in part], rows))
+    return units
+
+
+def _recentred_part(group: str, sessions: list[list[int]], rows: Sequence[dict[str, Any]]) -> BatchUnit:
+    """A part of a group, its sessions' advantages minus their mean (each session counted once)."""
+    values = [float(rows[s[0]]["advantage"]) for s in sessions]
+    mean = sum(values) / len(values)
+    flat = max(values) - min(values) <= ADVANTAGE_TOL * max(1.0, max(abs(v) for v in values))
+    advantage = {i: 0.0 if flat else v - mean for s, v in zip(sessions, values, strict=True) for i in s}
+    single = len(sessions) == 1 and values[0] != 0.0
+    if single:  # one session cannot be recentred against itself: it keeps the group's advantage
+        advantage = {}
+    return BatchUnit(group, [i for s in sessions for i in s], advantage, single)
+
+
+def _pack_units(units: Sequence[BatchUnit], lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First fit in order of mean row length: groups of similar length share a chunk, and a short group may fill
+    the room a longer chunk left."""
+    order = sorted(
+        units, key=lambda u: (sum(lengths[i] for i in u.rows) / max(len(u.rows), 1), u.group, u.rows)
+    )
+    chunks: list[list[int]] = []
+    for unit in order:
+        target = next((c for c in chunks if len(c) + len(unit.rows) <= capacity), None)
+        if target is None:
+            chunks.append(list(unit.rows))
+        else:
+            target.extend(unit.rows)
+    return chunks
+
+
+def _split_across_processes(chunk: list[int], lengths: Sequence[int], shape: BatchShape) -> list[list[int]]:
+    """A chunk's rows over the processes, longest first to the one with the fewest tokens (and a free slot), each
+    share then sorted by length."""
+    shares: list[list[int]] = [[] for _ in range(shape.processes)]
+    tokens = [0] * shape.processes
+    for i in sorted(chunk, key=lambda i: (-lengths[i], i)):
+        free = [p for p in range(shape.processes) if len(shares[p]) < shape.chunk_slots]
+        target = min(free, key=lambda p: (tokens[p], len(shares[p]), p))
+        shares[target].append(i)
+        tokens[target] += lengths[i]
+    return [sorted(share, key=lambda i: (lengths[i], i)) for share in shares]
+
+
+class GroupBatchSampler:
+    """TRL's RepeatSampler contract over a `BatchPlan`: global generation batches of `shape.generation_rows`
+    indices, laid out as TRL hands them to the processes (process k gets the k-th `per_device × steps_per_generation`
+    indices), each process's part made of its chunk shares, empty slots filled with `placeholder`. Each generation
+    batch is yielded `repeat_count` times in a row (TRL reuses it for `steps_per_generation × num_iterations`
+    steps); the order of the generation batches is shuffled per epoch, the chunks themselves never change."""
+
+    def __init__(
+        self,
+        plan: BatchPlan,
+        shape: BatchShape,
+        placeholder: int,
+        *,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.plan, self.shape, self.placeholder = plan, shape, placeholder
+        self.repeat_count, self.shuffle, self.seed = repeat_count, shuffle, seed
+        self.epoch = 0
+
+    def generation_batches(self) -> list[list[int]]:
+        """This epoch's generation batches, as flat index lists."""
+        per = self.shape.chunks_per_generation
+        groups = [self.plan.chunks[i : i + per] for i in range(0, len(self.plan.chunks), per)]
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(groups)
+        batches = []
+        for chunks in groups:
+            batch: list[int] = []
+            for process in range(self.shape.processes):
+                for chunk in chunks:
+                    share = chunk[process]
+                    batch += share + [self.placeholder] * (self.shape.chunk_slots - len(share))
+            batches.append(batch)
+        return batches
+
+    def __iter__(self) -> Iterator[int]:
+        batches = self.generation_batches()
+        self.epoch += 1
+        for batch in batches:
+            for _ in range(self.repeat_count):
+                yield from batch
+
+    def __len__(self) -> int:
+        generations = len(self.plan.chunks) // self.shape.chunks_per_generation
+        return generations * self.shape.generation_rows * self.repeat_count
+
+
+def micro_batches(lengths: Sequence[int], count: int, cost: MicroBatchCost = "grid") -> list[list[int]]:
+    """Indices into `lengths` cut into exactly `count` micro-batches (empty ones where there are fewer rows): sorted
+    by length, split where the largest micro-batch is smallest — its padded grid (rows × longest), or its tokens for
+    a packed layout."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if not order:
+        return [[] for _ in range(count)]
+
+    def greedy(limit: int) -> list[list[int]]:
+        parts: list[list[int]] = [[]]
+        for i in order:
+            grown = parts[-1] + [i]
+            if parts[-1] and _cost(grown, lengths, cost) > limit:
+                parts.append([i])
+            else:
+                parts[-1] = grown
+        return parts
+
+    low, high = max(lengths), _cost(order, lengths, cost)
+    while low < high:  # the smallest limit the greedy split meets with `count` parts
+        middle = (low + high) // 2
+        if len(greedy(middle)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    parts = greedy(low)
+    while len(parts) < count and any(len(p) > 1 for p in parts):  # more, smaller micro-batches cost nothing
+        widest = max(range(len(parts)), key=lambda p: (len(parts[p]) > 1, _cost(parts[p], lengths, cost)))
+        half = len(parts[widest]) // 2
+        parts[widest : widest + 1] = [parts[widest][:half], parts[widest][half:]]
+    return parts + [[] for _ in range(count - len(parts))]
+
+
+def _cost(part: Sequence[int], lengths: Sequence[int], cost: MicroBatchCost) -> int:
+    if cost == "tokens":
+        return sum(lengths[i] for i in part)
+    return len(part) * max(lengths[i] for i in part)
+
+
+@dataclass
+class MicroBatchPlan:
+    """A process's generation batch as its micro-batches: positions into its real rows, in training order (an empty
+    micro-batch is a filler: a zero-weight row that keeps every process's step count equal)."""
+
+    micro: list[list[int]]
+    packed: bool
+    lengths: list[int]  # tokens per real row
+    num_items: list[float] = field(default_factory=list)  # per micro-batch: TRL's num_items_in_batch
+
+    def grid(self) -> tuple[int, int]:
+        """(real tokens, tokens computed) over the micro-batches; a filler computes its row, for nothing."""
+        shortest = min(self.lengths, default=0)
+        real = computed = 0
+        for part in self.micro:
+            if not part:
+                computed += shortest
+                continue
+            real += sum(self.lengths[i] for i in part)
+            computed += real_grid(part, self.lengths, self.packed)
+        return real, computed
+
+
+def real_grid(part: Sequence[int], lengths: Sequence[int], packed: bool) -> int:
+    """Tokens a micro-batch computes: its tokens when packed, rows × its longest row when padded."""
+    return _cost(part, lengths, "tokens" if packed else "grid")
+
+
+def plan_micro_batches(
+    rows: Sequence[dict[str, Any]], chunk_slots: int, per_chunk: int, *, packed: bool
+) -> tuple[list[int], MicroBatchPlan]:
+    """The real rows of a process's generation batch (positions in `rows`; placeholders leave here) and their
+    micro-batches: each chunk of `chunk_slots` rows (as `GroupBatchSampler` laid it out) cut into `per_chunk`."""
+    real: list[int] = []
+    micro: list[list[int]] = []
+    for start in range(0, len(rows), chunk_slots):
+        chunk = [
+            i for i in range(start, min(start + chunk_slots, len(rows))) if not rows[i].get("placeholder")
+        ]
+        first = len(real)
+        real += chunk
+        lengths = [len(rows[i]["input_ids"]) for i in chunk]
+        parts = micro_batches(lengths, per_chunk, "tokens" if packed else "grid")
+        micro += [[first + j for j in part] for part in parts]
+    if not real:  # only placeholders here: one of them stands in, every micro-batch a filler
+        real = [0]
+    return real, MicroBatchPlan(micro=micro, packed=packed, lengths=[len(rows[i]["input_ids"]) for i in real])

@@ -3,7 +3,8 @@ scoring temperatures, and the exclusions and exact truncation applied.
 
 Pure functions on `MergedSequence`s; the only I/O is `load_sequences` (through the merged store, which checks each
 row against the contract). The parts live beside this one: advantages.py (group baselines), turn_sampling.py (which
-turns the loss can use), stats.py (what went in), batching.py (collate and the length-bucketed sampler).
+turns the loss can use), stats.py (what went in), batching.py (which rows share an optimizer step: whole groups),
+packing.py (micro-batches without padding waste).
 
 A session may span several sequences (per_request sequences, or prefix_merging chains broken by a prefix change):
 they all share the session's advantage, and share one unit of weight under per-sequence losses (`session_weight`).
@@ -25,7 +26,7 @@ from polar_mitm.train.advantages import (
     group_advantages,
     sample_std,
 )
-from polar_mitm.train.batching import padding_sources
+from polar_mitm.train.batching import group_key, padding_sources
 from polar_mitm.train.stats import DataStats
 from polar_mitm.train.turn_sampling import (
     EXCLUDED_CONSTRAINED,
@@ -74,15 +75,19 @@ class TrainingData:
     stats: DataStats
 
     def to_dataset(self, batch_size: int | None = None):
-        """A `datasets.Dataset` of the rows for TRL's trainer; with `batch_size`, followed by the zero-weight
-        placeholders that fill the last length bucket (see `padding_sources`)."""
+        """A `datasets.Dataset` of the rows for TRL's trainer; with `batch_size`, followed by zero-weight
+        placeholders: those that fill the last length bucket (see `padding_sources`), and at least one — index
+        `len(rows)`, what `GroupBatchSampler` puts in a chunk's empty slots."""
         from datasets import Dataset
 
         if not self.rows:
             raise MergedDataError(
                 "no trainable sequences (all unrewarded, or nothing sampled within --max-length)"
             )
-        sources = padding_sources(self.lengths(), batch_size) if batch_size else []
+        lengths = self.lengths()
+        sources = padding_sources(lengths, batch_size) if batch_size else []
+        if batch_size and not sources:
+            sources = [min(range(len(lengths)), key=lambda i: (lengths[i], i))]
         return Dataset.from_list(self.rows + [{**self.rows[i], "placeholder": True} for i in sources])
 
     def lengths(self) -> list[int]:
@@ -139,7 +144,19 @@ def build_training_data(
     stats.reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
     stats.reward_std = sample_std(rewards)
     stats.weight_versions = dict(sorted(versions.items()))
+    _count_zero_advantage_groups(rows, stats)
     return TrainingData(rows=rows, stats=stats)
+
+
+def _count_zero_advantage_groups(rows: Sequence[dict[str, Any]], stats: DataStats) -> None:
+    """Groups (as the batches form them) whose every row has advantage 0: what dynamic sampling leaves out."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(group_key(row), []).append(row)
+    flat = [members for members in groups.values() if all(r["advantage"] == 0.0 for r in members)]
+    stats.zero_advantage_groups = len(flat)
+    stats.zero_advantage_sequences = sum(len(members) for members in flat)
+    stats.zero_advantage_tokens = sum(len(r["input_ids"]) for members in flat for r in members)
 
 
 def _group_stats(

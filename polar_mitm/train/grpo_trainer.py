@@ -1,14 +1,17 @@
 """`PolarGRPOTrainer`: TRL's GRPO trainer fed with recorded rollouts instead of its own generations.
 
-Two TRL methods are overridden (pinned to trl==1.16.0, whose internals they follow):
+These TRL methods are overridden (pinned to trl==1.16.0, whose internals they follow):
 
-- `_get_train_sampler`: length-bucketed generation batches instead of prompt repeats (groups are formed by task_id
-  before training, so the sampler needs no grouping);
+- `_get_train_sampler`: generation batches of whole task groups (every optimizer step holds whole groups, so its
+  advantages have their baseline), zero-advantage groups left out, instead of prompt repeats (train/batching.py);
 - `_generate_and_score_completions`: instead of sampling, pad recorded rows into TRL's batch: prompt/completion ids
   and masks, `tool_mask` = our loss mask (1 = a token the engine sampled), the precomputed advantages, and
   `old_per_token_logps` = the recorded behaviour logprobs — so TRL's clipped ratio is pi_theta / pi_behaviour.
   Rollouts older than the current policy get the decoupled correction: the ratio is anchored on the current
   weights' logprobs and each token is weighted by pi_current / pi_behaviour, truncated (TIS).
+- `_prepare_inputs`: the scored batch is cut into planned micro-batches — each trimmed to its own longest row, or
+  packed into one row with position ids restarting per sequence (train/packing.py) — instead of TRL's shuffled
+  equal splits at the batch's full width; every loss's normaliser stays the optimizer step's.
 - `_get_per_token_logps_and_entropies`: every token is scored at the temperature of the call that sampled it (TRL
   divides all logits by one `temperature`; we scale the final hidden states per token by T_global / T_token, which
   divides that token's logits by T_token exactly for an LM head without bias or soft-capping).
@@ -39,10 +42,30 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
-from polar_mitm.train.batching import LengthBucketSampler, collate
+from polar_mitm.train.batching import (
+    BatchPlan,
+    BatchShape,
+    GroupBatchSampler,
+    MicroBatchPlan,
+    collate,
+    group_key,
+    plan_batches,
+    plan_micro_batches,
+)
 from polar_mitm.train.continuation import ContinuationMixin
 from polar_mitm.train.data import TrainingData
 from polar_mitm.train.grpo_config import PolarGRPOConfig
+from polar_mitm.train.packing import (
+    PROMPT_KEYS,
+    as_filler,
+    attention_refusal,
+    packed_logps,
+    packed_micro_batch,
+    packing_refusal,
+    scatter_micro_batch,
+    trimmed_micro_batch,
+    use_segment_attention,
+)
 from polar_mitm.train.stats import newest_weight_version, version_distance
 from polar_mitm.train.sync import set_checkpoint_dtype, write_dtype
 
@@ -50,6 +73,11 @@ logger = logging.getLogger(__name__)
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps sequence-level weights finite
 PER_SEQUENCE_LOSSES = ("grpo", "sapo")  # TRL averages each sequence's tokens, then the sequences
+# Losses TRL normalises per micro-batch: by its rows, or by its loss tokens (the rest: by num_items_in_batch).
+ROW_AVERAGED_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
+TOKEN_AVERAGED_LOSSES = ("bnpo",)
+MICRO_BATCH_PLAN = "micro_batch_plan"  # the scored batch's MicroBatchPlan, cut by _split_micro_batches
+PACKED_FORWARD_OPTIONS = ("compute_entropy", "compute_aux_loss")  # what a packed forward can honour
 BEHAVIOUR_CHECK_FILE = "behaviour_check.json"
 WORST_ROWS_REPORTED = 20
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
@@ -91,6 +119,9 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "polar-mitm"]
     _name = "Polar GRPO"
+    _batch_plan: BatchPlan | None = None  # built on first use (batch_plan)
+    _packs: bool | None = None  # decided on first use (packs_micro_batches)
+    _packed_position_ids: torch.Tensor | None = None  # the packed row being scored (_packed_rows)
 
     def __init__(
         self,
@@ -162,28 +193,48 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
 
     # -- TRL overrides ---------------------------------------------------------------------------------------------
 
-    def _get_train_sampler(self, dataset=None) -> LengthBucketSampler:
-        return LengthBucketSampler(
-            self.train_data.lengths(),
-            batch_size=self.args.generation_batch_size,
+    def _get_train_sampler(self, dataset=None) -> GroupBatchSampler:
+        """Whole groups per optimizer step, zero-advantage groups left out (`batching.plan_batches`)."""
+        return GroupBatchSampler(
+            self.batch_plan(),
+            self._batch_shape(),
+            placeholder=len(self.train_data.rows),  # TrainingData.to_dataset puts one there
             repeat_count=self.num_iterations * self.args.steps_per_generation,
             shuffle=bool(self.shuffle_dataset),
             seed=self.args.seed,
         )
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's buffering of a generation batch, cut into the planned micro-batches (each trimmed to its own rows,
+        or packed) instead of TRL's shuffled equal splits at the batch's full width."""
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            self._buffered_inputs = self._split_micro_batches(
+                self._generate_and_score_completions(generation_batch)
+            )
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._packed_rows(inputs.get("position_ids")):  # a packed micro-batch's forward
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         device = self.accelerator.device
         mode = "train" if self.model.training else "eval"
+        real, plan = self._plan_generation(inputs, mode)
+        parts = self.batch_plan().advantage  # recentred advantages of the groups trained in parts
+        inputs = [
+            {**inputs[i], "advantage": parts.get(inputs[i].get("row"), inputs[i]["advantage"])} for i in real
+        ]
         batch = {k: v.to(device) for k, v in self._collate(inputs).items()}
-        prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
-        completion_mask, loss_mask = batch["completion_mask"], batch["loss_mask"]
-        behaviour_logps, advantages = batch["behaviour_logps"], batch["advantages"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
-        forward_batch = (
-            self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        loss_mask, behaviour_logps, advantages = (
+            batch["loss_mask"],
+            batch["behaviour_logps"],
+            batch["advantages"],
         )
+        prompt_lens = [int(row["prompt_len"]) for row in inputs]
 
         logp_diff = self._behaviour_check_values(inputs, device)
         if self.args.drop_mismatched_rows:
@@ -197,16 +248,13 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         # Decided across processes: a forward pass under ZeRO-3/FSDP is collective, so all ranks run it or none does.
         any_stale = self.accelerator.gather(stale.any().float().reshape(1)).max().item() > 0
         old_per_token_logps = behaviour_logps
-        current_logps = None
+        ref_per_token_logps = None
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self.scoring_temperatures(batch["token_temperature"]),
         ):
             if self.args.stale_correction != "none" and any_stale:
-                current_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=forward_batch
-                )
+                current_logps = self._planned_logps(batch, plan, prompt_lens, self._policy_forward)
                 weights = self._stale_importance_weights(
                     current_logps, behaviour_logps, loss_mask, stale, mode
                 )
@@ -217,17 +265,18 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
                 advantages = (
                     advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
                 )
-            ref_per_token_logps = self._reference_logps(
-                input_ids, attention_mask, logits_to_keep, forward_batch
-            )
+            if self.beta != 0.0:
+                ref_per_token_logps = self._planned_logps(batch, plan, prompt_lens, self._reference_logps)
 
         num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()
-        self._log_batch_metrics(mode, batch, staleness)
+        if mode == "train":
+            advantages = self._weigh_for_micro_batches(advantages, loss_mask, plan)
+        self._log_batch_metrics(mode, batch, staleness, plan, inputs)
         output = {
-            "prompt_ids": prompt_ids,
+            "prompt_ids": batch["prompt_ids"],
             "prompt_mask": batch["prompt_mask"],
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
+            "completion_ids": batch["completion_ids"],
+            "completion_mask": batch["completion_mask"],
             "tool_mask": loss_mask,
             "advantages": advantages,
             "num_items_in_batch": num_items_in_batch,
@@ -236,6 +285,8 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             "token_temperature": batch["token_temperature"],
             "behaviour_logp_diff": logp_diff,
             "placeholder": batch["placeholder"],
+            "prompt_lens": torch.tensor(prompt_lens, device=device),
+            MICRO_BATCH_PLAN: plan,
         }
         if ref_per_token_logps is not None:
             output["ref_per_token_logps"] = ref_per_token_logps
@@ -263,11 +314,12 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
     ):
-        """TRL's logprobs, with each completion token scored at its own temperature (`scoring_temperatures`)."""
+        """TRL's logprobs, with each completion token scored at its own temperature (`scoring_temperatures`), of
+        padded rows or of a packed row (`_packed_rows`)."""
         temperatures = self._token_temperature
         if temperatures is None or bool((temperatures == self.temperature).all()):
-            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+            logps, entropies, aux = self._layout_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
             )
         else:
             logps, entropies, aux = self._per_temperature_logps(
@@ -277,6 +329,29 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             mask, anchor = self._kl_anchor
             logps = torch.where(mask, logps, anchor.to(logps.dtype))
         return logps, entropies, aux
+
+    def _layout_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs):
+        """TRL's forward on padded rows; on a packed row the same fused head, with position ids that restart per
+        sequence and attention that stays inside each (`packing.packed_logps`)."""
+        position_ids = self._packed_position_ids
+        if position_ids is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+            )
+        unsupported = sorted(
+            k for k, v in kwargs.items() if v is not None and k not in PACKED_FORWARD_OPTIONS
+        )
+        if unsupported or position_ids.shape != input_ids.shape:
+            raise ValueError(f"a packed row cannot carry {unsupported or 'other position ids'}")
+        return packed_logps(
+            model,
+            input_ids,
+            position_ids,
+            logits_to_keep,
+            compute_entropy=bool(kwargs.get("compute_entropy")),
+            compute_aux_loss=bool(kwargs.get("compute_aux_loss")),
+            autocast=self.accelerator.autocast(),
+        )
 
     # -- per-token temperatures ------------------------------------------------------------------------------------
 
@@ -323,12 +398,12 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             self._hidden_factor = factor[start:end]
             try:
                 parts.append(
-                    super()._get_per_token_logps_and_entropies(
+                    self._layout_logps(
                         model,
                         input_ids[start:end],
                         attention_mask[start:end],
                         logits_to_keep,
-                        batch_size=end - start,
+                        end - start,
                         **kwargs,
                     )
                 )
@@ -555,6 +630,195 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
                 self.loss_type,
                 stats.sequences_per_session_max,
             )
+        self._log_batch_plan()
+
+    def _log_batch_plan(self) -> None:
+        """What the batch plan left out (dynamic sampling) or changed (groups larger than a chunk), into the data
+        stats and the log."""
+        stats, plan, shape = self.train_data.stats, self.batch_plan(), self._batch_shape()
+        if plan.zero_advantage_groups:
+            stats.zero_advantage_groups = plan.zero_advantage_groups
+            stats.zero_advantage_sequences = plan.zero_advantage_rows
+            stats.zero_advantage_tokens = plan.zero_advantage_tokens
+            logger.info(
+                "dynamic sampling: %d groups with zero advantage (%d sequences, %d tokens) left out of the batches "
+                "and the loss normaliser (--keep-zero-advantage-groups keeps them)",
+                plan.zero_advantage_groups,
+                plan.zero_advantage_rows,
+                plan.zero_advantage_tokens,
+            )
+        stats.zero_advantage_kept = plan.zero_advantage_kept
+        if plan.zero_advantage_kept and not self.args.keep_zero_advantage_groups:
+            logger.warning(
+                "no group has a nonzero advantage: training on them as they are (nothing to learn)"
+            )
+        stats.split_groups, stats.single_session_parts = plan.split_groups, plan.single_session_parts
+        if plan.split_groups:
+            logger.warning(
+                "%d groups have more sequences than an optimizer step's chunk (%d rows = per-device batch × "
+                "processes × %d micro-batches): trained in parts, each recentred on its own mean advantage%s",
+                plan.split_groups,
+                shape.chunk_rows,
+                shape.micro_per_chunk,
+                f"; {plan.single_session_parts} parts hold one session and keep the group's advantage"
+                if plan.single_session_parts
+                else "",
+            )
+        if plan.chunks and plan.rows_per_chunk < 0.75:
+            logger.info(
+                "whole groups fill %.0f%% of each optimizer step's %d rows: a per-device batch × accumulation that "
+                "is a multiple of the group's sequences fills them",
+                100 * plan.rows_per_chunk,
+                shape.chunk_rows,
+            )
+
+    # -- batches: whole groups, micro-batches without padding waste (train/batching.py, train/packing.py) -----------
+
+    def _batch_shape(self) -> BatchShape:
+        return BatchShape(
+            per_device=self.args.per_device_train_batch_size,
+            processes=self.accelerator.num_processes,
+            steps_per_generation=self.args.steps_per_generation,
+            accumulation_steps=self.args.gradient_accumulation_steps,
+        )
+
+    def batch_plan(self) -> BatchPlan:
+        """Which rows share a chunk of an optimizer step (built once; every process builds the same)."""
+        if self._batch_plan is None:
+            self._batch_plan = plan_batches(
+                self.train_data.rows,
+                self._batch_shape(),
+                keep_zero_advantage=self.args.keep_zero_advantage_groups,
+            )
+        return self._batch_plan
+
+    def packs_micro_batches(self) -> bool:
+        """Whether micro-batches are packed rows (`batch_layout`: auto packs wherever that is exact)."""
+        if self._packs is None:
+            reason = packing_refusal(
+                self.loss_type, self.args.importance_sampling_level, self.args.off_policy_mask_threshold
+            )
+            for model in (self.model, self.ref_model):
+                reason = reason or (attention_refusal(model) if model is not None else None)
+            if self.args.batch_layout == "packed" and reason:
+                raise ValueError(f"batch_layout=packed cannot be used with {reason}")
+            self._packs = self.args.batch_layout != "padded" and reason is None
+            for model in (self.model, self.ref_model) if self._packs else ():
+                if model is not None:
+                    use_segment_attention(model)
+            logger.info(
+                "micro-batches: %s",
+                "packed" if self._packs else f"padded, each trimmed ({reason or 'asked'})",
+            )
+        return self._packs
+
+    def _plan_generation(self, inputs: list[dict[str, Any]], mode: str) -> tuple[list[int], MicroBatchPlan]:
+        """The real rows of this process's generation batch and its micro-batches: in training, the
+        `micro_per_chunk` micro-batches of each chunk `GroupBatchSampler` laid out; in evaluation, batches of
+        `per_device_eval_batch_size`."""
+        shape = self._batch_shape()
+        if mode == "train":
+            slots, per_chunk = shape.chunk_slots, shape.micro_per_chunk
+        else:
+            slots, per_chunk = len(inputs), math.ceil(len(inputs) / self.args.per_device_eval_batch_size)
+        return plan_micro_batches(inputs, slots, per_chunk, packed=self.packs_micro_batches())
+
+    def _policy_forward(self, input_ids, attention_mask, logits_to_keep, batch_size) -> torch.Tensor:
+        return self._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        )[0]
+
+    def _planned_logps(
+        self, batch: dict[str, Any], plan: MicroBatchPlan, prompt_lens: list[int], forward
+    ) -> torch.Tensor:
+        """`forward(input_ids, attention_mask, logits_to_keep, batch_size)` on each planned micro-batch — trimmed
+        or packed, each token at its own temperature — written back into the batch's [B, W] completion layout."""
+        layout = {
+            key: batch[key]
+            for key in (*PROMPT_KEYS, "completion_ids", "completion_mask", "token_temperature")
+        }
+        out = torch.zeros_like(batch["behaviour_logps"])
+        for rows in plan.micro:
+            if not rows:
+                continue
+            micro = self._micro_batch(layout, rows, prompt_lens, plan.packed)
+            input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
+            attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
+            with (
+                self.scoring_temperatures(micro["token_temperature"]),
+                self._packed_rows(micro.get("position_ids")),
+            ):
+                values = forward(input_ids, attention_mask, micro["completion_ids"].size(1), len(rows))
+            scatter_micro_batch(values, layout, micro, rows, out)
+        return out
+
+    def _micro_batch(
+        self, batch: dict[str, Any], rows: list[int], prompt_lens: list[int], packed: bool
+    ) -> dict[str, Any]:
+        if packed:
+            return packed_micro_batch(batch, rows, fill={"token_temperature": self.temperature})
+        return trimmed_micro_batch(batch, rows, prompt_lens)
+
+    def _step_totals(self, loss_mask: torch.Tensor, plan: MicroBatchPlan) -> tuple[list[float], list[float]]:
+        """Per micro-batch: the rows and loss tokens of its optimizer step, over all processes (exact when
+        steps_per_generation is a multiple of gradient_accumulation_steps; else TRL's even share)."""
+        local = [[float(len(p)), float(loss_mask[p].sum()) if p else 0.0] for p in plan.micro]
+        totals = self.accelerator.reduce(
+            torch.tensor(local, device=loss_mask.device), reduction="sum"
+        ).tolist()
+        count, per_step = len(totals), self.args.gradient_accumulation_steps
+        if count % per_step:
+            rows, tokens = (sum(t[k] for t in totals) * per_step / count for k in (0, 1))
+            return [rows] * count, [tokens] * count
+        steps = [
+            [sum(t[k] for t in totals[s : s + per_step]) for k in (0, 1)] for s in range(0, count, per_step)
+        ]
+        return [steps[j // per_step][0] for j in range(count)], [
+            steps[j // per_step][1] for j in range(count)
+        ]
+
+    def _weigh_for_micro_batches(
+        self, advantages: torch.Tensor, loss_mask: torch.Tensor, plan: MicroBatchPlan
+    ) -> torch.Tensor:
+        """Make each loss's normaliser the optimizer step's, whatever the micro-batches hold: TRL's num_items_in_batch
+        for token-sum losses, and for losses TRL averages per micro-batch (per row: grpo, sapo, luspo, dr_grpo; per
+        token: bnpo) a weight on the advantage (which TRL's objectives are linear in; the KL term keeps TRL's)."""
+        step_rows, step_tokens = self._step_totals(loss_mask, plan)
+        count, per_step = len(plan.micro), self.args.gradient_accumulation_steps
+        plan.num_items = [step_tokens[j] * count / per_step for j in range(count)]
+        if self.loss_type not in ROW_AVERAGED_LOSSES + TOKEN_AVERAGED_LOSSES:
+            return advantages
+        scale = per_step * self.accelerator.num_processes
+        weights = torch.ones(loss_mask.size(0), device=loss_mask.device)
+        for j, rows in enumerate(plan.micro):
+            if rows and self.loss_type in ROW_AVERAGED_LOSSES:
+                weights[rows] = len(rows) * scale / max(step_rows[j], 1.0)
+            elif rows:
+                weights[rows] = float(loss_mask[rows].sum()) * scale / max(step_tokens[j], 1.0)
+        return advantages * (weights.unsqueeze(1) if advantages.dim() == 2 else weights)
+
+    def _split_micro_batches(self, scored: dict[str, Any]) -> list[dict[str, Any]]:
+        """A scored generation batch as its planned micro-batches (a filler where a micro-batch has no row)."""
+        plan: MicroBatchPlan = scored.pop(MICRO_BATCH_PLAN)
+        prompt_lens = scored.pop("prompt_lens").tolist()
+        shortest = min(range(len(plan.lengths)), key=lambda i: plan.lengths[i])
+        micro_batches = []
+        for j, rows in enumerate(plan.micro):
+            micro = self._micro_batch(scored, rows or [shortest], prompt_lens, plan.packed)
+            micro = micro if rows else as_filler(micro)
+            if plan.num_items:
+                micro["num_items_in_batch"] = torch.tensor(plan.num_items[j], device=self.accelerator.device)
+            micro_batches.append(micro)
+        return micro_batches
+
+    @contextmanager
+    def _packed_rows(self, position_ids: torch.Tensor | None) -> Iterator[None]:
+        """Forward passes inside score a packed row with these position ids (None: padded rows)."""
+        previous, self._packed_position_ids = self._packed_position_ids, position_ids
+        try:
+            yield
+        finally:
+            self._packed_position_ids = previous
 
     # -- pieces ----------------------------------------------------------------------------------------------------
 
@@ -617,22 +881,34 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         gathered = self.accelerator.gather(padded)
         return gathered[~torch.isnan(gathered)]
 
-    def _log_batch_metrics(self, mode: str, batch: dict[str, torch.Tensor], staleness: torch.Tensor) -> None:
+    def _log_batch_metrics(
+        self,
+        mode: str,
+        batch: dict[str, torch.Tensor],
+        staleness: torch.Tensor,
+        plan: MicroBatchPlan,
+        rows: list[dict[str, Any]],
+    ) -> None:
+        """Per generation batch (per optimizer step, with TRL's default steps_per_generation): rewards, advantages,
+        staleness, and what the step holds — groups, rows, tokens, loss tokens — with the padding its micro-batches
+        computed."""
+        from accelerate.utils import gather_object
+
         metrics = self._metrics[mode]
-        real = ~batch["placeholder"]  # placeholders only fill the last batch: they are no data
-        loss_mask, completion_mask = batch["loss_mask"], batch["completion_mask"]
+        real = ~batch["placeholder"]  # a placeholder stands in only where a process got no row: no data
+        loss_mask = batch["loss_mask"]
         rewards = self._gather_values(batch["rewards"][real])
         advantages = self._gather_values(batch["advantages"][real])
         stale_values = self._gather_values(staleness[real])
         sampled = self._gather_values(loss_mask[real].sum(-1))
-        real_tokens = batch["prompt_mask"].sum() + completion_mask.sum()
-        grid = batch["prompt_mask"].numel() + completion_mask.numel()
+        real_tokens, computed = plan.grid()
+        local = [float(real_tokens), float(computed), float(real.sum()), float(loss_mask[real].sum())]
         totals = self.accelerator.reduce(
-            torch.stack([real_tokens.float(), torch.tensor(float(grid), device=real_tokens.device)]),
-            reduction="sum",
-        )
+            torch.tensor(local, device=loss_mask.device), reduction="sum"
+        ).tolist()
+        groups = {group_key(row) for row in rows if not row.get("placeholder")}
         if mode == "train":
-            self.state.num_input_tokens_seen += int(totals[0].item())
+            self.state.num_input_tokens_seen += int(totals[0])
         metrics["num_tokens"] = [self.state.num_input_tokens_seen]
         metrics["reward"].append(rewards.mean().item())
         metrics["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
@@ -645,7 +921,11 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         metrics["staleness/max"].append(stale_values.max().item())
         metrics["staleness/frac_stale"].append((stale_values > 0).float().mean().item())
         metrics["completions/mean_sampled_tokens"].append(sampled.mean().item())
-        metrics["padding_fraction"].append(1.0 - (totals[0] / totals[1]).item())
+        metrics["batch/groups"].append(float(len(set(gather_object(sorted(groups))))))
+        metrics["batch/rows"].append(totals[2])
+        metrics["batch/tokens"].append(totals[0])
+        metrics["batch/loss_tokens"].append(totals[3])
+        metrics["padding_fraction"].append(1.0 - totals[0] / totals[1] if totals[1] else 0.0)
 
     # -- saving ----------------------------------------------------------------------------------------------------
 

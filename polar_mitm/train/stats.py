@@ -42,6 +42,16 @@ class DataStats:
     excluded_sampled_tokens: int = 0
     dropped_excluded_sampling: int = 0  # sequences with no sampled token left after the exclusions
     sequences_per_session_max: int = 0
+    # Dynamic sampling (train/batching.py): groups whose advantages are all 0 leave the batches unless kept.
+    zero_advantage_groups: int = 0
+    zero_advantage_sequences: int = 0
+    zero_advantage_tokens: int = 0
+    zero_advantage_kept: bool = (
+        False  # set by the trainer: --keep-zero-advantage-groups, or nothing else was left
+    )
+    # Set by the trainer from its batch plan: groups larger than a chunk of an optimizer step, trained in parts.
+    split_groups: int = 0
+    single_session_parts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
