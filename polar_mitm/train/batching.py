@@ -18,9 +18,10 @@ when nothing else is left, so a run on such data still runs).
 split into parts, each part taking whole sessions dealt in advantage order so every part holds high and low
 rewards. Each part is then treated as a smaller group: its advantages are recentred on the part's own mean (the
 group's scale kept), so each step's mean advantage stays 0 — one baseline per step instead of a baseline shared by
-steps that move the policy in turn. A part left with a single session (sessions so long that two do not fit in a
-chunk, or one longer than a chunk, whose sequences are then cut into chunks) keeps the group's advantage: it is
-the one case where a step's mean is not 0, counted and warned about.
+steps that move the policy in turn. A part whose sessions all share one advantage — a single session (sessions so
+long that two do not fit in a chunk, or one longer than a chunk, whose sequences are then cut into chunks), or only
+failures because the group has too few passes to go round — keeps the group's advantages instead, since
+recentring would erase its signal: the one case where a step's mean is not 0, counted and warned about.
 
 `micro_batches` then cuts a process's share of a chunk into its micro-batches: rows sorted by length, split where
 the largest micro-batch (its padded grid, or its tokens when packed) is smallest — never larger than the equal-count
@@ -225,7 +226,7 @@ class BatchUnit:
     group: str
     rows: list[int]
     advantage: dict[int, float] = field(default_factory=dict)  # recentred advantages of a split group's part
-    single_session_part: bool = False
+    uncentred: bool = False  # a part that keeps the group's advantages (see _recentred_part)
 
 
 @dataclass
@@ -239,9 +240,7 @@ class BatchPlan:
     zero_advantage_tokens: int = 0
     zero_advantage_kept: bool = False
     split_groups: int = 0  # groups larger than a chunk, trained in parts
-    single_session_parts: int = (
-        0  # parts of one session (keep the group's advantage): their step's mean is not 0
-    )
+    uncentred_parts: int = 0  # parts of one session or one reward: they keep the group's advantages
     rows_per_chunk: float = 0.0  # real rows over chunk_rows: how full the steps are
 
     def rows(self) -> list[int]:
@@ -281,7 +280,7 @@ def plan_batches(
         zero_advantage_tokens=sum(lengths[i] for i in dropped_rows),
         zero_advantage_kept=bool(dropped) and kept_all,
         split_groups=sum(n > 1 for n in Counter(u.group for u in units).values()),
-        single_session_parts=sum(u.single_session_part for u in chosen),
+        uncentred_parts=sum(u.uncentred for u in chosen),
         rows_per_chunk=real / (len(chunks) * shape.chunk_rows) if chunks else 0.0,
     )
 
@@ -316,7 +315,9 @@ def _split_group(
         size = len(sessions[session])
         if size > capacity:  # a session larger than a chunk: its parts hold nothing else to recentre against
             for start in range(0, size, capacity):
-                units.append(BatchUnit(group, sessions[session][start : start + capacity], {}, True))
+                units.append(
+                    BatchUnit(group, sessions[session][start : start + capacity], {}, uncentred=True)
+                )
             continue
         fits = [p for p in range(len(parts)) if sizes[p] + size <= capacity]
         if not fits:
@@ -332,15 +333,15 @@ def _split_group(
 
 
 def _recentred_part(group: str, sessions: list[list[int]], rows: Sequence[dict[str, Any]]) -> BatchUnit:
-    """A part of a group, its sessions' advantages minus their mean (each session counted once)."""
+    """A part of a group, its sessions' advantages minus their mean (each session counted once) — unless they all
+    share one advantage (one session, or one reward): recentring would erase their signal, so the part keeps the
+    group's advantages (uncentred: its step's mean is not 0)."""
     values = [float(rows[s[0]]["advantage"]) for s in sessions]
+    members = [i for s in sessions for i in s]
+    if max(values) - min(values) <= ADVANTAGE_TOL * max(1.0, max(abs(v) for v in values)):
+        return BatchUnit(group, members, {}, uncentred=values[0] != 0.0)
     mean = sum(values) / len(values)
-    flat = max(values) - min(values) <= ADVANTAGE_TOL * max(1.0, max(abs(v) for v in values))
-    advantage = {i: 0.0 if flat else v - mean for s, v in zip(sessions, values, strict=True) for i in s}
-    single = len(sessions) == 1 and values[0] != 0.0
-    if single:  # one session cannot be recentred against itself: it keeps the group's advantage
-        advantage = {}
-    return BatchUnit(group, [i for s in sessions for i in s], advantage, single)
+    return BatchUnit(group, members, {i: v - mean for s, v in zip(sessions, values, strict=True) for i in s})
 
 
 def _pack_units(units: Sequence[BatchUnit], lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -422,36 +423,65 @@ class GroupBatchSampler:
 
 
 def micro_batches(lengths: Sequence[int], count: int, cost: MicroBatchCost = "grid") -> list[list[int]]:
-    """Indices into `lengths` cut into exactly `count` micro-batches (empty ones where there are fewer rows): sorted
-    by length, split where the largest micro-batch is smallest — its padded grid (rows × longest), or its tokens for
-    a packed layout."""
+    """Indices into `lengths` cut into exactly `count` micro-batches (empty ones where there are fewer rows), rows
+    sorted by length and each micro-batch a run of them. Packed (`tokens`): the split whose largest micro-batch is
+    smallest. Padded (`grid`): the split computing the fewest padded tokens among those whose largest micro-batch
+    is no larger than in the equal-count split — the memory `per_device_train_batch_size` rows already need."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    if not order:
-        return [[] for _ in range(count)]
+    if len(order) <= count:
+        return [[i] for i in order] + [[] for _ in range(count - len(order))]
+    sizes = [lengths[i] for i in order]
+    if cost == "tokens":
+        bounds = _balanced_bounds(sizes, count)
+    else:
+        size = -(-len(order) // count)
+        limit = max(len(sizes[k : k + size]) * max(sizes[k : k + size]) for k in range(0, len(sizes), size))
+        bounds = _fewest_padded_bounds(sizes, count, limit)
+    return [order[a:b] for a, b in zip([0, *bounds], [*bounds, len(order)], strict=False)][:count]
 
-    def greedy(limit: int) -> list[list[int]]:
-        parts: list[list[int]] = [[]]
-        for i in order:
-            grown = parts[-1] + [i]
-            if parts[-1] and _cost(grown, lengths, cost) > limit:
-                parts.append([i])
-            else:
-                parts[-1] = grown
-        return parts
 
-    low, high = max(lengths), _cost(order, lengths, cost)
-    while low < high:  # the smallest limit the greedy split meets with `count` parts
+def _balanced_bounds(sizes: Sequence[int], count: int) -> list[int]:
+    """Cut points of `sizes` (in order) into `count` runs whose largest sum is smallest (binary search on it)."""
+    low, high = max(sizes), sum(sizes)
+    while low < high:
         middle = (low + high) // 2
-        if len(greedy(middle)) <= count:
+        if len(_greedy_bounds(sizes, middle)) + 1 <= count:
             high = middle
         else:
             low = middle + 1
-    parts = greedy(low)
-    while len(parts) < count and any(len(p) > 1 for p in parts):  # more, smaller micro-batches cost nothing
-        widest = max(range(len(parts)), key=lambda p: (len(parts[p]) > 1, _cost(parts[p], lengths, cost)))
-        half = len(parts[widest]) // 2
-        parts[widest : widest + 1] = [parts[widest][:half], parts[widest][half:]]
-    return parts + [[] for _ in range(count - len(parts))]
+    bounds = _greedy_bounds(sizes, low)
+    spare = [k for k in range(1, len(sizes)) if k not in bounds]  # more, smaller runs cost nothing
+    return sorted(bounds + spare[: count - 1 - len(bounds)])
+
+
+def _greedy_bounds(sizes: Sequence[int], limit: int) -> list[int]:
+    bounds, total = [], 0
+    for k, size in enumerate(sizes):
+        if total and total + size > limit:
+            bounds.append(k)
+            total = 0
+        total += size
+    return bounds
+
+
+def _fewest_padded_bounds(sizes: Sequence[int], count: int, limit: int) -> list[int]:
+    """Cut points of ascending `sizes` into exactly `count` non-empty runs, each run's rows × its last size at most
+    `limit`, with the smallest total (dynamic programming over the runs' ends)."""
+    n, inf = len(sizes), float("inf")
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0
+    for k in range(1, count + 1):
+        for end in range(k, n + 1):
+            for start in range(k - 1, end):
+                grid = (end - start) * sizes[end - 1]
+                if grid <= limit and best[k - 1][start] + grid < best[k][end]:
+                    best[k][end], cut[k][end] = best[k - 1][start] + grid, start
+    bounds, end = [], n
+    for k in range(count, 1, -1):
+        end = cut[k][end]
+        bounds.append(end)
+    return sorted(bounds)
 
 
 def _cost(part: Sequence[int], lengths: Sequence[int], cost: MicroBatchCost) -> int:

@@ -652,7 +652,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             logger.warning(
                 "no group has a nonzero advantage: training on them as they are (nothing to learn)"
             )
-        stats.split_groups, stats.single_session_parts = plan.split_groups, plan.single_session_parts
+        stats.split_groups, stats.uncentred_parts = plan.split_groups, plan.uncentred_parts
         if plan.split_groups:
             logger.warning(
                 "%d groups have more sequences than an optimizer step's chunk (%d rows = per-device batch × "
@@ -660,8 +660,8 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
                 plan.split_groups,
                 shape.chunk_rows,
                 shape.micro_per_chunk,
-                f"; {plan.single_session_parts} parts hold one session and keep the group's advantage"
-                if plan.single_session_parts
+                f"; {plan.uncentred_parts} parts hold one session or one reward and keep the group's advantages"
+                if plan.uncentred_parts
                 else "",
             )
         if plan.chunks and plan.rows_per_chunk < 0.75:

@@ -51,7 +51,7 @@ class DataStats:
     )
     # Set by the trainer from its batch plan: groups larger than a chunk of an optimizer step, trained in parts.
     split_groups: int = 0
-    single_session_parts: int = 0
+    uncentred_parts: int = 0  # parts of one session or one reward, which keep the group's advantages
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
