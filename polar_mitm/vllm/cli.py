@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,6 +19,10 @@ def serve_command(
     port: Annotated[int, typer.Option(help="port of vLLM's OpenAI server")] = 30000,
     host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
     device: Annotated[str, typer.Option(help="cpu (fp32, eager) or gpu (bf16, prefix caching)")] = "cpu",
+    script: Annotated[
+        Path | None,
+        typer.Option(help="scripted test policy (engine/script.py's format; the logprobs stay the model's)"),
+    ] = None,
 ) -> None:
     """Run vLLM in the foreground; arguments after the options go to `vllm serve` unchanged."""
     from polar_mitm.vllm.server import VllmNotInstalled, exec_vllm
@@ -25,7 +30,7 @@ def serve_command(
     if device not in ("cpu", "gpu"):
         raise typer.BadParameter("--device must be cpu or gpu")
     try:
-        exec_vllm(model, port=port, host=host, device=device, extra_args=list(ctx.args))  # type: ignore[arg-type]
+        exec_vllm(model, port=port, host=host, device=device, extra_args=list(ctx.args), script=script)  # type: ignore[arg-type]
     except VllmNotInstalled as exc:
         typer.echo(f"polar-mitm: {exc}", err=True)
         raise typer.Exit(2) from exc

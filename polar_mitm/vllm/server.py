@@ -21,12 +21,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+import httpx
+
 from polar_mitm import procs
 
 Device = Literal["cpu", "gpu"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = REPO_ROOT / ".venv-vllm"
 WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
+SCRIPTED_POLICY = (
+    "polar_mitm.vllm.scripted:ScriptedPolicy"  # the test policy's logits processor (scripted.py)
+)
+SCRIPT_ENV = (
+    "POLAR_VLLM_SCRIPT"  # the script it plays from the start (scripted.py reads it in vLLM's process)
+)
 STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
 
 # Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).
@@ -85,9 +93,11 @@ def vllm_command(
     host: str = "127.0.0.1",
     device: Device = "cpu",
     served_name: str | None = None,
+    scripted_policy: bool = False,
     extra_args: list[str] | None = None,
 ) -> list[str]:
-    """The launcher's command line for `model_dir` (its Python is vLLM's venv)."""
+    """The launcher's command line for `model_dir` (its Python is vLLM's venv). `scripted_policy` loads the scripted
+    test policy (inert until a script is set: at start through $POLAR_VLLM_SCRIPT, or later over /collective_rpc)."""
     return [
         str(vllm_python()),
         "-m",
@@ -102,12 +112,16 @@ def vllm_command(
         served_name or model_dir.name,
         *COMMON_FLAGS,
         *DEVICE_FLAGS[device],
+        *(["--logits-processors", SCRIPTED_POLICY] if scripted_policy else []),
         *(extra_args or []),
     ]
 
 
-def vllm_environment(device: Device = "cpu", *, kv_cache_gib: int = 1) -> dict[str, str]:
-    """The environment vLLM runs with: dev-mode endpoints, this repository importable, nothing fetched."""
+def vllm_environment(
+    device: Device = "cpu", *, kv_cache_gib: int = 1, script: Path | None = None
+) -> dict[str, str]:
+    """The environment vLLM runs with: dev-mode endpoints, this repository importable, nothing fetched, and the
+    scripted policy's script when given."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
@@ -121,6 +135,8 @@ def vllm_environment(device: Device = "cpu", *, kv_cache_gib: int = 1) -> dict[s
     if device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # GiB
         env["VLLM_TARGET_DEVICE"] = "cpu"
+    if script is not None:
+        env[SCRIPT_ENV] = str(Path(script).resolve())
     return env
 
 
@@ -132,17 +148,26 @@ def start_vllm(
     device: Device = "cpu",
     extra_args: list[str] | None = None,
     timeout: float = STARTUP_SECONDS,
+    scripted_policy: bool = False,
+    script: Path | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """vLLM in its own process group; returns (process, base URL) once `/health` answers."""
+    """vLLM in its own process group; returns (process, base URL) once `/health` answers. `script` plays a scripted
+    policy from the start (it implies `scripted_policy`)."""
     model_dir = resolve_vllm_model(str(model)) if not Path(model).is_dir() else Path(model)
     port = port or procs.free_port()
-    cmd = vllm_command(model_dir, port=port, device=device, extra_args=extra_args)
+    cmd = vllm_command(
+        model_dir,
+        port=port,
+        device=device,
+        scripted_policy=scripted_policy or script is not None,
+        extra_args=extra_args,
+    )
     out = open(log, "ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen(
         cmd,
         stdout=out,
         stderr=subprocess.STDOUT,
-        env=vllm_environment(device),
+        env=vllm_environment(device, script=script),
         start_new_session=True,  # vLLM starts an engine-core process: stopped with the group
     )
     url = f"http://127.0.0.1:{port}"
@@ -177,11 +202,55 @@ def vllm_running(model: str | Path = "tiny", **kwargs) -> Iterator[str]:
         stop_vllm(proc)
 
 
-def exec_vllm(model: str, *, port: int, host: str, device: Device, extra_args: list[str]) -> None:
+def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> None:
+    """Make a running vLLM (started with `scripted_policy`) play `script` from its next request; None: sample freely."""
+    response = httpx.post(
+        f"{url.rstrip('/')}/collective_rpc",
+        json={"method": "polar_set_script", "kwargs": {"path": None if script is None else str(script)}},
+        timeout=timeout,
+    )
+    response.raise_for_status()
+
+
+@contextmanager
+def vllm_playing(url: str, script: Path) -> Iterator[None]:
+    """A running vLLM plays `script` for the duration of a block, then samples freely again."""
+    set_vllm_script(url, script)
+    try:
+        yield
+    finally:
+        set_vllm_script(url, None)
+
+
+def exec_vllm(
+    model: str,
+    *,
+    port: int,
+    host: str,
+    device: Device,
+    extra_args: list[str],
+    script: Path | None = None,
+) -> None:
     """Replace this process with vLLM (the foreground `polar-mitm vllm serve`)."""
     model_dir = resolve_vllm_model(model) if not Path(model).is_dir() else Path(model)
-    cmd = vllm_command(model_dir, port=port, host=host, device=device, extra_args=extra_args)
-    os.execve(cmd[0], cmd, vllm_environment(device))
+    cmd = vllm_command(
+        model_dir,
+        port=port,
+        host=host,
+        device=device,
+        scripted_policy=script is not None,
+        extra_args=extra_args,
+    )
+    os.execve(cmd[0], cmd, vllm_environment(device, script=script))
 
 
-__all__ = ["VllmNotInstalled", "exec_vllm", "start_vllm", "stop_vllm", "vllm_installed", "vllm_running"]
+__all__ = [
+    "VllmNotInstalled",
+    "exec_vllm",
+    "set_vllm_script",
+    "start_vllm",
+    "stop_vllm",
+    "vllm_installed",
+    "vllm_playing",
+    "vllm_running",
+]

