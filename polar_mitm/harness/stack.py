@@ -1,5 +1,7 @@
 """A scripted engine and a gateway (inside a private network namespace when possible) that real harnesses run
-against: used by tests/harness/test_harnesses.py and scripts/record_harness_flows.py.
+against: used by tests/harness/test_harnesses.py and scripts/record_harness_flows.py. Given an engine URL (a
+scripted vLLM: tests/engine/test_vllm_harnesses.py) only the gateway is started, outside any namespace, since the
+engine listens on this host's loopback.
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ class HarnessStack:
         gateway_options: dict[str, str] | None = None,
         engine_threads: int | None = None,
         engine_args: list[str] | None = None,
+        engine_url: str | None = None,
     ) -> HarnessStack:
         root.mkdir(parents=True, exist_ok=True)
+        # The embedded engine's --script; an engine at engine_url is given it by the caller.
         script_file = root / "script.json"
         script_file.write_text(json.dumps(script, indent=1))
+        isolate = isolate and engine_url is None
         netns, isolation = try_namespace() if isolate else (None, "isolation by environment only")
         with ExitStack() as running:
             if netns is not None:
@@ -74,6 +79,7 @@ class HarnessStack:
                 procs.engine_and_gateway(
                     root / "flows",
                     confdir=root / "conf",
+                    engine=engine_url,
                     model="tiny",
                     engine_args=extra,
                     engine_log=root / "engine.log",
