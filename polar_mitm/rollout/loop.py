@@ -19,6 +19,7 @@ sets (`LOOP_SETS`).
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from contextlib import ExitStack
@@ -379,6 +380,8 @@ class Loop:
         cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
+        # A new run starts a new optimizer, even in a reused run directory.
+        shutil.rmtree(cfg.run_dir / RUN_STATE_DIR, ignore_errors=True)
         with ExitStack() as running:
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).

@@ -1,6 +1,7 @@
 """One optimizer for a whole `polar-mitm loop` run: across three iterations the AdamW moments and step counts
 continue, the LR schedule (with warmup) runs once over all of them, and with β > 0 the KL reference stays the initial
-policy; `--torch-dtype bf16` trains, writes and pushes bf16 weights the engine reloads.
+policy; with LoRA the adapter continues on the initial model; `--torch-dtype bf16` trains, writes and pushes bf16
+weights the engine reloads.
 
 The loop's own training stage (`Loop._train`, exactly what `Loop.run` calls between merge and the next rollout) is
 driven directly on recorded-style data scored by the current weights, so no harness has to run.
@@ -136,6 +137,45 @@ def test_with_beta_the_kl_reference_stays_the_initial_policy(three_iterations):
     assert all(kl > 1e-3 for kl in first_kl[1:]), first_kl
     config = json.loads((three_iterations.cfg.run_dir / "iter-2" / "train" / "grpo_config.json").read_text())
     assert config["reference_model"] == str(three_iterations.initial_model_dir)
+
+
+class AdapterObserver(TrainerCallback):
+    """The LoRA B matrices (zero in a fresh adapter) as each training starts and ends."""
+
+    def __init__(self) -> None:
+        self.begin: list[dict] = []
+        self.end: list[dict] = []
+
+    @staticmethod
+    def lora_b(model) -> dict:
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.begin.append(self.lora_b(model))
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.end.append(self.lora_b(model))
+
+
+def test_with_lora_the_adapter_and_its_optimizer_continue_on_the_initial_model(tmp_path, tiny_model_dir):
+    loop = make_loop(tmp_path / "run", tiny_model_dir, beta=0.04)
+    loop.cfg.lora = True
+    adapters = AdapterObserver()
+    loop.trainer_callbacks.append(adapters)
+    for k in range(2):
+        train_iteration(loop, k)
+    optimizer = loop.trainer_callbacks[0]
+    assert all(float(b.abs().sum()) == 0.0 for b in adapters.begin[0].values())  # a fresh adapter at first
+    assert adapters.begin[1].keys() == adapters.end[0].keys() and adapters.end[0]
+    for name, trained in adapters.end[0].items():
+        assert torch.equal(adapters.begin[1][name], trained) and float(trained.abs().sum()) > 0, name
+    assert optimizer.begin[1] and all(
+        torch.equal(state["exp_avg"], optimizer.end[0][index]["exp_avg"])
+        for index, state in optimizer.begin[1].items()
+    )
+    assert (
+        metrics(loop, 1)[0]["kl"] > 1e-4
+    )  # the reference is the base: the initial model, not the merged start
 
 
 def dtypes_of(directory: Path) -> set[torch.dtype]:
