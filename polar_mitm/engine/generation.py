@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from polar_mitm.engine.constraints import ConstraintSpec, GrammarCompiler, spec_from_params
+from polar_mitm.engine.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
 from polar_mitm.engine.sampling import SamplingParams
 from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
 
@@ -52,6 +53,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     queue_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     constraint: str | None = (
         None  # json_schema | regex | ebnf when decoding was constrained (logprobs masked)
     )
@@ -63,7 +65,7 @@ class Generation:
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": self.weight_version,
             "e2e_latency": self.queue_s + self.prefill_s + self.decode_s,
             "prefill_latency": self.prefill_s,
@@ -88,6 +90,7 @@ class Engine:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         script_path: str | Path | None = None,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -107,6 +110,7 @@ class Engine:
         self.weight_version = "0"
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)  # used under the lock only
         self.grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
         self.script = None
         if script_path is not None:
@@ -141,6 +145,7 @@ class Engine:
         model = self._load_model(Path(model_path))
         with self._lock:
             self.model = model
+            self.prefix_cache.clear()  # those keys and values came from the old weights
             self.weight_version = (
                 str(weight_version)
                 if weight_version
@@ -159,6 +164,11 @@ class Engine:
             logits = out.logits[0, -1]
         assert logits is not None
         return logits.float()
+
+    def _cache_for(self, prompt_ids: list[int]):
+        """A cache already holding the longest reusable prefix of `prompt_ids`, and that prefix's length."""
+        reused = self.prefix_cache.take(prompt_ids)
+        return reused if reused is not None else (self._new_cache(), 0)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -247,8 +257,8 @@ class Engine:
             spec = None if forced else spec_from_params(params.json_schema, params.regex, params.ebnf)
             constraint = self.grammars.compile(spec) if spec is not None else None
             gen.constraint = spec.kind if spec is not None else None
-            cache = self._new_cache()
-            logits = self._prefill(prompt_ids, cache)
+            cache, gen.cached_tokens = self._cache_for(prompt_ids)
+            logits = self._prefill(prompt_ids[gen.cached_tokens :], cache)
             t1 = time.perf_counter()
             gen.prefill_s = t1 - t0
             while True:
@@ -277,6 +287,8 @@ class Engine:
                 )
                 logits = out.logits[0, -1].float()
             gen.decode_s = time.perf_counter() - t1
+            # The cache holds the prompt and every output token fed back (all but the last): the next turn extends it.
+            self.prefix_cache.put((prompt_ids + gen.output_ids)[: cache.get_seq_length()], cache)
         gen.text = self.output_text(gen.output_ids, params, gen.finish_reason)
         return gen
 
