@@ -299,8 +299,12 @@ def ray_rollout(task_list: list[Task], harness: str, config: RolloutConfig, addr
 def iteration_table(results):
     from rich.table import Table
 
-    table = Table(title="polar-mitm loop", caption="seconds per stage: rollout / merge / train")
-    for col in (
+    evaluated = [r.eval for r in results if r.eval is not None]
+    caption = "seconds per stage: rollout / merge / train"
+    if evaluated:
+        caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
+    table = Table(title="polar-mitm loop", caption=caption)
+    columns = [
         "it",
         "weights",
         "sessions",
@@ -311,10 +315,12 @@ def iteration_table(results):
         "seqs",
         "sampled/total tok",
         "seconds",
-    ):
+    ]
+    for col in [*columns, *(["held-out"] if evaluated else [])]:
         table.add_column(col, justify="right")
     for r in results:
         s = r.seconds
+        held_out = [eval_cell(r.eval)] if evaluated else []
         table.add_row(
             str(r.iteration),
             str(r.weight_version),
@@ -326,8 +332,19 @@ def iteration_table(results):
             str(r.sequences),
             f"{r.trainable_tokens}/{r.total_tokens}",
             f"{s['rollout']:.0f}/{s['merge']:.0f}/{s['train']:.0f}",
+            *held_out,
         )
     return table
+
+
+def eval_cell(result) -> str:
+    """An iteration's held-out figures: pass@1 / pass@N (blank where no evaluation was due)."""
+    if result is None:
+        return ""
+    top = max(result.pass_at, key=lambda name: int(name.split("@")[1]), default=None)
+    if top is None:
+        return "no attempts"
+    return f"{result.pass_at['pass@1']:.2f} / {result.pass_at[top]:.2f}"
 
 
 # `polar-mitm loop` options spelt otherwise than their LoopConfig field.
@@ -387,6 +404,17 @@ def loop_command(
     train_processes: Annotated[int, typer.Option(help=help_of(LoopConfig, "train_processes"))] = (
         LoopConfig.train_processes
     ),
+    eval_tasks: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "eval_tasks"))] = (
+        LoopConfig.eval_tasks
+    ),
+    eval_every: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_every"))] = LoopConfig.eval_every,
+    eval_samples: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_samples"))] = (
+        LoopConfig.eval_samples
+    ),
+    eval_greedy: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_greedy"))] = (
+        LoopConfig.eval_greedy
+    ),
+    report_to: Annotated[str, typer.Option(help=help_of(LoopConfig, "report_to"))] = LoopConfig.report_to,
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
@@ -402,11 +430,20 @@ def loop_command(
         console.print(iteration_table(done))
 
     load_inputs(tasks, harness)  # a bad task file or harness is one line, before the engine starts
+    if eval_tasks is not None:
+        load_inputs(eval_tasks, harness)
+    from polar_mitm.rollout.trackers import TrackerUnavailable
+
+    try:
+        loop = Loop(cfg, on_iteration=show)  # a shared eval task id or an unavailable tracker: one line
+    except (ValueError, TrackerUnavailable) as exc:
+        raise fail(str(exc)) from None
     from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
     with RichLoopProgress(console, iterations) as progress:
-        results = Loop(cfg, on_iteration=show, progress=progress).run()
+        loop.progress = progress
+        results = loop.run()
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:
         first, last = results[0], results[-1]

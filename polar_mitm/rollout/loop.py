@@ -14,6 +14,11 @@ iterations) and the step count of the one before (`RUN/trainer-state`, see train
 in this process or as `--train-processes` processes, and the KL reference stays the run's initial model. Every
 `polar-mitm grpo` option is a loop option too (rollout/cli.py's `loop_trainer_options`), but for the few the loop
 sets (`LOOP_SETS`).
+
+`--eval-tasks FILE` evaluates the policy on tasks it never trains on, every `--eval-every` iterations: N sessions per
+task (`--eval-samples`), records under `RUN/eval-K/` (never merged), pass@1 and unbiased pass@k (evaluation.py).
+`--report-to tensorboard` sends the per-iteration figures, the evaluations and the trainer's per-step metrics to one
+tracked run (trackers.py).
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ from typing import TYPE_CHECKING, Any
 
 from polar_mitm import engines, procs
 from polar_mitm.reconstruct.builders import BuilderName
+from polar_mitm.rollout.evaluation import EvalResult, check_held_out, eval_due, evaluation_result
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
+from polar_mitm.rollout.trackers import (
+    TENSORBOARD_DIR,
+    NoTracker,
+    Tracker,
+    check_tracker,
+    log_training_metrics,
+    numeric_metrics,
+    open_tracker,
+)
 from polar_mitm.train.cli import LORA_HELP
 
 if TYPE_CHECKING:
@@ -125,6 +140,24 @@ class LoopConfig:
     final_rollout: bool = (
         False  # after the last training, one more rollout (no training): the trained policy's reward
     )
+    eval_tasks: Path | None = field(
+        default=None,
+        metadata=_help(
+            "Held-out task file (JSONL, no task id shared with TASKS): evaluated, never trained on."
+        ),
+    )
+    eval_every: int = field(default=1, metadata=_help("Evaluate after every K-th training (and the last)."))
+    eval_samples: int = field(default=4, metadata=_help("Sessions per held-out task (N of pass@k, k <= N)."))
+    eval_greedy: bool = field(
+        default=False, metadata=_help("Evaluate greedily (temperature 0) instead of at --temperature.")
+    )
+    report_to: str = field(
+        default="none",
+        metadata=_help(
+            "tensorboard | mlflow | wandb | none: the loop's figures and the trainer's per-step metrics, one "
+            "tracked run (TensorBoard: RUN/tensorboard)."
+        ),
+    )
 
 
 @dataclass
@@ -142,9 +175,24 @@ class IterationStats:
     seconds: dict[str, float] = field(default_factory=dict)
     # --keep: sessions stopped once K of their group were done; no reward, so left out of the group (and of training)
     cut_sessions: int = 0
+    # --eval-tasks: the held-out evaluation of the weights this iteration's training produced, when one was due
+    eval: EvalResult | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return self.__dict__
+        return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
+
+    def tracked_metrics(self) -> dict[str, float]:
+        """The figures a tracker gets for this iteration (`loop/…`, `eval/…`)."""
+        figures = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("iteration", "weight_version", "eval")
+        }
+        metrics = numeric_metrics(figures, "loop")
+        if self.eval is not None:
+            metrics.update(numeric_metrics(self.eval.pass_at, "eval"))
+            metrics["eval/reward_mean"] = self.eval.reward_mean
+        return metrics
 
 
 def cut_sessions(summary: RolloutSummary) -> int:
@@ -159,6 +207,27 @@ def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
     mean = sum(rewards) / len(rewards)
     std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
     return mean, std, sum(r > 0 for r in rewards) / len(rewards)
+
+
+def iteration_stats(
+    k: int, version: str | None, summary: RolloutSummary, merged: Any, seconds: dict[str, float]
+) -> IterationStats:
+    """Iteration k's figures from its rollout and merge summaries."""
+    mean, std, pass_rate = reward_stats(summary)
+    return IterationStats(
+        iteration=k,
+        weight_version=version,
+        sessions=len(summary.sessions),
+        reward_mean=mean,
+        reward_std=std,
+        pass_rate=pass_rate,
+        sequences=merged.sequences,
+        requests=merged.trainable_records,
+        trainable_tokens=merged.trainable_tokens,
+        total_tokens=merged.total_tokens,
+        seconds=seconds,
+        cut_sessions=cut_sessions(summary),
+    )
 
 
 class Loop:
@@ -176,6 +245,13 @@ class Loop:
     ) -> None:
         self.cfg = cfg
         self.tasks: list[Task] = load_tasks(cfg.tasks)
+        self.eval_tasks: list[Task] = load_tasks(cfg.eval_tasks) if cfg.eval_tasks else []
+        if cfg.eval_tasks:
+            check_held_out(self.tasks, self.eval_tasks)
+            if cfg.eval_every < 1 or cfg.eval_samples < 1:
+                raise ValueError("--eval-every and --eval-samples must be at least 1")
+        check_tracker(cfg.report_to)  # refused before the engine starts
+        self.tracker: Tracker = NoTracker()  # run() opens the --report-to one
         self.on_iteration = on_iteration or (lambda stats: None)
         self.progress: LoopProgress = progress or NoProgress()
         self.trainer_callbacks = list(trainer_callbacks or [])
@@ -187,10 +263,11 @@ class Loop:
 
     # -- stages --------------------------------------------------------------------------------------------------
 
-    def _gateway_options(self) -> dict[str, str]:
-        """Every gateway of the run forces the training temperature and the completion budget."""
+    def _gateway_options(self, temperature: float | None = None) -> dict[str, str]:
+        """Every gateway of the run forces the training temperature (or the evaluation's) and the completion
+        budget."""
         return {
-            "polar_temperature": str(self.cfg.temperature),
+            "polar_temperature": str(self.cfg.temperature if temperature is None else temperature),
             "polar_max_tokens": str(self.cfg.max_tokens),
             **engines.gateway_options(self.engine_url),
         }
@@ -198,24 +275,33 @@ class Loop:
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         if self.cfg.ray_address is not None:
             return self._ray_rollout(k)  # one gateway per node, records under iter-K/flows/node-*/
-        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
         started = time.monotonic()
+        it = self.cfg.run_dir / f"iter-{k}"
+        self.progress.stage(k, "rollout", len(self.tasks) * self.cfg.group_size)
+        summary = self._local_rollout(it, self.tasks, self.cfg.group_size, self._gateway_options())
+        write_rewards(summary, it / "rewards.parquet")
+        return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
+
+    def _local_rollout(
+        self, it: Path, tasks: list[Task], group_size: int, gateway_options: dict[str, str]
+    ) -> RolloutSummary:
+        """`group_size` sessions per task through a gateway of their own, records under `it/flows`."""
+        cfg = self.cfg
         it.mkdir(parents=True, exist_ok=True)
-        self.progress.stage(k, "rollout", len(self.tasks) * cfg.group_size)
         # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
         with procs.gateway_running(
             engines.gateway_backends(self.engine_url, 1)[0],
             it / "flows",
             confdir=cfg.run_dir / "mitmproxy",
             log=it / "gateway.log",
-            options=self._gateway_options(),
+            options=gateway_options,
         ) as gw:
             rollout = Rollout(
-                self.tasks,
+                tasks,
                 HarnessSpec(cfg.harness),
                 GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
                 RolloutConfig(
-                    group_size=cfg.group_size,
+                    group_size=group_size,
                     concurrency=cfg.concurrency,
                     keep=cfg.keep,
                     workspace_root=it / "workspaces",
@@ -227,9 +313,27 @@ class Loop:
             )
             import asyncio
 
-            summary = asyncio.run(rollout.run())
+            return asyncio.run(rollout.run())
+
+    def _evaluate(self, k: int) -> EvalResult:
+        """The served weights on the held-out tasks: records and rewards under RUN/eval-K, which no merge reads
+        (the loop merges only iter-K/flows)."""
+        cfg, it = self.cfg, self.cfg.run_dir / f"eval-{k}"
+        self.progress.stage(k, "eval", len(self.eval_tasks) * cfg.eval_samples)
+        temperature = 0.0 if cfg.eval_greedy else cfg.temperature
+        summary = self._local_rollout(
+            it, self.eval_tasks, cfg.eval_samples, self._gateway_options(temperature)
+        )
         write_rewards(summary, it / "rewards.parquet")
-        return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
+        result = evaluation_result(
+            summary,
+            iteration=k,
+            weight_version=self.weight_version,
+            samples=cfg.eval_samples,
+            greedy=cfg.eval_greedy,
+        )
+        (it / "eval.json").write_text(json.dumps(result.to_json(), indent=2))
+        return result
 
     def _ray_rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         """`--ray`: iteration K's rollout on the cluster (the node actors live for the whole run)."""
@@ -317,6 +421,7 @@ class Loop:
         fields = self.trainer_fields()
         if cfg.train_processes > 1:
             saved_dir, version = train_in_processes(cfg, self._train_start(), it, fields)
+            log_training_metrics(self.tracker, it / "train" / "metrics.jsonl")
             return saved_dir, version, time.monotonic() - started
         data = training_data(load_sequences([it / "merged"]), fields)
         config = PolarGRPOConfig(
@@ -339,6 +444,7 @@ class Loop:
         for callback in [trainer_progress_callback(self.progress), *self.trainer_callbacks]:
             trainer.add_callback(callback)
         trainer.train()
+        log_training_metrics(self.tracker, it / "train" / "metrics.jsonl")
         saved = trainer.save_final()
         version = trainer.policy_weight_version()
         (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
@@ -355,21 +461,8 @@ class Loop:
         """Rollout + merge with the last pushed weights, no training: the reward the trained policy earns."""
         summary, flows, rewards, rollout_s = self._rollout(k)
         merged, merge_s = self._merge(k, flows, rewards)  # kept for `polar-mitm report` and `show`
-        mean, std, pass_rate = reward_stats(summary)
-        return IterationStats(
-            iteration=k,
-            weight_version=self.weight_version,
-            sessions=len(summary.sessions),
-            reward_mean=mean,
-            reward_std=std,
-            pass_rate=pass_rate,
-            sequences=merged.sequences,
-            requests=merged.trainable_records,
-            trainable_tokens=merged.trainable_tokens,
-            total_tokens=merged.total_tokens,
-            seconds={"rollout": rollout_s, "merge": merge_s, "train": 0.0},
-            cut_sessions=cut_sessions(summary),
-        )
+        seconds = {"rollout": rollout_s, "merge": merge_s, "train": 0.0}
+        return iteration_stats(k, self.weight_version, summary, merged, seconds)
 
     # -- driver --------------------------------------------------------------------------------------------------
 
@@ -382,7 +475,10 @@ class Loop:
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
         # A new run starts a new optimizer, even in a reused run directory.
         shutil.rmtree(cfg.run_dir / RUN_STATE_DIR, ignore_errors=True)
+        shutil.rmtree(cfg.run_dir / TENSORBOARD_DIR, ignore_errors=True)  # and a new tracked run
         with ExitStack() as running:
+            self.tracker = open_tracker(cfg.report_to, cfg.run_dir)
+            running.callback(self.tracker.close)  # last: after the final figures
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
             engine_url = running.enter_context(
@@ -424,30 +520,25 @@ class Loop:
                     raise trained["error"]
                 self.model_dir, version, train_s = trained["result"]
                 self.weight_version = version or self.weight_version
-                mean, std, pass_rate = reward_stats(summary)
-                stats = IterationStats(
-                    iteration=k,
-                    weight_version=version,
-                    sessions=len(summary.sessions),
-                    reward_mean=mean,
-                    reward_std=std,
-                    pass_rate=pass_rate,
-                    sequences=merged.sequences,
-                    requests=merged.trainable_records,
-                    trainable_tokens=merged.trainable_tokens,
-                    total_tokens=merged.total_tokens,
-                    seconds={"rollout": rollout_s, "merge": merge_s, "train": train_s},
-                    cut_sessions=cut_sessions(summary),
+                stats = iteration_stats(
+                    k, version, summary, merged, {"rollout": rollout_s, "merge": merge_s, "train": train_s}
                 )
+                if self.eval_tasks and eval_due(k, cfg.eval_every, cfg.iterations):
+                    stats.eval = self._evaluate(k)
                 results.append(stats)
-                self.on_iteration(stats)
+                self._report(stats)
                 if k + 1 < cfg.iterations:
                     pending = next_rollout.get("result") or self._rollout(k + 1)
             if cfg.final_rollout:
                 results.append(self._final_rollout(cfg.iterations))
-                self.on_iteration(results[-1])
+                self._report(results[-1])
             (cfg.run_dir / "loop.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
         return results
+
+    def _report(self, stats: IterationStats) -> None:
+        """An iteration is done: to the tracker (at step = iteration) and the caller's table."""
+        self.tracker.log(stats.tracked_metrics(), step=stats.iteration)
+        self.on_iteration(stats)
 
     def _close_ray_pool(self) -> None:
         if self.ray_pool is not None:
