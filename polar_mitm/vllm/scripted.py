@@ -10,7 +10,12 @@ vLLM's documented `--logits-processors`, leaves the logits untouched: it only tr
 which scripted token comes next. The forcing happens one step later, on the sampled ids: a wrapper around
 `Sampler.sample` (installed when vLLM builds the processor, in its engine process) replaces the sampled id of each
 scripted request by its scripted token. vLLM then gathers the reported logprob, rank and top-k alternatives at
-that token from the untouched distribution, exactly as if the model had sampled it.
+that token from the untouched distribution, exactly as if the model had sampled it. One more step for a request
+that asked for top-k/top-p: a forced token need not lie in the nucleus (vLLM would report -inf, as -9999.0), and
+it was not drawn from it, so its row of processed logprobs is the model's at the request's temperature before the
+cut — SGLang's semantics, what the embedded engine's scripted turns record (the trainer leaves such turns out of
+the loss unless told otherwise). A grammar (structured output) still applies: vLLM masks the logits before its
+sampler, and ends a request whose grammar rejects a token, so a script's answer to a constrained request must fit.
 
 The script is this process's (`POLAR_VLLM_SCRIPT` at start, or set and cleared at run time through the worker
 extension's `polar_set_script` over `/collective_rpc`); with none set, vLLM samples freely. A request's next turn
@@ -151,12 +156,28 @@ class ScriptedPolicy(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
-    def force(self, sampled: torch.Tensor, logits: torch.Tensor, metadata: Any) -> None:
-        """Replace each scripted request's sampled id by its scripted token (after vLLM sampled the batch)."""
-        for row, request in self.requests.items():
-            nexts = request.next_tokens()
-            if nexts:
-                sampled[row] = nexts[0] if len(nexts) == 1 else choose_token(row, nexts, logits, metadata)
+    def scripted_rows(self) -> dict[int, list[int]]:
+        """Batch row → the scripted tokens it may take next, for the requests that play a scripted token now."""
+        rows = {row: request.next_tokens() for row, request in self.requests.items()}
+        return {row: nexts for row, nexts in rows.items() if nexts}
+
+    def force(
+        self,
+        rows: dict[int, list[int]],
+        sampled: torch.Tensor,
+        logits: torch.Tensor,
+        model_logprobs: torch.Tensor | None,
+        processed_logprobs: torch.Tensor | None,
+        metadata: Any,
+    ) -> None:
+        """Replace each scripted row's sampled id by its scripted token, and its processed logprobs by the model's
+        at the request's temperature before any top-k/top-p cut: a forced token was not drawn from the truncated
+        distribution (outside it vLLM would report -inf, sent as -9999.0), and SGLang's logprobs — what the
+        embedded engine's scripted turns record — are these."""
+        for row, nexts in rows.items():
+            sampled[row] = nexts[0] if len(nexts) == 1 else choose_token(row, nexts, logits, metadata)
+        if processed_logprobs is not None and model_logprobs is not None:
+            processed_logprobs[list(rows)] = model_logprobs
 
 
 def choose_token(row: int, tokens: list[int], logits: torch.Tensor, metadata: Any) -> int:
@@ -177,6 +198,17 @@ def choose_token(row: int, tokens: list[int], logits: torch.Tensor, metadata: An
     return tokens[int(pick)]
 
 
+def tempered_logprobs(logits: torch.Tensor, rows: list[int], metadata: Any) -> torch.Tensor:
+    """log_softmax(logits / T) of `rows`, each at its request's temperature (greedy rows at 1, as vLLM scores them)."""
+    temperature = metadata.temperature
+    if temperature is None:
+        scale = torch.ones(len(rows), dtype=torch.float32, device=logits.device)
+    else:
+        chosen = temperature[rows].to(torch.float32)
+        scale = torch.where(chosen < GREEDY_TEMPERATURE, torch.ones_like(chosen), chosen)
+    return (logits[rows].to(torch.float32) / scale.unsqueeze(1)).log_softmax(dim=-1)
+
+
 def install_sampler_hook() -> None:
     """Wrap vLLM's `Sampler.sample` once per process so that scripted requests take their scripted tokens."""
     from vllm.v1.sample.sampler import Sampler
@@ -186,10 +218,15 @@ def install_sampler_hook() -> None:
     original = Sampler.sample
 
     def sample(self, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any):
+        scripted = [p for p in sampling_metadata.logitsprocs.all if isinstance(p, ScriptedPolicy)]
+        rows = scripted[0].scripted_rows() if scripted else {}
+        # The model's logprobs of the scripted rows, taken before vLLM's sampling divides and cuts the logits in place
+        # (the raw modes report values from before the processors anyway).
+        tempered = bool(rows) and self.logprobs_mode == "processed_logprobs"
+        model_logprobs = tempered_logprobs(logits, list(rows), sampling_metadata) if tempered else None
         sampled, processed_logprobs = original(self, logits, sampling_metadata, *args, **kwargs)
-        for processor in sampling_metadata.logitsprocs.all:
-            if isinstance(processor, ScriptedPolicy):
-                processor.force(sampled, logits, sampling_metadata)
+        if rows:
+            scripted[0].force(rows, sampled, logits, model_logprobs, processed_logprobs, sampling_metadata)
         return sampled, processed_logprobs
 
     sample.polar_scripted = True  # type: ignore[attr-defined]

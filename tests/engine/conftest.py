@@ -1,20 +1,28 @@
 """vLLM for the engine tests: one real vLLM server (CPU build, its own venv) per test session, and one gateway in
 front of it. vLLM takes 45–76 s and ~4 GB to start, so every vLLM test shares these; they are skipped — with the
 reason — only where scripts/setup-vllm.sh has not been run (scripts/test.sh runs it, so CI always has vLLM).
+
+The server samples freely unless a test makes it play a script (`vllm_script`: the scripted test policy,
+polar_mitm/vllm/scripted.py, loaded at start and inert until then), so scripted harness sessions share it too.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed, vllm_running
+from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed, vllm_playing, vllm_running
 
 # Every sampled call at T=1 (so a recorded logprob is directly the model's log-probability) and short.
 VLLM_GATEWAY_OPTIONS = {"polar_temperature": "1.0", "polar_max_tokens": "12", "polar_engine": "auto"}
+# Room for the harnesses' prompts through the proxy (Qwen Code's first is ~17k tokens); the tiny model's KV cache
+# is 512 bytes a token, so this costs nothing.
+VLLM_MAX_MODEL_LEN = 32768
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +38,12 @@ def vllm_url(vllm_model_dir, tmp_path_factory):
         pytest.skip("vLLM is not installed here: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)")
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     started = time.monotonic()
-    with vllm_running(vllm_model_dir, log=log) as url:
+    with vllm_running(
+        vllm_model_dir,
+        log=log,
+        scripted_policy=True,
+        extra_args=["--max-model-len", str(VLLM_MAX_MODEL_LEN)],
+    ) as url:
         print(f"\nvLLM up in {time.monotonic() - started:.1f} s (log: {log})")
         yield url
 
@@ -74,3 +87,18 @@ def vllm_reference(vllm_model_dir):
         return [logprobs[start + i, token].item() for i, token in enumerate(sampled_ids)]
 
     return score
+
+
+@pytest.fixture(scope="session")
+def vllm_script(vllm_url, tmp_path_factory):
+    """`with vllm_script(SCRIPT):` the session's vLLM plays SCRIPT (engine/script.py's format), then samples freely."""
+    scripts = tmp_path_factory.mktemp("vllm-scripts")
+
+    @contextmanager
+    def playing(script: dict | list):
+        path = scripts / f"script-{len(list(scripts.iterdir()))}.json"
+        path.write_text(json.dumps(script, indent=1))
+        with vllm_playing(vllm_url, path):
+            yield path
+
+    return playing

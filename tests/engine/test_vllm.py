@@ -266,9 +266,10 @@ def test_count_tokens_and_model_listing_are_answered_from_vllm(vllm_gateway, vll
     assert served in [model["id"] for model in listed["data"]]
 
 
-def test_context_overflow_on_vllm_is_the_providers_400(vllm_gateway):
+def test_context_overflow_on_vllm_is_the_providers_400(vllm_gateway, vllm_url):
     base = f"{vllm_gateway.reverse_url}/t/vllm/s/overflow-{uuid.uuid4().hex[:6]}/v1"
-    body = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "word " * 9000}]}
+    context = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "word " * (context + 1000)}]}
     response = httpx.post(f"{base}/chat/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
