@@ -83,7 +83,9 @@ def reward_chart(run: RunData) -> Chart:
         (i, summary) for i, stage in enumerate(run.stages) if (summary := reward_summary(stage)) is not None
     ]
     if run.kind == "loop" and points:
-        return Chart("reward", "mean session reward per iteration (±std)", errorbar_svg(points))
+        held_out = held_out_points(run)
+        title = "mean session reward per iteration (±std)" + (", held-out pass@1" if held_out else "")
+        return Chart("reward", title, errorbar_svg(points, held_out))
     rows, boundaries = step_series(run)
     series = {"reward": [(r["global_step"], r["reward"]) for r in rows if _finite(r.get("reward"))]}
     if series["reward"]:
@@ -123,10 +125,31 @@ def _svg(plt, fig, salt: str) -> str:
     return text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: the SVG is inlined in HTML
 
 
-def errorbar_svg(points: Sequence[tuple[int, tuple[float, float]]]) -> str:
+def held_out_points(run: RunData) -> list[tuple[int, float]]:
+    """The loop's held-out pass@1 (`--eval-tasks`) per iteration that was evaluated."""
+    return [
+        (i, float(stage.stats["eval"]["pass_at"]["pass@1"]))
+        for i, stage in enumerate(run.stages)
+        if stage.stats and stage.stats.get("eval") and "pass@1" in stage.stats["eval"]["pass_at"]
+    ]
+
+
+def errorbar_svg(
+    points: Sequence[tuple[int, tuple[float, float]]], held_out: Sequence[tuple[int, float]] = ()
+) -> str:
     plt, fig, ax = _figure()
     xs = [x for x, _ in points]
-    ax.errorbar(xs, [m for _, (m, _) in points], yerr=[s for _, (_, s) in points], marker="o", capsize=3)
+    ax.errorbar(
+        xs,
+        [m for _, (m, _) in points],
+        yerr=[s for _, (_, s) in points],
+        marker="o",
+        capsize=3,
+        label="training reward",
+    )
+    if held_out:  # beside the training reward: does the policy generalise to tasks it never trains on
+        ax.plot([x for x, _ in held_out], [y for _, y in held_out], marker="s", label="held-out pass@1")
+        ax.legend(fontsize="small")
     ax.set_xticks(xs)
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean reward")

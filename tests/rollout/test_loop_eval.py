@@ -176,3 +176,15 @@ def test_tensorboard_holds_loop_reward_and_trainer_loss_for_both_iterations(eval
         assert not steps.keys() & losses.keys()  # run-wide steps: the second training continues the first
         losses.update(steps)
     assert logged["train/loss"] == pytest.approx(losses)
+
+
+@pytest.mark.slow
+def test_report_draws_the_held_out_curve_beside_the_training_reward(evaluated_run):
+    from polar_mitm.report.charts import build_charts, held_out_points
+    from polar_mitm.report.collect import collect_run
+
+    run = collect_run(evaluated_run)
+    iterations = json.loads((evaluated_run / "loop.json").read_text())
+    assert held_out_points(run) == [(it["iteration"], it["eval"]["pass_at"]["pass@1"]) for it in iterations]
+    reward = next(chart for chart in build_charts(run) if chart.chart_id == "reward")
+    assert "held-out pass@1" in reward.title and "held-out pass@1" in reward.svg
