@@ -420,24 +420,7 @@ def loop_command(
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
     iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
     given = {name: value for name, value in locals().items() if name != "ctx"}  # the loop's own options
-    from polar_mitm.rollout.loop import Loop
-
-    cfg = loop_config(given, ctx.meta[CONFIG_FIELDS])
-    done = []
-
-    def show(stats) -> None:
-        done.append(stats)
-        console.print(iteration_table(done))
-
-    load_inputs(tasks, harness)  # a bad task file or harness is one line, before the engine starts
-    if eval_tasks is not None:
-        load_inputs(eval_tasks, harness)
-    from polar_mitm.rollout.trackers import TrackerUnavailable
-
-    try:
-        loop = Loop(cfg, on_iteration=show)  # a shared eval task id or an unavailable tracker: one line
-    except (ValueError, TrackerUnavailable) as exc:
-        raise fail(str(exc)) from None
+    loop = checked_loop(loop_config(given, ctx.meta[CONFIG_FIELDS]))
     from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
@@ -450,3 +433,24 @@ def loop_command(
         console.print(
             f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations"
         )
+
+
+def checked_loop(cfg: LoopConfig):
+    """The Loop of `cfg`, printing a table after each iteration; a bad task file, harness, shared eval task id or
+    unavailable tracker ends the command with one line, before the engine starts."""
+    from polar_mitm.rollout.loop import Loop
+    from polar_mitm.rollout.trackers import TrackerUnavailable
+
+    done = []
+
+    def show(stats) -> None:
+        done.append(stats)
+        console.print(iteration_table(done))
+
+    load_inputs(cfg.tasks, cfg.harness)
+    if cfg.eval_tasks is not None:
+        load_inputs(cfg.eval_tasks, cfg.harness)
+    try:
+        return Loop(cfg, on_iteration=show)
+    except (ValueError, TrackerUnavailable) as exc:
+        raise fail(str(exc)) from None
