@@ -393,6 +393,12 @@ class GroupBatchSampler:
         self.plan, self.shape, self.placeholder = plan, shape, placeholder
         self.repeat_count, self.shuffle, self.seed = repeat_count, shuffle, seed
         self.epoch = 0
+        self._epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle for this pass over the data (transformers calls it each epoch, so a resumed run's later passes
+        are shuffled as the stopped run's were)."""
+        self.epoch, self._epoch_set = epoch, True
 
     def generation_batches(self) -> list[list[int]]:
         """This epoch's generation batches, as flat index lists."""
@@ -412,7 +418,8 @@ class GroupBatchSampler:
 
     def __iter__(self) -> Iterator[int]:
         batches = self.generation_batches()
-        self.epoch += 1
+        if not self._epoch_set:
+            self.epoch += 1
         for batch in batches:
             for _ in range(self.repeat_count):
                 yield from batch

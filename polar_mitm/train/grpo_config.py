@@ -112,7 +112,7 @@ class PolarGRPOConfig(GRPOConfig):
     )
     shuffle_dataset: bool | None = field(
         default=True,
-        metadata={"help": "Shuffle the order of the length buckets (each epoch)."},
+        metadata={"help": "Shuffle the order of the generation batches (whole groups; each epoch)."},
     )
     delta: float | None = field(
         default=FRESH_RATIO_CAP,

@@ -124,6 +124,19 @@ def test_each_process_gets_its_share_of_whole_groups_and_every_row_once(processe
             assert max(tokens) <= 2 * min(tokens) + max(len(r["input_ids"]) for r in rows)
 
 
+def test_set_epoch_shuffles_a_pass_as_the_counted_pass_did():
+    # transformers calls set_epoch each epoch: a run resumed in its second pass sees that pass's order.
+    rows = failures_run_longer(groups=10, group_size=2)
+    shape = BatchShape(per_device=2, processes=1, steps_per_generation=1, accumulation_steps=1)
+    plan = plan_batches(rows, shape)
+    counted = GroupBatchSampler(plan, shape, placeholder=len(rows), seed=3)
+    first, second = list(counted), list(counted)
+    resumed = GroupBatchSampler(plan, shape, placeholder=len(rows), seed=3)
+    resumed.set_epoch(1)
+    assert list(resumed) == second != first and list(resumed) == second
+    assert sorted(first) == sorted(second)
+
+
 def test_a_group_larger_than_a_step_is_split_in_parts_that_each_have_a_zero_mean():
     rows = failures_run_longer(groups=2, group_size=12)
     shape = BatchShape(per_device=2, processes=1, steps_per_generation=4, accumulation_steps=4)
