@@ -21,8 +21,8 @@ from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed, vllm_play
 # Every sampled call at T=1 (so a recorded logprob is directly the model's log-probability) and short.
 VLLM_GATEWAY_OPTIONS = {"polar_temperature": "1.0", "polar_max_tokens": "12", "polar_engine": "auto"}
 # Room for the harnesses' prompts through the proxy (Qwen Code's first is ~17k tokens); the tiny model's KV cache
-# is 512 bytes a token, so this costs nothing.
-VLLM_MAX_MODEL_LEN = 32768
+# is 512 bytes a token, so this costs nothing. LoRA on, for adapters pushed at run time (test_vllm_lora.py).
+VLLM_EXTRA_ARGS = ["--max-model-len", "32768", "--enable-lora", "--max-lora-rank", "8"]
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +42,7 @@ def vllm_url(vllm_model_dir, tmp_path_factory):
         vllm_model_dir,
         log=log,
         scripted_policy=True,
-        extra_args=["--max-model-len", str(VLLM_MAX_MODEL_LEN)],
+        extra_args=VLLM_EXTRA_ARGS,
     ) as url:
         print(f"\nvLLM up in {time.monotonic() - started:.1f} s (log: {log})")
         yield url

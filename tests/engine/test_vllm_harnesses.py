@@ -43,7 +43,6 @@ TEMPERATURES = [1.0, 0.7]
 # step-0 pass is most of each test's time (TRL scores every position on CPU: ~25 s for Claude Code's 12k tokens),
 # and what T=0.7 adds — vLLM's processed logprobs after temperature, as the trainer scores them — is the same on all.
 AT_T07 = ("codex", "gemini", "pi")
-CASES = [(1.0, name) for name in HARNESSES] + [(0.7, name) for name in AT_T07]
 RESULTS: dict[tuple[str, float], dict[str, Any]] = {}
 
 
@@ -144,10 +143,21 @@ def step0_gaps(
     return token_gap, row_gap, compared
 
 
-@pytest.mark.parametrize(
-    ("stack", "name"), CASES, indirect=["stack"], ids=[f"T{t:g}-{name}" for t, name in CASES]
-)
+@pytest.mark.parametrize("stack", [1.0], indirect=True, ids=["T1"])
+@pytest.mark.parametrize("name", list(HARNESSES))
 def test_harness_session_on_vllm_is_context_exact_and_scored_alike(stack, vllm_model_dir, tmp_path, name):
+    check_harness_session(stack, vllm_model_dir, tmp_path, name)
+
+
+@pytest.mark.parametrize("stack", [0.7], indirect=True, ids=["T0.7"])
+@pytest.mark.parametrize("name", AT_T07)
+def test_harness_session_at_t07_is_scored_alike(stack, vllm_model_dir, tmp_path, name):
+    check_harness_session(stack, vllm_model_dir, tmp_path, name)
+
+
+def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: Path, name: str) -> None:
+    """One scripted session of harness `name` through `stack`: it succeeds, is context-exact, merges into one
+    main sequence, and the trainer's step-0 logprobs are vLLM's recorded ones."""
     temperature = stack.temperature
     session = f"vllm-{name}-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
