@@ -346,6 +346,7 @@ VOLATILE_KEYS = {
     "responseId",
     "signature",
     "encrypted_content",
+    "cached_tokens",  # the engine's prefix cache: the second of two equal calls finds the first one's prefix
 }
 CALL_ID = re.compile(r"(toolu_)?call_[0-9a-f]{24}")
 
@@ -372,6 +373,8 @@ def _comparable(row: dict[str, Any]) -> dict[str, Any]:
     out["engine_meta_json"] = {
         k: meta.get(k) for k in ("finish_reason", "prompt_tokens", "completion_tokens", "weight_version")
     }
+    # The second call reuses the first one's prefix cache (as on SGLang): same ids, logprobs equal to float error.
+    out["completion_logprobs"] = [round(lp, 4) for lp in row["completion_logprobs"] or []]
     return out
 
 
