@@ -246,12 +246,6 @@ def packed_micro_batch(
     return micro
 
 
-def micro_batch_grid(batch: dict[str, Any]) -> tuple[int, int]:
-    """(real tokens, tokens computed) of a micro-batch: its prompt part plus its completion grid."""
-    prompt, completion = batch["prompt_mask"], batch["completion_mask"]
-    return int(prompt.sum() + completion.sum()), prompt.numel() + completion.numel()
-
-
 def scatter_micro_batch(
     values: torch.Tensor, batch: dict[str, Any], micro: dict[str, Any], rows: Sequence[int], out: torch.Tensor
 ) -> None:

@@ -138,25 +138,80 @@ def test_packed_padded_and_single_row_forwards_give_the_same_per_token_logprobs(
     assert len({len(r["input_ids"]) for r in rows}) > 4 and len({r["prompt_len"] for r in rows}) > 2
 
 
-def test_a_packed_micro_batch_gives_the_padded_loss_and_gradients(groups, tiny_model_dir, tmp_path):
-    results = {}
-    for layout in ("packed", "padded"):
-        trainer = trainer_for(tiny_model_dir, groups, tmp_path / layout, batch_layout=layout, beta=0.04)
-        assert trainer.packs_micro_batches() == (layout == "packed")
-        micro = trainer._split_micro_batches(trainer._generate_and_score_completions(trainer.train_data.rows))
-        trainer.model.zero_grad()
-        total = sum(trainer.compute_loss(trainer.model, m) for m in micro)
-        total.backward()
-        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        widths = [m["completion_ids"].shape for m in micro]
-        results[layout] = (total.item(), grads, widths)
-    (packed_loss, packed_grads, packed_shapes), (padded_loss, padded_grads, padded_shapes) = results.values()
-    assert all(shape[0] == 1 for shape in packed_shapes) and any(shape[0] > 1 for shape in padded_shapes)
-    assert packed_loss == pytest.approx(padded_loss, rel=1e-5, abs=1e-7)
+def step_loss_and_gradients(trainer: PolarGRPOTrainer) -> tuple[float, dict, list]:
+    """One optimizer step's loss and gradients as the training loop computes them: the generation batch scored,
+    cut into its micro-batches, each micro-batch's loss back-propagated."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the loop
+    micro = trainer._split_micro_batches(trainer._generate_and_score_completions(trainer.train_data.rows))
+    trainer.model.zero_grad()
+    total = sum(trainer.compute_loss(trainer.model, m) for m in micro)
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return total.item(), grads, [m["completion_ids"].shape for m in micro]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_a_packed_micro_batch_gives_the_padded_loss_and_gradients(
+    groups, tiny_model_dir, tmp_path, loss_type
+):
+    # bnpo averages each micro-batch's tokens: packed (balanced by tokens) and padded (by padded grid) micro-batches
+    # hold different rows, so only the step's normaliser makes the two agree. Activation checkpointing recomputes
+    # each layer in the backward, where a packed row must still be attended per sequence.
+    runs = {}
+    for name, options in (
+        ("padded", {"batch_layout": "padded"}),
+        ("packed", {"batch_layout": "packed"}),
+        ("packed+checkpointing", {"batch_layout": "packed", "activation_checkpointing": True}),
+    ):
+        trainer = trainer_for(
+            tiny_model_dir,
+            groups,
+            tmp_path / name,
+            per_device_train_batch_size=3,
+            beta=0.04,
+            loss_type=loss_type,
+            gradient_accumulation_steps=4,
+            **options,
+        )
+        assert trainer.packs_micro_batches() == name.startswith("packed")
+        runs[name] = step_loss_and_gradients(trainer)
+    padded_loss, padded_grads, padded_shapes = runs.pop("padded")
+    assert any(shape[0] > 1 for shape in padded_shapes)
     norm = max(float(g.abs().max()) for g in padded_grads.values())
     assert norm > 0
-    for name, grad in padded_grads.items():
-        assert float((packed_grads[name] - grad).abs().max()) <= 1e-4 * norm, name
+    for name, (loss, grads, shapes) in runs.items():
+        assert all(shape[0] == 1 for shape in shapes), name
+        assert loss == pytest.approx(padded_loss, rel=1e-5, abs=1e-7), name
+        for param, grad in padded_grads.items():
+            assert float((grads[param] - grad).abs().max()) <= 1e-4 * norm, (name, param)
+
+
+def test_per_sequence_losses_weigh_every_row_alike_however_the_micro_batches_fall(
+    groups, tiny_model_dir, tmp_path
+):
+    # grpo averages each sequence, then the rows of a micro-batch: micro-batches of 1 to 3 rows would weigh a row by
+    # its micro-batch. The step's gradient equals that of the mean over all its rows computed as one batch.
+    trainer = trainer_for(
+        tiny_model_dir,
+        groups,
+        tmp_path / "run",
+        loss_type="grpo",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=4,
+    )
+    _, step_grads, shapes = step_loss_and_gradients(trainer)
+    assert len({shape[0] for shape in shapes}) > 1  # the micro-batches hold different numbers of rows
+    trainer.model.eval()
+    trainer.model.zero_grad()
+    trainer.compute_loss(
+        trainer.model, trainer._generate_and_score_completions(trainer.train_data.rows)
+    ).backward()
+    norm = max(float(p.grad.abs().max()) for p in trainer.model.parameters() if p.grad is not None)
+    assert norm > 0
+    for name, param in trainer.model.named_parameters():
+        if param.grad is not None:
+            assert float((step_grads[name] - param.grad).abs().max()) <= 1e-4 * norm, name
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
