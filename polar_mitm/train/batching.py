@@ -429,45 +429,53 @@ class GroupBatchSampler:
         return generations * self.shape.generation_rows * self.repeat_count
 
 
+DP_WORK_LIMIT = (
+    2_000_000  # rows² × micro-batches beyond which the padded split is balanced instead of optimal
+)
+
+
 def micro_batches(lengths: Sequence[int], count: int, cost: MicroBatchCost = "grid") -> list[list[int]]:
     """Indices into `lengths` cut into exactly `count` micro-batches (empty ones where there are fewer rows), rows
     sorted by length and each micro-batch a run of them. Packed (`tokens`): the split whose largest micro-batch is
     smallest. Padded (`grid`): the split computing the fewest padded tokens among those whose largest micro-batch
-    is no larger than in the equal-count split — the memory `per_device_train_batch_size` rows already need."""
+    is no larger than in the equal-count split — the memory `per_device_train_batch_size` rows already need (for
+    very large shares, the split whose largest padded micro-batch is smallest)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     if len(order) <= count:
         return [[i] for i in order] + [[] for _ in range(count - len(order))]
     sizes = [lengths[i] for i in order]
-    if cost == "tokens":
-        bounds = _balanced_bounds(sizes, count)
-    else:
+    if cost == "grid" and len(sizes) ** 2 * count <= DP_WORK_LIMIT:
         size = -(-len(order) // count)
         limit = max(len(sizes[k : k + size]) * max(sizes[k : k + size]) for k in range(0, len(sizes), size))
         bounds = _fewest_padded_bounds(sizes, count, limit)
+    else:
+        bounds = _balanced_bounds(sizes, count, cost)
     return [order[a:b] for a, b in zip([0, *bounds], [*bounds, len(order)], strict=False)][:count]
 
 
-def _balanced_bounds(sizes: Sequence[int], count: int) -> list[int]:
-    """Cut points of `sizes` (in order) into `count` runs whose largest sum is smallest (binary search on it)."""
-    low, high = max(sizes), sum(sizes)
+def _balanced_bounds(sizes: Sequence[int], count: int, cost: MicroBatchCost) -> list[int]:
+    """Cut points of ascending `sizes` into `count` runs whose largest cost is smallest (binary search on it)."""
+    low, high = max(sizes), len(sizes) * max(sizes)
     while low < high:
         middle = (low + high) // 2
-        if len(_greedy_bounds(sizes, middle)) + 1 <= count:
+        if len(_greedy_bounds(sizes, middle, cost)) + 1 <= count:
             high = middle
         else:
             low = middle + 1
-    bounds = _greedy_bounds(sizes, low)
+    bounds = _greedy_bounds(sizes, low, cost)
     spare = [k for k in range(1, len(sizes)) if k not in bounds]  # more, smaller runs cost nothing
     return sorted(bounds + spare[: count - 1 - len(bounds)])
 
 
-def _greedy_bounds(sizes: Sequence[int], limit: int) -> list[int]:
-    bounds, total = [], 0
+def _greedy_bounds(sizes: Sequence[int], limit: int, cost: MicroBatchCost) -> list[int]:
+    """Where runs of ascending `sizes` end when each is grown while its cost stays within `limit`."""
+    bounds, start, total = [], 0, 0
     for k, size in enumerate(sizes):
-        if total and total + size > limit:
+        grown = total + size if cost == "tokens" else (k - start + 1) * size
+        if k > start and grown > limit:
             bounds.append(k)
-            total = 0
-        total += size
+            start, grown = k, size
+        total = grown if cost == "tokens" else 0
     return bounds
 
 

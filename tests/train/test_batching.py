@@ -230,6 +230,19 @@ def test_micro_batches_cover_every_row_and_cost_no_more_than_equal_splits(length
             assert worst <= max(real_grid(p, lengths, cost == "tokens") for p in equal)
 
 
+def test_micro_batches_of_a_large_share_are_balanced_within_the_equal_splits_memory():
+    # 600 rows × 16 micro-batches: past the dynamic programme's budget, the largest padded micro-batch is minimised.
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 5000) for _ in range(600)]
+    parts = micro_batches(lengths, 16, "grid")
+    assert len(parts) == 16 and sorted(i for p in parts for i in p) == list(range(600))
+    order = sorted(range(600), key=lambda i: lengths[i])
+    equal = [order[k : k + 38] for k in range(0, 600, 38)]
+    assert max(real_grid(p, lengths, False) for p in parts) <= max(
+        real_grid(p, lengths, False) for p in equal
+    )
+
+
 @pytest.fixture(scope="module")
 def recorded_lengths(tmp_path_factory) -> dict[str, list[int]]:
     """Sequence lengths of the repo's recorded sessions, merged: the SDK sessions and the real harness CLIs'."""
