@@ -17,8 +17,8 @@ A packed row must never let one sequence attend to another. transformers does th
 sequence of the row in turn (the position ids say where each starts): no mask, the flash/efficient kernels, and the
 same arithmetic as a row alone. `use_segment_attention` switches a model to it once packing is chosen.
 
-The per-token logprobs of the three layouts agree (≤ 1e-5 in fp32 on CPU, tests/train/test_batching_trainer.py). Packing
-changes what a "row" is, so only losses that weigh tokens alone can use it (`packing_refusal`).
+The per-token logprobs of the three layouts agree (≤ 1e-5 in fp32 on CPU; tests/train/test_batching_trainer.py).
+Packing changes what a "row" is, so only losses that weigh tokens alone can use it (`packing_refusal`).
 """
 
 from __future__ import annotations
