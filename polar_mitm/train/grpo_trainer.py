@@ -636,6 +636,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         """What the batch plan left out (dynamic sampling) or changed (groups larger than a chunk), into the data
         stats and the log."""
         stats, plan, shape = self.train_data.stats, self.batch_plan(), self._batch_shape()
+        self.packs_micro_batches()  # decided (and a layout that cannot be used refused) before the first step
         if plan.zero_advantage_groups:
             stats.zero_advantage_groups = plan.zero_advantage_groups
             stats.zero_advantage_sequences = plan.zero_advantage_rows
