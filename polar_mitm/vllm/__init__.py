@@ -7,3 +7,7 @@ Two sides, two environments: `launcher.py`, `worker_extension.py` and `scripted.
 and the standard-library-only script format; `server.py`, `cli.py` and `dialect.py` run in the project's venv and
 never import vLLM. See recipes/vllm.md.
 """
+
+# Shared by both sides (server.py starts vLLM with them, scripted.py runs inside it).
+SCRIPTED_POLICY = "polar_mitm.vllm.scripted:ScriptedPolicy"  # the test policy's `--logits-processors` entry
+SCRIPT_ENV = "POLAR_VLLM_SCRIPT"  # the script it plays from the start

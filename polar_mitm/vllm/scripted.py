@@ -44,11 +44,10 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from polar_mitm.engine.script import Script
+from polar_mitm.vllm import SCRIPT_ENV
 
 log = logging.getLogger(__name__)
 
-SCRIPT_ENV = "POLAR_VLLM_SCRIPT"  # a script file for the whole run, read when vLLM builds the processor
-PROCESSOR_CLASS = "polar_mitm.vllm.scripted:ScriptedPolicy"  # what `--logits-processors` names
 GREEDY_TEMPERATURE = 1e-5  # vLLM's own threshold for greedy rows (sampler._SAMPLING_EPS)
 # The tool list Qwen-family chat templates render into the system prompt, one JSON object per line.
 TOOLS_BLOCK = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)

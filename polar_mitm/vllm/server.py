@@ -24,17 +24,12 @@ from typing import Literal
 import httpx
 
 from polar_mitm import procs
+from polar_mitm.vllm import SCRIPT_ENV, SCRIPTED_POLICY
 
 Device = Literal["cpu", "gpu"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = REPO_ROOT / ".venv-vllm"
 WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
-SCRIPTED_POLICY = (
-    "polar_mitm.vllm.scripted:ScriptedPolicy"  # the test policy's logits processor (scripted.py)
-)
-SCRIPT_ENV = (
-    "POLAR_VLLM_SCRIPT"  # the script it plays from the start (scripted.py reads it in vLLM's process)
-)
 STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
 
 # Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).

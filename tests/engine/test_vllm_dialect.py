@@ -67,6 +67,41 @@ def test_messages_go_to_chat_with_token_ids():
     call = to_vllm(sglang_request(), MODEL_INFO)
     assert call.path == "/v1/chat/completions" and not call.token_in
     assert call.body["messages"] and call.body["tools"] == TOOLS and call.body["return_token_ids"] is True
+    # vLLM renders the tools but leaves the text to the gateway's parsers (as on the token-in path)
+    assert call.body["tool_choice"] == "none"
+    assert "tool_choice" not in to_vllm(sglang_request(tools=None), MODEL_INFO).body
+
+
+def test_a_chat_stream_of_raw_text_ends_with_the_tool_call_and_no_text_after_it():
+    """With tool_choice none vLLM streams the raw text; the gateway's parser sends the call whole once closed and
+    nothing after it (vLLM's own streaming parser sent the newline before `<tool_call>` after the call, which made
+    a Responses stream open a second assistant message)."""
+    call = to_vllm(sglang_request(stream=True), MODEL_INFO)
+    text = "Running `ls`.\n" + CALL_TEXT.split("Let me look.")[1]
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+    chunks = [
+        {
+            "id": "chatcmpl-req_1",
+            "model": "tiny-hd32",
+            **({"prompt_token_ids": PROMPT} if i == 0 else {}),
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": piece},
+                    "logprobs": {"content": [{"logprob": -0.5}]},
+                    "finish_reason": "stop" if i == len(pieces) - 1 else None,
+                    "token_ids": [3000 + i],
+                }
+            ],
+        }
+        for i, piece in enumerate(pieces)
+    ]
+    assembler, deltas = assembled(call, chunks)
+    kinds = [d.kind for d in deltas if d.kind in ("content", "tool_call")]
+    assert kinds[-1] == "tool_call" and kinds.count("tool_call") == 1
+    completion = assembler.completion()
+    assert completion.content.strip() == "Running `ls`." and completion.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in completion.tool_calls] == [("shell", '{"command": "ls"}')]
 
 
 def completions_answer(text: str, ids: list[int], finish: str = "stop") -> dict:
