@@ -39,6 +39,11 @@ from polar_mitm.train.turn_sampling import (
 )
 
 
+def count_ones(mask: Sequence[int]) -> int:
+    """How many entries of a 0/1 mask are set, as a Python int: `sum` over an int8 array overflows past 127."""
+    return sum(1 for m in mask if m)
+
+
 def load_sequences(paths: str | Path | Sequence[str | Path]) -> list[MergedSequence]:
     """Read merged shards (folders, shards or URIs: the merged store's) into `MergedSequence`s, checking each row's
     invariants (`MergedDataError`); raises FileNotFoundError where there are no shards."""
@@ -139,7 +144,7 @@ def build_training_data(
     stats.temperatures = dict(sorted(temperatures.items()))
     stats.sequences_used = len(rows)
     stats.tokens = sum(len(r["input_ids"]) for r in rows)
-    stats.sampled_tokens = sum(sum(r["loss_mask"]) for r in rows)
+    stats.sampled_tokens = sum(count_ones(r["loss_mask"]) for r in rows)
     rewards = list(adv.reward.values())
     stats.reward_mean = sum(rewards) / len(rewards) if rewards else 0.0
     stats.reward_std = sample_std(rewards)
@@ -213,7 +218,7 @@ def _without_excluded_turns(
     stats.excluded_truncated_turns += sum(t.excluded == EXCLUDED_TRUNCATED for t in excluded)
     stats.excluded_constrained_turns += sum(t.excluded == EXCLUDED_CONSTRAINED for t in excluded)
     mask = exclude_turns(seq.loss_mask, turns)
-    stats.excluded_sampled_tokens += int(sum(seq.loss_mask)) - sum(mask)
+    stats.excluded_sampled_tokens += count_ones(seq.loss_mask) - count_ones(mask)
     if not any(mask):
         stats.dropped_excluded_sampling += 1
         return None

@@ -17,6 +17,7 @@ from typing import Any
 
 from polar_mitm.storage.merged import MergedSequence
 from polar_mitm.train.advantages import session_rewards
+from polar_mitm.train.data import count_ones
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
 
@@ -81,7 +82,7 @@ def select_successful(
         task = task_of[seq.session_id] or "(no task_id)"
         for counts in (per_task[task], total):
             counts.sequences += 1
-            counts.sampled_tokens += sum(seq.loss_mask)
+            counts.sampled_tokens += count_ones(seq.loss_mask)
     return accepted, total, sorted(per_task.values(), key=lambda r: r.name), len(task_of) - len(reward)
 
 

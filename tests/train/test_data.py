@@ -208,3 +208,13 @@ def test_version_distance():
     assert version_distance("5", "5") == 0
     assert version_distance("3", "5") == 0  # newer than the policy: never negative
     assert version_distance("b", "a") == 1 and version_distance(None, "7") == 0
+
+
+def test_count_ones_does_not_overflow_on_int8_masks():
+    """Masks read from Arrow are int8 arrays: a plain `sum` wraps past 127 sampled tokens (200 → -56)."""
+    import numpy as np
+
+    from polar_mitm.train.data import count_ones
+
+    mask = np.ones(200, dtype=np.int8)
+    assert count_ones(mask) == 200 and count_ones([0, 1, 1, 0]) == 2
