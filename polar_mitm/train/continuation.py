@@ -8,6 +8,10 @@ per-parameter step counts, `optimizer.pt`) and the LR scheduler (`scheduler.pt`)
 (`adapter/`; full weights travel as the checkpoint the next training starts from), and `run_state.json` (`RunState`):
 the trainings and optimizer steps so far and the LR schedule's horizon, fixed by the first training.
 
+A kill in the middle of a save must leave the previous training's state usable (`polar-mitm loop --resume`), so a
+save writes a sibling `<dir>.new` (`run_state.json` last: its presence marks the copy complete) and then swaps it in
+with two renames; `recover_run_state` finishes or undoes a swap that a kill interrupted, and every reader calls it.
+
 Resuming is transformers' `resume_from_checkpoint` (weights, optimizer, scheduler, RNG, step; the batches already
 trained are skipped), plus what transformers does not know about: the step-0 behaviour check, which must stay the one
 made against the weights that sampled the data (re-run at resume it would score the data against trained weights and
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,10 +54,12 @@ class RunState:
     )
     save_seconds: float = 0.0  # what the last save of the directory took
     state_bytes: int = 0  # and how large the directory was
+    policy_weight_version: str | None = None  # the version of the weights the last training left
 
     @classmethod
     def load(cls, directory: str | Path | None) -> RunState:
-        """The state in `directory`; a fresh one (nothing trained yet) when there is none."""
+        """The state in `directory`; a fresh one (nothing trained yet) when there is none (call
+        `recover_run_state` first where a save may have been killed)."""
         path = Path(directory) / RUN_STATE_FILE if directory else None
         if path is None or not path.exists():
             return cls()
@@ -63,6 +70,41 @@ class RunState:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=2))
         tmp.replace(path)  # a reader never sees half a file
+
+
+def staging_dir(directory: str | Path) -> Path:
+    """Where a save writes the next state before it replaces `directory` (the same name on every rank)."""
+    directory = Path(directory)
+    return directory.with_name(directory.name + ".new")
+
+
+def _retired_dir(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".old")
+
+
+def publish_run_state(directory: str | Path) -> None:
+    """Swap the complete staging copy in for `directory`: at every instant one of the two is whole."""
+    directory = Path(directory)
+    staged, retired = staging_dir(directory), _retired_dir(directory)
+    shutil.rmtree(retired, ignore_errors=True)
+    if directory.exists():
+        directory.rename(retired)
+    staged.rename(directory)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def recover_run_state(directory: str | Path) -> None:
+    """After a kill: finish a swap whose staging copy is complete, else drop the partial copy and keep (or put
+    back) the previous state."""
+    directory = Path(directory)
+    staged, retired = staging_dir(directory), _retired_dir(directory)
+    if (staged / RUN_STATE_FILE).exists():
+        publish_run_state(directory)
+        return
+    shutil.rmtree(staged, ignore_errors=True)
+    if not directory.exists() and retired.exists():
+        retired.rename(directory)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def holds_optimizer(directory: str | Path) -> bool:
@@ -109,6 +151,9 @@ class ContinuationMixin:
                 "run_state_dir carries the optimizer with transformers' single-file optimizer state; "
                 "DeepSpeed and FSDP shard it: continue those runs with resume_from_checkpoint"
             )
+        if directory and self.accelerator.is_main_process:
+            recover_run_state(directory)  # a save a kill interrupted: finished or undone before anyone reads
+        self.accelerator.wait_for_everyone()
         self.run_state = RunState.load(directory)
         self._load_carried_adapter()
         self._load_reference_weights()
@@ -136,30 +181,37 @@ class ContinuationMixin:
         return scheduler
 
     def save_run_state(self) -> Path:
-        """Leave the optimizer, the scheduler, the LoRA adapter and the `RunState` in `run_state_dir`."""
+        """Leave the optimizer, the scheduler, the LoRA adapter and the `RunState` in `run_state_dir`: written to
+        the staging copy, swapped in once whole (a kill mid-save leaves the previous state)."""
         directory = Path(self.args.run_state_dir)
+        staged = staging_dir(directory)
         started = time.monotonic()
         main = self.accelerator.is_main_process
         if main:
-            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)  # a copy a killed save left half-written
+            staged.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self._save_optimizer_and_scheduler(str(directory))
+        self._save_optimizer_and_scheduler(str(staged))
         if self.is_peft and main:
-            self.accelerator.unwrap_model(self.model).save_pretrained(directory / ADAPTER_DIR)
+            self.accelerator.unwrap_model(self.model).save_pretrained(staged / ADAPTER_DIR)
         self.accelerator.wait_for_everyone()
         if main:
-            size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+            size = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+            version = getattr(self, "policy_weight_version", None)
             state = RunState(
                 trainings=self.run_state.trainings + 1,
                 optimizer_steps=self.run_state.optimizer_steps + self.state.global_step,
                 schedule_steps=self.schedule_steps,
                 save_seconds=time.monotonic() - started,
                 state_bytes=size,
+                policy_weight_version=version() if callable(version) else None,
             )
-            state.save(directory)
+            state.save(staged)  # last: its presence marks the copy complete
+            publish_run_state(directory)
             logger.info(
                 "optimizer state (%.1f MB) saved to %s in %.2f s", size / 1e6, directory, state.save_seconds
             )
+        self.accelerator.wait_for_everyone()
         return directory
 
     def _load_carried_adapter(self) -> None:
