@@ -300,7 +300,9 @@ def iteration_table(results):
     from rich.table import Table
 
     evaluated = [r.eval for r in results if r.eval is not None]
-    caption = "seconds per stage: rollout / merge / train"
+    caption = (
+        "seconds per stage: rollout / merge / train; groups: informative / all (+ drawn to replace flat ones)"
+    )
     if evaluated:
         caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
     table = Table(title="polar-mitm loop", caption=caption)
@@ -311,6 +313,7 @@ def iteration_table(results):
         "reward",
         "±",
         "pass",
+        "groups",
         "calls",
         "seqs",
         "sampled/total tok",
@@ -328,6 +331,7 @@ def iteration_table(results):
             f"{r.reward_mean:.3f}",
             f"{r.reward_std:.2f}",
             f"{r.pass_rate:.0%}",
+            groups_cell(r),
             str(r.requests),
             str(r.sequences),
             f"{r.trainable_tokens}/{r.total_tokens}",
@@ -335,6 +339,12 @@ def iteration_table(results):
             *held_out,
         )
     return table
+
+
+def groups_cell(stats) -> str:
+    """An iteration's task groups: informative / all, and `+N` when N of them replaced flat ones."""
+    cell = f"{stats.groups - stats.uninformative_groups}/{stats.groups}"
+    return f"{cell} +{stats.replaced_groups}" if stats.replaced_groups else cell
 
 
 def eval_cell(result) -> str:
@@ -415,6 +425,12 @@ def loop_command(
         LoopConfig.eval_greedy
     ),
     report_to: Annotated[str, typer.Option(help=help_of(LoopConfig, "report_to"))] = LoopConfig.report_to,
+    min_informative_groups: Annotated[
+        int | None, typer.Option(help=help_of(LoopConfig, "min_informative_groups"))
+    ] = LoopConfig.min_informative_groups,
+    resample_budget: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "resample_budget"))] = (
+        LoopConfig.resample_budget
+    ),
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
@@ -438,6 +454,7 @@ def loop_command(
 def checked_loop(cfg: LoopConfig):
     """The Loop of `cfg`, printing a table after each iteration; a bad task file, harness, shared eval task id or
     unavailable tracker ends the command with one line, before the engine starts."""
+    from polar_mitm.rollout.informative import check_dynamic_sampling
     from polar_mitm.rollout.loop import Loop
     from polar_mitm.rollout.trackers import TrackerUnavailable
 
@@ -451,6 +468,7 @@ def checked_loop(cfg: LoopConfig):
     if cfg.eval_tasks is not None:
         load_inputs(cfg.eval_tasks, cfg.harness)
     try:
+        check_dynamic_sampling(cfg)
         return Loop(cfg, on_iteration=show)
     except (ValueError, TrackerUnavailable) as exc:
         raise fail(str(exc)) from None

@@ -36,6 +36,13 @@ from polar_mitm import engines, procs
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.evaluation import EvalResult, check_held_out, eval_due, evaluation_result
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.informative import (
+    GroupSampler,
+    check_dynamic_sampling,
+    group_figures,
+    group_sampler,
+    sample_groups,
+)
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
@@ -158,6 +165,21 @@ class LoopConfig:
             "tracked run (TensorBoard: RUN/tensorboard)."
         ),
     )
+    min_informative_groups: int | None = field(
+        default=None,
+        metadata=_help(
+            "Dynamic sampling: each iteration starts with N task groups (a seeded cycle through TASKS); groups "
+            "whose rewards are all equal are replaced by groups of tasks not yet run in that iteration, until N "
+            "are informative or --resample-budget is spent; the flat ones are not trained on (rollout/"
+            "informative.py)."
+        ),
+    )
+    resample_budget: int | None = field(
+        default=None,
+        metadata=_help(
+            "With --min-informative-groups N: at most M replacement groups per iteration (default: N)."
+        ),
+    )
 
 
 @dataclass
@@ -177,6 +199,11 @@ class IterationStats:
     cut_sessions: int = 0
     # --eval-tasks: the held-out evaluation of the weights this iteration's training produced, when one was due
     eval: EvalResult | None = None
+    # task groups rolled out, those with zero advantage (all rewards equal: not trained on), and the groups drawn to
+    # replace them (--min-informative-groups; 0 without it)
+    groups: int = 0
+    uninformative_groups: int = 0
+    replaced_groups: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
@@ -227,6 +254,7 @@ def iteration_stats(
         total_tokens=merged.total_tokens,
         seconds=seconds,
         cut_sessions=cut_sessions(summary),
+        **group_figures(summary),
     )
 
 
@@ -273,33 +301,41 @@ class Loop:
         }
 
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
+        check_dynamic_sampling(self.cfg)
         if self.cfg.ray_address is not None:
             return self._ray_rollout(k)  # one gateway per node, records under iter-K/flows/node-*/
         started = time.monotonic()
         it = self.cfg.run_dir / f"iter-{k}"
-        self.progress.stage(k, "rollout", len(self.tasks) * self.cfg.group_size)
-        summary = self._local_rollout(it, self.tasks, self.cfg.group_size, self._gateway_options())
+        # --min-informative-groups: N groups, flat ones replaced (informative.py); the final rollout measures all tasks
+        sampler = group_sampler(self.cfg, self.tasks, k) if k < self.cfg.iterations else None
+        tasks = self.tasks if sampler is None else sampler.first_wave()
+        self.progress.stage(k, "rollout", len(tasks) * self.cfg.group_size)
+        summary = self._local_rollout(it, tasks, self.cfg.group_size, self._gateway_options(), sampler)
         write_rewards(summary, it / "rewards.parquet")
         return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
 
     def _local_rollout(
-        self, it: Path, tasks: list[Task], group_size: int, gateway_options: dict[str, str]
+        self,
+        it: Path,
+        tasks: list[Task],
+        group_size: int,
+        gateway_options: dict[str, str],
+        sampler: GroupSampler | None = None,
     ) -> RolloutSummary:
-        """`group_size` sessions per task through a gateway of their own, records under `it/flows`."""
+        """`group_size` sessions per task through a gateway of their own, records under `it/flows`; with a
+        `sampler` (whose first wave `tasks` is), its replacement waves follow through the same gateway."""
+        import asyncio
+
         cfg = self.cfg
         it.mkdir(parents=True, exist_ok=True)
-        # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
-        with procs.gateway_running(
-            engines.gateway_backends(self.engine_url, 1)[0],
-            it / "flows",
-            confdir=cfg.run_dir / "mitmproxy",
-            log=it / "gateway.log",
-            options=gateway_options,
-        ) as gw:
+        finished_before = [0]  # sessions of earlier waves, for the progress line
+
+        async def run_wave(wave: list[Task]) -> RolloutSummary:
+            total = finished_before[0] + len(wave) * group_size
             rollout = Rollout(
-                tasks,
+                wave,
                 HarnessSpec(cfg.harness),
-                GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()),
+                endpoints,
                 RolloutConfig(
                     group_size=group_size,
                     concurrency=cfg.concurrency,
@@ -309,11 +345,24 @@ class Loop:
                 ),
             )
             rollout.on_update = lambda sessions: self.progress.advance(
-                sum(s.stage == "done" for s in sessions)
+                finished_before[0] + sum(s.stage == "done" for s in sessions), total
             )
-            import asyncio
+            summary = await rollout.run()
+            finished_before[0] += len(summary.sessions)
+            return summary
 
-            return asyncio.run(rollout.run())
+        # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
+        with procs.gateway_running(
+            engines.gateway_backends(self.engine_url, 1)[0],
+            it / "flows",
+            confdir=cfg.run_dir / "mitmproxy",
+            log=it / "gateway.log",
+            options=gateway_options,
+        ) as gw:
+            endpoints = GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle())
+            if sampler is None:
+                return asyncio.run(run_wave(tasks))
+            return asyncio.run(sample_groups(sampler, run_wave))
 
     def _evaluate(self, k: int) -> EvalResult:
         """The served weights on the held-out tasks: records and rewards under RUN/eval-K, which no merge reads
