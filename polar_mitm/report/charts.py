@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from polar_mitm.report.collect import RunData, reward_summary
+from polar_mitm.report.collect import RunData, resume_points, reward_summary
 
 # (chart id, title, y label, metric keys) of the per-step training curves, in display order.
 STEP_CHARTS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -61,8 +61,11 @@ def _finite(value: Any) -> bool:
 
 
 def build_charts(run: RunData) -> list[Chart]:
-    """The reward chart, then one chart per training metric group (an empty one says why it is empty)."""
+    """The reward chart (a loop's group counts beside it), then one chart per training metric group (an empty one
+    says why it is empty)."""
     charts = [reward_chart(run)]
+    if run.kind == "loop":
+        charts.append(groups_chart(run))
     rows, boundaries = step_series(run)
     for chart_id, title, ylabel, keys in STEP_CHARTS:
         series = {key: [(r["global_step"], r[key]) for r in rows if _finite(r.get(key))] for key in keys}
@@ -84,8 +87,10 @@ def reward_chart(run: RunData) -> Chart:
     ]
     if run.kind == "loop" and points:
         held_out = held_out_points(run)
+        resumed = sorted({int(e["iteration"]) for e in resume_points(run) if e.get("iteration") is not None})
         title = "mean session reward per iteration (±std)" + (", held-out pass@1" if held_out else "")
-        return Chart("reward", title, errorbar_svg(points, held_out))
+        title += ", dashed: resumed" if resumed else ""
+        return Chart("reward", title, errorbar_svg(points, held_out, resumed))
     rows, boundaries = step_series(run)
     series = {"reward": [(r["global_step"], r["reward"]) for r in rows if _finite(r.get("reward"))]}
     if series["reward"]:
@@ -134,10 +139,45 @@ def held_out_points(run: RunData) -> list[tuple[int, float]]:
     ]
 
 
+def group_counts(run: RunData) -> list[tuple[int, int, int, int]]:
+    """(iteration, groups, all-equal groups, replaced groups) of the iterations whose loop.json row has the counts
+    (rows written before the loop counted groups have none: unknown, not zero)."""
+    counts = []
+    for i, stage in enumerate(run.stages):
+        s = stage.stats or {}
+        if all(isinstance(s.get(key), int) for key in ("groups", "uninformative_groups", "replaced_groups")):
+            counts.append((i, s["groups"], s["uninformative_groups"], s["replaced_groups"]))
+    return counts
+
+
+def groups_chart(run: RunData) -> Chart:
+    """Per iteration: the groups rolled out, those whose rewards were all equal (nothing to learn), and those
+    replaced by fresh groups (--min-informative-groups)."""
+    counts = group_counts(run)
+    title = "groups per iteration: all / all-equal rewards / replaced"
+    if not counts:
+        return Chart("groups", title, None, "no group counts in this run's loop.json (unknown)")
+    plt, fig, ax = _figure()
+    width = 0.27
+    for offset, (label, column) in enumerate((("groups", 1), ("all-equal rewards", 2), ("replaced", 3))):
+        xs = [c[0] + (offset - 1) * width for c in counts]
+        ax.bar(xs, [c[column] for c in counts], width=width, label=label)
+    ax.set_xticks([c[0] for c in counts])
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("groups")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize="small")
+    return Chart("groups", title, _svg(plt, fig, "groups"))
+
+
 def errorbar_svg(
-    points: Sequence[tuple[int, tuple[float, float]]], held_out: Sequence[tuple[int, float]] = ()
+    points: Sequence[tuple[int, tuple[float, float]]],
+    held_out: Sequence[tuple[int, float]] = (),
+    resumed: Sequence[int] = (),
 ) -> str:
     plt, fig, ax = _figure()
+    for n, iteration in enumerate(resumed):  # where a killed run was taken up again (RUN/events.jsonl)
+        ax.axvline(iteration, color="grey", linestyle="--", linewidth=1, label="resumed" if n == 0 else None)
     xs = [x for x, _ in points]
     ax.errorbar(
         xs,
@@ -149,6 +189,7 @@ def errorbar_svg(
     )
     if held_out:  # beside the training reward: does the policy generalise to tasks it never trains on
         ax.plot([x for x, _ in held_out], [y for _, y in held_out], marker="s", label="held-out pass@1")
+    if held_out or resumed:
         ax.legend(fontsize="small")
     ax.set_xticks(xs)
     ax.set_xlabel("iteration")

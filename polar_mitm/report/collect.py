@@ -2,7 +2,8 @@
 
 Layouts understood (anything missing is simply absent from the report):
 
-- a loop run (`polar-mitm loop`, the demo): `loop.json` and `iter-K/{rewards.parquet, merged/, train/, flows/}`;
+- a loop run (`polar-mitm loop`, the demo): `loop.json` and `iter-K/{rewards.parquet, merged/, train/, flows/}`,
+  and `events.jsonl` (start, resume, iteration_done, eval_done, finished) for the run's history and resume points;
 - a single stage directory: `metrics.jsonl` (a `grpo` output dir), `_summary.json` + shards (a `merge` output dir),
   `rewards.parquet` (a rollout), or any of those in `merged/`, `train/` subfolders.
 """
@@ -10,6 +11,7 @@ Layouts understood (anything missing is simply absent from the report):
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,10 @@ from typing import Any
 
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.rewards import read_rewards_table
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"  # under a loop's run directory, appended by the loop
 
 
 @dataclass
@@ -41,6 +47,7 @@ class RunData:
     root: Path
     kind: str  # loop | stage
     stages: list[Stage]
+    events: list[dict[str, Any]] = field(default_factory=list)  # the loop's events.jsonl rows, in order
 
     @property
     def has_iterations(self) -> bool:
@@ -62,12 +69,35 @@ def collect_run(root: str | Path) -> RunData:
             read_stage(d, f"iteration {_iteration_index(d)}", stats.get(_iteration_index(d)))
             for d in iteration_dirs
         ]
-        run = RunData(root=root, kind="loop", stages=stages)
+        run = RunData(root=root, kind="loop", stages=stages, events=read_events(root / EVENTS_FILE))
     else:
         run = RunData(root=root, kind="stage", stages=[read_stage(root, root.name)])
     if not any(s.metrics or s.merge_summary or s.rewards or s.merged_dir or s.stats for s in run.stages):
         raise FileNotFoundError(f"{root}: no loop.json, metrics.jsonl, merge summary or rewards found")
     return run
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The loop's events, oldest first; a last line cut short by a kill mid-append is left out."""
+    if not path.exists():
+        return []
+    events = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            if number < len(lines):  # only the line being written when the loop was killed may be partial
+                logger.warning("%s:%d: not a JSON event, left out of the report", path, number)
+            continue
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
+    return events
+
+
+def resume_points(run: RunData) -> list[dict[str, Any]]:
+    """The loop's `resume` events: where (iteration, stage) and when a killed run was taken up again."""
+    return [event for event in run.events if event["event"] == "resume"]
 
 
 def _iteration_index(path: Path) -> int | None:

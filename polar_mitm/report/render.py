@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,16 @@ def write_report(
     """Write the report of `run_dir` to `out` (default `<run_dir>/report.html`); return its path."""
     run = collect_run(run_dir)
     out = Path(out) if out is not None else run.root / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(run, tokenizer=tokenizer, sessions=sessions), encoding="utf-8")
+    write_atomically(out, render_html(run, tokenizer=tokenizer, sessions=sessions))
     return out
+
+
+def write_atomically(out: Path, html: str) -> None:
+    """Write `out` whole or not at all: a browser reloading the page mid-write never sees half of it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(html, encoding="utf-8")
+    os.replace(partial, out)
 
 
 def render_html(run: RunData, *, tokenizer: str | None = None, sessions: int = 6) -> str:
@@ -56,7 +64,9 @@ def page_context(run: RunData, *, tokenizer: str | None, sessions: int) -> dict[
         "root": str(run.root),
         "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "headline": headline(run),
+        "status": run_status(run),
         "iterations": iteration_rows(run),
+        "history": history_rows(run),
         "charts": build_charts(run),
         "merge_rows": merge_rows(run),
         "task_table": task_table(run),
@@ -95,9 +105,69 @@ def iteration_rows(run: RunData) -> list[dict[str, str]]:
                 "sequences": str(s["sequences"]),
                 "tokens": f"{s['trainable_tokens']}/{s['total_tokens']}",
                 "seconds": " / ".join(f"{seconds.get(k, 0):.0f}" for k in ("rollout", "merge", "train")),
+                "groups": groups_cell(s),
+                "held_out": held_out_cell(s),
             }
         )
     return rows
+
+
+def groups_cell(stats: dict[str, Any]) -> str:
+    """`informative/all (replaced R)` from the loop's group counts; `—` for rows written before it counted them."""
+    groups, equal, replaced = (stats.get(k) for k in ("groups", "uninformative_groups", "replaced_groups"))
+    if not isinstance(groups, int) or not isinstance(equal, int):
+        return "—"
+    return f"{groups - equal}/{groups}" + (f" (replaced {replaced})" if isinstance(replaced, int) else "")
+
+
+def held_out_cell(stats: dict[str, Any]) -> str:
+    """The held-out pass@k of the iteration's evaluation (`--eval-tasks`), or `—` when none was due."""
+    evaluation = stats.get("eval")
+    if not evaluation:
+        return "—"
+    return " · ".join(f"{k} {v:.2f}" for k, v in evaluation["pass_at"].items())
+
+
+def history_rows(run: RunData) -> list[dict[str, str]]:
+    """The run's starts, resumes and end (RUN/events.jsonl), with when and where: a resume row says the iteration
+    and stage a killed run was taken up at."""
+    rows = []
+    for event in run.events:
+        if event["event"] not in ("start", "resume", "finished"):
+            continue
+        details = {k: v for k, v in event.items() if k not in ("event", "iteration", "stage", "time")}
+        rows.append(
+            {
+                "event": str(event["event"]),
+                "time": _utc(event.get("time")),
+                "iteration": "—" if event.get("iteration") is None else str(event["iteration"]),
+                "stage": str(event.get("stage") or "—"),
+                "details": ", ".join(f"{k} {v}" for k, v in details.items()),
+            }
+        )
+    return rows
+
+
+def run_status(run: RunData) -> str:
+    """Whether the loop has finished, for a page that is rewritten while it runs."""
+    if run.kind != "loop":
+        return ""
+    done = sum(s.stats is not None for s in run.stages)
+    if run.events and run.events[-1]["event"] == "finished":
+        return f"finished: {done} iterations"
+    if not run.events:
+        return f"{done} iterations"
+    last = run.events[-1]
+    return (
+        f"running: {done} iterations done (last event: {last['event']} at {_utc(last.get('time'))}); "
+        "this page is rewritten after every iteration — reload it to follow the run"
+    )
+
+
+def _utc(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "—"
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def merge_rows(run: RunData) -> list[dict[str, str]]:

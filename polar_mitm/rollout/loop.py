@@ -17,13 +17,14 @@ sets (`LOOP_SETS`).
 
 `--eval-tasks FILE` evaluates the policy on tasks it never trains on, every `--eval-every` iterations: N sessions per
 task (`--eval-samples`), records under `RUN/eval-K/` (never merged), pass@1 and unbiased pass@k (evaluation.py).
-`--report-to tensorboard` sends the per-iteration figures, the evaluations and the trainer's per-step metrics to one
-tracked run (trackers.py).
+`--report-to tensorboard|mlflow|wandb` sends the per-iteration figures, the evaluations and the trainer's per-step
+metrics to one tracked run (trackers.py), and RUN/report.html is rewritten after every iteration (report/live.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -59,6 +60,8 @@ from polar_mitm.train.cli import LORA_HELP
 
 if TYPE_CHECKING:
     from polar_mitm.rollout.ray_driver import RayPool
+
+logger = logging.getLogger(__name__)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -161,8 +164,9 @@ class LoopConfig:
     report_to: str = field(
         default="none",
         metadata=_help(
-            "tensorboard | mlflow | wandb | none: the loop's figures and the trainer's per-step metrics, one "
-            "tracked run (TensorBoard: RUN/tensorboard)."
+            "tensorboard | mlflow | wandb | none, or a comma list: the loop's figures, evaluations and the "
+            "trainer's per-step metrics in one tracked run, continued by --resume; offline only (TensorBoard: "
+            "RUN/tensorboard, MLflow file store: RUN/mlruns, W&B offline: RUN/wandb)."
         ),
     )
     min_informative_groups: int | None = field(
@@ -585,8 +589,15 @@ class Loop:
         return results
 
     def _report(self, stats: IterationStats) -> None:
-        """An iteration is done: to the tracker (at step = iteration) and the caller's table."""
+        """An iteration is done: to the tracker (at step = iteration), RUN/report.html (rewritten each time, so a
+        browser reload shows the run so far) and the caller's table."""
+        from polar_mitm.report.live import refresh_report
+
         self.tracker.log(stats.tracked_metrics(), step=stats.iteration)
+        try:
+            refresh_report(self.cfg.run_dir, stats.to_json())
+        except Exception:  # a page that cannot be drawn must not stop a long run: the next iteration retries
+            logger.warning("RUN/report.html not rewritten after iteration %d", stats.iteration, exc_info=True)
         self.on_iteration(stats)
 
     def _close_ray_pool(self) -> None:

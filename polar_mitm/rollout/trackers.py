@@ -1,29 +1,51 @@
 """Experiment trackers for `polar-mitm loop --report-to`: the loop's per-iteration figures, its held-out
-evaluations and the trainer's per-step metrics go to one tracked run for the whole loop, so a long run shows up
-where a team already watches runs.
+evaluations and the trainer's per-step metrics go to one tracked run for the whole loop — across iterations and
+across `--resume` — so a long run shows up where a team already watches runs.
 
 Each iteration's training keeps `report_to=[]` (transformers would open a new tracked run per training, with its
 step count restarting); the loop instead forwards that training's `metrics.jsonl` rows (written by the in-process
 trainer and by `--train-processes` launches alike) at their run-wide optimizer step `run_step`.
-TensorBoard event files are written with torch's `SummaryWriter` (needs the `tensorboard` package, a project
-dependency). MLflow and W&B are not installed in this environment, so they are refused at start in one line.
+
+Nothing here may reach a network, whatever the environment says: TensorBoard writes event files (torch's
+`SummaryWriter`) under RUN/tensorboard; MLflow writes a local file store under RUN/mlruns through a client bound to
+that `file:` URI, with its usage telemetry off; W&B runs in offline mode under RUN/wandb (`wandb sync` uploads it
+later). `--report-to` takes one name or a comma list (`tensorboard,mlflow`): every tracker gets the same points.
+
+One tracked run per loop run: the MLflow run id and the W&B run id are kept in RUN/trackers.json with the last step
+logged per metric, so `open_tracker(..., resume=True)` continues the same run and a step logged before a crash is
+not logged twice (the first value of a (metric, step) stays, in every tracker alike).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-TrackerName = Literal["tensorboard", "mlflow", "wandb", "none"]
 TRACKERS: tuple[str, ...] = ("tensorboard", "mlflow", "wandb", "none")
 TENSORBOARD_DIR = "tensorboard"  # under the run directory
+MLFLOW_DIR = "mlruns"  # the MLflow file store, under the run directory
+WANDB_DIR = "wandb"  # W&B's offline runs (wandb.init(dir=RUN) writes RUN/wandb/offline-run-*)
+TRACKER_STATE = "trackers.json"  # under the run directory: run ids and the last step logged per metric
+PROJECT = "polar-mitm"  # the MLflow experiment and the W&B project
+# the package each tracker needs, for a one-line refusal before the engine starts
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 # metrics.jsonl keys that are bookkeeping, not metrics
 NOT_METRICS = frozenset({"step", "run_step", "epoch", "time"})
+# characters MLflow accepts in a metric name (anything else, e.g. the "@" of pass@k, is spelled out or replaced)
+MLFLOW_NAME_CHARS = re.compile(r"[^\w\-. :/]")
 
 
 class TrackerUnavailable(RuntimeError):
-    """The chosen tracker cannot be used here (its package is missing)."""
+    """The chosen tracker cannot be used here (unknown, or its package is missing)."""
 
 
 class Tracker(Protocol):
@@ -43,7 +65,8 @@ class NoTracker:
 
 
 class TensorBoardTracker:
-    """One TensorBoard run (event files under `log_dir`) for the whole loop."""
+    """One TensorBoard run (event files under `log_dir`) for the whole loop; a resumed run adds an events file to
+    the same directory, which TensorBoard reads as the same run."""
 
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -60,23 +83,189 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def check_tracker(name: str) -> None:
-    """Refuse, before anything starts, a tracker that is unknown or not installed."""
-    if name not in TRACKERS:
-        raise TrackerUnavailable(f"--report-to {name}: not one of {' | '.join(TRACKERS)}")
-    if name in ("mlflow", "wandb"):
-        raise TrackerUnavailable(
-            f"--report-to {name}: not supported in this build ({name} is not installed here); "
-            f"use --report-to tensorboard (event files under RUN/{TENSORBOARD_DIR})"
+def mlflow_metric_name(tag: str) -> str:
+    """`eval/pass@2` → `eval/pass_at_2`: MLflow refuses names outside alphanumerics, `_-. :/`."""
+    return MLFLOW_NAME_CHARS.sub("_", tag.replace("@", "_at_"))
+
+
+def offline_environment() -> None:
+    """What keeps MLflow and W&B off the network in this process (and its children), set by us, not the user."""
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # read when mlflow is imported
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 keeps the file store behind this switch
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["WANDB_SILENT"] = "true"
+
+
+class MlflowTracker:
+    """One MLflow run in the local file store `RUN/mlruns` (browse it with `mlflow ui --backend-store-uri`)."""
+
+    def __init__(self, store: Path, run_id: str | None, run_name: str) -> None:
+        offline_environment()
+        from mlflow import MlflowClient
+
+        self.store_uri = store.resolve().as_uri()  # file:///…: a local store, never a tracking server
+        self.client = MlflowClient(tracking_uri=self.store_uri)
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(PROJECT)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(PROJECT)
+            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        else:
+            self.client.update_run(run_id, status="RUNNING")  # a resumed run is running again
+        self.run_id: str = run_id
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = [Metric(mlflow_metric_name(tag), value, now, step) for tag, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=points)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
+
+class WandbTracker:
+    """One W&B run in offline mode under RUN/wandb; a resumed run keeps the run id (a second offline-run folder of
+    the same id, which `wandb sync` appends to the same run).
+
+    W&B wants one increasing step per run, but the loop's figures count iterations and the trainer's count
+    optimizer steps; so each metric group (`loop/`, `eval/`, `train/`) is plotted against its own step metric
+    `steps/GROUP` (W&B's `define_metric`)."""
+
+    def __init__(self, run_dir: Path, run_id: str, run_name: str) -> None:
+        offline_environment()
+        import wandb
+
+        settings = wandb.Settings(
+            mode="offline",
+            silent=True,
+            console="off",  # the loop's console is its own
+            save_code=False,
+            disable_git=True,
+            x_disable_stats=True,  # no system-metrics sampler beside the engine and the trainer
+            x_disable_meta=True,
         )
+        self.run = wandb.init(
+            project=PROJECT,
+            dir=str(run_dir),
+            id=run_id,
+            name=run_name,
+            resume="allow",
+            settings=settings,
+        )
+        self.run_id = run_id
+        self.groups: set[str] = set()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        by_group: dict[str, dict[str, float]] = {}
+        for tag, value in metrics.items():
+            by_group.setdefault(tag.split("/", 1)[0], {})[tag] = value
+        for group, values in by_group.items():
+            axis = f"steps/{group}"
+            if group not in self.groups:
+                self.run.define_metric(axis)
+                self.run.define_metric(f"{group}/*", step_metric=axis)
+                self.groups.add(group)
+            self.run.log({**values, axis: step})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
-def open_tracker(name: str, run_dir: Path) -> Tracker:
-    """The tracker of `--report-to NAME` for a run in `run_dir`."""
-    check_tracker(name)
-    if name == "tensorboard":
-        return TensorBoardTracker(run_dir / TENSORBOARD_DIR)
-    return NoTracker()
+@dataclass
+class TrackerState:
+    """RUN/trackers.json: the tracked runs' ids and the last step logged per metric (so a resume goes on where the
+    trackers stopped)."""
+
+    mlflow_run_id: str | None = None
+    wandb_run_id: str | None = None
+    last_steps: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> TrackerState:
+        if not path.exists():
+            return cls()
+        raw = json.loads(path.read_text())
+        return cls(raw.get("mlflow_run_id"), raw.get("wandb_run_id"), dict(raw.get("last_steps") or {}))
+
+    def write(self, path: Path) -> None:
+        """Atomically: a kill while writing leaves the previous state whole."""
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text(json.dumps(self.__dict__, indent=1, sort_keys=True))
+        os.replace(partial, path)
+
+
+class RunTrackers:
+    """The `--report-to` trackers of one loop run, fed the same points; each (metric, step) logged once over the
+    run, so a step the loop repeats after a resume is not drawn twice."""
+
+    def __init__(self, trackers: list[Tracker], state: TrackerState, state_path: Path) -> None:
+        self.trackers = trackers
+        self.state = state
+        self.state_path = state_path
+        self.lock = threading.Lock()  # with --overlap the trainer thread forwards its metrics too
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self.lock:
+            last = self.state.last_steps
+            fresh = {tag: value for tag, value in metrics.items() if step > last.get(tag, -1)}
+            if not fresh:
+                return
+            for tracker in self.trackers:
+                tracker.log(fresh, step)
+            last.update(dict.fromkeys(fresh, step))
+            self.state.write(self.state_path)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def tracker_names(report_to: str) -> list[str]:
+    """The trackers of `--report-to NAME[,NAME…]` (`none`: none), refused when unknown."""
+    names = [name.strip() for name in report_to.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown or not names:
+        raise TrackerUnavailable(
+            f"--report-to {report_to}: not one of {' | '.join(TRACKERS)} (or a comma list)"
+        )
+    return [name for name in dict.fromkeys(names) if name != "none"]
+
+
+def check_tracker(report_to: str) -> None:
+    """Refuse, before anything starts, a tracker that is unknown or whose package is not installed."""
+    for name in tracker_names(report_to):
+        package = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
+            extra = "train" if name == "tensorboard" else "trackers"
+            raise TrackerUnavailable(
+                f"--report-to {name}: the {package} package is not installed (pip install 'polar-mitm[{extra}]')"
+            )
+
+
+def open_tracker(report_to: str, run_dir: Path, resume: bool = False) -> Tracker:
+    """The trackers of `--report-to` for a run in `run_dir`: one tracked run each. `resume=True` continues the runs
+    whose ids RUN/trackers.json keeps (a new run when there is none); otherwise new runs start."""
+    names = tracker_names(report_to)
+    check_tracker(report_to)
+    if not names:
+        return NoTracker()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / TRACKER_STATE
+    state = TrackerState.read(state_path) if resume else TrackerState()
+    trackers: list[Tracker] = []
+    for name in names:
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR))
+        elif name == "mlflow":
+            mlflow = MlflowTracker(run_dir / MLFLOW_DIR, state.mlflow_run_id, run_dir.name)
+            state.mlflow_run_id = mlflow.run_id
+            trackers.append(mlflow)
+        elif name == "wandb":
+            state.wandb_run_id = state.wandb_run_id or uuid.uuid4().hex[:12]
+            trackers.append(WandbTracker(run_dir, state.wandb_run_id, run_dir.name))
+    state.write(state_path)
+    return RunTrackers(trackers, state, state_path)
 
 
 def numeric_metrics(row: dict[str, Any], prefix: str) -> dict[str, float]:

@@ -17,15 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm.rollout.evaluation import check_held_out, eval_due, pass_at_k, reported_ks
-from polar_mitm.rollout.loop import Loop, LoopConfig
 from polar_mitm.rollout.tasks import load_tasks
 from polar_mitm.rollout.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_tracker
 from polar_mitm.storage.records import read_all
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
-HELD_OUT = "append-done"
-ITERATIONS = 2
-EVAL_SAMPLES = 2
+from tests.rollout.evaluated_loop import EVAL_SAMPLES, EXAMPLES, HELD_OUT, ITERATIONS, evaluated_loop_run
 
 
 def pass_at_k_by_enumeration(samples: int, correct: int, k: int) -> float:
@@ -66,45 +61,16 @@ def test_eval_tasks_sharing_a_task_id_with_training_are_refused():
 
 
 def test_unavailable_tracker_is_refused_in_one_line():
-    check_tracker("tensorboard")
-    check_tracker("none")
-    for name in ("mlflow", "wandb", "neptune"):
-        with pytest.raises(TrackerUnavailable, match=name):
-            check_tracker(name)
-
-
-def split_task_file(out: Path) -> tuple[Path, Path]:
-    """The demo's task file as two: the trained tasks and the held-out one (workspaces still found)."""
-    lines = (EXAMPLES / "tasks.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()]
-    for row in rows:
-        row["workspace"]["dir"] = str((EXAMPLES / row["workspace"]["dir"]).resolve())
-    train, held_out = out / "train.jsonl", out / "eval.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows if r["task_id"] != HELD_OUT))
-    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows if r["task_id"] == HELD_OUT))
-    return train, held_out
+    for name in ("tensorboard", "mlflow", "wandb", "none"):
+        check_tracker(name)
+    with pytest.raises(TrackerUnavailable, match="neptune"):
+        check_tracker("neptune")
 
 
 @pytest.fixture(scope="module")
 def evaluated_run(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("loop-eval")
-    train, held_out = split_task_file(base)
-    cfg = LoopConfig(
-        tasks=train,
-        run_dir=base / "run",
-        iterations=ITERATIONS,
-        group_size=2,
-        concurrency=2,
-        model="tiny",
-        script=EXAMPLES / "policy.json",
-        learning_rate=1e-2,
-        max_tokens=128,
-        eval_tasks=held_out,
-        eval_samples=EVAL_SAMPLES,
-        report_to="tensorboard",
-    )
-    Loop(cfg).run()
-    return base / "run"
+    # one run for the session, shared with the tracker and report tests
+    return evaluated_loop_run(tmp_path_factory)
 
 
 def session_ids(table: Path) -> set[str]:
