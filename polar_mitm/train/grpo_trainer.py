@@ -66,6 +66,7 @@ from polar_mitm.train.packing import (
     trimmed_micro_batch,
     use_segment_attention,
 )
+from polar_mitm.train.scoring import padded_logps, score_labelled_positions_on_cpu
 from polar_mitm.train.stats import newest_weight_version, version_distance
 from polar_mitm.train.sync import set_checkpoint_dtype, write_dtype
 
@@ -77,7 +78,7 @@ PER_SEQUENCE_LOSSES = ("grpo", "sapo")  # TRL averages each sequence's tokens, t
 ROW_AVERAGED_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 TOKEN_AVERAGED_LOSSES = ("bnpo",)
 MICRO_BATCH_PLAN = "micro_batch_plan"  # the scored batch's MicroBatchPlan, cut by _split_micro_batches
-PACKED_FORWARD_OPTIONS = ("compute_entropy", "compute_aux_loss")  # what a packed forward can honour
+FORWARD_OPTIONS = ("compute_entropy", "compute_aux_loss")  # what our text-only forwards honour
 BEHAVIOUR_CHECK_FILE = "behaviour_check.json"
 WORST_ROWS_REPORTED = 20
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
@@ -122,6 +123,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
     _batch_plan: BatchPlan | None = None  # built on first use (batch_plan)
     _packs: bool | None = None  # decided on first use (packs_micro_batches)
     _packed_position_ids: torch.Tensor | None = None  # the packed row being scored (_packed_rows)
+    _scored_positions: torch.Tensor | None = None  # the completion tokens the forward scores (_scoring_only)
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         )
         # row → (sampled tokens whose step-0 ratio trainer/engine exceeds the fresh-row cap, sampled tokens, max log ratio)
         self.behaviour_ratio_excess: dict[int, tuple[int, int, float]] = {}
+        score_labelled_positions_on_cpu()  # the LM head skips what the loss never reads (train/scoring.py)
         # The dataset holds the rows, then zero-weight placeholders that fill the last length bucket.
         super().__init__(
             model=str(model) if isinstance(model, Path) else model,
@@ -308,6 +311,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         with (
             self.scoring_temperatures(inputs.get("token_temperature")),
             self._kl_zero_outside_loss(mask, anchor),
+            self._scoring_only(mask),
         ):
             return super()._compute_loss(model, inputs)
 
@@ -315,43 +319,43 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
     ):
         """TRL's logprobs, with each completion token scored at its own temperature (`scoring_temperatures`), of
-        padded rows or of a packed row (`_packed_rows`)."""
-        temperatures = self._token_temperature
+        padded rows or of a packed row (`_packed_rows`), only where the loss reads them (`_scoring_only`)."""
+        temperatures, scored = self._token_temperature, self._scored_positions
         if temperatures is None or bool((temperatures == self.temperature).all()):
             logps, entropies, aux = self._layout_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+                model, input_ids, attention_mask, logits_to_keep, batch_size, scored, **kwargs
             )
         else:
             logps, entropies, aux = self._per_temperature_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs
+                model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, scored, **kwargs
             )
         if self._kl_anchor is not None:  # see _compute_loss; no gradient flows outside the loss, as before
             mask, anchor = self._kl_anchor
             logps = torch.where(mask, logps, anchor.to(logps.dtype))
         return logps, entropies, aux
 
-    def _layout_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs):
-        """TRL's forward on padded rows; on a packed row the same fused head, with position ids that restart per
-        sequence and attention that stays inside each (`packing.packed_logps`)."""
+    def _layout_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, scored=None, **kwargs
+    ):
+        """TRL's fused head on padded rows (`scoring.padded_logps`, TRL's text-only forward); on a packed row the
+        same head, with position ids that restart per sequence and attention that stays inside each
+        (`packing.packed_logps`). Either scores only the `scored` completion tokens (None: all)."""
+        unsupported = sorted(k for k, v in kwargs.items() if v is not None and k not in FORWARD_OPTIONS)
+        if unsupported:
+            raise ValueError(f"the trainer's forward takes text only, not {unsupported}")
+        options = {
+            "compute_entropy": bool(kwargs.get("compute_entropy")),
+            "compute_aux_loss": bool(kwargs.get("compute_aux_loss")),
+            "autocast": self.accelerator.autocast(),
+        }
         position_ids = self._packed_position_ids
         if position_ids is None:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+            return padded_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, scored, **options
             )
-        unsupported = sorted(
-            k for k, v in kwargs.items() if v is not None and k not in PACKED_FORWARD_OPTIONS
-        )
-        if unsupported or position_ids.shape != input_ids.shape:
-            raise ValueError(f"a packed row cannot carry {unsupported or 'other position ids'}")
-        return packed_logps(
-            model,
-            input_ids,
-            position_ids,
-            logits_to_keep,
-            compute_entropy=bool(kwargs.get("compute_entropy")),
-            compute_aux_loss=bool(kwargs.get("compute_aux_loss")),
-            autocast=self.accelerator.autocast(),
-        )
+        if position_ids.shape != input_ids.shape:
+            raise ValueError("a packed row cannot carry other position ids")
+        return packed_logps(model, input_ids, position_ids, logits_to_keep, scored, **options)
 
     # -- per-token temperatures ------------------------------------------------------------------------------------
 
@@ -365,6 +369,17 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             self._token_temperature = previous
 
     @contextmanager
+    def _scoring_only(self, positions: torch.Tensor | None) -> Iterator[None]:
+        """Forward passes inside score only these completion tokens ([B, completion], None: all); the logprob and
+        entropy of the others are 0 (train/scoring.py)."""
+        previous = self._scored_positions
+        self._scored_positions = None if positions is None else positions.bool()
+        try:
+            yield
+        finally:
+            self._scored_positions = previous
+
+    @contextmanager
     def _kl_zero_outside_loss(self, mask: torch.Tensor, anchor: torch.Tensor | None) -> Iterator[None]:
         self._kl_anchor = (mask, anchor) if anchor is not None else None
         try:
@@ -373,17 +388,22 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             self._kl_anchor = None
 
     def policy_logps(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """Logprobs of a scored batch's completion tokens under `model` (default: the policy), each at its own
-        temperature — what the loss compares with the behaviour logprobs."""
+        """Logprobs of a batch's sampled completion tokens (its loss mask; 0 elsewhere) under `model` (default: the
+        policy), each at its own temperature — what the loss compares with the behaviour logprobs."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        with torch.no_grad(), self.scoring_temperatures(batch["token_temperature"]):
+        sampled = batch["loss_mask"] if "loss_mask" in batch else batch["tool_mask"]
+        with (
+            torch.no_grad(),
+            self.scoring_temperatures(batch["token_temperature"]),
+            self._scoring_only(sampled.bool() & batch["completion_mask"].bool()),
+        ):
             return self._get_per_token_logps_and_entropies(
                 model or self.model, input_ids, attention_mask, batch["completion_ids"].size(1)
             )[0]
 
     def _per_temperature_logps(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, **kwargs
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, scored, **kwargs
     ):
         """TRL's fused head at `self.temperature`, with the hidden state that predicts each completion token scaled
         by self.temperature / its temperature: (h · s) W / T_global = h W / T_token."""
@@ -404,6 +424,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
                         attention_mask[start:end],
                         logits_to_keep,
                         end - start,
+                        None if scored is None else scored[start:end],
                         **kwargs,
                     )
                 )
@@ -736,7 +757,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
         or packed, each token at its own temperature — written back into the batch's [B, W] completion layout."""
         layout = {
             key: batch[key]
-            for key in (*PROMPT_KEYS, "completion_ids", "completion_mask", "token_temperature")
+            for key in (*PROMPT_KEYS, "completion_ids", "completion_mask", "token_temperature", "loss_mask")
         }
         out = torch.zeros_like(batch["behaviour_logps"])
         for rows in plan.micro:
@@ -748,6 +769,7 @@ class PolarGRPOTrainer(ContinuationMixin, GRPOTrainer):
             with (
                 self.scoring_temperatures(micro["token_temperature"]),
                 self._packed_rows(micro.get("position_ids")),
+                self._scoring_only(micro["loss_mask"].bool() & micro["completion_mask"].bool()),
             ):
                 values = forward(input_ids, attention_mask, micro["completion_ids"].size(1), len(rows))
             scatter_micro_batch(values, layout, micro, rows, out)

@@ -31,6 +31,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from polar_mitm.train.scoring import completion_labels
+
 SEGMENT_ATTENTION = "polar_segments"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 # Losses whose normaliser and ratios are per token: a packed row of many sequences is the same sum of tokens.
@@ -137,15 +139,16 @@ def packed_logps(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     logits_to_keep: int,
+    scored: torch.Tensor | None = None,
     *,
     compute_entropy: bool = False,
     compute_aux_loss: bool = False,
     autocast=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """TRL's fused-head logprobs (and entropies, aux loss) of a packed row's last `logits_to_keep` tokens. Each
-    sequence's first token is no label: the position before it belongs to the previous sequence."""
-    labels = input_ids.masked_fill(position_ids == 0, -100)
-    labels[:, :-logits_to_keep] = -100
+    """TRL's fused-head logprobs (and entropies, aux loss) of a packed row's last `logits_to_keep` tokens — only the
+    `scored` ones (None: all; scoring.py). Each sequence's first token is no label: the position before it belongs
+    to the previous sequence."""
+    labels = completion_labels(input_ids, logits_to_keep, scored, position_ids == 0)
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "fused_lm_head": True}
     if compute_aux_loss:
         inputs["output_router_logits"] = True
