@@ -367,9 +367,32 @@ def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
     return LoopConfig(**{LOOP_OPTION_FIELDS.get(k, k): v for k, v in options.items()}, grpo=dict(grpo))
 
 
+def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopConfig:
+    """The options as given; with --resume, the run's recorded config (RUN/run.json), any option given again
+    checked against it (a different value ends the command with one line)."""
+    from click.core import ParameterSource
+
+    from polar_mitm.rollout.run_state import RunRecordError, resumed_config
+
+    grpo = ctx.meta[CONFIG_FIELDS]
+    if not given["resume"]:
+        if given["tasks"] is None:
+            raise fail("missing TASKS (the task file), or --resume -o RUN to carry on a run")
+        return loop_config(given, grpo)
+    typed = {
+        name for name in [*given, *grpo] if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    }
+    explicit = {LOOP_OPTION_FIELDS.get(k, k): v for k, v in given.items() if k in typed and k != "run_dir"}
+    explicit["grpo"] = {k: v for k, v in grpo.items() if k in typed}
+    try:
+        return resumed_config(given["run_dir"], LoopConfig, explicit)
+    except RunRecordError as exc:
+        raise fail(str(exc)) from None
+
+
 def loop_command(
     ctx: typer.Context,
-    tasks: Annotated[Path, typer.Argument(help=help_of(LoopConfig, "tasks"))],
+    tasks: Annotated[Path | None, typer.Argument(help=help_of(LoopConfig, "tasks"))] = None,
     run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
         "runs/loop"
     ),
@@ -431,16 +454,20 @@ def loop_command(
     resample_budget: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "resample_budget"))] = (
         LoopConfig.resample_budget
     ),
+    resume: Annotated[bool, typer.Option("--resume", help=help_of(LoopConfig, "resume"))] = LoopConfig.resume,
+    keep_checkpoints: Annotated[
+        int | None, typer.Option(help=help_of(LoopConfig, "keep_checkpoints"))
+    ] = LoopConfig.keep_checkpoints,
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
     iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
     given = {name: value for name, value in locals().items() if name != "ctx"}  # the loop's own options
-    loop = checked_loop(loop_config(given, ctx.meta[CONFIG_FIELDS]))
+    loop = checked_loop(given_or_resumed_config(ctx, given))
     from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
-    with RichLoopProgress(console, iterations) as progress:
+    with RichLoopProgress(console, loop.cfg.iterations) as progress:
         loop.progress = progress
         results = loop.run()
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")

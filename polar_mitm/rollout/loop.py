@@ -5,9 +5,16 @@ through it (the staged rollout), `merge` joins the records into sequences with t
 and the new weights are pushed to the engine (`/update_weights_from_disk`), whose `weight_version` then appears in
 the next iteration's records.
 
-`--overlap 1` runs iteration K+1's rollouts while the trainer trains on iteration K (Polar's asynchronous design):
-those rollouts are one weight version behind, which the trainer's importance ratios against the recorded behaviour
-logprobs correct for (staleness is reported in the metrics).
+`--overlap N` rolls out up to N iterations ahead of the trainer (Polar's asynchronous design): a thread runs the
+rollouts (and merges) in order, iteration K+N's while iteration K trains, so their data is up to N weight versions
+behind; the trainer's importance ratios against the recorded behaviour logprobs correct for it, and every call's
+staleness (its record's weight_version against the weights being trained) is in the trainer's metrics. A push lands
+while sessions are mid-flight: their later calls carry the new version, and each call is corrected by its own.
+
+`--resume` carries a killed run on from its run directory (run_state.py): each stage of an iteration (rollout, merge,
+train, push, eval) leaves a marker in `iter-K/state.json`; finished sessions are journalled as they finish, so an
+interrupted rollout re-runs only the others, under new session ids; a training is redone from the last saved
+optimizer state unless it finished saving; the engine is brought back to the last trained weights at start.
 
 The iterations share one optimizer: each training continues the AdamW state, the LR schedule (spanning all
 iterations) and the step count of the one before (`RUN/trainer-state`, see train/continuation.py), whether it runs
@@ -25,11 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import shutil
 import threading
 import time
+from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +54,20 @@ from polar_mitm.rollout.informative import (
     sample_groups,
 )
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
+from polar_mitm.rollout.run_state import (
+    LOOP_FILE,
+    IterationState,
+    SessionJournal,
+    append_event,
+    config_differences,
+    journal_finished,
+    prune_checkpoints,
+    record_run,
+    recorded_config,
+    renumbered,
+    session_from_row,
+    write_json_atomic,
+)
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, load_tasks
 from polar_mitm.rollout.trackers import (
@@ -94,7 +117,7 @@ LOOP_TRAINER_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
 class LoopConfig:
     """The RL loop's settings; each field with a `help` is a `polar-mitm loop` option (rollout/cli.py)."""
 
-    tasks: Path = field(metadata=_help("Task file (JSONL)."))
+    tasks: Path = field(metadata=_help("Task file (JSONL); not needed with --resume."))
     run_dir: Path = field(metadata=_help("Everything of the run goes here."))
     harness: str = field(
         default="sdk:openai_chat", metadata=_help("sdk:PROVIDER | cmd:TEMPLATE | preset name.")
@@ -130,7 +153,12 @@ class LoopConfig:
     builder: BuilderName = field(
         default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or "")
     )
-    overlap: int = field(default=0, metadata=_help("1: next rollouts run while the trainer trains."))
+    overlap: int = field(
+        default=0,
+        metadata=_help(
+            "N: rollouts run up to N iterations ahead of the trainer (their data up to N weight versions old)."
+        ),
+    )
     keep: int | None = field(
         default=None, metadata=_help("Straggler cut: stop a group once K sessions are done.")
     )
@@ -160,6 +188,16 @@ class LoopConfig:
     eval_samples: int = field(default=4, metadata=_help("Sessions per held-out task (N of pass@k, k <= N)."))
     eval_greedy: bool = field(
         default=False, metadata=_help("Evaluate greedily (temperature 0) instead of at --temperature.")
+    )
+    resume: bool = field(
+        default=False,
+        metadata=_help(
+            "Carry on the run in RUN (killed or stopped) with its recorded command: `--resume -o RUN`."
+        ),
+    )
+    keep_checkpoints: int | None = field(
+        default=None,
+        metadata=_help("Keep the weights of the last N trainings only (the newest is what --resume needs)."),
     )
     report_to: str = field(
         default="none",
@@ -292,6 +330,9 @@ class Loop:
         self.weight_version = "0"  # of self.model_dir, as the engine numbers it
         self.engine_url = cfg.engine_url
         self.ray_pool: RayPool | None = None  # with --ray: the node actors, kept for the whole run
+        self.tasks_by_id = {t.task_id: t for t in self.tasks}
+        self._states: dict[int, IterationState] = {}  # iter-K/state.json, one writer object per iteration
+        self._states_lock = threading.Lock()
 
     # -- stages --------------------------------------------------------------------------------------------------
 
@@ -351,6 +392,7 @@ class Loop:
             rollout.on_update = lambda sessions: self.progress.advance(
                 finished_before[0] + sum(s.stage == "done" for s in sessions), total
             )
+            journal_finished(rollout, it)  # --resume keeps the sessions that finished (run_state.py)
             summary = await rollout.run()
             finished_before[0] += len(summary.sessions)
             return summary
@@ -417,12 +459,16 @@ class Loop:
 
         started = time.monotonic()
         self.progress.stage(k, "merge")
+        merged = self.cfg.run_dir / f"iter-{k}" / "merged"
+        shutil.rmtree(merged, ignore_errors=True)  # what a merge a kill interrupted left
         summary = merge(
             [str(flows)],
-            str(self.cfg.run_dir / f"iter-{k}" / "merged"),
+            str(merged),
             builder=self.cfg.builder,
             rewards=str(rewards),
-            tokenizer=str(self.model_dir),
+            # The run's tokenizer never changes; the initial model's copy is never pruned or written to.
+            tokenizer=str(self.initial_model_dir),
+            # Sessions a killed rollout left unfinished have records but no reward: never trained on.
             drop_unrewarded=True,
         )
         return summary, time.monotonic() - started
@@ -488,7 +534,9 @@ class Loop:
         trainer = PolarGRPOTrainer(
             str(self._train_start()), args=config, train_data=data, peft_config=peft_config
         )
-        attach_engine_push(trainer)
+        if config.push_every_steps:
+            # Pushes during the training too; the last push stays the loop's push stage.
+            attach_engine_push(trainer)
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(
@@ -498,12 +546,14 @@ class Loop:
             trainer.add_callback(callback)
         trainer.train()
         log_training_metrics(self.tracker, it / "train" / "metrics.jsonl")
-        saved = trainer.save_final()
         version = trainer.policy_weight_version()
         (it / "data_stats.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
         (it / "train" / "grpo_config.json").write_text(
             config.to_json_string()
         )  # as `polar-mitm grpo` writes it
+        # What the push stage loads, written before the run state: once that is saved, all is (see _trained_on_disk).
+        trainer.save_for_engine(it / "train" / ENGINE_WEIGHTS_DIR)
+        saved = trainer.save_final()
         return (
             saved.get("merged", saved["model"]) if cfg.lora else saved["model"],
             version,
@@ -512,10 +562,156 @@ class Loop:
 
     def _final_rollout(self, k: int) -> IterationStats:
         """Rollout + merge with the last pushed weights, no training: the reward the trained policy earns."""
-        summary, flows, rewards, rollout_s = self._rollout(k)
-        merged, merge_s = self._merge(k, flows, rewards)  # kept for `polar-mitm report` and `show`
+        summary, flows, rewards, rollout_s = self._rollout_stage(k)
+        merged, merge_s = self._merge_stage(k, flows, rewards)  # kept for `polar-mitm report` and `show`
         seconds = {"rollout": rollout_s, "merge": merge_s, "train": 0.0}
         return iteration_stats(k, self.weight_version, summary, merged, seconds)
+
+    # -- resumable stages (iter-K/state.json: run_state.py) ---------------------------------------------------
+
+    def _state(self, k: int) -> IterationState:
+        with self._states_lock:
+            if k not in self._states:
+                self._states[k] = IterationState(self.cfg.run_dir / f"iter-{k}", k)
+            return self._states[k]
+
+    def _rollout_stage(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
+        """Iteration k's rollout: done before (its rewards file), finished in part (the journalled sessions kept,
+        the rest run now), or run whole."""
+        it, state = self.cfg.run_dir / f"iter-{k}", self._state(k)
+        if state.done("rollout"):
+            summary = rewarded_summary(it / "rewards.parquet", self.tasks_by_id, state.info("rollout"))
+            return summary, it / "flows", it / "rewards.parquet", state.info("rollout")["seconds"]
+        state.begin("rollout")
+        finished = SessionJournal(it).rows()
+        if finished and self.cfg.ray_address is None:
+            summary, flows, rewards, seconds = self._rerun_unfinished(k, finished)
+        else:
+            # Nothing finished to keep (or --ray, whose node records are not journalled): the rollout runs whole,
+            # the records of an attempt a kill interrupted set aside.
+            set_aside(it / "flows")
+            summary, flows, rewards, seconds = self._rollout(k)
+        state.finish(
+            "rollout",
+            seconds=seconds,
+            sessions=len(summary.sessions),
+            kept_sessions=len(finished),
+            replaced_groups=getattr(summary, "replaced_groups", 0),
+        )
+        return summary, flows, rewards, seconds
+
+    def _rerun_unfinished(
+        self, k: int, finished: list[dict[str, Any]]
+    ) -> tuple[RolloutSummary, Path, Path, float]:
+        """A rollout a kill interrupted: its finished sessions kept, each group's missing ones run under new ids
+        (their records go beside the old ones; the killed sessions' records have no reward, so no merge uses them).
+        Groups drawn to replace flat ones (--min-informative-groups) are completed, not drawn again."""
+        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        started = time.monotonic()
+        kept = [session_from_row(row, self.tasks_by_id) for row in finished]
+        planned = self._planned_tasks(k, kept)
+        have = Counter(s.task.task_id for s in kept)
+        # One session per entry, a task listed once per missing session: one gateway for all of them.
+        missing = [task for task in planned for _ in range(max(cfg.group_size - have[task.task_id], 0))]
+        self.progress.stage(k, "rollout", len(missing))
+        rerun = self._local_rollout(it, missing, 1, self._gateway_options()).sessions if missing else []
+        summary = RolloutSummary(kept + renumbered(rerun, kept), time.monotonic() - started, 0.0)
+        write_rewards(summary, it / "rewards.parquet")
+        return summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
+
+    def _planned_tasks(self, k: int, kept: list) -> list[Task]:
+        """The task groups iteration k rolls out: every task (or the dynamic sampler's first wave), and any group a
+        kept session belongs to."""
+        sampler = group_sampler(self.cfg, self.tasks, k) if k < self.cfg.iterations else None
+        planned = self.tasks if sampler is None else sampler.first_wave()
+        seen = {t.task_id for t in planned}
+        return planned + [
+            self.tasks_by_id[i] for i in dict.fromkeys(s.task.task_id for s in kept) if i not in seen
+        ]
+
+    def _merge_stage(self, k: int, flows: Path, rewards: Path) -> tuple[MergeFigures, float]:
+        state = self._state(k)
+        if not state.done("merge"):
+            state.begin("merge")
+            merged, seconds = self._merge(k, flows, rewards)
+            state.finish("merge", figures=asdict(MergeFigures.of(merged)), seconds=seconds)
+        info = state.info("merge")
+        return MergeFigures(**info["figures"]), info["seconds"]
+
+    def _train_stage(self, k: int) -> tuple[Path, str | None, float]:
+        """Iteration k's training (unless done: its marker, or a training that saved all before a kill) and the push
+        of its weights."""
+        it, state = self.cfg.run_dir / f"iter-{k}", self._state(k)
+        if not state.done("train"):
+            state.begin("train")
+            model_dir, version, seconds = self._trained_on_disk(k) or self._train(k)
+            state.finish("train", model_dir=str(model_dir), weight_version=version, seconds=seconds)
+        info = state.info("train")
+        if not state.done("push"):
+            state.begin("push")
+            self._push(it, info["weight_version"])
+            state.finish("push", weight_version=info["weight_version"])
+        return Path(info["model_dir"]), info["weight_version"], info["seconds"]
+
+    def _trained_on_disk(self, k: int) -> tuple[Path, str | None, float] | None:
+        """The training of iteration k when a kill came after it saved everything (the optimizer state counts it);
+        None when it must run, with what an interrupted one left removed."""
+        from polar_mitm.train.continuation import RunState, recover_run_state
+
+        it, directory = self.cfg.run_dir / f"iter-{k}", self.cfg.run_dir / RUN_STATE_DIR
+        recover_run_state(directory)
+        run_state = RunState.load(directory)
+        if run_state.trainings == k + 1:
+            log_training_metrics(self.tracker, it / "train" / "metrics.jsonl")
+            trained = it / "train" / "merged" if self.cfg.lora else it / "train"
+            return trained, run_state.policy_weight_version, 0.0
+        if run_state.trainings != k:
+            raise RuntimeError(
+                f"{directory} holds {run_state.trainings} trainings; iteration {k} must follow {k} of them"
+            )
+        shutil.rmtree(it / "train", ignore_errors=True)  # a training the kill interrupted starts over
+        return None
+
+    def _push(self, it: Path, version: str | None) -> None:
+        """The engine serves `version` (the trained weights of `it`) after this: pushed unless it already does."""
+        if version is None or engines.common_weight_version(self.engine_url) == version:
+            return
+        engines.push_weights(self.engine_url, it / "train" / ENGINE_WEIGHTS_DIR, weight_version=version)
+
+    def _eval_stage(self, k: int) -> EvalResult | None:
+        cfg, state = self.cfg, self._state(k)
+        if not (self.eval_tasks and eval_due(k, cfg.eval_every, cfg.iterations)):
+            return None
+        if not state.done("eval"):
+            state.begin("eval")
+            # An evaluation a kill interrupted runs again whole (its records are never trained on).
+            shutil.rmtree(cfg.run_dir / f"eval-{k}", ignore_errors=True)
+            result = self._evaluate(k)
+            state.finish("eval", result=result.to_json())
+            append_event(cfg.run_dir, "eval_done", k, "eval", pass_at=result.pass_at)
+        return EvalResult(**state.info("eval")["result"])
+
+    def _iteration(self, k: int, rolled: tuple, merged: tuple[MergeFigures, float]) -> IterationStats:
+        """Iteration k after its rollout and merge: train, push, evaluate; its figures."""
+        summary, _, _, rollout_s = rolled
+        figures, merge_s = merged
+        self.model_dir, version, train_s = self._train_stage(k)
+        self.weight_version = version or self.weight_version
+        seconds = {"rollout": rollout_s, "merge": merge_s, "train": train_s}
+        stats = iteration_stats(k, version, summary, figures, seconds)
+        stats.eval = self._eval_stage(k)
+        return stats
+
+    def _done(self, stats: IterationStats, results: list[IterationStats]) -> None:
+        """An iteration is finished: in loop.json (what makes it done), its marker, the events, the report."""
+        cfg, k = self.cfg, stats.iteration
+        results.append(stats)
+        write_json_atomic(cfg.run_dir / LOOP_FILE, [r.to_json() for r in results])
+        self._state(k).finish("done")
+        append_event(cfg.run_dir, "iteration_done", k, None, weight_version=stats.weight_version)
+        self._report(stats)
+        if cfg.keep_checkpoints is not None and k < cfg.iterations:
+            prune_checkpoints(cfg.run_dir, cfg.keep_checkpoints, last_trained=k)
 
     # -- driver --------------------------------------------------------------------------------------------------
 
@@ -526,11 +722,10 @@ class Loop:
         cfg.run_dir = cfg.run_dir.resolve()
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
-        # A new run starts a new optimizer, even in a reused run directory.
-        shutil.rmtree(cfg.run_dir / RUN_STATE_DIR, ignore_errors=True)
-        shutil.rmtree(cfg.run_dir / TENSORBOARD_DIR, ignore_errors=True)  # and a new tracked run
+        results = self._resumed() if cfg.resume else self._started()
         with ExitStack() as running:
-            self.tracker = open_tracker(cfg.report_to, cfg.run_dir)
+            # --resume continues the same tracked run (TensorBoard's directory, MLflow's and W&B's run ids in RUN/)
+            self.tracker = open_tracker(cfg.report_to, cfg.run_dir, resume=cfg.resume)
             running.callback(self.tracker.close)  # last: after the final figures
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
@@ -545,48 +740,71 @@ class Loop:
             self.engine_url = running.enter_context(
                 engines.attached(engine_url, log=cfg.run_dir / "router.log")
             ).url
-            if cfg.engine_url is not None:
+            if cfg.engine_url is not None and not results:
                 self.weight_version = engines.common_weight_version(self.engine_url) or "0"
+            self._restore_engine()
             running.callback(self._close_ray_pool)  # first: the node actors stop their gateways
-            results: list[IterationStats] = []
-            pending = self._rollout(0)
-            for k in range(cfg.iterations):
-                summary, flows, rewards, rollout_s = pending
-                merged, merge_s = self._merge(k, flows, rewards)
-                trained: dict[str, Any] = {}
-                next_rollout: dict[str, Any] = {}
-
-                def train(k=k, trained=trained) -> None:
-                    try:
-                        trained["result"] = self._train(k)
-                    except BaseException as exc:  # surfaced below, after the overlapping rollout
-                        trained["error"] = exc
-
-                if cfg.overlap and k + 1 < cfg.iterations:
-                    thread = threading.Thread(target=train, name="polar-trainer")
-                    thread.start()
-                    next_rollout["result"] = self._rollout(k + 1)  # one weight version behind
-                    thread.join()
-                else:
-                    train()
-                if "error" in trained:
-                    raise trained["error"]
-                self.model_dir, version, train_s = trained["result"]
-                self.weight_version = version or self.weight_version
-                stats = iteration_stats(
-                    k, version, summary, merged, {"rollout": rollout_s, "merge": merge_s, "train": train_s}
-                )
-                if self.eval_tasks and eval_due(k, cfg.eval_every, cfg.iterations):
-                    stats.eval = self._evaluate(k)
-                results.append(stats)
-                self._report(stats)
-                if k + 1 < cfg.iterations:
-                    pending = next_rollout.get("result") or self._rollout(k + 1)
-            if cfg.final_rollout:
-                results.append(self._final_rollout(cfg.iterations))
-                self._report(results[-1])
-            (cfg.run_dir / "loop.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
+            self._iterate(results)
+            if cfg.final_rollout and len(results) == cfg.iterations:
+                self._done(self._final_rollout(cfg.iterations), results)
+            write_json_atomic(cfg.run_dir / LOOP_FILE, [r.to_json() for r in results])
+            append_event(cfg.run_dir, "finished", len(results) - 1, None, weight_version=self.weight_version)
         return results
+
+    def _iterate(self, results: list[IterationStats]) -> None:
+        """The iterations not done yet: in turn, or (--overlap N) with rollouts up to N iterations ahead."""
+        cfg, start = self.cfg, len(results)
+        if cfg.overlap < 1:
+            for k in range(start, cfg.iterations):
+                rolled = self._rollout_stage(k)
+                merged = self._merge_stage(k, rolled[1], rolled[2])
+                self._done(self._iteration(k, rolled, merged), results)
+            return
+        with RolloutsAhead(self, start, cfg.overlap) as ahead:
+            for k in range(start, cfg.iterations):
+                rolled, merged = ahead.get(k)
+                self._done(self._iteration(k, rolled, merged), results)
+                ahead.trained()
+
+    def _started(self) -> list[IterationStats]:
+        """A new run: the command recorded; a new optimizer and a new tracked run, even in a reused directory."""
+        cfg = self.cfg
+        for stale in (RUN_STATE_DIR, f"{RUN_STATE_DIR}.new", f"{RUN_STATE_DIR}.old", TENSORBOARD_DIR):
+            shutil.rmtree(cfg.run_dir / stale, ignore_errors=True)
+        for marker in [*cfg.run_dir.glob("iter-*/state.json"), *cfg.run_dir.glob("iter-*/sessions.jsonl")]:
+            marker.unlink()  # an earlier run's progress is not this one's
+        for name in (LOOP_FILE, "events.jsonl"):
+            (cfg.run_dir / name).unlink(missing_ok=True)
+        record_run(cfg.run_dir, cfg)
+        append_event(cfg.run_dir, "start", 0, "rollout")
+        return []
+
+    def _resumed(self) -> list[IterationStats]:
+        """--resume: the finished iterations (loop.json), and the weights to go on from (model_dir,
+        weight_version) — the last training that finished, which may belong to the iteration resumed."""
+        cfg = self.cfg
+        differences = config_differences(recorded_config(cfg.run_dir, LoopConfig), vars(cfg))
+        if differences:
+            raise ValueError(
+                f"--resume: {cfg.run_dir} was started with other settings: {'; '.join(differences)}"
+            )
+        rows = json.loads((cfg.run_dir / LOOP_FILE).read_text()) if (cfg.run_dir / LOOP_FILE).exists() else []
+        results = [stats_from_json(row) for row in rows]
+        start = len(results)
+        trained = [k for k in (start, start - 1) if 0 <= k < cfg.iterations and self._state(k).done("train")]
+        if trained:
+            info = self._state(trained[0]).info("train")
+            self.model_dir, self.weight_version = Path(info["model_dir"]), info["weight_version"]
+        stage = self._state(start).first_unfinished()
+        append_event(cfg.run_dir, "resume", start, stage, weight_version=self.weight_version)
+        return results
+
+    def _restore_engine(self) -> None:
+        """On --resume: the engine (restarted, or attached at other weights) serves the last trained weights."""
+        if self.model_dir == self.initial_model_dir:
+            return
+        trained = self.model_dir.parent if self.model_dir.name == "merged" else self.model_dir
+        self._push(trained.parent, self.weight_version)
 
     def _report(self, stats: IterationStats) -> None:
         """An iteration is done: to the tracker (at step = iteration), RUN/report.html (rewritten each time, so a
@@ -603,6 +821,94 @@ class Loop:
     def _close_ray_pool(self) -> None:
         if self.ray_pool is not None:
             self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
+
+
+ENGINE_WEIGHTS_DIR = "engine-weights"  # under iter-K/train: what the engine loads (train/sync.py's name)
+
+
+@dataclass
+class MergeFigures:
+    """What the loop keeps of a merge's summary (in iter-K/state.json, for a resumed run)."""
+
+    sequences: int
+    trainable_records: int
+    trainable_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, merged: Any) -> MergeFigures:
+        return cls(merged.sequences, merged.trainable_records, merged.trainable_tokens, merged.total_tokens)
+
+
+def stats_from_json(row: dict[str, Any]) -> IterationStats:
+    """An iteration's figures back from loop.json."""
+    names = {f.name for f in IterationStats.__dataclass_fields__.values()}
+    values = {key: value for key, value in row.items() if key in names}
+    if values.get("eval") is not None:
+        values["eval"] = EvalResult(**values["eval"])
+    return IterationStats(**values)
+
+
+def rewarded_summary(path: Path, tasks: dict[str, Task], info: dict[str, Any]) -> RolloutSummary:
+    """A finished rollout back from its rewards file (and its marker's figures)."""
+    import pyarrow.parquet as pq
+
+    from polar_mitm.rollout.informative import SampledRolloutSummary
+
+    sessions = [session_from_row(row, tasks) for row in pq.read_table(path).to_pylist()]
+    return SampledRolloutSummary(
+        sessions, info["seconds"], 0.0, replaced_groups=info.get("replaced_groups", 0)
+    )
+
+
+def set_aside(flows: Path) -> None:
+    """Records of a rollout that runs again whole go beside it (`flows.interrupted-N`), never merged."""
+    if not flows.exists():
+        return
+    n = len(list(flows.parent.glob(f"{flows.name}.interrupted-*")))
+    flows.rename(flows.with_name(f"{flows.name}.interrupted-{n}"))
+
+
+class RolloutsAhead:
+    """--overlap N: a thread rolls out and merges the iterations in order, each once the trainer has finished all
+    but N of the trainings before it (so its data is at most N weight versions old when it is trained on)."""
+
+    def __init__(self, loop: Loop, start: int, overlap: int) -> None:
+        self.loop, self.start = loop, start
+        self.permits = threading.Semaphore(overlap + 1)  # rollout r may start once training r-1-N is done
+        self.ready: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="polar-rollouts", daemon=True)
+
+    def __enter__(self) -> RolloutsAhead:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopping.set()
+        self.permits.release()  # a producer waiting for a permit sees the stop
+        self.thread.join()  # a rollout under way finishes first (its harnesses must not outlive the loop)
+
+    def _produce(self) -> None:
+        try:
+            for k in range(self.start, self.loop.cfg.iterations):
+                self.permits.acquire()
+                if self.stopping.is_set():
+                    return
+                rolled = self.loop._rollout_stage(k)
+                self.ready.put((rolled, self.loop._merge_stage(k, rolled[1], rolled[2]), None))
+        except BaseException as exc:  # surfaced in the trainer's thread, at its next get()
+            self.ready.put((None, None, exc))
+
+    def get(self, k: int) -> tuple[tuple, tuple[MergeFigures, float]]:
+        """Iteration k's rollout and merge (waiting for them)."""
+        rolled, merged, error = self.ready.get()
+        if error is not None:
+            raise error
+        return rolled, merged
+
+    def trained(self) -> None:
+        self.permits.release()
 
 
 def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
