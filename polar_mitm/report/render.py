@@ -149,7 +149,7 @@ def history_rows(run: RunData) -> list[dict[str, str]]:
 
 
 def run_status(run: RunData) -> str:
-    """Whether the loop has finished, for a page that is rewritten while it runs."""
+    """How far the loop is, for a page that is rewritten while it runs."""
     if run.kind != "loop":
         return ""
     done = sum(s.stats is not None for s in run.stages)
@@ -157,10 +157,10 @@ def run_status(run: RunData) -> str:
         return f"finished: {done} iterations"
     if not run.events:
         return f"{done} iterations"
-    last = run.events[-1]
+    last = run.events[-1]  # the loop writes its last page before it logs `finished`: "so far", not "running"
     return (
-        f"running: {done} iterations done (last event: {last['event']} at {_utc(last.get('time'))}); "
-        "this page is rewritten after every iteration — reload it to follow the run"
+        f"{done} iterations so far (last event: {last['event']} at {_utc(last.get('time'))}); "
+        "the loop rewrites this page after every iteration — reload it to follow the run"
     )
 
 

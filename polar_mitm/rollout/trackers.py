@@ -103,6 +103,12 @@ class MlflowTracker:
         offline_environment()
         from mlflow import MlflowClient
 
+        if not store.exists():
+            from mlflow.store.tracking.file_store import FileStore
+
+            # lays the store out: MLflow caches a store per URI, which would not notice a folder removed since (a
+            # run directory wiped and reused in this process)
+            FileStore(str(store))
         self.store_uri = store.resolve().as_uri()  # file:///…: a local store, never a tracking server
         self.client = MlflowClient(tracking_uri=self.store_uri)
         if run_id is None:

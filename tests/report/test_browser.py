@@ -4,11 +4,13 @@ page loads offline with no console error, the curves and the token viewer render
 from __future__ import annotations
 
 import io
+import json
 import shutil
 
 import pytest
 
 from polar_mitm.report import write_report
+from tests.rollout.evaluated_loop import evaluated_loop_run
 
 pytestmark = pytest.mark.slow
 
@@ -16,13 +18,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
-def page_session(demo_run, tmp_path_factory):
-    """(page, console errors, requests that tried to leave the file) for the demo run's report."""
+def browser_context():
+    """(a new page of an offline browser context, console errors, requests that tried to leave the file)."""
     assert CHROMIUM, "no chromium on PATH: run scripts/setup-browser.sh (scripts/test.sh does)"
     from playwright.sync_api import sync_playwright
 
-    run_dir, _ = demo_run
-    report = write_report(run_dir, tmp_path_factory.mktemp("report") / "report.html")
     errors: list[str] = []
     outside: list[str] = []
     with sync_playwright() as pw:
@@ -38,21 +38,34 @@ def page_session(demo_run, tmp_path_factory):
                 request_route.abort()
 
         context.route("**/*", route)
-        page = context.new_page()
-        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(report.as_uri(), wait_until="load")
-        yield page, errors, outside
+
+        def new_page():
+            page = context.new_page()
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            return page
+
+        yield new_page, errors, outside
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page_session(browser_context, demo_run, tmp_path_factory):
+    """(page, console errors, requests that tried to leave the file) for the demo run's report."""
+    new_page, errors, outside = browser_context
+    run_dir, _ = demo_run
+    report = write_report(run_dir, tmp_path_factory.mktemp("report") / "report.html")
+    page = new_page()
+    page.goto(report.as_uri(), wait_until="load")
+    return page, errors, outside
 
 
 def non_blank_fraction(png: bytes) -> float:
     """Share of pixels that are not (near) white."""
     from PIL import Image
 
-    image = Image.open(io.BytesIO(png)).convert("L")
-    pixels = list(image.getdata())
-    return sum(p < 240 for p in pixels) / len(pixels)
+    histogram = Image.open(io.BytesIO(png)).convert("L").histogram()  # pixels per grey level 0-255
+    return sum(histogram[:240]) / sum(histogram)
 
 
 def test_page_loads_offline_without_console_errors(page_session):
@@ -95,3 +108,23 @@ def test_full_page_screenshot_is_not_blank(page_session, tmp_path):
     page, _, _ = page_session
     png = page.screenshot(full_page=True, path=str(tmp_path / "report.png"))
     assert non_blank_fraction(png) > 0.02  # a blank page is 0; this one is mostly text on white (~5%)
+
+
+def test_live_report_of_an_evaluated_loop_draws_the_held_out_curve(browser_context, tmp_path_factory):
+    """The page the loop itself left in RUN/report.html (rewritten after each iteration) for the shared evaluated
+    loop: the held-out pass@1 curve is drawn beside the training reward, and each iteration row shows it."""
+    new_page, errors, outside = browser_context
+    run_dir = evaluated_loop_run(tmp_path_factory)
+    iterations = json.loads((run_dir / "loop.json").read_text())
+    page = new_page()
+    page.goto((run_dir / "report.html").as_uri(), wait_until="load")
+    chart = page.locator("#chart-reward svg")
+    assert chart.count() == 1 and "held-out pass@1" in page.locator("#chart-reward figcaption").inner_text()
+    legend = chart.locator("text", has_text="held-out pass@1")
+    assert legend.count() == 1 and legend.is_visible()
+    assert non_blank_fraction(chart.screenshot()) > 0.02
+    cells = page.locator("#iterations td.held-out")
+    assert cells.count() == len(iterations)
+    for cell, it in zip(cells.all(), iterations, strict=True):
+        assert f"pass@1 {it['eval']['pass_at']['pass@1']:.2f}" in cell.inner_text()
+    assert errors == [] and outside == []

@@ -1,5 +1,7 @@
 """`polar-mitm report`: one self-contained HTML page from a real loop run (the demo's loop, shortened) and from
-single rollout/merge/train directories."""
+single rollout/merge/train directories; and the loop's live report — RUN/report.html rewritten after every
+iteration of the shared evaluated loop (tests/rollout/evaluated_loop.py), with its held-out pass@k, group counts,
+and resume points from a hand-written RUN/events.jsonl."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.report import write_report
+from tests.rollout.evaluated_loop import evaluated_loop_run, report_after
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +105,71 @@ def test_report_command_on_stage_directories(demo_run, tmp_path):
         [POLAR, "report", str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=120
     )
     assert empty.returncode == 2 and "not a directory" in empty.stderr
+
+
+# -- the loop's live report (RUN/report.html rewritten after every iteration) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> Path:
+    """The session's shared evaluated 2-iteration loop (tests/rollout/evaluated_loop.py)."""
+    return evaluated_loop_run(tmp_path_factory)
+
+
+def table_rows(html: str, table_id: str) -> list[str]:
+    """The data rows (after the header) of the table with id `table_id`."""
+    table = html.split(f'id="{table_id}"')[1].split("</table>")[0]
+    return table.split("<tr")[2:]
+
+
+def test_loop_rewrites_the_report_after_every_iteration(evaluated_run):
+    iterations = json.loads((evaluated_run / "loop.json").read_text())
+    for it in iterations:
+        page = report_after(evaluated_run, it["iteration"]).read_text()
+        rows = table_rows(page, "iterations")
+        assert len(rows) == it["iteration"] + 1  # the iterations finished so far, no more
+        assert f"{it['reward_mean']:.3f}" in rows[-1]
+        assert f"pass@1 {it['eval']['pass_at']['pass@1']:.2f}" in rows[-1]  # its held-out evaluation
+        informative = it["groups"] - it["uninformative_groups"]
+        assert f"{informative}/{it['groups']}" in rows[-1]
+        assert 'id="chart-reward"' in page and 'id="chart-groups"' in page
+    # the final page is the last iteration's, written whole (no partial file left beside it)
+    assert (evaluated_run / "report.html").read_text() == report_after(
+        evaluated_run, iterations[-1]["iteration"]
+    ).read_text()
+    assert not list(evaluated_run.glob(".report.html*"))
+
+
+def test_report_shows_resume_points_and_group_counts(evaluated_run, tmp_path):
+    from polar_mitm.report.collect import collect_run, read_events
+    from polar_mitm.report.render import render_html
+
+    run = collect_run(evaluated_run)
+    # A hand-written history: a run killed during iteration 1's training, resumed there; a cut last line (a kill
+    # mid-append) is left out.
+    events = [
+        {"event": "start", "iteration": 0, "stage": "rollout", "time": 1_800_000_000},
+        {"event": "iteration_done", "iteration": 0, "stage": None, "time": 1_800_000_060},
+        {"event": "resume", "iteration": 1, "stage": "train", "time": 1_800_000_200, "sessions_kept": 4},
+        {"event": "finished", "iteration": 1, "stage": None, "time": 1_800_000_300},
+    ]
+    log = tmp_path / "events.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "iterat')
+    run.events = read_events(log)
+    assert run.events == events
+    html = render_html(run, sessions=1)
+    history = table_rows(html, "history")
+    assert [row.split('class="event-')[1].split('"')[0] for row in history] == ["start", "resume", "finished"]
+    assert "train" in history[1] and "<td>1</td>" in history[1] and "sessions_kept 4" in history[1]
+    reward = html.split('id="chart-reward"')[1].split("</figure>")[0]
+    assert "dashed: resumed" in reward and "resumed" in reward.split("<svg")[1]
+    assert "finished: 2 iterations" in html.split('id="status"')[1].split("</p>")[0]
+    groups = html.split('id="chart-groups"')[1].split("</figure>")[0]
+    assert "<svg" in groups and "all-equal rewards" in groups
+    # loop.json rows written before the loop counted groups: unknown, not zero
+    for stage in run.stages:
+        for key in ("groups", "uninformative_groups", "replaced_groups"):
+            stage.stats.pop(key)
+    html = render_html(run, sessions=1)
+    assert all('<td class="groups">—</td>' in row for row in table_rows(html, "iterations"))
+    assert "unknown" in html.split('id="chart-groups"')[1].split("</figure>")[0]

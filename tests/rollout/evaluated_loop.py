@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,9 @@ def evaluated_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     def keep_report(stats) -> None:
         shutil.copyfile(run_dir / "report.html", report_after(run_dir, stats.iteration))
 
-    Loop(cfg, on_iteration=keep_report).run()
+    # Playwright's sync API keeps an event loop running in its thread (the browser test may ask for the run with a
+    # browser open) and the rollouts call asyncio.run: the loop runs in a thread of its own.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(Loop(cfg, on_iteration=keep_report).run).result()
     (base / FINISHED).touch()
     return run_dir
