@@ -370,8 +370,6 @@ def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
 def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopConfig:
     """The options as given; with --resume, the run's recorded config (RUN/run.json), any option given again
     checked against it (a different value ends the command with one line)."""
-    from click.core import ParameterSource
-
     from polar_mitm.rollout.run_state import RunRecordError, resumed_config
 
     grpo = ctx.meta[CONFIG_FIELDS]
@@ -379,8 +377,11 @@ def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopCo
         if given["tasks"] is None:
             raise fail("missing TASKS (the task file), or --resume -o RUN to carry on a run")
         return loop_config(given, grpo)
+    # (typer vendors its own click: the source is compared by name, not with click's enum)
     typed = {
-        name for name in [*given, *grpo] if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+        name
+        for name in [*given, *grpo]
+        if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
     }
     explicit = {LOOP_OPTION_FIELDS.get(k, k): v for k, v in given.items() if k in typed and k != "run_dir"}
     explicit["grpo"] = {k: v for k, v in grpo.items() if k in typed}

@@ -1,0 +1,290 @@
+"""`polar-mitm loop --resume` after SIGKILL (issue 26 item 1): a real loop process on the tiny model and the scripted
+policy is killed — with everything it started — at a moment read from its own progress files (`iter-K/state.json`,
+`iter-K/sessions.jsonl`), then carried on with `--resume -o RUN` alone.
+
+What a resumed run must show, whatever stage the kill hit: every iteration once in loop.json; every session of the
+run rewarded exactly once, the finished sessions of an interrupted rollout kept and the others re-run under new ids
+(none of them merged with a killed session's records); each iteration trains on its own rewarded sessions (the
+structure of an uninterrupted run: tasks × group size per iteration) and is trained once; the engine serves the last
+trained weights (the next rollout's records carry that version).
+
+The closing table (printed with `-s`) gives, per stage killed at, the counts at the kill and after the resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm.rollout.run_state import read_lines
+from polar_mitm.storage.records import read_all
+from polar_mitm.train.continuation import RunState
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
+TASKS, GROUP, ITERATIONS = 2, 2, 2
+LOOP_ARGS = ["-n", str(ITERATIONS), "-g", str(GROUP), "-c", "2", "--model", "tiny", "--max-tokens", "64"]
+LOOP_ARGS += ["--script", str(EXAMPLES / "policy.json"), "--learning-rate", "1e-2"]
+DEADLINE_S = 300
+ROWS: list[str] = []  # the closing table
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory) -> Path:
+    """The first two CPU demo tasks (workspaces resolved)."""
+    rows = [json.loads(line) for line in (EXAMPLES / "tasks.jsonl").read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["workspace"]["dir"] = str((EXAMPLES / row["workspace"]["dir"]).resolve())
+    path = tmp_path_factory.mktemp("resume-tasks") / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:TASKS]))
+    return path
+
+
+def loop_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "polar_mitm.cli", "loop", *args]
+
+
+def start_loop(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`polar-mitm loop ARGS` in the background, its output in RUN-N.log beside the run directory."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = run_dir.parent / f"{run_dir.name}-{len(list(run_dir.parent.glob('*.log')))}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            loop_argv(*args), stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it (harnesses run in their own sessions, so a process group is not enough)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def kill_everything(proc: subprocess.Popen) -> None:
+    """SIGKILL the loop and all it started, as a lost machine or an OOM kill of the job would."""
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def state(run_dir: Path, k: int) -> dict:
+    path = run_dir / f"iter-{k}" / "state.json"
+    return json.loads(path.read_text()) if path.exists() else {"running": None, "stages": {}}
+
+
+def kill_at(run_dir: Path, proc: subprocess.Popen, k: int, stage: str) -> dict:
+    """Wait (polling the run's own files while the process runs) until iteration k is in `stage` — for a rollout,
+    once a session has finished and others have not — then kill; returns what the files said at the kill."""
+    for _ in range(DEADLINE_S * 20):
+        now = state(run_dir, k)
+        finished = len(read_lines(run_dir / f"iter-{k}" / "sessions.jsonl"))
+        if now["running"] == stage and (stage != "rollout" or 0 < finished < TASKS * GROUP):
+            kill_everything(proc)
+            return {"state": state(run_dir, k), "counts": counts(run_dir)}
+        try:
+            proc.wait(timeout=0.05)  # the poll interval; returns at once if the loop ended
+        except subprocess.TimeoutExpired:
+            continue
+        raise AssertionError(f"the loop exited ({proc.returncode}) before iteration {k} reached {stage}")
+    kill_everything(proc)
+    raise AssertionError(f"iteration {k} never reached {stage}")
+
+
+def resume(run_dir: Path) -> None:
+    proc = start_loop(run_dir, "-o", str(run_dir), "--resume")
+    assert proc.wait(timeout=DEADLINE_S) == 0, proc.log.read_text()[-3000:]  # type: ignore[attr-defined]
+
+
+def rewarded(run_dir: Path, k: int) -> list[dict]:
+    path = run_dir / f"iter-{k}" / "rewards.parquet"
+    return pq.read_table(path).to_pylist() if path.exists() else []
+
+
+def counts(run_dir: Path) -> dict[str, int]:
+    """Iterations done, sessions finished (journalled), sessions rewarded, trainings saved."""
+    loop = json.loads((run_dir / "loop.json").read_text()) if (run_dir / "loop.json").exists() else []
+    ks = range(ITERATIONS)
+    return {
+        "iterations": len(loop),
+        "sessions": sum(len(read_lines(run_dir / f"iter-{k}" / "sessions.jsonl")) for k in ks),
+        "rewarded": sum(len(rewarded(run_dir, k)) for k in ks),
+        "trained": RunState.load(run_dir / "trainer-state").trainings,
+    }
+
+
+def merged_sessions(run_dir: Path, k: int) -> Counter:
+    """Session ids of iteration k's training shards, one count per sequence."""
+    shards = sorted((run_dir / f"iter-{k}" / "merged").rglob("*.parquet"))
+    return Counter(
+        sid
+        for shard in shards
+        for sid in pq.read_table(shard, columns=["session_id"])["session_id"].to_pylist()
+    )
+
+
+def check_resumed_run(run_dir: Path, before: list[dict]) -> None:
+    """What any resumed run must show (the module docstring's list), given what the files said at each kill."""
+    loop = json.loads((run_dir / "loop.json").read_text())
+    assert [row["iteration"] for row in loop] == list(range(ITERATIONS))
+    everyone: Counter = Counter()
+    for k in range(ITERATIONS):
+        rows = rewarded(run_dir, k)
+        assert len(rows) == TASKS * GROUP and all(r["reward"] is not None for r in rows)
+        assert Counter(r["task_id"] for r in rows) == {t: GROUP for t in {r["task_id"] for r in rows}}
+        assert len({r["task_id"] for r in rows}) == TASKS
+        everyone.update(r["session_id"] for r in rows)
+        journalled = [r["session_id"] for r in read_lines(run_dir / f"iter-{k}" / "sessions.jsonl")]
+        assert sorted(journalled) == sorted(r["session_id"] for r in rows)  # each finished once, none lost
+        trained = merged_sessions(run_dir, k)
+        assert set(trained) == {r["session_id"] for r in rows}  # every rewarded session, nothing else
+        rows = read_lines(run_dir / f"iter-{k}" / "train" / "metrics.jsonl")
+        steps = [r["run_step"] for r in rows if "loss" in r]
+        assert steps and len(steps) == len(set(steps))  # one training, no step twice
+    assert all(n == 1 for n in everyone.values())  # no session rewarded twice across the run
+    assert RunState.load(run_dir / "trainer-state").trainings == ITERATIONS
+    # The engine was brought back to the last trained weights: iteration 1 sampled from iteration 0's.
+    versions = {row["weight_version"] for row in read_all(run_dir / "iter-1" / "flows").to_pylist()}
+    kept = {r["session_id"] for r in rewarded(run_dir, 1)}
+    sampled = {
+        row["weight_version"]
+        for row in read_all(run_dir / "iter-1" / "flows").to_pylist()
+        if row["session_id"] in kept
+    }
+    assert sampled == {loop[0]["weight_version"]}, versions
+    for kill in before:
+        killed = kill["state"]
+        assert killed["running"] is not None and killed["running"] not in killed["stages"]
+    events = [e["event"] for e in read_lines(run_dir / "events.jsonl")]
+    assert events[0] == "start" and events.count("resume") == len(before) and events[-1] == "finished"
+    assert events.count("iteration_done") == ITERATIONS
+
+
+def check_kept_sessions(
+    run_dir: Path, k: int, journalled_at_kill: list[str], recorded_at_kill: set[str]
+) -> None:
+    """An interrupted rollout: its finished sessions kept; the re-run ones are new ids, never a killed one's."""
+    final = {r["session_id"] for r in rewarded(run_dir, k)}
+    assert set(journalled_at_kill) <= final
+    rerun = final - set(journalled_at_kill)
+    assert rerun and not rerun & recorded_at_kill
+
+
+def table_row(stage: str, before: dict, after: dict) -> str:
+    keys = ("iterations", "sessions", "rewarded", "trained")
+    return f"| {stage:<14} | " + " | ".join(f"{before[key]} → {after[key]}" for key in keys) + " |"
+
+
+def print_table() -> None:
+    print("\n| killed at      | iterations | sessions | rewarded | trained |")
+    print("|---|---|---|---|---|")
+    for row in ROWS:
+        print(row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["rollout", "merge", "train", "push"])
+def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage):
+    run_dir = tmp_path / "run"
+    proc = start_loop(run_dir, str(task_file), "-o", str(run_dir), *LOOP_ARGS)
+    killed = kill_at(run_dir, proc, 0, stage)
+    journalled = [r["session_id"] for r in read_lines(run_dir / "iter-0" / "sessions.jsonl")]
+    recorded = {row["session_id"] for row in read_all(run_dir / "iter-0" / "flows").to_pylist()}
+    resume(run_dir)
+    check_resumed_run(run_dir, [killed])
+    if stage == "rollout":
+        check_kept_sessions(run_dir, 0, journalled, recorded - set(journalled))
+    ROWS.append(table_row(f"{stage} (iter 0)", killed["counts"], counts(run_dir)))
+    print_table()
+
+
+@pytest.mark.slow
+def test_killed_twice_in_one_run(task_file, tmp_path):
+    """Killed while iteration 0 trains, resumed, killed again in iteration 1's rollout (which the resumed engine,
+    restarted, must serve from iteration 0's weights), resumed again."""
+    run_dir = tmp_path / "run"
+    first = kill_at(run_dir, start_loop(run_dir, str(task_file), "-o", str(run_dir), *LOOP_ARGS), 0, "train")
+    second = kill_at(run_dir, start_loop(run_dir, "-o", str(run_dir), "--resume"), 1, "rollout")
+    journalled = [r["session_id"] for r in read_lines(run_dir / "iter-1" / "sessions.jsonl")]
+    recorded = {row["session_id"] for row in read_all(run_dir / "iter-1" / "flows").to_pylist()}
+    resume(run_dir)
+    check_resumed_run(run_dir, [first, second])
+    check_kept_sessions(run_dir, 1, journalled, recorded - set(journalled))
+    ROWS.append(table_row("train (iter 0)", first["counts"], second["counts"]))
+    ROWS.append(table_row("+ rollout (iter 1)", second["counts"], counts(run_dir)))
+    print_table()
+
+
+def test_resume_refuses_other_options_and_a_missing_record_in_one_line(task_file, tmp_path):
+    from polar_mitm.rollout.loop import LoopConfig
+    from polar_mitm.rollout.run_state import record_run
+
+    run_dir = tmp_path / "run"
+    missing = subprocess.run(loop_argv("-o", str(run_dir), "--resume"), capture_output=True, text=True)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "run.json does not exist" in missing.stderr
+    run_dir.mkdir()
+    record_run(run_dir, LoopConfig(tasks=task_file, run_dir=run_dir, group_size=GROUP, learning_rate=1e-2))
+    other = subprocess.run(
+        loop_argv("-o", str(run_dir), "--resume", "-g", "3", "--learning-rate", "1e-2", "--beta", "0.5"),
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert "group_size 2→3" in other.stderr and "beta" in other.stderr and "learning_rate" not in other.stderr
+    no_tasks = subprocess.run(loop_argv("-o", str(tmp_path / "new")), capture_output=True, text=True)
+    assert no_tasks.returncode == 2 and "missing TASKS" in no_tasks.stderr
+
+
+def test_a_save_killed_midway_leaves_the_previous_trainer_state(tmp_path):
+    """continuation.py's swap: a staging copy without run_state.json (killed mid-save) is dropped; a complete one
+    replaces the state, also when the kill came between the two renames."""
+    from polar_mitm.train.continuation import (
+        RUN_STATE_FILE,
+        publish_run_state,
+        recover_run_state,
+        staging_dir,
+    )
+
+    def save(directory: Path, trainings: int, complete: bool = True) -> None:
+        staged = staging_dir(directory)
+        staged.mkdir(parents=True, exist_ok=True)
+        (staged / "optimizer.pt").write_text(f"moments {trainings}")
+        if complete:
+            RunState(trainings=trainings).save(staged)
+
+    directory = tmp_path / "trainer-state"
+    save(directory, 1)
+    publish_run_state(directory)
+    save(directory, 2, complete=False)  # killed before run_state.json
+    recover_run_state(directory)
+    assert RunState.load(directory).trainings == 1 and (directory / "optimizer.pt").read_text() == "moments 1"
+    assert not staging_dir(directory).exists()
+    save(directory, 2)
+    directory.rename(directory.with_name("trainer-state.old"))  # killed between the two renames
+    recover_run_state(directory)
+    assert RunState.load(directory).trainings == 2 and (directory / "optimizer.pt").read_text() == "moments 2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trainer-state"]
+    assert (directory / RUN_STATE_FILE).exists()
