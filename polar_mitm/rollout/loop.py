@@ -246,6 +246,9 @@ class IterationStats:
     groups: int = 0
     uninformative_groups: int = 0
     replaced_groups: int = 0
+    # the trained calls by staleness: weight updates between the weights that sampled the call (its record's
+    # weight_version) and those the training started from — per call, so a session spanning a push counts in two
+    call_staleness: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
@@ -644,8 +647,15 @@ class Loop:
         it, state = self.cfg.run_dir / f"iter-{k}", self._state(k)
         if not state.done("train"):
             state.begin("train")
+            base = self.weight_version  # what the training starts from (staleness is measured against it)
             model_dir, version, seconds = self._trained_on_disk(k) or self._train(k)
-            state.finish("train", model_dir=str(model_dir), weight_version=version, seconds=seconds)
+            state.finish(
+                "train",
+                model_dir=str(model_dir),
+                weight_version=version,
+                seconds=seconds,
+                base_weight_version=base,
+            )
         info = state.info("train")
         if not state.done("push"):
             state.begin("push")
@@ -696,9 +706,11 @@ class Loop:
         summary, _, _, rollout_s = rolled
         figures, merge_s = merged
         self.model_dir, version, train_s = self._train_stage(k)
+        base = self._state(k).info("train").get("base_weight_version")
         self.weight_version = version or self.weight_version
         seconds = {"rollout": rollout_s, "merge": merge_s, "train": train_s}
         stats = iteration_stats(k, version, summary, figures, seconds)
+        stats.call_staleness = call_staleness(self.cfg.run_dir / f"iter-{k}", base)
         stats.eval = self._eval_stage(k)
         return stats
 
@@ -740,7 +752,7 @@ class Loop:
             self.engine_url = running.enter_context(
                 engines.attached(engine_url, log=cfg.run_dir / "router.log")
             ).url
-            if cfg.engine_url is not None and not results:
+            if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
                 self.weight_version = engines.common_weight_version(self.engine_url) or "0"
             self._restore_engine()
             running.callback(self._close_ray_pool)  # first: the node actors stop their gateways
@@ -838,6 +850,27 @@ class MergeFigures:
     @classmethod
     def of(cls, merged: Any) -> MergeFigures:
         return cls(merged.sequences, merged.trainable_records, merged.trainable_tokens, merged.total_tokens)
+
+
+def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
+    """Iteration `it`'s trained calls (the records of the sessions in its training shards) counted by staleness
+    against `base_version`, the weights the training started from."""
+    import pyarrow.parquet as pq
+
+    from polar_mitm.storage.records import read_all
+    from polar_mitm.train.stats import version_distance
+
+    shards = sorted((it / "merged").rglob("*.parquet"))
+    trained = {
+        sid
+        for shard in shards
+        for sid in pq.read_table(shard, columns=["session_id"])["session_id"].to_pylist()
+    }
+    counts: Counter = Counter()
+    for row in read_all(it / "flows").select(["session_id", "weight_version"]).to_pylist():
+        if row["session_id"] in trained:
+            counts[str(version_distance(base_version, row["weight_version"]))] += 1
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
 def stats_from_json(row: dict[str, Any]) -> IterationStats:

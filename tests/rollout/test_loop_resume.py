@@ -29,9 +29,9 @@ from polar_mitm.storage.records import read_all
 from polar_mitm.train.continuation import RunState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
-TASKS, GROUP, ITERATIONS = 2, 2, 2
-LOOP_ARGS = ["-n", str(ITERATIONS), "-g", str(GROUP), "-c", "2", "--model", "tiny", "--max-tokens", "64"]
-LOOP_ARGS += ["--script", str(EXAMPLES / "policy.json"), "--learning-rate", "1e-2"]
+TASKS, GROUP = 2, 2
+LOOP_ARGS = ["-g", str(GROUP), "-c", "2", "--model", "tiny", "--max-tokens", "64", "--learning-rate", "1e-2"]
+LOOP_ARGS += ["--script", str(EXAMPLES / "policy.json")]
 DEADLINE_S = 300
 ROWS: list[str] = []  # the closing table
 
@@ -126,7 +126,7 @@ def rewarded(run_dir: Path, k: int) -> list[dict]:
 def counts(run_dir: Path) -> dict[str, int]:
     """Iterations done, sessions finished (journalled), sessions rewarded, trainings saved."""
     loop = json.loads((run_dir / "loop.json").read_text()) if (run_dir / "loop.json").exists() else []
-    ks = range(ITERATIONS)
+    ks = range(len(list(run_dir.glob("iter-*"))))
     return {
         "iterations": len(loop),
         "sessions": sum(len(read_lines(run_dir / f"iter-{k}" / "sessions.jsonl")) for k in ks),
@@ -145,12 +145,12 @@ def merged_sessions(run_dir: Path, k: int) -> Counter:
     )
 
 
-def check_resumed_run(run_dir: Path, before: list[dict]) -> None:
+def check_resumed_run(run_dir: Path, iterations: int, before: list[dict]) -> None:
     """What any resumed run must show (the module docstring's list), given what the files said at each kill."""
     loop = json.loads((run_dir / "loop.json").read_text())
-    assert [row["iteration"] for row in loop] == list(range(ITERATIONS))
+    assert [row["iteration"] for row in loop] == list(range(iterations))
     everyone: Counter = Counter()
-    for k in range(ITERATIONS):
+    for k in range(iterations):
         rows = rewarded(run_dir, k)
         assert len(rows) == TASKS * GROUP and all(r["reward"] is not None for r in rows)
         assert Counter(r["task_id"] for r in rows) == {t: GROUP for t in {r["task_id"] for r in rows}}
@@ -164,22 +164,23 @@ def check_resumed_run(run_dir: Path, before: list[dict]) -> None:
         steps = [r["run_step"] for r in rows if "loss" in r]
         assert steps and len(steps) == len(set(steps))  # one training, no step twice
     assert all(n == 1 for n in everyone.values())  # no session rewarded twice across the run
-    assert RunState.load(run_dir / "trainer-state").trainings == ITERATIONS
-    # The engine was brought back to the last trained weights: iteration 1 sampled from iteration 0's.
-    versions = {row["weight_version"] for row in read_all(run_dir / "iter-1" / "flows").to_pylist()}
-    kept = {r["session_id"] for r in rewarded(run_dir, 1)}
-    sampled = {
-        row["weight_version"]
-        for row in read_all(run_dir / "iter-1" / "flows").to_pylist()
-        if row["session_id"] in kept
-    }
-    assert sampled == {loop[0]["weight_version"]}, versions
+    assert RunState.load(run_dir / "trainer-state").trainings == iterations
+    # Each rollout sampled from the weights the iteration before it trained (the initial ones first): after a kill
+    # the engine was brought back to the last trained weights.
+    for k in range(iterations):
+        kept = {r["session_id"] for r in rewarded(run_dir, k)}
+        sampled = {
+            row["weight_version"]
+            for row in read_all(run_dir / f"iter-{k}" / "flows").to_pylist()
+            if row["session_id"] in kept
+        }
+        assert sampled == {loop[k - 1]["weight_version"] if k else "0"}, (k, sampled)
     for kill in before:
         killed = kill["state"]
         assert killed["running"] is not None and killed["running"] not in killed["stages"]
     events = [e["event"] for e in read_lines(run_dir / "events.jsonl")]
     assert events[0] == "start" and events.count("resume") == len(before) and events[-1] == "finished"
-    assert events.count("iteration_done") == ITERATIONS
+    assert events.count("iteration_done") == iterations
 
 
 def check_kept_sessions(
@@ -204,16 +205,18 @@ def print_table() -> None:
         print(row)
 
 
+# One iteration each, but for the push: its resumed run goes on to iteration 1, whose rollout shows the engine
+# was brought back to the weights whose push the kill interrupted.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["rollout", "merge", "train", "push"])
-def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage):
+@pytest.mark.parametrize("stage, iterations", [("rollout", 1), ("merge", 1), ("train", 1), ("push", 2)])
+def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage, iterations):
     run_dir = tmp_path / "run"
-    proc = start_loop(run_dir, str(task_file), "-o", str(run_dir), *LOOP_ARGS)
+    proc = start_loop(run_dir, str(task_file), "-o", str(run_dir), "-n", str(iterations), *LOOP_ARGS)
     killed = kill_at(run_dir, proc, 0, stage)
     journalled = [r["session_id"] for r in read_lines(run_dir / "iter-0" / "sessions.jsonl")]
     recorded = {row["session_id"] for row in read_all(run_dir / "iter-0" / "flows").to_pylist()}
     resume(run_dir)
-    check_resumed_run(run_dir, [killed])
+    check_resumed_run(run_dir, iterations, [killed])
     if stage == "rollout":
         check_kept_sessions(run_dir, 0, journalled, recorded - set(journalled))
     ROWS.append(table_row(f"{stage} (iter 0)", killed["counts"], counts(run_dir)))
@@ -223,15 +226,21 @@ def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage):
 @pytest.mark.slow
 def test_killed_twice_in_one_run(task_file, tmp_path):
     """Killed while iteration 0 trains, resumed, killed again in iteration 1's rollout (which the resumed engine,
-    restarted, must serve from iteration 0's weights), resumed again."""
+    restarted, must serve from iteration 0's weights), resumed again; `--keep-checkpoints 1` kept what the resume
+    needed and pruned iteration 0's weights once iteration 1 had trained."""
     run_dir = tmp_path / "run"
-    first = kill_at(run_dir, start_loop(run_dir, str(task_file), "-o", str(run_dir), *LOOP_ARGS), 0, "train")
+    argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--keep-checkpoints", "1", *LOOP_ARGS]
+    first = kill_at(run_dir, start_loop(run_dir, *argv), 0, "train")
     second = kill_at(run_dir, start_loop(run_dir, "-o", str(run_dir), "--resume"), 1, "rollout")
     journalled = [r["session_id"] for r in read_lines(run_dir / "iter-1" / "sessions.jsonl")]
     recorded = {row["session_id"] for row in read_all(run_dir / "iter-1" / "flows").to_pylist()}
     resume(run_dir)
-    check_resumed_run(run_dir, [first, second])
+    check_resumed_run(run_dir, 2, [first, second])
     check_kept_sessions(run_dir, 1, journalled, recorded - set(journalled))
+    assert not list((run_dir / "iter-0" / "train").glob("*.safetensors"))
+    assert not (run_dir / "iter-0" / "train" / "engine-weights").exists()
+    assert list((run_dir / "iter-1" / "train" / "engine-weights").glob("*.safetensors"))
+    assert (run_dir / "iter-0" / "train" / "metrics.jsonl").exists()
     ROWS.append(table_row("train (iter 0)", first["counts"], second["counts"]))
     ROWS.append(table_row("+ rollout (iter 1)", second["counts"], counts(run_dir)))
     print_table()
