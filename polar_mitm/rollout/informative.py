@@ -5,10 +5,10 @@ A GRPO group whose sessions all earned the same reward (all pass, all fail) has 
 rollout and teaches nothing. With the option on, an iteration starts with N task groups, taken from one seeded cycle
 through the task file (every task comes round once every ⌈T/N⌉ iterations). When they are done, every group whose
 rewards are all equal is counted as uninformative and, within `--resample-budget M` extra groups per iteration,
-groups of tasks this iteration has not run yet are rolled out through the same gateway (new session ids, records in
-the same `iter-K/flows`, rewards written with the others), wave after wave, until N groups are informative, the
-budget is spent or no task is left. A task never runs twice in one iteration: the trainer groups sessions by
-task id, so a second group of the same task would be averaged into the first.
+groups of tasks this iteration has not run yet (in an order shuffled per iteration) are rolled out through the same
+gateway (new session ids, records in the same `iter-K/flows`, rewards written with the others), wave after wave,
+until N groups are informative, the budget is spent or no task is left. A task never runs twice in one iteration:
+the trainer groups sessions by task id, so a second group of the same task would be averaged into the first.
 
 The flat groups keep their records and rewards (the reward curve and the report count them) but are not trained
 on: the trainer's batch plan leaves zero-advantage groups out (train/batching.py), and the option refuses
@@ -58,12 +58,17 @@ def uninformative_tasks(sessions: Sequence[SessionRun]) -> list[str]:
 
 def iteration_order(task_count: int, per_iteration: int, iteration: int, seed: int) -> list[int]:
     """Iteration `iteration`'s task indices, all of them once: its first `per_iteration` are its initial groups, the
-    rest the candidates for replacements, in order. One seeded permutation of the task file, read as a cycle that
-    each iteration enters `per_iteration` further on, so the initial groups go round every task in turn."""
+    rest the candidates for replacements, in order. The initial groups read one seeded permutation of the task file
+    as a cycle that each iteration enters `per_iteration` further on, so they go round every task in turn; the
+    candidates are the other tasks shuffled anew each iteration (taken in cycle order, they would be the next
+    iteration's initial groups, run twice in a row)."""
     cycle = list(range(task_count))
     random.Random(f"polar-mitm task cycle {seed}").shuffle(cycle)
     start = (iteration * per_iteration) % task_count if task_count else 0
-    return cycle[start:] + cycle[:start]
+    rotated = cycle[start:] + cycle[:start]
+    initial, candidates = rotated[:per_iteration], rotated[per_iteration:]
+    random.Random(f"polar-mitm replacements {seed} {iteration}").shuffle(candidates)
+    return initial + candidates
 
 
 def next_wave_size(*, informative: int, wanted: int, budget_left: int, candidates_left: int) -> int:

@@ -78,7 +78,14 @@ def test_iteration_order_holds_every_task_once_and_its_initial_groups_go_round_t
     # consecutive iterations' initial groups continue the same cycle: any ⌈7/3⌉ iterations in a row cover all tasks
     for k in range(len(orders) - 2):
         assert set().union(*(set(order[:per_iteration]) for order in orders[k : k + 3])) == set(range(tasks))
-    assert orders[1][:per_iteration] == orders[0][per_iteration : 2 * per_iteration]
+    # 7 iterations × 3 initial groups = 3 rounds of the cycle
+    initial = [i for order in orders for i in order[:per_iteration]]
+    assert sorted(initial[:tasks]) == list(range(tasks)) and initial == initial[:tasks] * per_iteration
+    # the replacement candidates are not simply the next iteration's initial groups
+    assert any(
+        order[per_iteration : 2 * per_iteration] != after[:per_iteration]
+        for order, after in zip(orders[:-1], orders[1:], strict=True)
+    )
     assert iteration_order(tasks, per_iteration, 4, seed=0) == orders[4]  # a pure function of its arguments
     assert {tuple(iteration_order(tasks, per_iteration, 0, seed)) for seed in range(5)} != {tuple(orders[0])}
     assert iteration_order(0, 2, 3, seed=0) == []
