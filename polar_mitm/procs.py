@@ -243,10 +243,33 @@ def start_gateway(
     try:
         wait(proxy_port, proc=proc)
         wait(reverse_port, proc=proc)
+        if netns is None:  # inside a namespace its URL is not reachable from here: calls wait for the load
+            wait_gateway_ready(f"http://127.0.0.1:{reverse_port}", proc=proc)
     except BaseException:
         stop(proc)
         raise
     return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir))
+
+
+GATEWAY_READY_PATH = "/_polar/ready"  # gateway/service.py answers it
+
+
+def wait_gateway_ready(
+    base_url: str, *, timeout: float = 120.0, proc: subprocess.Popen | None = None
+) -> None:
+    """Poll the gateway's readiness answer until it says a model call would not wait for anything to load
+    (tokens mode: the engine's tokenizer and chat template loaded); fail fast if `proc` dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base_url + GATEWAY_READY_PATH, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"the gateway at {base_url} was not ready in {timeout:.0f}s")
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,6 +35,8 @@ from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import last_seq_by_session
 
 log = logging.getLogger(__name__)
+
+STARTED = time.monotonic()  # the addon's import: the gateway process has just started
 
 WRITER_OPTIONS = (
     "out",
@@ -124,6 +127,7 @@ class PolarGateway:
         self._engine_task: asyncio.Task | None = (
             None  # writes <polar_out>/_engine.json once the engine answers
         )
+        self._warm_task: asyncio.Task | None = None  # loads the renderer while the gateway starts
 
     def load(self, loader) -> None:
         for option in mitmproxy_options():
@@ -161,7 +165,7 @@ class PolarGateway:
         engine = self.engine
         if engine is None or changed & set(ENGINE_OPTIONS):
             engine = EngineClient(options.backend, timeout=options.engine_timeout, kind=options.engine)
-        prompts = self.prompts
+        prompts = previous_prompts = self.prompts
         if prompts is None or changed & set(PROMPT_OPTIONS):
             prompts = PromptBuilder(
                 options.prompt_mode, tokenizer=options.tokenizer, model_info=engine.model_info
@@ -178,6 +182,8 @@ class PolarGateway:
             prompts,
             gateway,
         )
+        if prompts is not previous_prompts:  # a new prompt builder: load its renderer now, not on a call
+            self._start_background()
 
     def _refuse(self, message: str) -> NoReturn:
         if not self.is_running:
@@ -216,17 +222,37 @@ class PolarGateway:
         )
         if warning:
             log.warning(warning)
-        # Describe the engine next to the records (what merge needs), and load tokens mode's renderer now rather
-        # than on the first call. A strong reference: the event loop keeps only weak ones to its tasks.
-        if self.engine is not None and self.prompts is not None:
-            self._engine_task = asyncio.get_running_loop().create_task(
-                record_engine(
-                    Path(ctx.options.polar_out),
-                    ctx.options.polar_backend,
-                    self.engine.model_info,
-                    self.prompts.warm,
-                )
+        if self._warm_task is None:  # configure had no event loop to start it on
+            self._start_background()
+
+    def _start_background(self) -> None:
+        """Load what the hot path needs (tokens mode's renderer) now, in a worker thread, and say when it is
+        ready; describe the engine next to the records (what merge needs). Strong references: the event loop
+        keeps only weak ones to its tasks."""
+        if self.engine is None or self.prompts is None or self.options is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # configured outside mitmproxy's loop (tests): the first call loads it
+            return
+        for task in (self._warm_task, self._engine_task):
+            if task is not None:
+                task.cancel()
+        self._warm_task = loop.create_task(self._warm_up(self.prompts))
+        self._engine_task = loop.create_task(
+            record_engine(
+                Path(self.options.out),
+                self.options.backend,
+                self.engine.model_info,
+                self.prompts.warm,
             )
+        )
+
+    async def _warm_up(self, prompts: PromptBuilder) -> None:
+        await prompts.warm()
+        ready, detail = prompts.readiness()
+        if ready:  # the line runners and people wait for (also answered at GET /_polar/ready)
+            log.info("polar-mitm gateway ready, %.1f s after start: %s", time.monotonic() - STARTED, detail)
 
     # -- a flow's life -------------------------------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ class PromptBuilder:
         self._loader = RendererLoader()
         self._chains: TokenChains | None = None
         self._unavailable: str | None = None
+        self._loaded: PromptRenderer | None = None
+        self._engine_error: str | None = None  # /model_info failed on the last try (no tokenizer path yet)
 
     async def _renderer(self) -> PromptRenderer | None:
         if self._unavailable is not None:
@@ -60,8 +62,10 @@ class PromptBuilder:
         if not path and self.model_info is not None:
             try:
                 path = (await self.model_info()).get("tokenizer_path") or ""
+                self._engine_error = None
             except Exception as exc:  # the engine is down: messages mode now, try again next call
                 log.debug("no /model_info yet: %s", exc)
+                self._engine_error = str(exc) or type(exc).__name__
                 return None
         try:
             renderer = await asyncio.wrap_future(self._loader.get(path))
@@ -70,11 +74,28 @@ class PromptBuilder:
             return None
         if self._chains is None:
             self._chains = TokenChains(renderer.eot_id, renderer.eot_text, max_tokens=self.max_chain_tokens)
+        self._loaded = renderer
         return renderer
 
     async def warm(self) -> PromptRenderer | None:
         """Load the engine's tokenizer now (tokens mode) instead of on the first call; None when not available."""
         return await self._renderer() if self.mode == "tokens" else None
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): ready once no call would wait for a load — the renderer loaded, known unavailable
+        (messages mode), or the engine not answering yet (calls go in messages mode until it does)."""
+        if self.mode == "messages":
+            return True, "messages mode"
+        if self._loaded is not None:
+            return True, f"tokens mode, renderer from {self._loaded.source}"
+        if self._unavailable is not None:
+            return True, f"messages mode: tokens mode unavailable: {self._unavailable}"
+        if self._engine_error is not None:
+            return (
+                True,
+                f"engine not answering /model_info yet ({self._engine_error}): messages mode until it does",
+            )
+        return False, "loading the engine's tokenizer and chat template"
 
     async def prepare(
         self, session_id: str, conv: Conversation, request: dict[str, Any], call_kind: str | None = None

@@ -7,15 +7,20 @@ assistant turn), and Hugging Face tokenizers split the input at special tokens b
 tokenizes the same alone as inside the whole prompt. Whether this renderer equals the engine's is not assumed:
 the gateway compares it with the engine's returned prompt ids on every chain's first call.
 
-Loading takes seconds (transformers' import), so it runs once in a worker thread; nothing here touches the
-event loop.
+The gateway loads it while it starts (the readiness answer waits for it), so it must load fast: a folder with a
+`tokenizer.json` is read with the `tokenizers` library and its template compiled with jinja2 in the environment
+transformers' `apply_chat_template` uses (~0.3 s, where importing transformers alone takes 2–5 s). A folder without
+one (a slow, Python-only tokenizer) is loaded with transformers. Nothing here touches the event loop.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,54 +31,252 @@ class RendererError(RuntimeError):
     """The engine's tokenizer cannot be loaded here (tokens mode then falls back to messages mode)."""
 
 
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+WARM_UP_REQUEST = {"messages": [{"role": "user", "content": "Hello."}]}
+REASONING_FIELDS = (
+    "reasoning_content",
+    "thinking",
+    "reasoning",
+)  # as transformers aliases them for templates
+
+
 class PromptRenderer:
-    """Renders engine chat requests to prompt text and encodes text to ids, like the engine does."""
+    """Renders engine chat requests to prompt text and encodes text to ids, like the engine does.
 
-    def __init__(self, tokenizer: Any, source: str) -> None:
-        from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
+    `render_messages` and `encode` are the two hot-path operations; subclasses supply them.
+    """
 
-        self.tokenizer = tokenizer
-        self.source = source
-        self.eot_id = eot_from_tokenizer(tokenizer)
-        self.eot_text: str = tokenizer.convert_ids_to_tokens(self.eot_id)
-        if self.eot_text not in tokenizer.all_special_tokens and self.eot_text not in getattr(
-            tokenizer, "added_tokens_encoder", {}
-        ):
+    source: str
+    eot_id: int
+    eot_text: str
+
+    def _set_eot(self, token_id: Callable[[str], int | None], eos_token: str | None, added: set[str]) -> None:
+        from polar_mitm.reconstruct.prefix_merging import KNOWN_EOT_TOKENS
+
+        eot_text = next((text for text in KNOWN_EOT_TOKENS if token_id(text) is not None), eos_token)
+        eot_id = token_id(eot_text) if eot_text is not None else None
+        if eot_text is None or eot_id is None:
+            raise RendererError(f"the tokenizer at {self.source!r} has no end-of-turn or EOS token")
+        if eot_text not in added:
             # The tail rule needs the end-of-turn to be an added (special) token: BPE never merges across it.
-            raise RendererError(f"end-of-turn token {self.eot_text!r} is not a special token of {source}")
+            raise RendererError(f"end-of-turn token {eot_text!r} is not a special token of {self.source}")
+        self.eot_text, self.eot_id = eot_text, int(eot_id)
 
     @classmethod
     def load(cls, path: str) -> PromptRenderer:
         """The tokenizer (with its chat template) saved at `path`, offline."""
-        if not Path(path).exists():
+        folder = Path(path)
+        if not folder.exists():
             raise RendererError(
                 f"tokenizer path {path!r} does not exist on the gateway's machine "
                 f"(set polar_tokenizer to a local copy of the engine's tokenizer)"
             )
-        try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as exc:  # a missing package or a broken folder: say which, then fall back
-            raise RendererError(f"cannot load the tokenizer at {path!r}: {exc}") from exc
-        if not getattr(tokenizer, "chat_template", None):
-            raise RendererError(f"the tokenizer at {path!r} has no chat template")
-        return cls(tokenizer, path)
+        if (folder / "tokenizer.json").exists():
+            return FastRenderer.load(folder)
+        return TransformersRenderer.load(folder)
 
     def render(self, request: dict[str, Any]) -> str:
         """The prompt text the engine renders for an engine chat request (generation prompt included)."""
-        kwargs = request.get("chat_template_kwargs") or {}
-        return self.tokenizer.apply_chat_template(
-            request["messages"],
-            tools=request.get("tools") or None,
-            add_generation_prompt=True,
-            tokenize=False,
-            **kwargs,
+        return self.render_messages(
+            request["messages"], request.get("tools") or None, request.get("chat_template_kwargs") or {}
         )
+
+    def render_messages(
+        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
+    ) -> str:
+        raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, no BOS/EOS added (what apply_chat_template does)."""
+        raise NotImplementedError
+
+
+class FastRenderer(PromptRenderer):
+    """`tokenizer.json` through the `tokenizers` library, the template through jinja2 as transformers runs it."""
+
+    def __init__(
+        self, backend: Any, templates: dict[str, Any], special_tokens: dict[str, str], source: str
+    ) -> None:
+        self.backend, self.templates, self.special_tokens, self.source = (
+            backend,
+            templates,
+            special_tokens,
+            source,
+        )
+        added = {token.content for token in backend.get_added_tokens_decoder().values()}
+        self._set_eot(backend.token_to_id, special_tokens.get("eos_token"), added)
+
+    @classmethod
+    def load(cls, folder: Path) -> FastRenderer:
+        from tokenizers import Tokenizer
+
+        try:
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            config = _read_json(folder / "tokenizer_config.json")
+            special_tokens = {**_special_tokens(_read_json(folder / "special_tokens_map.json"))}
+            special_tokens.update(_special_tokens(config))
+            templates = {name: compile_template(text) for name, text in _templates(folder, config).items()}
+        except RendererError:
+            raise
+        except Exception as exc:  # a broken folder or template: say which, then fall back
+            raise RendererError(f"cannot load the tokenizer at {str(folder)!r}: {exc}") from exc
+        if not templates:
+            raise RendererError(f"the tokenizer at {str(folder)!r} has no chat template")
+        return cls(backend, templates, special_tokens, str(folder))
+
+    def render_messages(
+        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
+    ) -> str:
+        # transformers picks the named "tool_use" template when tools are given and it exists, else "default".
+        name = "tool_use" if tools and "tool_use" in self.templates else "default"
+        template = self.templates.get(name) or next(iter(self.templates.values()))
+        return template.render(
+            messages=template_messages(messages),
+            tools=tools,
+            documents=None,
+            add_generation_prompt=True,
+            **{**self.special_tokens, **kwargs},
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
+class TransformersRenderer(PromptRenderer):
+    """A tokenizer only transformers can load (no `tokenizer.json`): its own `apply_chat_template`."""
+
+    def __init__(self, tokenizer: Any, source: str) -> None:
+        self.tokenizer, self.source = tokenizer, source
+        added = set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+        vocab = tokenizer.get_vocab()
+        self._set_eot(vocab.get, tokenizer.eos_token, added)
+
+    @classmethod
+    def load(cls, folder: Path) -> TransformersRenderer:
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as exc:  # a missing package or a broken folder: say which, then fall back
+            raise RendererError(f"cannot load the tokenizer at {str(folder)!r}: {exc}") from exc
+        if not getattr(tokenizer, "chat_template", None):
+            raise RendererError(f"the tokenizer at {str(folder)!r} has no chat template")
+        return cls(tokenizer, str(folder))
+
+    def render_messages(
+        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+
+    def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as transformers hands them to a template: None-valued keys dropped, reasoning under its aliases."""
+    shaped = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        shaped.append(message)
+    return shaped
+
+
+def compile_template(text: str) -> Any:
+    """A chat template compiled in the sandboxed jinja2 environment transformers 5 renders it in."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        # `{% generation %}…{% endgeneration %}` marks assistant text for masks; rendering keeps its body.
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=strftime_now,
+        dict=dict,
+        namespace=jinja2.utils.Namespace,
+    )
+    return env.from_string(text)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The named special tokens of a tokenizer config (a token may be saved as text or as an AddedToken dict)."""
+    found = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            found[name] = value
+    return found
+
+
+def _templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The chat templates of a tokenizer folder by name, as transformers finds them (files first)."""
+    templates: dict[str, str] = {}
+    template_file = folder / "chat_template.jinja"
+    if template_file.exists():
+        templates["default"] = template_file.read_text()
+    for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        templates[extra.stem] = extra.read_text()
+    if templates:
+        return templates
+    saved = config.get("chat_template")
+    if isinstance(saved, str):
+        return {"default": saved}
+    if isinstance(saved, list):  # named templates: [{"name": ..., "template": ...}]
+        return {entry["name"]: entry["template"] for entry in saved}
+    json_template = folder / "chat_template.json"
+    if json_template.exists():
+        return {"default": json.loads(json_template.read_text())["chat_template"]}
+    return {}
 
 
 class RendererLoader:
@@ -107,6 +310,7 @@ class RendererLoader:
             if not path:
                 raise RendererError("no tokenizer path (engine /model_info gave none; set polar_tokenizer)")
             renderer = PromptRenderer.load(path)
+            renderer.encode(renderer.render(WARM_UP_REQUEST))  # first-use costs, off the first call
             log.info(
                 "token-exact prompts: renderer loaded from %s (end-of-turn %r = %d)",
                 path,

@@ -40,6 +40,8 @@ from polar_mitm.storage.records import Record
 
 log = logging.getLogger(__name__)
 
+READY_PATH = "/_polar/ready"  # the readiness answer (`procs.start_gateway` waits on it)
+
 
 @dataclass
 class GatewayRequest:
@@ -108,6 +110,8 @@ class Gateway:
         )
         if req.headers.get("upgrade", "").lower() == "websocket":
             return self._no_websocket(req, path)
+        if req.method == "GET" and path == READY_PATH:
+            return self.readiness_answer()
         if req.method == "POST":
             codec = by_path(path)
             if codec is not None:  # the common case: decided by the path alone, body parsed off the loop
@@ -132,6 +136,13 @@ class Gateway:
                 f"serves model APIs (set polar_passthrough=upstream to forward other traffic)",
             )
         )
+
+    def readiness_answer(self) -> HttpAnswer:
+        """`GET /_polar/ready`: 200 once a model call would not wait for anything to load, else 503 (see
+        PromptBuilder.readiness); runners wait on it instead of sending calls into a loading gateway."""
+        ready, detail = self.prompts.readiness()
+        body = orjson.dumps({"ready": ready, "prompt_mode": self.prompts.mode, "detail": detail})
+        return HttpAnswer(200 if ready else 503, body, "application/json")
 
     async def _detect(self, req: GatewayRequest, path: str) -> Codec | None:
         """The codec of a POST whose path is unknown, by its headers and body shape (None if not a model call)."""
