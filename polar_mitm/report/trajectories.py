@@ -7,6 +7,7 @@ sampled token comes after the first prompt, so nothing trainable is ever cut.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,23 @@ class Trajectory:
     total: int = 0
 
 
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(spec: str, modified_ns: int):
+    """A tokenizer loaded once per process while its files stay the same (`modified_ns`): the loop rewrites its
+    report after every iteration, and loading a tokenizer costs more than drawing the page."""
+    from polar_mitm.reconstruct.merge import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def _modified_ns(spec: str) -> int:
+    tokenizer_file = Path(spec).expanduser() / "tokenizer.json"
+    return tokenizer_file.stat().st_mtime_ns if tokenizer_file.exists() else 0
+
+
 def load_report_tokenizer(run: RunData, spec: str | None):
     """The tokenizer to decode with: `spec`, else the engine's (recorded by the gateway), else a trained
     checkpoint's; None (ids only) when none loads."""
-    from polar_mitm.reconstruct.merge import load_tokenizer
-
     candidates: list[str] = [spec] if spec else []
     info = engine_info(run)
     if info and info.get("tokenizer_path"):
@@ -73,7 +86,7 @@ def load_report_tokenizer(run: RunData, spec: str | None):
     ]
     for candidate in candidates:
         try:
-            return load_tokenizer(candidate)
+            return cached_tokenizer(candidate, _modified_ns(candidate))
         except (OSError, ValueError):  # a path from another machine, or not a tokenizer: try the next one
             continue
     return None
