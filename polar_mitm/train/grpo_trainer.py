@@ -14,7 +14,9 @@ These TRL methods are overridden (pinned to trl==1.16.0, whose internals they fo
   equal splits at the batch's full width; every loss's normaliser stays the optimizer step's.
 - `_get_per_token_logps_and_entropies`: every token is scored at the temperature of the call that sampled it (TRL
   divides all logits by one `temperature`; we scale the final hidden states per token by T_global / T_token, which
-  divides that token's logits by T_token exactly for an LM head without bias or soft-capping).
+  divides that token's logits by T_token exactly for an LM head without bias or soft-capping), and only the tokens
+  the loss reads go through the LM head (train/scoring.py: on the tiny model's 151k vocabulary, 6–8× less CPU per
+  step on the recorded harness sessions, benchmarks/bench_lm_head.py).
 - `_compute_loss`: logs the per-row behaviour-logprob check of each micro-batch, and makes TRL's KL exactly 0 on
   tokens outside the loss (policy and reference logprobs there both set to the ratio anchor before TRL
   exponentiates their differences), so a context token cannot overflow exp() into inf · 0 = NaN.
