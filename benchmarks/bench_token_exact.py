@@ -113,6 +113,24 @@ async def run_session(
     return times, length
 
 
+def tail_costs(model_dir: str, calls: list[list[Message]]) -> tuple[list[float], list[float]]:
+    """Per call 2–10 (ms): rendering the whole prompt, and tokenizing only its new tail (what tokens mode must do)."""
+    from polar_mitm.gateway.renderer import PromptRenderer
+
+    renderer = PromptRenderer.load(model_dir)
+    texts = [renderer.render(request_of(messages)) for messages in calls]
+    tail_ms, render_ms = [], []
+    for previous, messages, text in zip(texts, calls[1:], texts[1:], strict=False):
+        started = time.perf_counter()
+        renderer.render(request_of(messages))
+        render_ms.append((time.perf_counter() - started) * 1e3)
+        tail = text[text.find(renderer.eot_text, len(previous)) + len(renderer.eot_text) :]
+        started = time.perf_counter()
+        renderer.encode(tail)
+        tail_ms.append((time.perf_counter() - started) * 1e3)
+    return tail_ms, render_ms
+
+
 def quantiles(values: list[float]) -> tuple[float, float]:
     ordered = sorted(values)
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -151,12 +169,17 @@ async def main(repeats: int) -> None:
                 return_dict=False,
             )
             engine_ms.append((time.perf_counter() - started) * 1e3)
+        tail_ms, render_ms = tail_costs(str(model_dir), calls)
         (m50, m99), (t50, t99) = quantiles(results["messages"]), quantiles(results["tokens"])
         added = [t - m for t, m in zip(sorted(results["tokens"]), sorted(results["messages"]), strict=True)]
         a50, a99 = quantiles(added)
         print(
             f"{length:>12,} {m50:8.2f}/{m99:6.2f} ms {t50:8.2f}/{t99:6.2f} ms {a50:7.2f}/{a99:6.2f} ms "
             f"{statistics.median(engine_ms):28.1f} ms"
+        )
+        print(
+            f"{'':>12} of which, per call (p50): full render {statistics.median(render_ms):.2f} ms, "
+            f"tokenizing the new tail alone {statistics.median(tail_ms):.2f} ms"
         )
     print(
         "added = tokens − messages gateway time per call (calls 2–10; each session's first call is rendered by "

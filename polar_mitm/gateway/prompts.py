@@ -155,7 +155,8 @@ class PromptBuilder:
                 step.plan.session_id,
             )
             return
-        await asyncio.to_thread(self._chains.commit, step.plan, completion)
+        # Inline: committing copies one list and takes the chain lock briefly; a thread hop costs more.
+        self._chains.commit(step.plan, completion)
 
     def abandon(self, step: PromptStep) -> None:
         """The engine call failed: nothing to commit; stop a pending rendering check."""

@@ -147,7 +147,9 @@ class FastRenderer(PromptRenderer):
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL while Rust tokenizes (a 3k-token tail takes milliseconds),
+        # so the event loop serves every other session's call meanwhile; `encode` holds it throughout.
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 class TransformersRenderer(PromptRenderer):

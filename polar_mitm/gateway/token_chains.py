@@ -31,8 +31,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from polar_mitm import compaction_label
 from polar_mitm.conversation import Completion, Message, ToolCall
 
@@ -51,14 +49,16 @@ COMPACTION = (
 MAX_CHAINS_PER_SESSION = 16
 
 
-@dataclass(eq=False)  # chains are compared by identity (their arrays have no truth value)
+@dataclass(eq=False)  # chains are compared by identity
 class Chain:
     """One thread of a session: what the engine saw and sampled at its tip call, and how to route to it."""
 
     tip_text: str  # the harness's tip prompt, rendered by the engine's template
     n_messages: int  # messages in the tip call
-    engine_prompt: np.ndarray  # int32: the ids the engine was given for the tip call
-    sampled: np.ndarray  # int32: what it sampled there
+    # The engine's token stream at the tip: the ids it was given, then what it sampled. Kept as the list the
+    # engine's answer was parsed into, so neither planning nor committing converts a whole prompt.
+    stream: list[int]
+    prompt_len: int  # stream[:prompt_len] is the tip call's prompt
     answer: Message  # the sampled answer as the engine parsed it
     closed: bool  # sampled ids end with the end-of-turn token
     turns: int  # sampled turns in engine_prompt + sampled
@@ -66,7 +66,7 @@ class Chain:
     retired: bool = False
 
     def size(self) -> int:
-        return len(self.engine_prompt) + len(self.sampled) + len(self.tip_text) // 4
+        return len(self.stream) + len(self.tip_text) // 4
 
 
 @dataclass
@@ -141,15 +141,10 @@ class TokenChains:
                 plan.reason = NO_PREFIX
                 return plan
             plan.chain, plan.chain_stamp = chain, chain.stamp
-            engine_prompt, sampled, closed, turns = (
-                chain.engine_prompt,
-                chain.sampled,
-                chain.closed,
-                chain.turns,
-            )
+            stream, prompt_len, closed, turns = chain.stream, chain.prompt_len, chain.closed, chain.turns
             tip_len, n_tip, answer = len(chain.tip_text), chain.n_messages, chain.answer
         if len(text) == tip_len:  # a retry: sample again in the tip call's own context
-            plan.input_ids, plan.retry, plan.reason = engine_prompt.tolist(), True, RETRY
+            plan.input_ids, plan.retry, plan.reason = stream[:prompt_len], True, RETRY
             plan.spliced_turns = turns - 1
             return plan
         eot_at = text.find(self.eot_text, tip_len)
@@ -163,7 +158,7 @@ class TokenChains:
         # Closed answer: the tail starts after its end-of-turn. Cut short (no end-of-turn sampled): the tail
         # starts *at* the end-of-turn, so the stream still closes that turn — the merge rule, exactly.
         tail = text[eot_at + len(self.eot_text) :] if closed else text[eot_at:]
-        plan.input_ids = np.concatenate([engine_prompt, sampled]).tolist() + encode(tail)
+        plan.input_ids = stream + encode(tail)  # a new list: the chain's stream is never changed in place
         plan.spliced_turns = turns
         return plan
 
@@ -186,15 +181,15 @@ class TokenChains:
 
     def commit(self, plan: Plan, completion: Completion) -> None:
         """Advance (or open) the chain with what the engine saw and sampled for this call."""
-        prompt = np.asarray(completion.prompt_ids, dtype=np.int32)
-        sampled = np.asarray(completion.completion_ids, dtype=np.int32)
+        stream = [*completion.prompt_ids, *completion.completion_ids]
+        sampled = completion.completion_ids
         answer = Message(
             role="assistant",
             content=completion.content,
             reasoning=completion.reasoning,
             tool_calls=list(completion.tool_calls),
         )
-        closed = len(sampled) > 0 and int(sampled[-1]) == self.eot_id
+        closed = len(sampled) > 0 and sampled[-1] == self.eot_id
         with self._lock:
             session = self._sessions.get(plan.session_id)
             if session is None:
@@ -214,20 +209,16 @@ class TokenChains:
                 assert chain is not None
                 self._size -= chain.size()
                 chain.tip_text, chain.n_messages = plan.text, plan.n_messages
-                chain.engine_prompt, chain.sampled, chain.answer, chain.closed = (
-                    prompt,
-                    sampled,
-                    answer,
-                    closed,
-                )
+                chain.stream, chain.prompt_len = stream, len(completion.prompt_ids)
+                chain.answer, chain.closed = answer, closed
                 chain.turns, chain.stamp = turns, session.clock
                 self._size += chain.size()
             else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
                 chain = Chain(
                     tip_text=plan.text,
                     n_messages=plan.n_messages,
-                    engine_prompt=prompt,
-                    sampled=sampled,
+                    stream=stream,
+                    prompt_len=len(completion.prompt_ids),
                     answer=answer,
                     closed=closed,
                     turns=turns,

@@ -43,3 +43,24 @@ def test_fast_rendering_equals_transformers_on_every_recorded_session(renderers)
         assert fast.encode(text) == list(ids), source
         seen.add(source)
     assert {"sdk_sessions", "claude-code", "codex", "gemini", "opencode", "pi", "qwen"} <= seen
+
+
+def test_tokenizing_only_the_tail_after_an_end_of_turn_equals_tokenizing_the_whole(renderers):
+    """What tokens mode relies on: a prompt splits after the end-of-turn that closes the previous assistant turn
+    into a head and a tail that tokenize, apart, to the ids of the whole (checked on every recorded call)."""
+    fast, _reference = renderers
+    previous: dict[str, str] = {}
+    split = 0
+    for _source, session, request in engine_requests():
+        text = fast.render(request)
+        tip = previous.get(session)
+        previous[session] = text
+        if tip is None or not text.startswith(tip):
+            continue
+        cut = text.find(fast.eot_text, len(tip))
+        if cut < 0:
+            continue
+        cut += len(fast.eot_text)
+        assert fast.encode(text[:cut]) + fast.encode(text[cut:]) == fast.encode(text)
+        split += 1
+    assert split >= 10  # the recorded sessions do continue their conversations
