@@ -260,18 +260,27 @@ def open_tracker(report_to: str, run_dir: Path, resume: bool = False) -> Tracker
     state_path = run_dir / TRACKER_STATE
     state = TrackerState.read(state_path) if resume else TrackerState()
     trackers: list[Tracker] = []
-    for name in names:
-        if name == "tensorboard":
-            trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR))
-        elif name == "mlflow":
-            mlflow = MlflowTracker(run_dir / MLFLOW_DIR, state.mlflow_run_id, run_dir.name)
-            state.mlflow_run_id = mlflow.run_id
-            trackers.append(mlflow)
-        elif name == "wandb":
-            state.wandb_run_id = state.wandb_run_id or uuid.uuid4().hex[:12]
-            trackers.append(WandbTracker(run_dir, state.wandb_run_id, run_dir.name))
+    try:
+        for name in names:
+            trackers.append(_open_one(name, run_dir, state))
+    except BaseException:
+        for opened in trackers:  # the ones that did open are not left half-written
+            opened.close()
+        raise
     state.write(state_path)
     return RunTrackers(trackers, state, state_path)
+
+
+def _open_one(name: str, run_dir: Path, state: TrackerState) -> Tracker:
+    """One tracker of the run, its run id noted in `state` (a new one unless `state` has it already)."""
+    if name == "tensorboard":
+        return TensorBoardTracker(run_dir / TENSORBOARD_DIR)
+    if name == "mlflow":
+        mlflow = MlflowTracker(run_dir / MLFLOW_DIR, state.mlflow_run_id, run_dir.name)
+        state.mlflow_run_id = mlflow.run_id
+        return mlflow
+    state.wandb_run_id = state.wandb_run_id or uuid.uuid4().hex[:12]
+    return WandbTracker(run_dir, state.wandb_run_id, run_dir.name)
 
 
 def numeric_metrics(row: dict[str, Any], prefix: str) -> dict[str, float]:
