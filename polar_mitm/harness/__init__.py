@@ -1,4 +1,4 @@
-"""The six real agent CLIs, unmodified, hooked to the gateway: presets, isolated HOMEs, environments, commands.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent), unmodified, hooked to the gateway: presets, HOMEs, commands.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -26,12 +26,13 @@ from polar_mitm.harness.base import (
 from polar_mitm.harness.claude_code import ClaudeCode
 from polar_mitm.harness.codex import Codex
 from polar_mitm.harness.gemini import GeminiCli
+from polar_mitm.harness.mini_swe_agent import MiniSweAgent
 from polar_mitm.harness.opencode import OpenCode
 from polar_mitm.harness.pi import Pi
 from polar_mitm.harness.qwen import QwenCode
 
 HARNESSES: dict[str, Harness] = {
-    h.name: h for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode())
+    h.name: h for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode(), MiniSweAgent())
 }
 
 __all__ = [

@@ -7,6 +7,7 @@ command line of a one-shot prompt. `Harness.prepare` turns that into an isolated
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import unicodedata
@@ -19,7 +20,7 @@ from polar_mitm.session_ids import SessionId
 
 Mode = Literal["proxy", "base-url"]
 MODES: tuple[Mode, ...] = ("proxy", "base-url")
-Runtime = Literal["bun", "node", "rust"]
+Runtime = Literal["bun", "node", "rust", "python"]
 
 # Nothing listens on the discard port: in base-URL mode every request that is not for the gateway (telemetry,
 # update checks, plugin downloads) is pointed at it through the proxy variables and fails at once, offline.
@@ -212,6 +213,11 @@ class Harness:
             return Path(found)
         raise HarnessError(f"{self.binary} ({self.package}) is not installed: run scripts/setup.sh (npm ci)")
 
+    def installed_version(self) -> str | None:
+        """The installed version (from node_modules), None when it is not installed."""
+        manifest = REPO_ROOT / "node_modules" / self.package / "package.json"
+        return json.loads(manifest.read_text())["version"] if manifest.exists() else None
+
     def command(self, prompt: str, *, bin_dir: Path | None = None) -> list[str]:
         """The full command line of a one-shot prompt."""
         return [str(self.executable(bin_dir)), *self.prompt_args(prompt)]
@@ -253,7 +259,8 @@ def ca_env(runtime: Runtime, bundle: Path | None) -> dict[str, str]:
 
     Node reads only NODE_EXTRA_CA_CERTS (added to its own store); Rust's rustls/native-tls clients (Codex) only
     SSL_CERT_FILE (which replaces the system store, hence a bundle of system CAs + mitmproxy's CA); Bun binaries
-    (Claude Code, opencode) take either.
+    (Claude Code, opencode) take either; Python clients (mini-swe-agent: httpx, requests) SSL_CERT_FILE and
+    REQUESTS_CA_BUNDLE.
     """
     if bundle is None:
         return {}
@@ -262,6 +269,7 @@ def ca_env(runtime: Runtime, bundle: Path | None) -> dict[str, str]:
         "node": {"NODE_EXTRA_CA_CERTS": path},
         "rust": {"SSL_CERT_FILE": path},
         "bun": {"NODE_EXTRA_CA_CERTS": path, "SSL_CERT_FILE": path},
+        "python": {"SSL_CERT_FILE": path, "REQUESTS_CA_BUNDLE": path},
     }[runtime]
 
 

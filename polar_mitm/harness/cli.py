@@ -7,7 +7,6 @@ polar-mitm harness run gemini "Write hello into out.txt" --session s1 --mode pro
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -77,10 +76,9 @@ def prepare(
 def list_command() -> None:
     """The presets, their pinned package and installed version, runtime and shell tool."""
     for harness in HARNESSES.values():
-        manifest = REPO_ROOT / "node_modules" / harness.package / "package.json"
-        version = json.loads(manifest.read_text())["version"] if manifest.exists() else "not installed"
+        version = harness.installed_version() or "not installed"
         tools = ", ".join(t.name for t in harness.shell_tools)
-        typer.echo(f"{harness.name:12} {harness.package + '@' + version:40} {harness.runtime:5} {tools}")
+        typer.echo(f"{harness.name:15} {harness.package + '@' + version:40} {harness.runtime:5} {tools}")
 
 
 @harness_app.command("env")

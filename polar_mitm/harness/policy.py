@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from polar_mitm.harness import HARNESSES
+from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 
 THINKING = "The user wants this done with one shell command; then I will check the result."
 GEMINI_ROUTER = {
@@ -39,13 +40,21 @@ def shell_call(command: str) -> dict[str, Any]:
 
 def shell_script(commands: list[str], final: str, *, think: bool = True) -> dict[str, Any]:
     """Turn k (k < len(commands)) runs commands[k]; then `final`. The first turn thinks first (reasoning round
-    trips: thinking blocks, Responses reasoning items, Gemini thoughts)."""
+    trips: thinking blocks, Responses reasoning items, Gemini thoughts). mini-swe-agent ends only by running its
+    submit command (a text-only turn gets a format error), so its prompts — the only ones naming that command —
+    get `final` with the submit call at the last turn."""
     turns: list[Any] = []
     for k, command in enumerate(commands):
         text = f"<think>\n{THINKING}\n</think>\n\n" if think and k == 0 else ""
         turns.append({"text": text + f"Running `{command}`.", "tool_call": shell_call(command)})
     turns.append(final)
-    return {"turns": turns, "side": SIDE_TEXT, "replies": [GEMINI_ROUTER, CLAUDE_COMPACT]}
+    submit = {
+        "when": SUBMIT_COMMAND.removeprefix("echo "),
+        "turn": len(commands),
+        "text": final,
+        "tool_call": shell_call(SUBMIT_COMMAND),
+    }
+    return {"turns": turns, "side": SIDE_TEXT, "replies": [GEMINI_ROUTER, CLAUDE_COMPACT, submit]}
 
 
 HELLO_SCRIPT = shell_script(["echo hello > out.txt"], "Done: out.txt now says hello.")

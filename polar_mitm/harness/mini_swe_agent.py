@@ -1,0 +1,83 @@
+"""mini-swe-agent (PyPI `mini-swe-agent`, Python on litellm): the SWE-RL community's harness, OpenAI Chat
+Completions with one `bash` tool.
+
+It lives in its own venv (scripts/setup-mini-swe-agent.sh): litellm's pins must not decide ours. Proxy mode uses
+litellm's built-in `openai/` provider (api.openai.com, the first-party shape); base-URL mode the same provider
+with `api_base` set in a config file of ours (`-c mini.yaml -c polar-mitm-hookup.yaml`, found through
+MSWEA_CONFIG_DIR). Python's TLS clients (httpx under the OpenAI SDK, requests) read SSL_CERT_FILE /
+REQUESTS_CA_BUNDLE. The agent finishes only by running `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`; a turn
+without a tool call gets a format-error user message and another call (recipes/mini-swe-agent.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import ClassVar
+
+from polar_mitm.harness.base import COMMAND, REPO_ROOT, Harness, HarnessError, Hookup, Runtime, ShellTool
+
+MODEL = "openai/gpt-4.1-mini"  # litellm's `openai/` provider: Chat Completions, api.openai.com by default
+SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # the only way the agent ends its run
+HOOKUP_CONFIG = "polar-mitm-hookup.yaml"
+VENV_VARIABLE = "POLAR_MINI_SWE_AGENT_VENV"
+
+
+def venv_dir() -> Path:
+    """Where scripts/setup-mini-swe-agent.sh installs it (POLAR_MINI_SWE_AGENT_VENV moves it)."""
+    return Path(os.environ.get(VENV_VARIABLE) or REPO_ROOT / ".venv-mini-swe-agent")
+
+
+class MiniSweAgent(Harness):
+    name: ClassVar[str] = "mini-swe-agent"
+    package: ClassVar[str] = "mini-swe-agent"  # PyPI, pinned in scripts/setup-mini-swe-agent.sh
+    binary: ClassVar[str] = "mini"
+    runtime: ClassVar[Runtime] = "python"
+    shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("bash", {"command": COMMAND}),)
+
+    def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
+        model: dict = {"model_name": MODEL, "cost_tracking": "ignore_errors"}
+        if hookup.mode == "base-url":
+            model["model_kwargs"] = {"api_base": hookup.base_url("/v1"), "drop_params": True}
+        # Unattended: no confirmation, no cost limit (our engine has no price); the rollout's timeout bounds a run.
+        config = {"agent": {"mode": "yolo", "confirm_exit": False, "cost_limit": 0}, "model": model}
+        # JSON is YAML: no YAML writer needed in our venv.
+        return {f".config/mini-swe-agent/{HOOKUP_CONFIG}": json.dumps(config, indent=2) + "\n"}
+
+    def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:
+        return {
+            "OPENAI_API_KEY": hookup.api_key,
+            "MSWEA_CONFIG_DIR": str(home / ".config" / "mini-swe-agent"),
+            "MSWEA_GLOBAL_CONFIG_DIR": str(home / ".config" / "mini-swe-agent"),
+        }
+
+    def unattended_env(self) -> dict[str, str]:
+        return {
+            "MSWEA_CONFIGURED": "true",  # skips the first-run questions (model, API key) on stdin
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm would fetch its price list from the internet
+            "LITELLM_TELEMETRY": "False",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def prompt_args(self, prompt: str) -> list[str]:
+        return ["-y", "--exit-immediately", "-c", "mini.yaml", "-c", HOOKUP_CONFIG, "-t", prompt]
+
+    def executable(self, bin_dir: Path | None = None) -> Path:
+        """`mini` in its own venv, else on PATH (`bin_dir`, the npm CLIs' folder, does not hold it)."""
+        candidate = venv_dir() / "bin" / self.binary
+        if candidate.exists():
+            return candidate
+        found = shutil.which(self.binary)
+        if found:
+            return Path(found)
+        raise HarnessError(
+            f"{self.binary} ({self.package}) is not installed: run scripts/setup-mini-swe-agent.sh"
+        )
+
+    def installed_version(self) -> str | None:
+        """The version in its venv (the npm CLIs' versions come from node_modules)."""
+        found = sorted(venv_dir().glob("lib/python*/site-packages/mini_swe_agent-*.dist-info"))
+        return found[-1].name.removeprefix("mini_swe_agent-").removesuffix(".dist-info") if found else None
