@@ -112,6 +112,8 @@ class PromptBuilder:
             reason = f"tokens mode unavailable: {self._unavailable or 'engine tokenizer not loaded yet'}"
             return PromptStep(mode="messages", reason=reason), await _dumps(request)
         chains = self._chains
+        if not chains.routable(session_id):
+            return await self._prepare_unrouted(renderer, chains, session_id, conv, request, call_kind)
 
         def plan_and_dump() -> tuple[Plan, bytes]:
             text = renderer.render(request)
@@ -132,18 +134,50 @@ class PromptBuilder:
             step.check_ids = asyncio.ensure_future(asyncio.to_thread(renderer.encode, plan.text))
         return step, body
 
+    async def _prepare_unrouted(
+        self,
+        renderer: PromptRenderer,
+        chains: TokenChains,
+        session_id: str,
+        conv: Conversation,
+        request: dict[str, Any],
+        call_kind: str | None,
+    ) -> tuple[PromptStep, bytes]:
+        """A session with no chain to extend (its first call) or in messages mode for good: the engine renders,
+        so nothing of ours comes before the engine request. A first call's own rendering — the chain's tip, and
+        the check that it agrees with the engine's — runs alongside the engine call."""
+        plan = chains.unrouted_plan(session_id, len(conv.messages), call_kind)
+        step = PromptStep(mode="messages", plan=plan, spliced_turns=plan.spliced_turns, reason=plan.reason)
+        if plan.spliced_turns is not None:  # not a session in messages mode for good
+
+            def render_and_encode() -> list[int]:
+                plan.text = renderer.render(request)
+                return renderer.encode(plan.text)
+
+            step.check_ids = asyncio.ensure_future(asyncio.to_thread(render_and_encode))
+        return step, await _dumps(request)
+
+    async def _checked(self, step: PromptStep) -> list[int] | None:
+        """Our rendering of a chain's first prompt, or None when it failed (the session then stays unspliced)."""
+        assert step.check_ids is not None and step.plan is not None
+        try:
+            return await step.check_ids
+        except Exception as exc:  # a template that cannot render this conversation: never splice on it
+            log.warning("session %s: the gateway cannot render this prompt (%s)", step.plan.session_id, exc)
+            return None
+
     async def complete(self, step: PromptStep, completion: Completion) -> None:
         """After a successful engine call: verify the renderer on new chains, then advance the chains."""
         if step.plan is None or self._chains is None:
             return
         if step.check_ids is not None:
-            ours = await step.check_ids
+            ours = await self._checked(step)
             if ours != completion.prompt_ids:
                 log.warning(
-                    "session %s: the gateway's rendering (%d ids) differs from the engine's (%d ids); "
+                    "session %s: the gateway's rendering (%s ids) differs from the engine's (%d ids); "
                     "messages mode for this session",
                     step.plan.session_id,
-                    len(ours),
+                    "no" if ours is None else len(ours),
                     len(completion.prompt_ids),
                 )
                 self._chains.fall_back(step.plan.session_id)

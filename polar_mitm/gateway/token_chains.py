@@ -124,6 +124,26 @@ class TokenChains:
                 self._compaction_reason(plan)
         return plan
 
+    def routable(self, session_id: str) -> bool:
+        """Whether a call of this session may extend a chain (it has one, and is not in messages mode for good)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return session is not None and bool(session.chains) and not session.fallback
+
+    def unrouted_plan(self, session_id: str, n_messages: int, call_kind: str | None = None) -> Plan:
+        """The plan of a call `routable` said no to, made without its rendering: a session's first call (its
+        `text` is filled in by the renderer check, before `commit`) or one in messages mode for good."""
+        plan = Plan(
+            session_id=session_id, text="", n_messages=n_messages, reason=NO_CHAIN, call_kind=call_kind
+        )
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                self._sessions.move_to_end(session_id)
+                if session.fallback:
+                    plan.reason, plan.spliced_turns = SESSION_FALLBACK, None
+        return plan
+
     def _plan(self, session_id: str, text: str, messages: list[Message], encode) -> Plan:
         plan = Plan(session_id=session_id, text=text, n_messages=len(messages))
         with self._lock:

@@ -106,6 +106,48 @@ def test_context_overflow_is_a_provider_shaped_400(small_context_gateway):
 
 
 @pytest.mark.slow
+def test_kill_9_amid_concurrent_closes_loses_no_acknowledged_record(scripted_engine_url, tmp_path):
+    """Group commit (one fsync for the records that finish together) never acknowledges before durable: calls of
+    16 sessions close concurrently, the gateway is killed while others are in flight, and every call a client got
+    its answer for has its record."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path / "flows"
+    gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
+    acknowledged: set[str] = set()
+    enough = threading.Event()
+    lock = threading.Lock()
+
+    def call(session: str) -> None:
+        base = SessionId(session).base_url(gw.reverse_url, "/v1")
+        body = {"model": "gpt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        try:
+            answer = httpx.post(
+                f"{base}/chat/completions", json=body, headers={"authorization": KEY}, timeout=60
+            )
+        except httpx.HTTPError:
+            return  # in flight when the gateway died: never acknowledged
+        if answer.status_code == 200:
+            with lock:
+                acknowledged.add(session)
+                if len(acknowledged) >= 12:
+                    enough.set()
+
+    with ThreadPoolExecutor(16) as pool:
+        calls = [pool.submit(call, f"closes-{i}") for i in range(64)]
+        assert enough.wait(120), "the gateway answered fewer than 12 calls"
+        gw.proc.send_signal(signal.SIGKILL)
+        gw.proc.wait()
+        for future in calls:
+            future.result()
+    with lock:
+        answered = set(acknowledged)
+    recorded = {r["session_id"] for r in read_all(out).to_pylist()}
+    assert answered <= recorded, f"acknowledged but lost: {sorted(answered - recorded)}"
+
+
+@pytest.mark.slow
 def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_engine_url, tmp_path):
     out = tmp_path / "flows"
     gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
