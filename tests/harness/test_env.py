@@ -72,9 +72,10 @@ def test_env_prints_exports_and_writes_config_into_the_home(name, mode, tmp_path
     runtime = HARNESSES[name].runtime
     if mode == "proxy":
         assert env["HTTPS_PROXY"] == "http://t1%2Fs1:x@127.0.0.1:18080" and env["NO_PROXY"] == ""
-        bundle = Path(env["SSL_CERT_FILE"] if runtime == "rust" else env["NODE_EXTRA_CA_CERTS"])
+        bundle = Path(env["SSL_CERT_FILE"] if runtime in ("rust", "python") else env["NODE_EXTRA_CA_CERTS"])
         assert bundle.read_text().endswith(CA) and len(bundle.read_text()) > len(CA)  # system CAs + ours
-        assert ("SSL_CERT_FILE" in env) == (runtime in ("rust", "bun"))
+        assert ("SSL_CERT_FILE" in env) == (runtime in ("rust", "bun", "python"))
+        assert ("REQUESTS_CA_BUNDLE" in env) == (runtime == "python")
         assert ("NODE_EXTRA_CA_CERTS" in env) == (runtime in ("node", "bun"))
     else:
         assert env["HTTPS_PROXY"] == DEAD_PROXY and "127.0.0.1" in env["NO_PROXY"].split(",")

@@ -1,4 +1,4 @@
-"""The six real agent CLIs, unmodified, end to end through the gateway, in both hook-up modes.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent), unmodified, end to end through the gateway, in both hook-up modes.
 
 Each run is a one-shot prompt against the scripted tiny engine (polar_mitm/harness/policy.py): turn 1 thinks and
 calls the harness's own shell tool with `echo hello > out.txt`, turn 2 answers. The harness must parse our tool
@@ -14,12 +14,12 @@ import json
 import shutil
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from polar_mitm.harness import HARNESSES, MODES
+from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 from polar_mitm.harness.policy import HELLO_SCRIPT, THINKING
 from polar_mitm.harness.stack import HarnessRun, HarnessStack
 
@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 PROMPT = "Write hello into out.txt"
 FINAL = HELLO_SCRIPT["turns"][-1]
 RESULTS: list[dict[str, Any]] = []
+# Harnesses that end only by a tool call (mini-swe-agent's submit command): their last turn is FINAL + that call.
+FINISHES_BY_TOOL = {"mini-swe-agent": SUBMIT_COMMAND}
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +50,12 @@ def report(config: pytest.Config, isolation: str) -> None:
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line(f"\nreal harnesses through the gateway ({isolation}):")
-        reporter.write_line(f"{'harness':12} {'version':9} {'mode':9} turns records pass  wall")
+        reporter.write_line(f"{'harness':15} {'version':9} {'mode':9} turns records pass  wall")
         for r in RESULTS:
             reporter.write_line(
-                f"{r['harness']:12} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
+                f"{r['harness']:15} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
                 f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s"
             )
-
-
-def installed_version(package: str) -> str:
-    manifest = Path(__file__).resolve().parents[2] / "node_modules" / package / "package.json"
-    return json.loads(manifest.read_text())["version"] if manifest.exists() else "?"
 
 
 def messages(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,11 +101,22 @@ def gemini_checks(rows: list[dict[str, Any]], mode: str) -> None:
     assert all("thinkingConfig" in row["request_json"] for row in rows if row["tools_json"] != "[]")
 
 
+def mini_swe_agent_checks(rows: list[dict[str, Any]], mode: str) -> None:
+    """litellm's openai/ provider: Chat Completions with exactly one tool, no side traffic."""
+    for row in rows:
+        assert row["provider"] == "openai_chat" and [t["name"] for t in json.loads(row["tools_json"])] == [
+            "bash"
+        ]
+    if mode == "proxy":
+        assert {row["host"] for row in rows} == {"api.openai.com"}
+
+
 CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
     "claude-code": claude_code_checks,
     "codex": codex_checks,
     "pi": pi_checks,
     "gemini": gemini_checks,
+    "mini-swe-agent": mini_swe_agent_checks,
 }
 
 
@@ -124,7 +132,7 @@ def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
     session, task = f"{name}-{mode}-{uuid.uuid4().hex[:8]}", "hello-task"
     result = {
         "harness": name,
-        "version": installed_version(harness.package),
+        "version": harness.installed_version() or "?",
         "mode": mode,
         "turns": 0,
         "records": 0,
@@ -174,7 +182,7 @@ def check_run(
 
     main = [r for r in rows if r["tools_json"] != "[]"]  # the agent loop; the rest is side traffic
     calls = [r for r in main if r["finish_reason"] == "tool_calls"]
-    assert len(calls) == 1, [r["finish_reason"] for r in main]
+    assert len(calls) == 1 + (name in FINISHES_BY_TOOL), [r["finish_reason"] for r in main]
     first = calls[0]
     shell_names = {t.name for t in HARNESSES[name].shell_tools}
     called = tiny_engine.tokenizer.decode(first["completion_ids"])
@@ -182,8 +190,12 @@ def check_run(
     # The follow-up request carries the tool result, and the engine then answers with the final text.
     follow = [r for r in main if r["seq"] > first["seq"] and any(m["role"] == "tool" for m in messages(r))]
     assert follow, [messages(r)[-1] for r in main]
-    assert tiny_engine.tokenizer.decode(follow[0]["completion_ids"], skip_special_tokens=True) == FINAL
-    assert follow[0]["finish_reason"] == "stop"
+    answer = tiny_engine.tokenizer.decode(follow[0]["completion_ids"], skip_special_tokens=True)
+    if name in FINISHES_BY_TOOL:
+        assert answer.startswith(FINAL) and FINISHES_BY_TOOL[name] in answer, answer
+        assert follow[0]["finish_reason"] == "tool_calls" and len(rows) == 2, context
+    else:
+        assert answer == FINAL and follow[0]["finish_reason"] == "stop"
     # The harness re-sent its history so that it renders to the very same tokens (what prefix merging needs).
     assert follow[0]["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
     # Scripted tokens carry the model's true logprobs (a forward pass over the recorded ids agrees).

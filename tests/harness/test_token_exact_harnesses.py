@@ -1,4 +1,4 @@
-"""The six real harness CLIs, proxy mode, in both prompt modes: how many sampled tokens are trained in the exact
+"""The real harness CLIs (six npm CLIs, mini-swe-agent), proxy mode, in both prompt modes: how many sampled tokens are trained in the exact
 context the engine sampled them in.
 
 Scripted multi-turn session (polar_mitm/harness/policy.py): turn 1 thinks, then three shell tool calls, then a
@@ -57,7 +57,7 @@ def report_table(request):
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line("\ncontext-exact sampled tokens per harness (proxy mode):")
-        reporter.write_line(f"{'harness':12} {'tokens mode':>30} {'messages mode':>30}")
+        reporter.write_line(f"{'harness':15} {'tokens mode':>30} {'messages mode':>30}")
         for name in HARNESSES:
             cells = []
             for mode in ("tokens", "messages"):
@@ -67,7 +67,7 @@ def report_table(request):
                     if r
                     else "–"
                 )
-            reporter.write_line(f"{name:12} {cells[0]:>30} {cells[1]:>30}")
+            reporter.write_line(f"{name:15} {cells[0]:>30} {cells[1]:>30}")
 
 
 def max_logprob_gap(tiny_engine, sequences) -> float:
@@ -123,7 +123,8 @@ def test_harness_session_is_context_exact_in_tokens_mode(stack, tiny_engine, tmp
     assert run.returncode == 0, context
     assert (run.workspace / "out.txt").read_text() == "hello\n", context
     main = [r for r in rows if r["tools_json"] != "[]"]
-    assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS), context
+    submits = name == "mini-swe-agent"  # its last turn is FINAL + its submit command (policy.shell_script)
+    assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
     assert all(r["status_code"] == 200 for r in rows)
     result = fidelity(rows, tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"), tiny_engine)
     RESULTS[(name, mode)] = result
