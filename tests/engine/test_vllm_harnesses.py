@@ -180,7 +180,8 @@ def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: P
     assert {json.loads(r["engine_meta_json"])["engine"] for r in rows} == {"vllm"}
     assert all(r["temperature"] == pytest.approx(temperature) for r in rows)
     main = [r for r in rows if r["tools_json"] != "[]"]
-    assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS), context
+    submits = name == "mini-swe-agent"  # its last turn is FINAL + its submit command (policy.shell_script)
+    assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
     assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
 
     sequences = merged_sequences(rows)

@@ -329,3 +329,34 @@ def test_opencode_title_generation_is_a_tool_free_side_call():
     side = [f for f in model_flows("opencode") if not decode(f).tools]
     assert len(side) == 1 and "title" in body(side[0])["system"][0]["text"].lower()
     assert side[0].metadata["polar_record"]["finish_reason"] == "stop"
+
+
+# -- mini-swe-agent (litellm) ---------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_mini_swe_agent_asks_for_whole_answers_with_one_bash_tool_and_no_budget():
+    """litellm's openai/ provider as mini-swe-agent calls it: not streamed, no max_tokens or sampling settings
+    (the gateway's polar_max_tokens cap and its own sampling defaults apply), the `bash` tool only."""
+    for flow in model_flows("mini-swe-agent"):
+        request = body(flow)
+        assert not request.get("stream") and flow.response.headers["content-type"] == "application/json"
+        assert not {"max_tokens", "max_completion_tokens", "temperature", "top_p"} & set(request)
+        assert [t["function"]["name"] for t in request["tools"]] == ["bash"]
+        assert flow.request.headers["user-agent"].startswith("OpenAI/Python")
+
+
+@needs_samples
+def test_mini_swe_agent_sends_reasoning_content_and_json_observations_back():
+    """Its history is litellm's message objects dumped as they came: our `reasoning_content` returns verbatim
+    (hence 100% context-exact even in messages mode), tool results are its JSON observation template."""
+    last = main_turns("mini-swe-agent")[-1]
+    sent = body(last)["messages"]
+    calls = [m for m in sent if m["role"] == "assistant"]
+    assert calls[0]["reasoning_content"] == THINKING and "reasoning_content" not in calls[1]
+    results = [m for m in sent if m["role"] == "tool"]
+    assert [r["tool_call_id"] for r in results] == [c["tool_calls"][0]["id"] for c in calls]
+    assert json.loads(results[-1]["content"]) == {"returncode": 0, "output": "hello\n"}
+    conv = decode(last)
+    assert [m.reasoning for m in conv.messages if m.role == "assistant"][0] == THINKING
+    assert [m.content for m in conv.messages if m.role == "tool"] == [r["content"] for r in results]
