@@ -12,6 +12,12 @@ messages mode needs no tokenizer: its figure is the floor (mitmproxy's own start
 modes so a busy machine's drift hits both alike.
 
     .venv/bin/python benchmarks/bench_cold_start.py [--starts 3]
+
+Measured 2026-12-01 on the shared 2-core machine at load 7–9 (medians of 2 starts, seconds): before the renderer
+loaded at start (transformers' AutoTokenizer on the first call) tokens mode answered first after 15.1 and messages
+mode after 5.7; with the fast renderer loaded while starting and start_gateway waiting on readiness, tokens mode
+9.2–10.2 (ready 8.2–8.8; listening 4.7–5.2) and messages mode 4.5–5.3. What is left is `Tokenizer.from_file` for
+Qwen's 151k-token BPE (1.5–3.7 s at that load, GIL held) on top of mitmproxy's own start.
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ class RendererLoader:
             if not path:
                 raise RendererError("no tokenizer path (engine /model_info gave none; set polar_tokenizer)")
             renderer = PromptRenderer.load(path)
-            renderer.encode(renderer.render(WARM_UP_REQUEST))  # first-use costs, off the first call
+            warm_up(renderer)
             log.info(
                 "token-exact prompts: renderer loaded from %s (end-of-turn %r = %d)",
                 path,
@@ -323,3 +323,11 @@ class RendererLoader:
         except Exception as exc:
             log.warning("token-exact prompts unavailable, using messages mode: %s", exc)
             future.set_exception(exc if isinstance(exc, RendererError) else RendererError(str(exc)))
+
+
+def warm_up(renderer: PromptRenderer) -> None:
+    """Pay first-use costs (the tokenizer's caches, the template's first run) here rather than on a call."""
+    try:
+        renderer.encode(renderer.render(WARM_UP_REQUEST))
+    except Exception as exc:  # a template may refuse this conversation; the calls' own are what count
+        log.debug("renderer warm-up skipped: %s", exc)

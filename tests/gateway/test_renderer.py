@@ -4,8 +4,6 @@ of the project's chat templates."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from polar_mitm.gateway.renderer import FastRenderer, PromptRenderer, TransformersRenderer
@@ -18,11 +16,9 @@ def renderers(request, tiny_model_dir, tmp_path_factory):
     return PromptRenderer.load(str(folder)), TransformersRenderer.load(folder)
 
 
-def test_a_tokenizer_json_folder_loads_the_fast_renderer_quickly(tiny_model_dir):
-    started = time.perf_counter()
+def test_a_tokenizer_json_folder_loads_the_fast_renderer(tiny_model_dir):
     renderer = PromptRenderer.load(str(tiny_model_dir))
-    assert isinstance(renderer, FastRenderer)
-    assert time.perf_counter() - started < 2.0  # transformers' import alone takes longer
+    assert isinstance(renderer, FastRenderer)  # no transformers import at gateway start (bench_cold_start.py)
     reference = TransformersRenderer.load(tiny_model_dir)
     assert (renderer.eot_id, renderer.eot_text) == (reference.eot_id, reference.eot_text)
 
