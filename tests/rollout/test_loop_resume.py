@@ -205,8 +205,9 @@ def print_table() -> None:
         print(row)
 
 
-# One iteration each, but for the push: its resumed run goes on to iteration 1, whose rollout shows the engine
-# was brought back to the weights whose push the kill interrupted.
+# One iteration each, but for the push: its resumed run goes on to iteration 1, whose rollout shows the push the
+# kill interrupted was made (to the restarted engine). The engine restore at start (the next iteration's rollout
+# resumed) is the killed-twice test's second kill.
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, iterations", [("rollout", 1), ("merge", 1), ("train", 1), ("push", 2)])
 def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage, iterations):
