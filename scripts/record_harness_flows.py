@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_mitm.harness import HARNESSES
+from polar_mitm.harness.aider import FAIL_ONCE_ARGS
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.harness.stack import HarnessStack
 from polar_mitm.storage.records import RECORD_SCHEMA
@@ -29,6 +30,7 @@ SCRIPT = shell_script(["echo hello > out.txt", "cat out.txt"], "Done: out.txt sa
 PROMPT = "Write hello into out.txt, then check it."
 TASK = "sample-hello"
 FOLLOW_UPS = {"claude-code": [("/compact", ["--continue"])]}  # (prompt, extra args) run in the same session
+FIRST_ARGS = {"aider": FAIL_ONCE_ARGS}  # no tools: its test loop gives the session a second call
 
 
 def record(name: str, tmp: Path) -> None:
@@ -37,7 +39,7 @@ def record(name: str, tmp: Path) -> None:
     stack = HarnessStack.start(tmp / name, SCRIPT, gateway_options={"save_stream_file": str(flow_file)})
     session = f"sample-{name}"
     try:
-        runs = [(PROMPT, [])] + FOLLOW_UPS.get(name, [])
+        runs = [(PROMPT, FIRST_ARGS.get(name, []))] + FOLLOW_UPS.get(name, [])
         for prompt, args in runs:
             run = stack.run(
                 harness,

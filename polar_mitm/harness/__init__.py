@@ -1,4 +1,4 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent), unmodified, hooked to the gateway: presets, HOMEs, commands.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider), unmodified, hooked to the gateway: presets, commands.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from polar_mitm.harness.aider import Aider
 from polar_mitm.harness.base import (
     MODES,
     Harness,
@@ -32,7 +33,8 @@ from polar_mitm.harness.pi import Pi
 from polar_mitm.harness.qwen import QwenCode
 
 HARNESSES: dict[str, Harness] = {
-    h.name: h for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode(), MiniSweAgent())
+    h.name: h
+    for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode(), MiniSweAgent(), Aider())
 }
 
 __all__ = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from polar_mitm.harness import HARNESSES
+from polar_mitm.harness.aider import WHOLE_FORMAT_MARKER
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 
 THINKING = "The user wants this done with one shell command; then I will check the result."
@@ -23,6 +24,8 @@ CLAUDE_COMPACT = {
     "text": "<summary>\nThe user asked for hello in out.txt; it was written and checked.\n</summary>",
 }
 SIDE_TEXT = "Write hello into out.txt"  # what title/summary side requests get: short and harmless
+# Aider has no tools: the model writes the file out in its whole-file edit format, and Aider applies it.
+AIDER_EDIT = {"when": WHOLE_FORMAT_MARKER, "text": "Creating out.txt.\n\nout.txt\n```\nhello\n```"}
 
 
 def shell_call(command: str) -> dict[str, Any]:
@@ -54,7 +57,7 @@ def shell_script(commands: list[str], final: str, *, think: bool = True) -> dict
         "text": final,
         "tool_call": shell_call(SUBMIT_COMMAND),
     }
-    return {"turns": turns, "side": SIDE_TEXT, "replies": [GEMINI_ROUTER, CLAUDE_COMPACT, submit]}
+    return {"turns": turns, "side": SIDE_TEXT, "replies": [GEMINI_ROUTER, CLAUDE_COMPACT, submit, AIDER_EDIT]}
 
 
 HELLO_SCRIPT = shell_script(["echo hello > out.txt"], "Done: out.txt now says hello.")

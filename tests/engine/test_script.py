@@ -131,7 +131,7 @@ def test_harness_policy_covers_every_harness_shell_tool(tokenizer):
 
     s = script(tokenizer, HELLO_SCRIPT)
     ids = prompt(tokenizer, USER)
-    for harness in HARNESSES.values():
+    for harness in (h for h in HARNESSES.values() if h.shell_tools):  # Aider has none (an edit format)
         tool = harness.shell_tools[0]
         call = call_of(s.text_for(ids, [tool.name]))
         assert call["name"] == tool.name

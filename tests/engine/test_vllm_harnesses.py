@@ -144,7 +144,8 @@ def step0_gaps(
 
 
 @pytest.mark.parametrize("stack", [1.0], indirect=True, ids=["T1"])
-@pytest.mark.parametrize("name", list(HARNESSES))
+# Aider has no shell tool (an edit format, a test-command loop): tests/harness/test_token_exact_harnesses.py.
+@pytest.mark.parametrize("name", [name for name in HARNESSES if HARNESSES[name].shell_tools])
 def test_harness_session_on_vllm_is_context_exact_and_scored_alike(stack, vllm_model_dir, tmp_path, name):
     check_harness_session(stack, vllm_model_dir, tmp_path, name)
 

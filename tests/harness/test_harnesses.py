@@ -1,4 +1,4 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent), unmodified, end to end through the gateway, in both hook-up modes.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider), unmodified, end to end through the gateway, in both hook-up modes.
 
 Each run is a one-shot prompt against the scripted tiny engine (polar_mitm/harness/policy.py): turn 1 thinks and
 calls the harness's own shell tool with `echo hello > out.txt`, turn 2 answers. The harness must parse our tool
@@ -20,7 +20,7 @@ import pytest
 
 from polar_mitm.harness import HARNESSES, MODES
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
-from polar_mitm.harness.policy import HELLO_SCRIPT, THINKING
+from polar_mitm.harness.policy import AIDER_EDIT, HELLO_SCRIPT, THINKING
 from polar_mitm.harness.stack import HarnessRun, HarnessStack
 
 pytestmark = pytest.mark.slow
@@ -151,9 +151,42 @@ def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
         timeout=240,
     )
     rows = stack.records(session)
-    result.update(records=len(rows), wall_s=run.wall_s, turns=sum(1 for r in rows if r["tools_json"] != "[]"))
-    check_run(run, rows, stack, name, mode, task, tiny_engine)
+    loop = [r for r in rows if r["tools_json"] != "[]"] if harness.shell_tools else rows  # Aider: no tools
+    result.update(records=len(rows), wall_s=run.wall_s, turns=len(loop))
+    if harness.shell_tools:
+        check_run(run, rows, stack, name, mode, task, tiny_engine)
+    else:
+        check_edit_run(run, rows, stack, mode, task, tiny_engine)
     result["passed"] = True
+
+
+def check_record(row: dict[str, Any], mode: str, task: str) -> None:
+    """Every call, side traffic included, was answered and recorded in full."""
+    assert row["status_code"] == 200 and row["error"] is None, row["error"]
+    assert row["task_id"] == task and row["request_id"].startswith("req_")
+    assert row["mode"] == ("regular" if mode == "proxy" else "reverse")
+    assert row["session_source"] == ("proxy_auth" if mode == "proxy" else "path")
+    assert row["prompt_ids"] and row["prompt_tokens"] == len(row["prompt_ids"])
+    assert len(row["completion_ids"]) == len(row["completion_logprobs"]) > 0
+    assert all(lp <= 0.0 for lp in row["completion_logprobs"])
+
+
+def check_edit_run(
+    run: HarnessRun, rows: list[dict[str, Any]], stack: HarnessStack, mode: str, task: str, tiny_engine
+) -> None:
+    """A harness without tools (Aider): one call, answered with the file in its edit format, which it applies."""
+    context = run.describe() + f"\nengine and gateway logs: {stack.root}"
+    assert run.returncode == 0, context
+    assert (run.workspace / "out.txt").read_text() == "hello\n", context  # our edit was parsed and applied
+    assert len(rows) == 1, context
+    [row] = rows
+    check_record(row, mode, task)
+    assert row["provider"] == "openai_chat" and row["tools_json"] == "[]" and row["finish_reason"] == "stop"
+    assert tiny_engine.tokenizer.decode(row["completion_ids"], skip_special_tokens=True) == AIDER_EDIT["text"]
+    if mode == "proxy":
+        assert row["host"] == "api.openai.com"
+    scored = tiny_engine.score(row["prompt_ids"], row["completion_ids"])
+    assert max(abs(a - b) for a, b in zip(scored, row["completion_logprobs"], strict=True)) < 1e-3
 
 
 def check_run(
@@ -171,14 +204,8 @@ def check_run(
     assert out.exists() and out.read_text() == "hello\n", context  # our tool call was parsed and run
     assert len(rows) >= 2, context
 
-    for row in rows:  # every call, side traffic included, was answered and recorded in full
-        assert row["status_code"] == 200 and row["error"] is None, row["error"]
-        assert row["task_id"] == task and row["request_id"].startswith("req_")
-        assert row["mode"] == ("regular" if mode == "proxy" else "reverse")
-        assert row["session_source"] == ("proxy_auth" if mode == "proxy" else "path")
-        assert row["prompt_ids"] and row["prompt_tokens"] == len(row["prompt_ids"])
-        assert len(row["completion_ids"]) == len(row["completion_logprobs"]) > 0
-        assert all(lp <= 0.0 for lp in row["completion_logprobs"])
+    for row in rows:
+        check_record(row, mode, task)
 
     main = [r for r in rows if r["tools_json"] != "[]"]  # the agent loop; the rest is side traffic
     calls = [r for r in main if r["finish_reason"] == "tool_calls"]

@@ -1,4 +1,4 @@
-"""The real harness CLIs (six npm CLIs, mini-swe-agent), proxy mode, in both prompt modes: how many sampled tokens are trained in the exact
+"""The real harness CLIs (six npm CLIs, mini-swe-agent, Aider), proxy mode, in both prompt modes: how many sampled tokens are trained in the exact
 context the engine sampled them in.
 
 Scripted multi-turn session (polar_mitm/harness/policy.py): turn 1 thinks, then three shell tool calls, then a
@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from polar_mitm.harness import HARNESSES
+from polar_mitm.harness.aider import FAIL_ONCE_ARGS
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.harness.stack import HarnessStack
 from polar_mitm.reconstruct.fidelity import sequence_fidelity
@@ -32,7 +33,12 @@ FINAL = "Done: out.txt says hello."
 SCRIPT = shell_script(COMMANDS, FINAL)
 PROMPT = "Write hello into out.txt"
 REWRITING = {"gemini", "pi", "qwen"}  # harnesses whose resent history differs from the sampled tokens
+# Aider rebuilds every prompt: the files it added to the chat go before the conversation, its format reminder
+# after it, and an applied edit is followed by its canned "I updated the files." — no call extends the last one.
+REBUILDING = {"aider"}
 RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
+# Aider has no tools: its loop is edit → its test command → a fix when the test fails (the test fails once).
+EXTRA_ARGS = {"aider": FAIL_ONCE_ARGS}
 
 
 @pytest.fixture(scope="module", params=["tokens", "messages"])
@@ -87,7 +93,8 @@ def fidelity(rows: list[dict[str, Any]], eot_id: int, tiny_engine) -> dict[str, 
     records = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
     table, _ = merge_table(records, eot_token_id=eot_id)
     prompts = {r["request_id"]: np.asarray(r["prompt_ids"], dtype=np.int32) for r in rows}
-    main_ids = {r["request_id"] for r in rows if r["tools_json"] != "[]"}
+    # Aider offers no tools: all of its calls are its loop.
+    main_ids = {r["request_id"] for r in rows if r["tools_json"] != "[]"} or {r["request_id"] for r in rows}
     exact = sampled = 0
     main_sequences = 0
     sequences = sequences_from_table(table)
@@ -117,18 +124,29 @@ def test_harness_session_is_context_exact_in_tokens_mode(stack, tiny_engine, tmp
         workspace=tmp_path / "work",
         home=tmp_path / "home",
         timeout=300,
+        args=EXTRA_ARGS.get(name),
     )
     rows = stack.records(session)
     context = run.describe() + f"\nlogs: {stack.root}"
     assert run.returncode == 0, context
     assert (run.workspace / "out.txt").read_text() == "hello\n", context
-    main = [r for r in rows if r["tools_json"] != "[]"]
-    submits = name == "mini-swe-agent"  # its last turn is FINAL + its submit command (policy.shell_script)
-    assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
+    main = [r for r in rows if r["tools_json"] != "[]"] or rows
+    if name == "aider":  # the edit, then the same edit again after the failed test run
+        assert [r["finish_reason"] for r in rows] == ["stop", "stop"], context
+    else:
+        submits = (
+            name == "mini-swe-agent"
+        )  # its last turn is FINAL + its submit command (policy.shell_script)
+        assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
     assert all(r["status_code"] == 200 for r in rows)
     result = fidelity(rows, tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>"), tiny_engine)
     RESULTS[(name, mode)] = result
-    if mode == "tokens":
+    if mode == "tokens" and name in REBUILDING:
+        # Each call is its own chain ("no prefix match"), each exact: nothing is trained out of context.
+        assert result["share"] == 1.0 and result["main_sequences"] == len(main), result
+        assert [r["splice_reason"] for r in main[1:]] == ["no prefix match"] * (len(main) - 1)
+        assert result["logprob_gap"] <= 1e-4, result
+    elif mode == "tokens":
         assert result["share"] == 1.0, result
         assert result["main_sequences"] == 1, result
         assert result["logprob_gap"] <= 1e-4, result  # trainer logprobs at step 0 == behaviour logprobs
