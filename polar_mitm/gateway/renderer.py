@@ -100,26 +100,20 @@ class PromptRenderer:
 
 
 class FastRenderer(PromptRenderer):
-    """`tokenizer.json` through the `tokenizers` library, the template through jinja2 as transformers runs it."""
+    """`tokenizer.json` through tiktoken where that is exact (gateway/bpe.py), else through the `tokenizers`
+    library; the template through jinja2 as transformers runs it."""
 
     def __init__(
-        self, backend: Any, templates: dict[str, Any], special_tokens: dict[str, str], source: str
+        self, encoder: Any, templates: dict[str, Any], special_tokens: dict[str, str], source: str
     ) -> None:
-        self.backend, self.templates, self.special_tokens, self.source = (
-            backend,
-            templates,
-            special_tokens,
-            source,
-        )
-        added = {token.content for token in backend.get_added_tokens_decoder().values()}
-        self._set_eot(backend.token_to_id, special_tokens.get("eos_token"), added)
+        self.encoder, self.templates, self.special_tokens = encoder, templates, special_tokens
+        self.source = source
+        self._set_eot(encoder.token_id, special_tokens.get("eos_token"), set(encoder.added))
 
     @classmethod
     def load(cls, folder: Path) -> FastRenderer:
-        from tokenizers import Tokenizer
-
         try:
-            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            encoder = load_encoder(folder / "tokenizer.json")
             config = _read_json(folder / "tokenizer_config.json")
             special_tokens = {**_special_tokens(_read_json(folder / "special_tokens_map.json"))}
             special_tokens.update(_special_tokens(config))
@@ -130,7 +124,10 @@ class FastRenderer(PromptRenderer):
             raise RendererError(f"cannot load the tokenizer at {str(folder)!r}: {exc}") from exc
         if not templates:
             raise RendererError(f"the tokenizer at {str(folder)!r} has no chat template")
-        return cls(backend, templates, special_tokens, str(folder))
+        return cls(encoder, templates, special_tokens, str(folder))
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoder.encode(text)
 
     def render_messages(
         self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
@@ -146,10 +143,38 @@ class FastRenderer(PromptRenderer):
             **{**self.special_tokens, **kwargs},
         )
 
+
+class TokenizersEncoder:
+    """A tokenizer.json run by the `tokenizers` library (any shape it supports)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_file(str(path))
+        self.added = {token.content for token in self.backend.get_added_tokens_decoder().values()}
+        self.token_id = self.backend.token_to_id
+
     def encode(self, text: str) -> list[int]:
         # encode_batch, not encode: it releases the GIL while Rust tokenizes (a 3k-token tail takes milliseconds),
         # so the event loop serves every other session's call meanwhile; `encode` holds it throughout.
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def load_encoder(path: Path) -> Any:
+    """tiktoken for a tokenizer.json it reproduces exactly (gateway/bpe.py), else the `tokenizers` library."""
+    import orjson
+
+    from polar_mitm.gateway.bpe import TiktokenBPE, unsupported
+
+    data = orjson.loads(path.read_bytes())
+    why = unsupported(data)
+    if why is None:
+        try:
+            return TiktokenBPE(data)
+        except (ImportError, ValueError) as exc:
+            why = str(exc)
+    log.info("tokenizing with the tokenizers library (tiktoken cannot reproduce %s: %s)", path, why)
+    return TokenizersEncoder(path)
 
 
 class TransformersRenderer(PromptRenderer):

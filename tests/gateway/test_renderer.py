@@ -4,9 +4,18 @@ of the project's chat templates."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from polar_mitm.gateway.renderer import FastRenderer, PromptRenderer, TransformersRenderer
+from polar_mitm.gateway.bpe import TiktokenBPE, unsupported
+from polar_mitm.gateway.renderer import (
+    FastRenderer,
+    PromptRenderer,
+    TokenizersEncoder,
+    TransformersRenderer,
+    load_encoder,
+)
 from tests.gateway.sample_sessions import TEMPLATES, engine_requests, tokenizer_with_template
 
 
@@ -19,8 +28,34 @@ def renderers(request, tiny_model_dir, tmp_path_factory):
 def test_a_tokenizer_json_folder_loads_the_fast_renderer(tiny_model_dir):
     renderer = PromptRenderer.load(str(tiny_model_dir))
     assert isinstance(renderer, FastRenderer)  # no transformers import at gateway start (bench_cold_start.py)
+    assert isinstance(renderer.encoder, TiktokenBPE)  # Qwen's byte-level BPE: tiktoken is exact for it
     reference = TransformersRenderer.load(tiny_model_dir)
     assert (renderer.eot_id, renderer.eot_text) == (reference.eot_id, reference.eot_text)
+
+
+TRICKY_TEXTS = [
+    "plain words, then  two spaces\n\n\tand tabs   \n",
+    "e\u0301 vs \u00e9 (NFC), 数字123456 and ünïcödé, emoji 🧪🧪",
+    '<tool_call>\n{"name": "x"}\n</tool_call><|im_end|>\n<|im_start|>user\n<think>hmm</think>',
+    "it's they'RE we'll  x<|im_end|><|im_end|>trailing<|endoftext|>",
+    "",
+]
+
+
+def test_tiktoken_encodes_like_the_tokenizers_library(tiny_model_dir):
+    fast = FastRenderer.load(tiny_model_dir)
+    reference = TokenizersEncoder(tiny_model_dir / "tokenizer.json")
+    for text in TRICKY_TEXTS:
+        assert fast.encode(text) == reference.encode(text), text
+
+
+def test_a_tokenizer_tiktoken_cannot_reproduce_is_run_by_the_tokenizers_library(tiny_model_dir, tmp_path):
+    data = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    assert unsupported(data) == "normalizer Lowercase"
+    encoder = load_encoder(tmp_path / "tokenizer.json")
+    assert isinstance(encoder, TokenizersEncoder) and encoder.encode("ABC") == encoder.encode("abc")
 
 
 def test_fast_rendering_equals_transformers_on_every_recorded_session(renderers):
