@@ -7,10 +7,12 @@ assistant turn), and Hugging Face tokenizers split the input at special tokens b
 tokenizes the same alone as inside the whole prompt. Whether this renderer equals the engine's is not assumed:
 the gateway compares it with the engine's returned prompt ids on every chain's first call.
 
-The gateway loads it while it starts (the readiness answer waits for it), so it must load fast: a folder with a
-`tokenizer.json` is read with the `tokenizers` library and its template compiled with jinja2 in the environment
-transformers' `apply_chat_template` uses (~0.3 s, where importing transformers alone takes 2–5 s). A folder without
-one (a slow, Python-only tokenizer) is loaded with transformers. Nothing here touches the event loop.
+The gateway loads it while it starts (the readiness answer waits for it), so it must load fast, and it tokenizes a
+tail on every call, so that must be fast too: a folder with a `tokenizer.json` is tokenized by tiktoken when
+`gateway/bpe.py` finds it reproduces that tokenizer exactly (else by the `tokenizers` library), and its template is
+compiled with jinja2 in the environment transformers' `apply_chat_template` uses — no transformers import, which
+alone takes 2–5 s. A folder without one (a slow, Python-only tokenizer) is loaded with transformers. Nothing here
+touches the event loop.
 """
 
 from __future__ import annotations
