@@ -64,7 +64,7 @@ def train_iteration(loop: Loop, k: int) -> None:
     """Iteration k's training on two task groups sampled (scored) by the weights the loop serves now."""
     sequences = task_groups(Engine(loop.model_dir), 2, prefix=f"it{k}-", weight_version=loop.weight_version)
     write_merged(sequences, loop.cfg.run_dir / f"iter-{k}" / "merged")
-    loop.model_dir, version, _ = loop._train(k)
+    loop.model_dir, version, _ = loop._train_stage(k)  # the training, then the push of its weights
     loop.weight_version = version or loop.weight_version
 
 
