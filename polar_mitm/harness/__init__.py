@@ -1,4 +1,4 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider), unmodified, hooked to the gateway: presets, commands.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline), unmodified, hooked to the gateway: presets.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -25,6 +25,7 @@ from polar_mitm.harness.base import (
     base_environment,
 )
 from polar_mitm.harness.claude_code import ClaudeCode
+from polar_mitm.harness.cline import Cline
 from polar_mitm.harness.codex import Codex
 from polar_mitm.harness.gemini import GeminiCli
 from polar_mitm.harness.mini_swe_agent import MiniSweAgent
@@ -34,7 +35,17 @@ from polar_mitm.harness.qwen import QwenCode
 
 HARNESSES: dict[str, Harness] = {
     h.name: h
-    for h in (ClaudeCode(), Codex(), GeminiCli(), QwenCode(), Pi(), OpenCode(), MiniSweAgent(), Aider())
+    for h in (
+        ClaudeCode(),
+        Codex(),
+        GeminiCli(),
+        QwenCode(),
+        Pi(),
+        OpenCode(),
+        MiniSweAgent(),
+        Aider(),
+        Cline(),
+    )
 }
 
 __all__ = [

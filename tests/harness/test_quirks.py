@@ -389,3 +389,27 @@ def test_aider_streams_without_tools_and_rebuilds_each_prompt_around_the_convers
     assert {before["call_kind"], after["call_kind"]} == {
         "side"
     }  # the gateway's no-tools rule (recipes/aider.md)
+
+
+# -- Cline ----------------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_cline_drops_reasoning_and_reserialises_arguments_on_the_responses_api():
+    """openai-native (proxy mode): Responses with a system input item, no `store: false`, no encrypted reasoning —
+    the reasoning item it got is not sent back, and tool arguments come back compact. Tokens mode keeps the
+    sampled tokens; messages mode drifts (test_token_exact_harnesses.py)."""
+    first, second = main_turns("cline")[:2]
+    request = body(second)
+    assert (
+        request["input"][0]["role"] == "system" and "store" not in request and request["truncation"] == "auto"
+    )
+    assert "reasoning.encrypted_content" not in request.get("include", [])
+    answer = json.loads(first.metadata["polar_record"]["response_json"])["output"]
+    assert answer[0]["type"] == "reasoning"  # what we answered ...
+    assert not [i for i in request["input"] if i.get("type") == "reasoning"]  # ... and it left out
+    call = next(i for i in request["input"] if i.get("type") == "function_call")
+    assert call["name"] == "run_commands" and call["arguments"] == '{"commands":["echo hello > out.txt"]}'
+    output = next(i for i in request["input"] if i.get("type") == "function_call_output")
+    assert json.loads(output["output"])[0]["query"] == "echo hello > out.txt"
+    assert second.metadata["polar_record"]["prompt_mode"] == "tokens"  # spliced all the same

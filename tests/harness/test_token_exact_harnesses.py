@@ -32,7 +32,7 @@ COMMANDS = ["ls", "echo hello > out.txt", "cat out.txt"]
 FINAL = "Done: out.txt says hello."
 SCRIPT = shell_script(COMMANDS, FINAL)
 PROMPT = "Write hello into out.txt"
-REWRITING = {"gemini", "pi", "qwen"}  # harnesses whose resent history differs from the sampled tokens
+REWRITING = {"gemini", "pi", "qwen", "cline"}  # harnesses whose resent history differs from the sampled tokens
 # Aider rebuilds every prompt: the files it added to the chat go before the conversation, its format reminder
 # after it, and an applied edit is followed by its canned "I updated the files." — no call extends the last one.
 REBUILDING = {"aider"}
