@@ -13,11 +13,11 @@ modes so a busy machine's drift hits both alike.
 
     .venv/bin/python benchmarks/bench_cold_start.py [--starts 3]
 
-Measured 2026-12-01 on the shared 2-core machine at load 7–9 (medians of 2 starts, seconds): before the renderer
-loaded at start (transformers' AutoTokenizer on the first call) tokens mode answered first after 15.1 and messages
-mode after 5.7; with the fast renderer loaded while starting and start_gateway waiting on readiness, tokens mode
-9.2–10.2 (ready 8.2–8.8; listening 4.7–5.2) and messages mode 4.5–5.3. What is left is `Tokenizer.from_file` for
-Qwen's 151k-token BPE (1.5–3.7 s at that load, GIL held) on top of mitmproxy's own start.
+Measured 2026-12-01 on the shared 2-core machine at load 7–9 (medians of 2 starts, seconds; the load varies a lot
+between runs, so compare rows of one run). Before (transformers' AutoTokenizer loaded on the first call): tokens
+mode answered first after 15.1 (messages 5.7), in a later run 9.8 (messages 4.7). After (tiktoken/jinja2 renderer
+loaded while starting, start_gateway waiting on readiness): 3.5 [2.4–4.6] (messages 1.8) and 5.9 (messages 3.5).
+What is left over messages mode is reading Qwen's 151k-token tokenizer.json and building its ranks (~1.3–2.3 s).
 """
 
 from __future__ import annotations
