@@ -1,4 +1,4 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline), unmodified, hooked to the gateway: presets.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo), unmodified, through the gateway: presets.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -28,6 +28,7 @@ from polar_mitm.harness.claude_code import ClaudeCode
 from polar_mitm.harness.cline import Cline
 from polar_mitm.harness.codex import Codex
 from polar_mitm.harness.gemini import GeminiCli
+from polar_mitm.harness.kilo import Kilo
 from polar_mitm.harness.mini_swe_agent import MiniSweAgent
 from polar_mitm.harness.opencode import OpenCode
 from polar_mitm.harness.pi import Pi
@@ -45,6 +46,7 @@ HARNESSES: dict[str, Harness] = {
         MiniSweAgent(),
         Aider(),
         Cline(),
+        Kilo(),
     )
 }
 

@@ -413,3 +413,23 @@ def test_cline_drops_reasoning_and_reserialises_arguments_on_the_responses_api()
     output = next(i for i in request["input"] if i.get("type") == "function_call_output")
     assert json.loads(output["output"])[0]["query"] == "echo hello > out.txt"
     assert second.metadata["polar_record"]["prompt_mode"] == "tokens"  # spliced all the same
+
+
+# -- Kilo -----------------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_kilo_titles_its_session_on_a_smaller_model_with_thinking_as_a_side_call():
+    """opencode's shape under Kilo's name: the loop on the configured model with 16 tools, then a tool-free title
+    call on claude-haiku with extended thinking and a `title-` session header; the gateway records it as side."""
+    flows = model_flows("kilo")
+    loop = [f for f in flows if decode(f).tools]
+    side = [f for f in flows if not decode(f).tools]
+    assert {body(f)["model"] for f in loop} == {"claude-sonnet-4-5"} and len(body(loop[0])["tools"]) == 16
+    assert body(loop[0])["system"][0]["text"].startswith("You are Kilo")
+    [title] = side
+    request = body(title)
+    assert request["model"].startswith("claude-haiku") and request["thinking"]["type"] == "enabled"
+    assert "title generator" in request["system"][0]["text"]
+    assert title.request.headers["x-session-id"] == "title-" + loop[0].request.headers["x-session-id"]
+    assert title.metadata["polar_record"]["call_kind"] == "side"
