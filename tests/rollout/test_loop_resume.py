@@ -8,7 +8,9 @@ run rewarded exactly once, the finished sessions of an interrupted rollout kept 
 structure of an uninterrupted run: tasks × group size per iteration) and is trained once; the engine serves the last
 trained weights (the next rollout's records carry that version).
 
-The closing table (printed with `-s`) gives, per stage killed at, the counts at the kill and after the resume.
+One run pays for all of it: killed in iteration 0's rollout, merge, training and push, then in iteration 1's
+rollout, resumed after each kill, with every tracker on (test_trackers' checks of one tracked run across resumes).
+The closing table (printed with `-s`) gives, per kill, the counts at the kill and at the next kill (or the end).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm.rollout.run_state import read_lines
+from polar_mitm.rollout.trackers import TRACKER_STATE
 from polar_mitm.storage.records import read_all
 from polar_mitm.train.continuation import RunState
 
@@ -103,7 +106,11 @@ def kill_at(run_dir: Path, proc: subprocess.Popen, k: int, stage: str) -> dict:
         finished = len(read_lines(run_dir / f"iter-{k}" / "sessions.jsonl"))
         if now["running"] == stage and (stage != "rollout" or 0 < finished < TASKS * GROUP):
             kill_everything(proc)
-            return {"state": state(run_dir, k), "counts": counts(run_dir)}
+            return {
+                "state": state(run_dir, k),
+                "counts": counts(run_dir),
+                "trackers": trackers_at_kill(run_dir),
+            }
         try:
             proc.wait(timeout=0.05)  # the poll interval; returns at once if the loop ended
         except subprocess.TimeoutExpired:
@@ -113,9 +120,10 @@ def kill_at(run_dir: Path, proc: subprocess.Popen, k: int, stage: str) -> dict:
     raise AssertionError(f"iteration {k} never reached {stage}")
 
 
-def resume(run_dir: Path) -> None:
-    proc = start_loop(run_dir, "-o", str(run_dir), "--resume")
-    assert proc.wait(timeout=DEADLINE_S) == 0, proc.log.read_text()[-3000:]  # type: ignore[attr-defined]
+def trackers_at_kill(run_dir: Path) -> dict:
+    """RUN/trackers.json as the kill left it (empty before the trackers opened)."""
+    path = run_dir / TRACKER_STATE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def rewarded(run_dir: Path, k: int) -> list[dict]:
@@ -205,46 +213,51 @@ def print_table() -> None:
         print(row)
 
 
-# One iteration each, but for the push: its resumed run goes on to iteration 1, whose rollout shows the push the
-# kill interrupted was made (to the restarted engine). The engine restore at start (the next iteration's rollout
-# resumed) is the killed-twice test's second kill.
-@pytest.mark.slow
-@pytest.mark.parametrize("stage, iterations", [("rollout", 1), ("merge", 1), ("train", 1), ("push", 2)])
-def test_kill_9_at_each_stage_then_resume(task_file, tmp_path, stage, iterations):
-    run_dir = tmp_path / "run"
-    proc = start_loop(run_dir, str(task_file), "-o", str(run_dir), "-n", str(iterations), *LOOP_ARGS)
-    killed = kill_at(run_dir, proc, 0, stage)
-    journalled = [r["session_id"] for r in read_lines(run_dir / "iter-0" / "sessions.jsonl")]
-    recorded = {row["session_id"] for row in read_all(run_dir / "iter-0" / "flows").to_pylist()}
-    resume(run_dir)
-    check_resumed_run(run_dir, iterations, [killed])
-    if stage == "rollout":
-        check_kept_sessions(run_dir, 0, journalled, recorded - set(journalled))
-    ROWS.append(table_row(f"{stage} (iter 0)", killed["counts"], counts(run_dir)))
-    print_table()
+# The kills of the one run, in order: (iteration, stage). Each resume redoes the stage the kill hit and runs on to
+# the next kill point; the last kill (iteration 1's rollout) follows the push kill, so its rollout shows the engine
+# restarted and pushed iteration 0's weights at start.
+KILLS = [(0, "rollout"), (0, "merge"), (0, "train"), (0, "push"), (1, "rollout")]
+
+
+def interrupted_rollout(run_dir: Path, k: int) -> tuple[list[str], set[str]]:
+    """Iteration k's finished sessions at a kill, and the sessions it had records of that had not finished."""
+    journalled = [r["session_id"] for r in read_lines(run_dir / f"iter-{k}" / "sessions.jsonl")]
+    recorded = {row["session_id"] for row in read_all(run_dir / f"iter-{k}" / "flows").to_pylist()}
+    return journalled, recorded - set(journalled)
 
 
 @pytest.mark.slow
-def test_killed_twice_in_one_run(task_file, tmp_path):
-    """Killed while iteration 0 trains, resumed, killed again in iteration 1's rollout (which the resumed engine,
-    restarted, must serve from iteration 0's weights), resumed again; `--keep-checkpoints 1` kept what the resume
-    needed and pruned iteration 0's weights once iteration 1 had trained."""
+def test_one_run_killed_at_every_stage_and_resumed_each_time(task_file, tmp_path):
+    """One 2-iteration run killed with SIGKILL in iteration 0's rollout, merge, training and push, then in iteration
+    1's rollout, resumed with `--resume -o RUN` alone after each kill; `--keep-checkpoints 1` kept what each resume
+    needed and pruned iteration 0's weights once iteration 1 had trained; the three trackers hold one run."""
+    from tests.rollout.test_trackers import ALL, check_one_tracked_run_across_resumes, tracker_state
+
     run_dir = tmp_path / "run"
-    argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--keep-checkpoints", "1", *LOOP_ARGS]
-    first = kill_at(run_dir, start_loop(run_dir, *argv), 0, "train")
-    second = kill_at(run_dir, start_loop(run_dir, "-o", str(run_dir), "--resume"), 1, "rollout")
-    journalled = [r["session_id"] for r in read_lines(run_dir / "iter-1" / "sessions.jsonl")]
-    recorded = {row["session_id"] for row in read_all(run_dir / "iter-1" / "flows").to_pylist()}
-    resume(run_dir)
-    check_resumed_run(run_dir, 2, [first, second])
-    check_kept_sessions(run_dir, 1, journalled, recorded - set(journalled))
+    argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--keep-checkpoints", "1", "--report-to", ALL]
+    proc = start_loop(run_dir, *argv, *LOOP_ARGS)
+    kills, rollouts = [], {}
+    for k, stage in KILLS:
+        kills.append(kill_at(run_dir, proc, k, stage))
+        if stage == "rollout":
+            rollouts[k] = interrupted_rollout(run_dir, k)
+        proc = start_loop(run_dir, "-o", str(run_dir), "--resume")
+    assert proc.wait(timeout=DEADLINE_S) == 0, proc.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    # Iteration 0's reward was logged before the last kill, and is in each store once after it.
+    assert kills[-1]["trackers"]["last_steps"]["loop/reward_mean"] == 0
+    assert tracker_state(run_dir)["last_steps"]["loop/reward_mean"] == 1
+    check_resumed_run(run_dir, 2, kills)
+    for k, (journalled, unfinished) in rollouts.items():
+        check_kept_sessions(run_dir, k, journalled, unfinished)
     assert not list((run_dir / "iter-0" / "train").glob("*.safetensors"))
     assert not (run_dir / "iter-0" / "train" / "engine-weights").exists()
     assert list((run_dir / "iter-1" / "train" / "engine-weights").glob("*.safetensors"))
     assert (run_dir / "iter-0" / "train" / "metrics.jsonl").exists()
-    ROWS.append(table_row("train (iter 0)", first["counts"], second["counts"]))
-    ROWS.append(table_row("+ rollout (iter 1)", second["counts"], counts(run_dir)))
+    afterwards = [kill["counts"] for kill in kills[1:]] + [counts(run_dir)]
+    for (k, stage), kill, after in zip(KILLS, kills, afterwards, strict=True):
+        ROWS.append(table_row(f"{stage} (iter {k})", kill["counts"], after))
     print_table()
+    check_one_tracked_run_across_resumes(run_dir, starts=len(KILLS) + 1, first=kills[0]["trackers"])
 
 
 def test_resume_refuses_other_options_and_a_missing_record_in_one_line(task_file, tmp_path):
