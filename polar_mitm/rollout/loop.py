@@ -741,6 +741,7 @@ class Loop:
             # --resume continues the same tracked run (TensorBoard's directory, MLflow's and W&B's run ids in RUN/)
             self.tracker = open_tracker(cfg.report_to, cfg.run_dir, resume=cfg.resume)
             running.callback(self.tracker.close)  # last: after the final figures
+            self._replay_tracked(results)
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
             engine_url = running.enter_context(
@@ -812,6 +813,16 @@ class Loop:
         stage = self._state(start).first_unfinished()
         append_event(cfg.run_dir, "resume", start, stage, weight_version=self.weight_version)
         return results
+
+    def _replay_tracked(self, results: list[IterationStats]) -> None:
+        """On --resume: the finished iterations' figures and training metrics to the trackers again; each tracker
+        takes only the points it lacks (W&B's writer process may not have put the last ones on disk before a kill;
+        trackers.py)."""
+        for stats in results:
+            self.tracker.log(stats.tracked_metrics(), step=stats.iteration)
+            metrics = self.cfg.run_dir / f"iter-{stats.iteration}" / "train" / "metrics.jsonl"
+            if metrics.exists():
+                log_training_metrics(self.tracker, metrics)
 
     def _restore_engine(self) -> None:
         """On --resume: the engine (restarted, or attached at other weights) serves the last trained weights."""

@@ -13,7 +13,9 @@ later). `--report-to` takes one name or a comma list (`tensorboard,mlflow`): eve
 
 One tracked run per loop run: the MLflow run id and the W&B run id are kept in RUN/trackers.json with the last step
 logged per metric, so `open_tracker(..., resume=True)` continues the same run and a step logged before a crash is
-not logged twice (the first value of a (metric, step) stays, in every tracker alike).
+not logged twice (the first value of a (metric, step) stays, in every tracker alike). W&B is the exception: its
+points reach disk through a writer process of its own, some time after `run.log` returns, so a kill can lose points
+trackers.json already counts; a resumed W&B run goes on from what its own offline files hold (`wandb_logged_steps`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import re
+import struct
 import threading
 import time
 import uuid
@@ -161,6 +164,9 @@ class WandbTracker:
         )
         self.run_id = run_id
         self.groups: set[str] = set()
+        # the last step per metric in this run's offline files (earlier processes'), not trackers.json's: see the
+        # module docstring
+        self.logged_steps = wandb_logged_steps(run_dir, run_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         by_group: dict[str, dict[str, float]] = {}
@@ -176,6 +182,63 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_records(path: Path) -> list:
+    """The records of one offline `.wandb` file: W&B's LevelDB-style log (a 7-byte file header, 32 KiB blocks of
+    chunks with a 7-byte header: CRC, length, type), each record one of W&B's own `Record` protobufs. A record cut
+    off by a kill ends the list."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32 * 1024
+    if data[:4] != b":W&B":
+        return []
+    records, payload, position = [], b"", 7
+    while position + 7 <= len(data):
+        room = block - position % block
+        if room < 7:  # the rest of a block too small for a chunk header is padding
+            position += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0 and length == 0:
+            position += room
+            continue
+        if position + 7 + length > len(data):
+            break
+        payload += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
+def wandb_history(run_dir: Path, run_id: str) -> list[dict[str, Any]]:
+    """The logged rows of every offline folder of W&B run `run_id` under RUN/wandb, in order."""
+    rows = []
+    for folder in sorted((run_dir / WANDB_DIR).glob(f"offline-run-*-{run_id}")):
+        for record in wandb_records(folder / f"run-{run_id}.wandb"):
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                )
+    return rows
+
+
+def wandb_logged_steps(run_dir: Path, run_id: str) -> dict[str, int]:
+    """The last step of each metric in W&B run `run_id`'s offline files (each against its group's `steps/GROUP`)."""
+    last: dict[str, int] = {}
+    for row in wandb_history(run_dir, run_id):
+        for tag in row:
+            axis = f"steps/{tag.split('/', 1)[0]}"
+            if not tag.startswith(("_", "steps/")) and axis in row:
+                last[tag] = max(last.get(tag, -1), int(row[axis]))
+    return last
 
 
 @dataclass
@@ -213,14 +276,22 @@ class RunTrackers:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         with self.lock:
-            last = self.state.last_steps
-            fresh = {tag: value for tag, value in metrics.items() if step > last.get(tag, -1)}
-            if not fresh:
-                return
+            shared = self.state.last_steps  # the trackers whose points are on disk once logged
+            fresh_shared = {tag: value for tag, value in metrics.items() if step > shared.get(tag, -1)}
             for tracker in self.trackers:
-                tracker.log(fresh, step)
-            last.update(dict.fromkeys(fresh, step))
-            self.state.write(self.state_path)
+                own: dict[str, int] | None = getattr(tracker, "logged_steps", None)  # W&B: its own files
+                fresh = (
+                    fresh_shared
+                    if own is None
+                    else {tag: value for tag, value in metrics.items() if step > own.get(tag, -1)}
+                )
+                if fresh:
+                    tracker.log(fresh, step)
+                    if own is not None:
+                        own.update(dict.fromkeys(fresh, step))
+            if fresh_shared:
+                shared.update(dict.fromkeys(fresh_shared, step))
+                self.state.write(self.state_path)
 
     def close(self) -> None:
         for tracker in self.trackers:
