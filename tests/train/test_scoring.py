@@ -69,7 +69,9 @@ def test_a_training_micro_batch_has_the_same_loss_and_gradients(
 ):
     def loss_and_gradients(trainer) -> tuple[float, torch.Tensor]:
         trainer.model.train()
-        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the loop
+        trainer.current_gradient_accumulation_steps = (
+            trainer.args.gradient_accumulation_steps
+        )  # set by the loop
         scored = trainer._generate_and_score_completions(trainer.train_data.rows[:8])
         micro = trainer._split_micro_batches(scored)[0]
         trainer.model.zero_grad()
