@@ -243,7 +243,9 @@ def start_gateway(
     try:
         wait(proxy_port, proc=proc)
         wait(reverse_port, proc=proc)
-        if netns is None:  # inside a namespace its URL is not reachable from here: calls wait for the load
+        # Inside a namespace its URL is not reachable from here, and with a flow file (`save_stream_file`, `-w`)
+        # every probe would be saved among the user's flows: then the first calls wait for the load instead.
+        if netns is None and "save_stream_file" not in (options or {}):
             wait_gateway_ready(f"http://127.0.0.1:{reverse_port}", proc=proc)
     except BaseException:
         stop(proc)

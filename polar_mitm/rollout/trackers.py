@@ -154,19 +154,32 @@ class WandbTracker:
             x_disable_stats=True,  # no system-metrics sampler beside the engine and the trainer
             x_disable_meta=True,
         )
-        self.run = wandb.init(
-            project=PROJECT,
-            dir=str(run_dir),
-            id=run_id,
-            name=run_name,
-            resume="allow",
-            settings=settings,
-        )
+        self.run = self._init(wandb, settings, run_dir, run_id, run_name)
         self.run_id = run_id
         self.groups: set[str] = set()
         # the last step per metric in this run's offline files (earlier processes'), not trackers.json's: see the
         # module docstring
         self.logged_steps = wandb_logged_steps(run_dir, run_id)
+
+    @staticmethod
+    def _init(wandb, settings, run_dir: Path, run_id: str, run_name: str, wait_s: float = 60.0):
+        """`wandb.init` of the run; after a kill, the killed process's W&B service holds the run id until it notices
+        its parent is gone ("run ID … is in use"): a resume waits for it to let go."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return wandb.init(
+                    project=PROJECT,
+                    dir=str(run_dir),
+                    id=run_id,
+                    name=run_name,
+                    resume="allow",
+                    settings=settings,
+                )
+            except Exception as exc:
+                if "in use" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         by_group: dict[str, dict[str, float]] = {}

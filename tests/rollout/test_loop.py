@@ -40,10 +40,11 @@ def test_loop_iterations_train_push_and_record_new_weight_versions(tmp_path, ove
         for k in (0, 1)
     ]
     assert versions[0] == {"0"}
-    # Sequential: iteration 1 samples from iteration 0's pushed weights. With overlap it starts one version behind,
-    # while iteration 0 trains; calls made after the push (a rollout slower than the training) sample the new one.
+    # Sequential: iteration 1 samples from iteration 0's pushed weights. With overlap it starts while iteration 0
+    # trains: its calls sample version 0 until the push and the new one after it (all of them when the training
+    # is done before the first call — the tiny model trains in seconds; test_loop_overlap gates a straddle).
     if overlap:
-        assert "0" in versions[1] and versions[1] <= {"0", results[0].weight_version}
+        assert versions[1] <= {"0", results[0].weight_version}
     else:
         assert versions[1] == {results[0].weight_version}
     rewards = pq.read_table(tmp_path / "run" / "iter-1" / "rewards.parquet").to_pylist()

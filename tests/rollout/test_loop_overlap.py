@@ -132,7 +132,9 @@ def test_overlap_2_trains_calls_up_to_two_versions_stale(overlapped_run):
     for k in (0, 1):
         assert {v for vs in session_versions(overlapped_run / f"iter-{k}").values() for v in vs} == {"0"}
     assert set(loop[0]["call_staleness"]) == {"0"} and set(loop[1]["call_staleness"]) == {"1"}
-    assert set(loop[2]["call_staleness"]) == {"1", "2"}  # before and after the first push
+    # The gated sessions' first calls sampled version 0 (staleness 2); later calls sample whatever was pushed by
+    # then — version 1, or 2 once the second training (fast on the tiny model) has pushed — never further back.
+    assert "2" in loop[2]["call_staleness"] and set(loop[2]["call_staleness"]) <= {"0", "1", "2"}
     for row in loop:
         calls = read_all(overlapped_run / f"iter-{row['iteration']}" / "flows").num_rows
         assert sum(row["call_staleness"].values()) == calls  # every call of every trained session
