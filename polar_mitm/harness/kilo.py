@@ -24,6 +24,7 @@ from polar_mitm.harness.base import (
     Runtime,
     ShellTool,
 )
+from polar_mitm.harness.opencode import opencode_config
 
 FIRST_PARTY_MODEL = "anthropic/claude-sonnet-4-5"
 PREFIX_VARIABLE = "POLAR_KILO_PREFIX"
@@ -44,19 +45,7 @@ class Kilo(Harness):
     )
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
-        config: dict = {"autoupdate": False, "share": "disabled"}
-        if hookup.mode == "proxy":
-            config["model"] = FIRST_PARTY_MODEL
-        else:
-            config["model"] = "polar/polar-model"
-            config["provider"] = {
-                "polar": {
-                    "npm": "@ai-sdk/openai-compatible",  # bundled in the binary: nothing is downloaded
-                    "name": "polar-mitm",
-                    "options": {"baseURL": hookup.base_url("/v1"), "apiKey": "{env:POLAR_API_KEY}"},
-                    "models": {"polar-model": {"name": "polar-model"}},
-                }
-            }
+        config = opencode_config(hookup, FIRST_PARTY_MODEL)  # a fork of opencode: the same config shape
         return {".config/kilo/kilo.json": json.dumps(config, indent=2) + "\n"}
 
     def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:

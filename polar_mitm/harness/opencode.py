@@ -26,23 +26,7 @@ class OpenCode(Harness):
     )
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
-        config: dict = {
-            "$schema": "https://opencode.ai/config.json",
-            "autoupdate": False,
-            "share": "disabled",
-        }
-        if hookup.mode == "proxy":
-            config["model"] = FIRST_PARTY_MODEL
-        else:
-            config["model"] = "polar/polar-model"
-            config["provider"] = {
-                "polar": {
-                    "npm": "@ai-sdk/openai-compatible",  # bundled in the binary: nothing is downloaded
-                    "name": "polar-mitm",
-                    "options": {"baseURL": hookup.base_url("/v1"), "apiKey": "{env:POLAR_API_KEY}"},
-                    "models": {"polar-model": {"name": "polar-model"}},
-                }
-            }
+        config = {"$schema": "https://opencode.ai/config.json", **opencode_config(hookup, FIRST_PARTY_MODEL)}
         return {".config/opencode/opencode.json": json.dumps(config, indent=2) + "\n"}
 
     def provider_env(self, hookup: Hookup, home: Path) -> dict[str, str]:
@@ -60,3 +44,22 @@ class OpenCode(Harness):
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["run", prompt]
+
+
+def opencode_config(hookup: Hookup, first_party_model: str) -> dict:
+    """opencode's config (and its forks', Kilo Code's): no updates or sharing; in proxy mode the first-party model,
+    in base-URL mode an OpenAI-compatible provider at the gateway (its SDK is bundled: nothing is downloaded)."""
+    config: dict = {"autoupdate": False, "share": "disabled"}
+    if hookup.mode == "proxy":
+        config["model"] = first_party_model
+        return config
+    config["model"] = "polar/polar-model"
+    config["provider"] = {
+        "polar": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "polar-mitm",
+            "options": {"baseURL": hookup.base_url("/v1"), "apiKey": "{env:POLAR_API_KEY}"},
+            "models": {"polar-model": {"name": "polar-model"}},
+        }
+    }
+    return config
