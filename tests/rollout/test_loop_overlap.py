@@ -24,7 +24,7 @@ from polar_mitm.rollout.loop import Loop, LoopConfig
 from polar_mitm.storage.records import read_all
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
-ITERATIONS, OVERLAP = 3, 2
+ITERATIONS, OVERLAP, GROUP = 3, 2, 2
 GATED = "gated-hello"  # the task whose sessions straddle the first push
 DEADLINE_S = 300
 
@@ -71,8 +71,8 @@ def write_inputs(base: Path) -> tuple[Path, Path, Path, Path]:
 
 
 class HoldFirstTraining(TrainerCallback):
-    """Holds the run's first training until rollout 1 is done (then arms the gate) and a gated session of rollout 2
-    has made its first call."""
+    """Holds the run's first training until rollout 1 is done (then arms the gate) and both gated sessions of
+    rollout 2 have made their first call (they run side by side: -c 2, and the gated task comes first)."""
 
     def __init__(self, run_dir: Path, armed: Path) -> None:
         self.run_dir, self.armed = run_dir, armed
@@ -96,7 +96,9 @@ class HoldFirstTraining(TrainerCallback):
             self._until(lambda: self._rollout_done(1))
             self.armed.touch()
             last = self.run_dir / f"iter-{ITERATIONS - 1}"
-            self._until(lambda: any(sid.startswith(GATED) for sid in session_versions(last)))
+            # Both gated sessions, not just one: the training and push take seconds on the tiny model, so a gated
+            # session still starting its harness would otherwise make its first call after the push.
+            self._until(lambda: sum(sid.startswith(GATED) for sid in session_versions(last)) == GROUP)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def overlapped_run(tmp_path_factory) -> Path:
         tasks=tasks,
         run_dir=base / "run",
         iterations=ITERATIONS,
-        group_size=2,
+        group_size=GROUP,
         concurrency=2,
         model="tiny",
         script=policy,

@@ -115,7 +115,10 @@ def kill_at(run_dir: Path, proc: subprocess.Popen, k: int, stage: str) -> dict:
             proc.wait(timeout=0.05)  # the poll interval; returns at once if the loop ended
         except subprocess.TimeoutExpired:
             continue
-        raise AssertionError(f"the loop exited ({proc.returncode}) before iteration {k} reached {stage}")
+        tail = proc.log.read_text()[-4000:]  # type: ignore[attr-defined]
+        raise AssertionError(
+            f"the loop exited ({proc.returncode}) before iteration {k} reached {stage}:\n{tail}"
+        )
     kill_everything(proc)
     raise AssertionError(f"iteration {k} never reached {stage}")
 
