@@ -39,8 +39,9 @@ EVENTS_FILE = "events.jsonl"
 LOOP_FILE = "loop.json"
 STATE_FILE = "state.json"
 SESSIONS_FILE = "sessions.jsonl"
-# Options that may differ on --resume: they change what is kept, not what is trained.
-RESUMABLE_CHANGES = ("resume", "keep_checkpoints")
+# Options that may differ on --resume: they change what is kept, not what is trained (an engine restarted at another
+# address is given the last trained weights at start).
+RESUMABLE_CHANGES = ("resume", "keep_checkpoints", "engine_url")
 
 
 class RunRecordError(ValueError):
@@ -58,9 +59,11 @@ def write_json_atomic(path: Path, value: Any) -> None:
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line, on disk before this returns (a kill can tear only a line being written)."""
-    with open(path, "a") as sink:
-        sink.write(json.dumps(row) + "\n")
+    """One JSON line, on disk before this returns (a kill can tear only a line being written; the next line after a
+    torn one starts on a line of its own, so the torn line is all that is lost)."""
+    with open(path, "ab+") as sink:
+        torn = sink.tell() > 0 and (sink.seek(-1, os.SEEK_END), sink.read(1))[1] != b"\n"
+        sink.write((("\n" if torn else "") + json.dumps(row) + "\n").encode())
         sink.flush()
         os.fsync(sink.fileno())
 

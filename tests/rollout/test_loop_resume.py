@@ -314,3 +314,15 @@ def test_a_save_killed_midway_leaves_the_previous_trainer_state(tmp_path):
     assert RunState.load(directory).trainings == 2 and (directory / "optimizer.pt").read_text() == "moments 2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trainer-state"]
     assert (directory / RUN_STATE_FILE).exists()
+
+
+def test_a_line_appended_after_a_torn_one_is_its_own_line(tmp_path):
+    """A kill mid-append leaves a torn last line (sessions.jsonl, events.jsonl); what the resumed run appends next
+    must not be glued to it and lost with it."""
+    from polar_mitm.rollout.run_state import append_line
+
+    path = tmp_path / "sessions.jsonl"
+    path.write_text('{"session_id": "a"}\n{"session_id": "tor')
+    append_line(path, {"session_id": "b"})
+    append_line(path, {"session_id": "c"})
+    assert [row["session_id"] for row in read_lines(path)] == ["a", "b", "c"]
