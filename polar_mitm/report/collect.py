@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.rollout.tasks import passed
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.rewards import read_rewards_table
 
@@ -162,13 +163,13 @@ def read_metrics_file(path: Path) -> list[dict[str, Any]]:
 
 
 def pass_rates(stage: Stage) -> dict[str, tuple[int, int, float]]:
-    """Per task: (sessions passed, sessions, mean reward). A session passes when its reward is > 0, as in the loop."""
+    """Per task: (sessions passed, sessions, mean reward); a session passes as in the loop (`tasks.passed`)."""
     by_task: dict[str, list[float]] = {}
     for row in stage.rewards:
         if row["reward"] is not None:
             by_task.setdefault(row["task_id"] or "(no task)", []).append(float(row["reward"]))
     return {
-        task: (sum(r > 0 for r in rs), len(rs), sum(rs) / len(rs)) for task, rs in sorted(by_task.items())
+        task: (sum(passed(r) for r in rs), len(rs), sum(rs) / len(rs)) for task, rs in sorted(by_task.items())
     }
 
 

@@ -448,6 +448,7 @@ def loop_command(
     eval_greedy: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_greedy"))] = (
         LoopConfig.eval_greedy
     ),
+    eval_start: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_start"))] = LoopConfig.eval_start,
     report_to: Annotated[str, typer.Option(help=help_of(LoopConfig, "report_to"))] = LoopConfig.report_to,
     min_informative_groups: Annotated[
         int | None, typer.Option(help=help_of(LoopConfig, "min_informative_groups"))
@@ -471,6 +472,8 @@ def loop_command(
     with RichLoopProgress(console, loop.cfg.iterations) as progress:
         loop.progress = progress
         results = loop.run()
+    if loop.start_eval is not None:
+        console.print(f"held-out at the start (pass@1 / pass@N): {eval_cell(loop.start_eval)}")
     console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:
         first, last = results[0], results[-1]

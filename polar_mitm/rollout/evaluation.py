@@ -12,7 +12,7 @@ from math import comb
 from typing import Any
 
 from polar_mitm.rollout.runner import RolloutSummary
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.rollout.tasks import Task, passed
 
 
 def pass_at_k(samples: int, correct: int, k: int) -> float:
@@ -46,13 +46,13 @@ class EvalResult:
 
 
 def task_counts(summary: RolloutSummary) -> dict[str, dict[str, int]]:
-    """Per task, the rewarded sessions and those that passed (reward > 0, as the loop's pass rate counts them)."""
+    """Per task, the rewarded sessions and those that passed (`tasks.passed`, as the loop's pass rate counts them)."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: {"samples": 0, "passed": 0})
     for session in summary.sessions:
         if session.reward is None:  # cut or unevaluated: not an attempt
             continue
         counts[session.task.task_id]["samples"] += 1
-        counts[session.task.task_id]["passed"] += session.reward > 0
+        counts[session.task.task_id]["passed"] += passed(session.reward)
     return dict(counts)
 
 

@@ -69,7 +69,7 @@ from polar_mitm.rollout.run_state import (
     write_json_atomic,
 )
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
-from polar_mitm.rollout.tasks import Task, load_tasks
+from polar_mitm.rollout.tasks import Task, load_tasks, passed
 from polar_mitm.rollout.trackers import (
     TENSORBOARD_DIR,
     NoTracker,
@@ -92,6 +92,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 RUN_STATE_DIR = "trainer-state"  # under the run directory: the optimizer carried across iterations
+START_EVAL_DIR = "eval-start"  # under the run directory: --eval-start's evaluation of the starting weights
 
 # PolarGRPOConfig fields the loop sets itself, so `polar-mitm loop` has no option of that name: the loop's own
 # option for the same setting (LoopConfig), or what each iteration's training must be told.
@@ -189,6 +190,13 @@ class LoopConfig:
     eval_greedy: bool = field(
         default=False, metadata=_help("Evaluate greedily (temperature 0) instead of at --temperature.")
     )
+    eval_start: bool = field(
+        default=False,
+        metadata=_help(
+            "Also evaluate the starting weights on --eval-tasks, before the first rollout (RUN/eval-start): "
+            "the held-out baseline."
+        ),
+    )
     resume: bool = field(
         default=False,
         metadata=_help(
@@ -262,9 +270,13 @@ class IterationStats:
         }
         metrics = numeric_metrics(figures, "loop")
         if self.eval is not None:
-            metrics.update(numeric_metrics(self.eval.pass_at, "eval"))
-            metrics["eval/reward_mean"] = self.eval.reward_mean
+            metrics.update(eval_metrics(self.eval))
         return metrics
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """A held-out evaluation's figures for a tracker (`eval/pass@k`, `eval/reward_mean`)."""
+    return {**numeric_metrics(result.pass_at, "eval"), "eval/reward_mean": result.reward_mean}
 
 
 def cut_sessions(summary: RolloutSummary) -> int:
@@ -278,7 +290,7 @@ def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
     mean = sum(rewards) / len(rewards)
     std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-    return mean, std, sum(r > 0 for r in rewards) / len(rewards)
+    return mean, std, sum(passed(r) for r in rewards) / len(rewards)
 
 
 def iteration_stats(
@@ -319,6 +331,7 @@ class Loop:
         self.cfg = cfg
         self.tasks: list[Task] = load_tasks(cfg.tasks)
         self.eval_tasks: list[Task] = load_tasks(cfg.eval_tasks) if cfg.eval_tasks else []
+        self.start_eval: EvalResult | None = None  # --eval-start's result, once run() has it
         if cfg.eval_tasks:
             check_held_out(self.tasks, self.eval_tasks)
             if cfg.eval_every < 1 or cfg.eval_samples < 1:
@@ -413,10 +426,10 @@ class Loop:
                 return asyncio.run(run_wave(tasks))
             return asyncio.run(sample_groups(sampler, run_wave))
 
-    def _evaluate(self, k: int) -> EvalResult:
-        """The served weights on the held-out tasks: records and rewards under RUN/eval-K, which no merge reads
-        (the loop merges only iter-K/flows)."""
-        cfg, it = self.cfg, self.cfg.run_dir / f"eval-{k}"
+    def _evaluate(self, k: int, it: Path | None = None) -> EvalResult:
+        """The served weights on the held-out tasks: records and rewards under RUN/eval-K (or `it`), which no merge
+        reads (the loop merges only iter-K/flows)."""
+        cfg, it = self.cfg, it or self.cfg.run_dir / f"eval-{k}"
         self.progress.stage(k, "eval", len(self.eval_tasks) * cfg.eval_samples)
         temperature = 0.0 if cfg.eval_greedy else cfg.temperature
         summary = self._local_rollout(
@@ -430,7 +443,7 @@ class Loop:
             samples=cfg.eval_samples,
             greedy=cfg.eval_greedy,
         )
-        (it / "eval.json").write_text(json.dumps(result.to_json(), indent=2))
+        write_json_atomic(it / "eval.json", result.to_json())
         return result
 
     def _ray_rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
@@ -703,6 +716,21 @@ class Loop:
             append_event(cfg.run_dir, "eval_done", k, "eval", pass_at=result.pass_at)
         return EvalResult(**state.info("eval")["result"])
 
+    def _start_eval_stage(self) -> EvalResult | None:
+        """--eval-start: the starting weights on the held-out tasks, once per run (a resume finds its eval.json;
+        one a kill interrupted runs again whole), tracked at step -1, before iteration 0's figures."""
+        cfg = self.cfg
+        if not (cfg.eval_start and self.eval_tasks):
+            return None
+        it = cfg.run_dir / START_EVAL_DIR
+        if not (it / "eval.json").exists():
+            shutil.rmtree(it, ignore_errors=True)
+            result = self._evaluate(-1, it)
+            append_event(cfg.run_dir, "eval_done", -1, "eval", pass_at=result.pass_at)
+        result = EvalResult(**json.loads((it / "eval.json").read_text()))
+        self.tracker.log(eval_metrics(result), step=-1)
+        return result
+
     def _iteration(self, k: int, rolled: tuple, merged: tuple[MergeFigures, float]) -> IterationStats:
         """Iteration k after its rollout and merge: train, push, evaluate; its figures."""
         summary, _, _, rollout_s = rolled
@@ -758,6 +786,7 @@ class Loop:
             if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
                 self.weight_version = engines.common_weight_version(self.engine_url) or "0"
             self._restore_engine()
+            self.start_eval = self._start_eval_stage()
             running.callback(self._close_ray_pool)  # first: the node actors stop their gateways
             self._iterate(results)
             if cfg.final_rollout and len(results) == cfg.iterations:

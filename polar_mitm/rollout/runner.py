@@ -29,6 +29,7 @@ from typing import Literal
 import pyarrow as pa
 
 from polar_mitm import procs
+from polar_mitm.rollout.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.tasks import Task
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
@@ -242,7 +243,12 @@ class Rollout:
         start = time.monotonic()
         if s.status == "ok":
             try:
-                code, out = await run_shell(s.task.eval_command, s.workspace, s.task.timeouts.eval)  # type: ignore
+                code, out = await run_shell(
+                    s.task.eval_command,
+                    s.workspace,
+                    s.task.timeouts.eval,
+                    self._eval_env(s),  # type: ignore[arg-type]
+                )
                 s.eval_output = out
                 s.reward = self._reward(s.task, code, out)
                 s.status = "ok" if code == 0 or s.task.eval_reward == "stdout" else "failed"
@@ -255,6 +261,13 @@ class Rollout:
         elif s.status != "cut":
             s.reward = self.config.failure_reward  # partial records stay; the session still gets a reward
         s.spans["post"] = (start, time.monotonic())
+
+    def _eval_env(self, s: SessionRun) -> dict[str, str] | None:
+        """The evaluation's environment: ours, plus the harness's output (its log) for checks that grade the agent's
+        final answer rather than the workspace (`answer_check.py`)."""
+        if self.config.log_dir is None:
+            return None
+        return {**os.environ, HARNESS_OUTPUT_ENV: str(self.config.log_dir / f"{s.session_id}.log")}
 
     def _reward(self, task: Task, code: int, out: str) -> float:
         if task.eval_reward == "exit":

@@ -11,8 +11,36 @@ from polar_mitm.rollout.swe import DEFAULT_PROMPT, InstanceError, SweOptions, lo
 from polar_mitm.rollout.tasks import TaskFileError, load_tasks
 
 tasks_app = typer.Typer(
-    help="Make rollout task files (`tasks swe`: SWE-bench / SWE-Gym instances).", no_args_is_help=True
+    help="Make rollout task files (`tasks swe`: SWE-bench / SWE-Gym instances; `tasks generate`: small generated "
+    "families with a held-out split).",
+    no_args_is_help=True,
 )
+
+
+@tasks_app.command("generate")
+def generate_command(
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory: train.jsonl, held_out.jsonl, workspace/.")
+    ],
+    family: Annotated[
+        str, typer.Option(help="Comma list of families: add (answer a sum), write (create a file).")
+    ] = "add",
+    train: Annotated[int, typer.Option(help="Training tasks per family.")] = 16,
+    held_out: Annotated[int, typer.Option(help="Held-out tasks per family (never trained on).")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of the split and the order.")] = 0,
+) -> None:
+    """Generated tasks (polar_mitm/rollout/generated_tasks.py): disjoint training and held-out item pools."""
+    from polar_mitm.rollout.generated_tasks import generate, write_split
+
+    try:
+        split = generate([f.strip() for f in family.split(",") if f.strip()], train, held_out, seed, out)
+    except ValueError as exc:
+        typer.echo(f"polar-mitm tasks generate: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    train_file, held_out_file = write_split(split, out)
+    typer.echo(
+        f"{len(split.train)} training tasks → {train_file}; {len(split.held_out)} held out → {held_out_file}"
+    )
 
 
 @tasks_app.command("swe")

