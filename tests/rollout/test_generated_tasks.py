@@ -8,7 +8,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -61,17 +60,24 @@ def test_held_out_tasks_share_nothing_with_the_training_prompts(tmp_path):
 def test_the_same_seed_writes_the_same_files_and_the_cli_refuses_bad_input_in_one_line(tmp_path):
     cli = [sys.executable, "-m", "polar_mitm.cli", "tasks", "generate", "--family", "add,write"]
     for name in ("a", "b"):
-        done = subprocess.run([*cli, "-o", str(tmp_path / name), "--seed", "5"], capture_output=True, text=True)
+        done = subprocess.run(
+            [*cli, "-o", str(tmp_path / name), "--seed", "5"], capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr
     for name in ("train.jsonl", "held_out.jsonl"):
-        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text().replace("/b/", "/a/")
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text().replace(
+            "/b/", "/a/"
+        )
     tasks = load_tasks(tmp_path / "a" / "train.jsonl")
     assert len(tasks) == 32 and tasks[0].workspace_dir == tmp_path / "a" / "workspace"
     other = generate(["add"], 16, 8, seed=6, root=tmp_path)
     assert [t["task_id"] for t in other.held_out] != [
         json.loads(line)["task_id"] for line in (tmp_path / "a" / "held_out.jsonl").read_text().splitlines()
     ][:8]
-    for bad, message in ((["--family", "sums"], "families must be among"), (["--train", "99"], "99 tasks asked")):
+    for bad, message in (
+        (["--family", "sums"], "families must be among"),
+        (["--train", "99"], "99 tasks asked"),
+    ):
         done = subprocess.run([*cli, "-o", str(tmp_path / "c"), *bad], capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
@@ -93,9 +99,7 @@ def test_a_rollout_grades_each_session_on_what_its_harness_answered(tmp_path):
         load_tasks(train),
         HarnessSpec(f"cmd:{sys.executable} {answerer} {{prompt}} {{index}}"),
         GatewayEndpoints("http://127.0.0.1:9"),  # the harness calls no model
-        RolloutConfig(
-            group_size=4, concurrency=4, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"
-        ),
+        RolloutConfig(group_size=4, concurrency=4, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"),
     )
     summary = asyncio.run(rollout.run())
     rewards = sorted((s.task.task_id, s.index, s.reward) for s in summary.sessions)
