@@ -29,6 +29,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -45,42 +47,76 @@ def wilson(passed: int, attempts: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def held_out_figures(result) -> dict:
-    """pass@1 (pooled over tasks: every task has the same number of samples), its interval, the mean reward."""
-    passed = sum(c["passed"] for c in result.per_task.values())
-    attempts = sum(c["samples"] for c in result.per_task.values())
-    low, high = wilson(passed, attempts)
+def held_out_figures(run_dir: Path, name: str) -> dict | None:
+    """An evaluation (RUN/NAME/eval.json and its rewards): pass@1 (pooled over tasks, which all have the same
+    number of samples) with its interval, the share of answers right on their first line (reward >= 0.5) with its
+    interval, and the mean reward."""
+    path = run_dir / name / "eval.json"
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    rewards = [r["reward"] for r in pq.read_table(run_dir / name / "rewards.parquet").to_pylist()]
+    rewards = [r for r in rewards if r is not None]
+    passed = sum(c["passed"] for c in result["per_task"].values())
+    attempts = sum(c["samples"] for c in result["per_task"].values())
+    right = sum(r >= 0.5 for r in rewards)
     return {
-        "weight_version": result.weight_version,
+        "weight_version": result["weight_version"],
         "pass@1": passed / attempts if attempts else 0.0,
-        "ci95": [low, high],
+        "ci95": list(wilson(passed, attempts)),
         "passed": passed,
         "attempts": attempts,
-        "reward_mean": result.reward_mean,
-        "seconds": result.seconds,
+        "right_first_line": right / len(rewards) if rewards else 0.0,
+        "right_ci95": list(wilson(right, len(rewards))),
+        "reward_mean": result["reward_mean"],
+        "seconds": result["seconds"],
     }
 
 
-def training_figures(run_dir: Path, stats) -> dict:
-    """An iteration's figures: training reward, pass rate, KL (when beta > 0), tokens trained, seconds per stage."""
-    rows = []
-    metrics = run_dir / f"iter-{stats.iteration}" / "train" / "metrics.jsonl"
-    if metrics.exists():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+def training_figures(run_dir: Path, row: dict) -> dict:
+    """An iteration's figures (its loop.json row and its trainer's metrics): training reward, pass rate, KL (when
+    beta > 0), tokens trained, optimizer steps, seconds per stage, the held-out evaluation when one was due."""
+    k = row["iteration"]
+    metrics = run_dir / f"iter-{k}" / "train" / "metrics.jsonl"
+    rows = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if metrics.exists()
+        else []
+    )
     kls = [r["kl"] for r in rows if "kl" in r]
-    seconds = dict(stats.seconds)
-    if stats.eval is not None:
-        seconds["eval"] = stats.eval.seconds
+    held_out = held_out_figures(run_dir, f"eval-{k}")
+    seconds = {**row["seconds"], **({"eval": held_out["seconds"]} if held_out else {})}
     return {
-        "iteration": stats.iteration,
-        "weight_version": stats.weight_version,
-        "reward_mean": stats.reward_mean,
-        "pass_rate": stats.pass_rate,
+        "iteration": k,
+        "weight_version": row["weight_version"],
+        "reward_mean": row["reward_mean"],
+        "pass_rate": row["pass_rate"],
         "kl": sum(kls) / len(kls) if kls else None,
-        "trainable_tokens": stats.trainable_tokens,
+        "trainable_tokens": row["trainable_tokens"],
         "optimizer_steps": sum(1 for r in rows if "loss" in r),
         "seconds": seconds,
-        "held_out": held_out_figures(stats.eval) if stats.eval is not None else None,
+        "held_out": held_out,
+    }
+
+
+def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | None) -> dict:
+    """The run's figures, from its files alone (so a resumed or killed run is summarised the same way)."""
+    loop = json.loads((run_dir / "loop.json").read_text()) if (run_dir / "loop.json").exists() else []
+    return {
+        "command": sys.argv,
+        "model": "SmolLM2-135M-Instruct",
+        "engine": args.engine,
+        "harness": args.harness,
+        "tasks": {
+            "train": args.train_tasks,
+            "held_out": args.held_out_tasks,
+            "family": "add",
+            "seed": args.seed,
+        },
+        "held_out_start": held_out_figures(run_dir, "eval-start"),
+        "iterations": [training_figures(run_dir, row) for row in loop],
+        "wall_seconds": wall_seconds,
+        "report": str(run_dir / "report.html"),
     }
 
 
@@ -106,6 +142,7 @@ def loop_config(args: argparse.Namespace, train: Path, held_out: Path, model: st
         eval_samples=args.eval_samples,
         eval_start=True,
         min_informative_groups=args.groups,
+        resample_budget=args.resample_budget,
         grpo={"beta": args.beta},
         report_to=args.report_to,
         seed=args.seed,
@@ -118,9 +155,9 @@ def print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 150))
-    table = Table(title="polar-mitm: SmolLM2-135M through a real harness (training tasks: sampled reward)")
-    for column in (
+    console = Console(width=max(Console().width, 160))
+    table = Table(title="polar-mitm: SmolLM2-135M learning through a real harness (Pi on vLLM)")
+    columns = (
         "it",
         "weights",
         "reward",
@@ -128,20 +165,27 @@ def print_summary(summary: dict) -> None:
         "KL",
         "tokens",
         "steps",
-        "held-out pass@1 [95% CI]",
+        "held-out pass@1",
+        "held-out right",
         "s",
-    ):
+    )
+    for column in columns:
         table.add_column(column, justify="right")
 
-    def held_out_cell(figures: dict | None) -> str:
+    def rate(value: float, interval: list[float]) -> str:
+        return f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+    def held_out_cells(figures: dict | None) -> list[str]:
         if figures is None:
-            return ""
-        low, high = figures["ci95"]
-        return f"{figures['pass@1']:.2f} [{low:.2f}, {high:.2f}] ({figures['passed']}/{figures['attempts']})"
+            return ["", ""]
+        return [
+            f"{rate(figures['pass@1'], figures['ci95'])} ({figures['passed']}/{figures['attempts']})",
+            f"{rate(figures['right_first_line'], figures['right_ci95'])}",
+        ]
 
     start = summary["held_out_start"]
     if start is not None:
-        table.add_row("start", str(start["weight_version"]), "", "", "", "", "", held_out_cell(start), "")
+        table.add_row("start", str(start["weight_version"]), "", "", "", "", "", *held_out_cells(start), "")
     for row in summary["iterations"]:
         seconds = "/".join(f"{row['seconds'].get(k, 0):.0f}" for k in ("rollout", "merge", "train", "eval"))
         table.add_row(
@@ -149,15 +193,20 @@ def print_summary(summary: dict) -> None:
             str(row["weight_version"]),
             f"{row['reward_mean']:.3f}",
             f"{row['pass_rate']:.0%}",
-            "" if row["kl"] is None else f"{row['kl']:.2e}",
+            "" if row["kl"] is None else f"{row['kl']:.3f}",
             str(row["trainable_tokens"]),
             str(row["optimizer_steps"]),
-            held_out_cell(row["held_out"]),
+            *held_out_cells(row["held_out"]),
             seconds,
         )
     console.print(table)
-    console.print("s: seconds of rollout / merge / train (with the push) / held-out evaluation")
-    console.print(f"wall {summary['wall_seconds']:.0f} s; report {summary['report']}")
+    console.print(
+        "reward, pass: the training tasks' sampled sessions (pass = full marks); held-out: pass@1 (full marks) and "
+        "answers right on their first line (reward >= 0.5), 95% Wilson intervals; s: seconds of rollout / merge / "
+        "train (with the push) / held-out evaluation"
+    )
+    wall = summary["wall_seconds"]
+    console.print(f"wall {'—' if wall is None else f'{wall:.0f} s'}; report {summary['report']}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -170,31 +219,10 @@ def run(args: argparse.Namespace) -> dict:
     tasks_dir = args.run_dir / "tasks"
     split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed, tasks_dir)
     train, held_out = write_split(split, tasks_dir)
-    started, done = time.monotonic(), []
-
-    def summary() -> dict:
-        figures = {
-            "command": sys.argv,
-            "model": "SmolLM2-135M-Instruct",
-            "engine": args.engine,
-            "harness": args.harness,
-            "tasks": {
-                "train": len(split.train),
-                "held_out": len(split.held_out),
-                "family": "add",
-                "seed": args.seed,
-            },
-            "held_out_start": held_out_figures(loop.start_eval) if loop.start_eval is not None else None,
-            "iterations": [training_figures(args.run_dir, stats) for stats in done],
-            "wall_seconds": time.monotonic() - started,
-            "report": str(args.run_dir / "report.html"),
-        }
-        (args.run_dir / SUMMARY_FILE).write_text(json.dumps(figures, indent=2))  # after every iteration
-        return figures
+    started = time.monotonic()
 
     def on_iteration(stats) -> None:
-        done.append(stats)
-        print(json.dumps(summary()["iterations"][-1]), flush=True)
+        print(json.dumps({"iteration": stats.iteration, "reward_mean": stats.reward_mean}), flush=True)
 
     with ExitStack() as stack:
         if args.engine == "vllm":
@@ -206,9 +234,10 @@ def run(args: argparse.Namespace) -> dict:
             model, engine_url = "smollm2", None
         else:
             model, engine_url = "smollm2", args.engine
-        loop = Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration)
-        done[:] = loop.run()
-    return summary()
+        Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration).run()
+    summary = run_summary(args.run_dir, args, time.monotonic() - started)
+    (args.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,11 +271,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-to", default="tensorboard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="carry on the run in --run-dir after a kill")
+    parser.add_argument(
+        "--summary-only", action="store_true", help="print the figures of the run in --run-dir"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    summary = run(parse_args(argv))
+    args = parse_args(argv)
+    summary = run_summary(args.run_dir.resolve(), args, None) if args.summary_only else run(args)
     print_summary(summary)
     return 0
 

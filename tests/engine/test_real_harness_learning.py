@@ -1,0 +1,68 @@
+"""The capstone's short version (issue 29): `benchmarks/bench_real_harness_learning.py` for 2 iterations — SmolLM2
+sampling freely on vLLM, through the unmodified Pi CLI, on generated `add` tasks, held-out evaluated at the start and
+after the last training, TensorBoard on.
+
+It fails if training does nothing: the weights vLLM serves after the run must be the trained ones, and differ from
+the starting checkpoint (learning rate 0 gives exactly zero change: the same comparison would read 0.0). Dynamic
+sampling (`--groups 1` with a resample budget) makes a flat first group — nothing to learn from — unlikely to leave
+an iteration without a gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from polar_mitm.storage.records import read_all
+from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_real_harness_learning.py"
+SHORT = ["-n", "2", "--train-tasks", "6", "--held-out-tasks", "2", "-g", "2", "-c", "2", "--groups", "1"]
+SHORT += ["--resample-budget", "5", "--eval-samples", "1", "--eval-every", "2", "--batch-size", "2"]
+
+
+def max_weight_change(trained: Path, initial: Path) -> float:
+    after, before = (
+        load_file(str(trained / "model.safetensors")),
+        load_file(str(initial / "model.safetensors")),
+    )
+    assert after.keys() == before.keys()
+    return max(float((after[name] - before[name]).abs().max()) for name in before)
+
+
+def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
+    if not vllm_installed():
+        pytest.skip("vLLM is not installed here: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--run-dir", str(run_dir), *SHORT],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print(done.stdout[-2500:])
+    summary = json.loads((run_dir / "capstone.json").read_text())
+    first, last = summary["iterations"]
+    assert summary["held_out_start"]["attempts"] == 2 and first["held_out"] is None
+    assert last["held_out"]["attempts"] == 2 and last["held_out"]["weight_version"] == last["weight_version"]
+    assert all(row["optimizer_steps"] >= 1 and row["trainable_tokens"] > 0 for row in summary["iterations"])
+
+    # The second rollout sampled, on vLLM, the weights the first training pushed; nothing was scripted.
+    records = read_all(run_dir / "iter-1" / "flows").to_pylist()
+    assert records and {r["weight_version"] for r in records} == {first["weight_version"]}
+    assert {json.loads(r["engine_meta_json"])["engine"] for r in records} == {"vllm"}
+    assert {r["provider"] for r in records} == {"openai_responses"}  # Pi's own API, through the proxy
+
+    change = max_weight_change(run_dir / "iter-1" / "train" / "engine-weights", resolve_vllm_model("smollm2"))
+    print(f"largest weight change after 2 trainings: {change:.2e}")
+    assert change > 0.0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "report.html").exists()
