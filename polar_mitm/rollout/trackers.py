@@ -290,13 +290,13 @@ class RunTrackers:
     def log(self, metrics: dict[str, float], step: int) -> None:
         with self.lock:
             shared = self.state.last_steps  # the trackers whose points are on disk once logged
-            fresh_shared = {tag: value for tag, value in metrics.items() if step > shared.get(tag, -1)}
+            fresh_shared = {tag: value for tag, value in metrics.items() if unlogged(shared, tag, step)}
             for tracker in self.trackers:
                 own: dict[str, int] | None = getattr(tracker, "logged_steps", None)  # W&B: its own files
                 fresh = (
                     fresh_shared
                     if own is None
-                    else {tag: value for tag, value in metrics.items() if step > own.get(tag, -1)}
+                    else {tag: value for tag, value in metrics.items() if unlogged(own, tag, step)}
                 )
                 if fresh:
                     tracker.log(fresh, step)
@@ -309,6 +309,12 @@ class RunTrackers:
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
+
+
+def unlogged(last_steps: dict[str, int], tag: str, step: int) -> bool:
+    """Whether (tag, step) is new to a tracker that logged up to `last_steps[tag]` (any step, -1 for --eval-start's
+    evaluation of the starting weights included, is new for a tag never logged)."""
+    return tag not in last_steps or step > last_steps[tag]
 
 
 def tracker_names(report_to: str) -> list[str]:

@@ -148,6 +148,7 @@ def test_unknown_or_missing_trackers_are_refused_in_one_line():
 def test_every_tracker_keeps_one_run_across_a_resume_and_each_step_once(tmp_path):
     run_dir = tmp_path / "run"
     tracker = open_tracker(ALL, run_dir)
+    tracker.log({"eval/pass@1": 0.0625}, step=-1)  # --eval-start: the starting weights, before iteration 0
     for iteration, reward in enumerate((0.25, 0.5)):
         tracker.log({"loop/reward_mean": reward, "eval/pass@1": reward / 2}, step=iteration)
     tracker.log({"train/loss": 0.9}, step=1)
@@ -163,7 +164,7 @@ def test_every_tracker_keeps_one_run_across_a_resume_and_each_step_once(tmp_path
     assert (state["mlflow_run_id"], state["wandb_run_id"]) == (first["mlflow_run_id"], first["wandb_run_id"])
     expected = {
         "loop/reward_mean": {0: 0.25, 1: 0.5, 2: 0.75},
-        "eval/pass@1": {0: 0.125, 1: 0.25, 2: 0.375},
+        "eval/pass@1": {-1: 0.0625, 0: 0.125, 1: 0.25, 2: 0.375},
         "train/loss": {1: 0.9, 2: 0.7},
     }
     assert_scalars(tensorboard_scalars(run_dir), expected)
