@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -215,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     from polar_mitm.rollout.progress import quiet_libraries
 
     quiet_libraries()
+    # SIGTERM (a job scheduler's stop) unwinds like Ctrl-C: vLLM, in its own process group, is stopped with the run
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.run_dir = args.run_dir.resolve()
     tasks_dir = args.run_dir / "tasks"
     split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed, tasks_dir)
