@@ -262,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="task groups per iteration (dynamic sampling; default: every task)",
     )
     parser.add_argument(
+        "--resample-budget", type=int, default=None, help="with --groups N: at most M replacements"
+    )
+    parser.add_argument(
         "--beta", type=float, default=0.001, help="KL coefficient (small: the KL is reported)"
     )
     parser.add_argument("--eval-samples", type=int, default=2)
