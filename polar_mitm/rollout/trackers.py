@@ -99,6 +99,22 @@ def offline_environment() -> None:
     os.environ["WANDB_SILENT"] = "true"
 
 
+WANDB_SERVICE_ENV = "WANDB_SERVICE"  # where wandb leaves its service's address for child processes to share
+
+
+def own_wandb_service() -> None:
+    """Drop a W&B service inherited from a parent process, so this process starts its own, which dies with it.
+
+    wandb puts its service's address (`VERSION-PID-…`, PID the process that started it) in the environment, and a
+    child process connects to that service instead of starting one. A loop launched from a process that used W&B
+    (a notebook, a test session) would then register its run in the parent's long-lived service; after a SIGKILL of
+    the loop that service keeps the run id "in use", and no `--resume` can open the run again."""
+    token = os.environ.get(WANDB_SERVICE_ENV, "")
+    parts = token.split("-")
+    if token and not (len(parts) > 1 and parts[1] == str(os.getpid())):
+        del os.environ[WANDB_SERVICE_ENV]
+
+
 class MlflowTracker:
     """One MLflow run in the local file store `RUN/mlruns` (browse it with `mlflow ui --backend-store-uri`)."""
 
@@ -143,6 +159,7 @@ class WandbTracker:
 
     def __init__(self, run_dir: Path, run_id: str, run_name: str) -> None:
         offline_environment()
+        own_wandb_service()
         import wandb
 
         settings = wandb.Settings(
