@@ -15,6 +15,7 @@ bash scripts/setup.sh
 bash scripts/setup-vllm.sh  # vLLM (CPU build) in .venv-vllm for tests/engine/test_vllm.py: a real production engine
 bash scripts/setup-mini-swe-agent.sh  # harnesses with pins of their own, each in its venv (recipes/<name>.md)
 bash scripts/setup-aider.sh
+bash scripts/setup-hermes.sh
 bash scripts/setup-cline.sh  # npm harnesses installed per harness (.harness-cline, .harness-kilo)
 bash scripts/setup-kilo.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

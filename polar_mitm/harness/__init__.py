@@ -1,4 +1,4 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo), unmodified, through the gateway: presets.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes), unmodified, via the gateway: presets.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -28,6 +28,7 @@ from polar_mitm.harness.claude_code import ClaudeCode
 from polar_mitm.harness.cline import Cline
 from polar_mitm.harness.codex import Codex
 from polar_mitm.harness.gemini import GeminiCli
+from polar_mitm.harness.hermes import Hermes
 from polar_mitm.harness.kilo import Kilo
 from polar_mitm.harness.mini_swe_agent import MiniSweAgent
 from polar_mitm.harness.opencode import OpenCode
@@ -47,6 +48,7 @@ HARNESSES: dict[str, Harness] = {
         Aider(),
         Cline(),
         Kilo(),
+        Hermes(),
     )
 }
 
