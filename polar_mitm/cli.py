@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from polar_mitm.agent_cli import agent
+
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
@@ -157,33 +159,7 @@ def report_command(
     console.print(f"report → {path}")
 
 
-@app.command()
-def agent(
-    prompt: Annotated[str, typer.Argument(help="The task for the agent.")],
-    provider: Annotated[
-        str, typer.Option(help="openai_chat | openai_responses | anthropic | google")
-    ] = "openai_chat",
-    base_url: Annotated[str | None, typer.Option(help="Provider base URL (default: the SDK's own).")] = None,
-    api_key: Annotated[
-        str, typer.Option(envvar="POLAR_AGENT_API_KEY", help="API key to send.")
-    ] = "polar-agent",
-    workdir: Annotated[Path, typer.Option(help="Where shell commands run.")] = Path("."),
-    max_turns: Annotated[int, typer.Option(help="Model calls at most.")] = 8,
-    stream: Annotated[bool, typer.Option(help="Ask for SSE streams.")] = True,
-) -> None:
-    """A minimal reference coding agent on the official SDKs: one `shell` tool, run for real in WORKDIR."""
-    from polar_mitm.sdk_agent import DRIVERS, shell_runner
-
-    result = DRIVERS[provider](
-        prompt,
-        api_key=api_key,
-        base_url=base_url,
-        stream=stream,
-        max_turns=max_turns,
-        run_tool=shell_runner(str(workdir)),
-    )
-    console.print(f"[bold]{result.calls} model calls[/], ran {len(result.tool_commands)} commands")
-    console.print(result.final_text)
+app.command()(agent)  # its own module: rollout sessions start it without the rest of the CLI
 
 
 @app.command("import-flows")

@@ -91,8 +91,7 @@ class HarnessSpec:
             argv = [
                 sys.executable,
                 "-m",
-                "polar_mitm.cli",
-                "agent",
+                "polar_mitm.agent_cli",
                 "--provider",
                 self.value,
                 "--base-url",
