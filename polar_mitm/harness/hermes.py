@@ -24,6 +24,9 @@ VENV_VARIABLE = "POLAR_HERMES_VENV"
 # The toolsets a run offers: the shell and the file tools (a coding agent's), not the web, browser, image,
 # memory and messaging tools of Hermes' default `hermes-cli` set, which would call out to other services.
 TOOLSETS = "terminal,file"
+# Given here, Hermes asks no one for the model's context length (else it probes the endpoint's and openrouter.ai's
+# model lists); its compaction fires at 75% of it. The tiny engine's context, as in the Aider preset.
+CONTEXT_LENGTH = 131072
 
 
 def venv_dir() -> Path:
@@ -40,7 +43,11 @@ class Hermes(Harness):
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:
         provider, model = FIRST_PARTY if hookup.mode == "proxy" else OURS
-        model_config: dict[str, object] = {"provider": provider, "default": model}
+        model_config: dict[str, object] = {
+            "provider": provider,
+            "default": model,
+            "context_length": CONTEXT_LENGTH,
+        }
         if hookup.mode == "base-url":
             model_config.update(base_url=hookup.base_url("/v1"), api_key=hookup.api_key)
         config = {

@@ -111,12 +111,27 @@ def mini_swe_agent_checks(rows: list[dict[str, Any]], mode: str) -> None:
         assert {row["host"] for row in rows} == {"api.openai.com"}
 
 
+def hermes_checks(rows: list[dict[str, Any]], mode: str) -> None:
+    """Its built-in openai-api provider speaks Responses to api.openai.com (reasoning sent back sealed); its custom
+    provider, Chat Completions. Both offer the terminal and file toolsets (terminal among six tools)."""
+    if mode == "proxy":
+        assert {row["host"] for row in rows} == {"api.openai.com"}
+        assert {row["provider"] for row in rows} == {"openai_responses"}
+        reasoning_round_trip(rows, mode)
+    else:
+        assert {row["provider"] for row in rows} == {"openai_chat"}
+    for row in rows:
+        assert "terminal" in [t["name"] for t in json.loads(row["tools_json"])]
+        assert len(json.loads(row["tools_json"])) == 6
+
+
 CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
     "claude-code": claude_code_checks,
     "codex": codex_checks,
     "pi": pi_checks,
     "gemini": gemini_checks,
     "mini-swe-agent": mini_swe_agent_checks,
+    "hermes": hermes_checks,
 }
 
 

@@ -242,7 +242,7 @@ def test_codex_developer_messages_reasoning_items_and_store_false():
 
 
 @needs_samples
-@pytest.mark.parametrize("name", ["codex", "pi"])
+@pytest.mark.parametrize("name", ["codex", "pi", "hermes"])
 def test_responses_function_call_output_becomes_the_tool_result(name):
     second = main_turns(name)[1]
     items = body(second)["input"]
@@ -433,3 +433,57 @@ def test_kilo_titles_its_session_on_a_smaller_model_with_thinking_as_a_side_call
     assert "title generator" in request["system"][0]["text"]
     assert title.request.headers["x-session-id"] == "title-" + loop[0].request.headers["x-session-id"]
     assert title.metadata["polar_record"]["call_kind"] == "side"
+
+
+# -- Hermes Agent ---------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_hermes_sends_sealed_reasoning_back_but_reserialises_arguments_on_the_responses_api():
+    """openai-api provider (proxy mode): streamed Responses with `store: false`, encrypted reasoning included and a
+    stable `prompt_cache_key`; the reasoning item comes back with its sealed content and its summary, tool
+    arguments come back compact and tool results are its JSON envelope. Tokens mode keeps the sampled tokens;
+    messages mode drifts (test_token_exact_harnesses.py)."""
+    first, second, third = main_turns("hermes")
+    requests = [body(first), body(second), body(third)]
+    for request in requests:
+        assert request["stream"] is True and request["store"] is False
+        assert request["include"] == ["reasoning.encrypted_content"]
+        assert sorted(t["name"] for t in request["tools"]) == [
+            "patch",
+            "process",
+            "read_file",
+            "search_files",
+            "terminal",
+            "write_file",
+        ]
+    assert (
+        len({r["prompt_cache_key"] for r in requests}) == 1
+        and len({r["instructions"] for r in requests}) == 1
+    )
+    assert first.request.headers["user-agent"].startswith("OpenAI/Python")
+    sent = requests[1]["input"]
+    reasoning = next(i for i in sent if i.get("type") == "reasoning")
+    assert reasoning["encrypted_content"] and reasoning["summary"][0]["text"] == THINKING
+    call = next(i for i in sent if i.get("type") == "function_call")
+    assert call["name"] == "terminal" and call["arguments"] == '{"command":"echo hello > out.txt"}'
+    sampled = json.loads(first.metadata["polar_record"]["response_json"])
+    ours = next(i for i in sampled["output"] if i.get("type") == "function_call")
+    assert ours["arguments"] != call["arguments"]  # what we answered, before Hermes re-serialised it
+    output = next(i for i in requests[2]["input"] if i.get("type") == "function_call_output")
+    assert json.loads(output["output"]) == {"output": "", "exit_code": 0, "error": None}
+    assistant = next(m for m in decode(second).messages if m.role == "assistant")
+    assert assistant.reasoning == THINKING
+    assert [f.metadata["polar_record"]["prompt_mode"] for f in (second, third)] == ["tokens", "tokens"]
+
+
+@needs_samples
+def test_hermes_pricing_lookup_is_a_model_listing_answered_by_the_gateway():
+    """After a call Hermes estimates its cost from the endpoint's `/v1/models`: side traffic the gateway answers
+    itself, never recorded as a model call (its context-length probe is off: the preset gives context_length)."""
+    flows = list(iter_flows([SAMPLES / "hermes.flow"]))
+    others = [f for f in flows if "polar_record" not in f.metadata]
+    assert [(f.request.method, f.request.host, f.request.path) for f in others] == [
+        ("GET", "api.openai.com", "/v1/models")
+    ]
+    assert others[0].response.status_code == 200 and "data" in others[0].response.json()

@@ -37,6 +37,7 @@ REWRITING = {
     "pi",
     "qwen",
     "cline",
+    "hermes",
 }  # harnesses whose resent history differs from the sampled tokens
 # Aider rebuilds every prompt: the files it added to the chat go before the conversation, its format reminder
 # after it, and an applied edit is followed by its canned "I updated the files." — no call extends the last one.
