@@ -1,4 +1,5 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider), unmodified, end to end through the gateway, in both hook-up modes.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes), unmodified, end to end through the
+gateway, in both hook-up modes.
 
 Each run is a one-shot prompt against the scripted tiny engine (polar_mitm/harness/policy.py): turn 1 thinks and
 calls the harness's own shell tool with `echo hello > out.txt`, turn 2 answers. The harness must parse our tool

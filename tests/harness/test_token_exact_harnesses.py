@@ -1,10 +1,11 @@
-"""The real harness CLIs (six npm CLIs, mini-swe-agent, Aider), proxy mode, in both prompt modes: how many sampled tokens are trained in the exact
-context the engine sampled them in.
+"""The real harness CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes), proxy mode, in both prompt modes:
+how many sampled tokens are trained in the exact context the engine sampled them in.
 
 Scripted multi-turn session (polar_mitm/harness/policy.py): turn 1 thinks, then three shell tool calls, then a
 final answer. In `tokens` mode every harness reaches 100% context-exact sampled tokens and its main thread (the
 calls that offer tools) merges into one sequence; in `messages` mode the harnesses that rewrite their history —
-Gemini CLI drops thought parts, Pi and Qwen Code re-serialise tool arguments compactly — drift below 100%.
+Gemini CLI drops thought parts, Pi, Qwen Code, Cline and Hermes re-serialise tool arguments compactly — drift
+below 100%.
 """
 
 from __future__ import annotations
