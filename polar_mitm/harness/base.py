@@ -264,7 +264,9 @@ def ca_env(runtime: Runtime, bundle: Path | None) -> dict[str, str]:
     """
     if bundle is None:
         return {}
-    path = str(bundle)
+    # Absolute: the harness runs in its workspace, where a relative path (`polar-mitm rollout`'s default work dir
+    # is runs/rollout) names nothing, and Hermes, httpx and Node then fail or ignore the bundle.
+    path = str(bundle.absolute())
     return {
         "node": {"NODE_EXTRA_CA_CERTS": path},
         "rust": {"SSL_CERT_FILE": path},

@@ -155,3 +155,27 @@ def test_rollout_launch_gives_argv_and_env_for_the_rollout_runner(tmp_path):
         rollout_launch(
             "nope", prompt="x", session="s", task=None, workspace=workspace, reverse_url="http://x"
         )
+
+
+@pytest.mark.parametrize("name", ["hermes", "mini-swe-agent", "codex", "pi", "claude-code"])
+def test_a_relative_ca_bundle_reaches_the_harness_as_an_absolute_path(name, tmp_path, monkeypatch):
+    """`polar-mitm rollout` with its default work dir (runs/rollout) hands over a relative bundle path; the harness
+    runs in its workspace, where that path names nothing (Hermes then stops: "SSL_CERT_FILE points to a missing CA
+    bundle")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ws").mkdir()
+    bundle = Path("runs/rollout/mitmproxy/ca-bundle.pem")
+    _, env = rollout_launch(
+        name,
+        prompt="x",
+        session="s",
+        task="t",
+        workspace=tmp_path / "ws",
+        reverse_url="http://127.0.0.1:18081",
+        proxy_url="http://127.0.0.1:18080",
+        ca_bundle=bundle,
+    )
+    ca_vars = {
+        k: v for k, v in env.items() if k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
+    }
+    assert ca_vars and set(ca_vars.values()) == {str(tmp_path / bundle)}
