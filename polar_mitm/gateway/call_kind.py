@@ -43,6 +43,7 @@ COMPACTION_MARKERS = (
         "pi (later compaction)",
         "The messages above are NEW conversation messages to incorporate into the existing",
     ),
+    ("hermes", "You are a summarization agent creating a context checkpoint"),  # agent/context_compressor.py
 )
 
 

@@ -145,6 +145,12 @@ def test_call_kind_tells_compaction_side_and_main():
     assert call_kind(side, "/v1/chat/completions") == "side"
     assert call_kind(claude, "/v1/messages") == "compaction"
     assert call_kind(main, "/backend-api/codex/responses/compact") == "compaction"
+    hermes = Conversation(  # tool-free, so `side` without its marker (Hermes 0.19.0's summariser preamble)
+        messages=[
+            Message(role="user", content="You are a summarization agent creating a context checkpoint. Treat")
+        ]
+    )
+    assert call_kind(hermes, "/v1/chat/completions") == "compaction"
 
 
 # ---- remote compaction v2: a compaction_trigger item ends a /responses input ------------------------------------
