@@ -92,6 +92,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 RUN_STATE_DIR = "trainer-state"  # under the run directory: the optimizer carried across iterations
+SKIPPED_TRAINING_FILE = "skipped.json"  # in RUN/iter-K/train: that training had nothing to learn
 START_EVAL_DIR = "eval-start"  # under the run directory: --eval-start's evaluation of the starting weights
 
 # PolarGRPOConfig fields the loop sets itself, so `polar-mitm loop` has no option of that name: the loop's own
@@ -661,20 +662,67 @@ class Loop:
         if not state.done("train"):
             state.begin("train")
             base = self.weight_version  # what the training starts from (staleness is measured against it)
-            model_dir, version, seconds = self._trained_on_disk(k) or self._train(k)
+            skipped = self._skipped_training(k)
+            model_dir, version, seconds = skipped or self._trained_on_disk(k) or self._train(k)
             state.finish(
                 "train",
                 model_dir=str(model_dir),
                 weight_version=version,
                 seconds=seconds,
                 base_weight_version=base,
+                skipped=skipped is not None,
             )
         info = state.info("train")
         if not state.done("push"):
             state.begin("push")
-            self._push(it, info["weight_version"])
+            if not info.get("skipped"):  # the engine already serves these weights
+                self._push(it, info["weight_version"])
             state.finish("push", weight_version=info["weight_version"])
         return Path(info["model_dir"]), info["weight_version"], info["seconds"]
+
+    def _skipped_training(self, k: int) -> tuple[Path, str | None, float] | None:
+        """No training when every group of iteration k is flat (one reward per group): there is no policy
+        gradient, yet AdamW's momentum and weight decay would still move the weights (issue 29's capstone run: the
+        flat iterations were half its training time, and its KL rose on them). The weights, the optimizer and the
+        LR schedule stay; the training still counts (RunState), and `RUN/iter-K/train/skipped.json` says why.
+        --grpo keep_zero_advantage_groups=true trains on flat groups anyway."""
+        from polar_mitm.train.cli import training_data
+        from polar_mitm.train.continuation import RunState, count_skipped_training, recover_run_state
+        from polar_mitm.train.data import load_sequences
+
+        started = time.monotonic()
+        it, directory = self.cfg.run_dir / f"iter-{k}", self.cfg.run_dir / RUN_STATE_DIR
+        marker = it / "train" / SKIPPED_TRAINING_FILE
+        if not marker.exists():
+            fields = self.trainer_fields()
+            if fields.get("keep_zero_advantage_groups"):
+                return None
+            rows = [
+                r
+                for r in training_data(load_sequences([it / "merged"]), fields).rows
+                if not r.get("placeholder")
+            ]
+            if not rows or any(float(r["advantage"]) != 0.0 for r in rows):
+                return None
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(
+                marker,
+                {
+                    "reason": "every group is flat",
+                    "sequences": len(rows),
+                    "model_dir": str(self.model_dir),
+                    "weight_version": self.weight_version,
+                },
+            )
+        skipped = json.loads(marker.read_text())
+        recover_run_state(directory)
+        if RunState.load(directory).trainings == k:  # not counted yet (a kill may have come in between)
+            count_skipped_training(directory)
+        append_event(self.cfg.run_dir, "train_skipped", k, "train", sequences=skipped["sequences"])
+        logger.warning(
+            "iteration %d: every group is flat (equal rewards): no optimizer step, the weights stay", k
+        )
+        return Path(skipped["model_dir"]), skipped["weight_version"], time.monotonic() - started
 
     def _trained_on_disk(self, k: int) -> tuple[Path, str | None, float] | None:
         """The training of iteration k when a kill came after it saved everything (the optimizer state counts it);

@@ -302,16 +302,23 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "engine-weights", "merged", "checkp
 
 
 def prune_checkpoints(run_dir: Path, keep: int, last_trained: int) -> list[Path]:
-    """`--keep-checkpoints N`: remove the weights of the trainings before the last N (the newest is what a resume
-    starts from); metrics, configs and the data stay. Returns what was removed."""
+    """`--keep-checkpoints N`: remove the weights of the trainings before the last N that hold any (the newest is
+    what a resume starts from; a training skipped for having nothing to learn holds none); metrics, configs and
+    the data stay. Returns what was removed."""
     removed: list[Path] = []
-    for k in range(0, last_trained - max(keep, 1) + 1):
+    kept = 0
+    for k in range(last_trained, -1, -1):
         train = run_dir / f"iter-{k}" / "train"
-        for pattern in WEIGHT_PATTERNS:
-            for path in train.glob(pattern):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-                removed.append(path)
+        weights = [path for pattern in WEIGHT_PATTERNS for path in train.glob(pattern)]
+        if not weights:
+            continue
+        if kept < max(keep, 1):
+            kept += 1
+            continue
+        for path in weights:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
     return removed

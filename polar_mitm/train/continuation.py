@@ -107,6 +107,18 @@ def recover_run_state(directory: str | Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def count_skipped_training(directory: str | Path) -> RunState:
+    """A training that took no optimizer step (nothing to learn) still counts among the run's trainings, so the
+    next one knows where it stands; optimizer, scheduler, adapter and weights stay as they are."""
+    directory = Path(directory)
+    recover_run_state(directory)
+    state = RunState.load(directory)
+    state.trainings += 1
+    directory.mkdir(parents=True, exist_ok=True)
+    state.save(directory)
+    return state
+
+
 def holds_optimizer(directory: str | Path) -> bool:
     """Whether `directory` has an optimizer and scheduler state to continue from."""
     directory = Path(directory)

@@ -239,7 +239,8 @@ class PolarGRPOConfig(GRPOConfig):
             "help": "Train on groups whose advantages are all 0 (equal rewards, one session, no task_id). Off by "
             "default (dynamic sampling): they have no policy gradient, but their tokens would count in "
             "the loss normaliser and shrink every other group's update; they are counted "
-            "(zero_advantage_* in data_stats.json). Kept anyway when no other group is left."
+            "(zero_advantage_* in data_stats.json). Kept anyway when no other group is left (`polar-mitm loop` "
+            "then skips that iteration's training instead)."
         },
     )
     batch_layout: Literal["auto", "packed", "padded"] = field(

@@ -66,6 +66,8 @@ def evaluated_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         eval_tasks=held_out,
         eval_samples=EVAL_SAMPLES,
         report_to=REPORT_TO,
+        # Every iteration trains (and logs its metrics), flat or not.
+        grpo={"keep_zero_advantage_groups": True},
     )
 
     def keep_report(stats) -> None:

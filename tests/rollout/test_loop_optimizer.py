@@ -10,6 +10,7 @@ driven directly on recorded-style data scored by the current weights, so no harn
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -137,6 +138,49 @@ def test_with_beta_the_kl_reference_stays_the_initial_policy(three_iterations):
     assert all(kl > 1e-3 for kl in first_kl[1:]), first_kl
     config = json.loads((three_iterations.cfg.run_dir / "iter-2" / "train" / "grpo_config.json").read_text())
     assert config["reference_model"] == str(three_iterations.initial_model_dir)
+
+
+def test_an_iteration_whose_groups_are_all_flat_takes_no_optimizer_step(tmp_path, tiny_model_dir):
+    """Equal rewards in every group: no policy gradient, so no training at all — AdamW's momentum alone would move
+    the weights. The weights, the optimizer and the pushed version stay, the training still counts, and the next
+    informative iteration continues the optimizer exactly where the last real training left it."""
+    from polar_mitm.rollout.loop import SKIPPED_TRAINING_FILE
+    from polar_mitm.train.continuation import RunState
+
+    loop = make_loop(tmp_path / "run", tiny_model_dir)
+    train_iteration(loop, 0)
+    state_dir = loop.cfg.run_dir / RUN_STATE_DIR
+    optimizer_bytes, trained_dir, version = (
+        (state_dir / "optimizer.pt").read_bytes(),
+        loop.model_dir,
+        loop.weight_version,
+    )
+    steps = RunState.load(state_dir).optimizer_steps
+    flat = [
+        dataclasses.replace(s, reward=1.0)
+        for s in task_groups(Engine(loop.model_dir), 2, prefix="it1-", weight_version=version)
+    ]
+    write_merged(flat, loop.cfg.run_dir / "iter-1" / "merged")
+    assert loop._train_stage(1)[:2] == (trained_dir, version)
+    observer, train = loop.trainer_callbacks[0], loop.cfg.run_dir / "iter-1" / "train"
+    assert len(observer.begin) == 1 and not (train / "metrics.jsonl").exists()  # no trainer was even built
+    assert json.loads((train / SKIPPED_TRAINING_FILE).read_text())["sequences"] == 4
+    assert (state_dir / "optimizer.pt").read_bytes() == optimizer_bytes
+    assert (RunState.load(state_dir).trainings, RunState.load(state_dir).optimizer_steps) == (2, steps)
+    assert loop._skipped_training(1) is not None and RunState.load(state_dir).trainings == 2  # counted once
+    train_iteration(loop, 2)
+    assert len(observer.begin) == 2 and metrics(loop, 2)
+    for index, moments in observer.begin[1].items():
+        assert torch.equal(moments["exp_avg"], observer.end[0][index]["exp_avg"]), index
+    assert RunState.load(state_dir).trainings == 3 and loop.weight_version != version
+
+
+def test_keep_zero_advantage_groups_trains_a_flat_iteration_anyway(tmp_path, tiny_model_dir):
+    loop = make_loop(tmp_path / "run", tiny_model_dir, keep_zero_advantage_groups=True)
+    flat = [dataclasses.replace(s, reward=0.0) for s in task_groups(Engine(loop.model_dir), 2, prefix="it0-")]
+    write_merged(flat, loop.cfg.run_dir / "iter-0" / "merged")
+    loop.model_dir, version, _ = loop._train_stage(0)
+    assert metrics(loop, 0) and version != "0"
 
 
 class AdapterObserver(TrainerCallback):

@@ -35,6 +35,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
 TASKS, GROUP = 2, 2
 LOOP_ARGS = ["-g", str(GROUP), "-c", "2", "--model", "tiny", "--max-tokens", "64", "--learning-rate", "1e-2"]
 LOOP_ARGS += ["--script", str(EXAMPLES / "policy.json")]
+# Every iteration trains, flat or not: a kill can land in any training.
+LOOP_ARGS += ["--keep-zero-advantage-groups"]
 DEADLINE_S = 300
 ROWS: list[str] = []  # the closing table
 
