@@ -328,3 +328,22 @@ def test_a_line_appended_after_a_torn_one_is_its_own_line(tmp_path):
     append_line(path, {"session_id": "b"})
     append_line(path, {"session_id": "c"})
     assert [row["session_id"] for row in read_lines(path)] == ["a", "b", "c"]
+
+
+def test_keep_checkpoints_never_prunes_the_weights_a_skipped_training_left_in_service(tmp_path):
+    """An iteration with only flat groups trains nothing (no weights in its train/): `--keep-checkpoints 1` keeps the
+    newest training that holds weights, which is what the engine serves and a resume starts from."""
+    from polar_mitm.rollout.run_state import prune_checkpoints
+
+    for k in (0, 1):
+        (tmp_path / f"iter-{k}" / "train" / "checkpoint-2").mkdir(parents=True)
+        (tmp_path / f"iter-{k}" / "train" / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "iter-2" / "train").mkdir(parents=True)
+    (tmp_path / "iter-2" / "train" / "skipped.json").write_text("{}")
+    removed = prune_checkpoints(tmp_path, 1, last_trained=2)
+    assert {p.relative_to(tmp_path).as_posix() for p in removed} == {
+        "iter-0/train/checkpoint-2",
+        "iter-0/train/model.safetensors",
+    }
+    assert (tmp_path / "iter-1" / "train" / "model.safetensors").exists()
+    assert (tmp_path / "iter-2" / "train" / "skipped.json").exists()
