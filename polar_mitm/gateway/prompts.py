@@ -17,6 +17,7 @@ from typing import Any, get_args
 import orjson
 
 from polar_mitm.conversation import Completion, Conversation
+from polar_mitm.gateway.incremental_render import RenderedTip
 from polar_mitm.gateway.options import PromptMode
 from polar_mitm.gateway.renderer import PromptRenderer, RendererError, RendererLoader
 from polar_mitm.gateway.token_chains import NO_CHAIN, RENDERER_MISMATCH, Plan, TokenChains
@@ -41,7 +42,13 @@ class PromptBuilder:
     """Builds each engine request's prompt per `mode`; keeps the session chains of tokens mode."""
 
     def __init__(
-        self, mode: str = "tokens", *, tokenizer: str = "", model_info=None, max_chain_tokens: int = 64 << 20
+        self,
+        mode: str = "tokens",
+        *,
+        tokenizer: str = "",
+        model_info=None,
+        max_chain_tokens: int = 64 << 20,
+        incremental: bool = True,
     ) -> None:
         if mode not in PROMPT_MODES:
             raise ValueError(f"polar_prompt_mode must be one of {PROMPT_MODES}, got {mode!r}")
@@ -49,6 +56,9 @@ class PromptBuilder:
         self.tokenizer_hint = tokenizer
         self.model_info = model_info  # async () -> dict: the engine's /model_info (for its tokenizer path)
         self.max_chain_tokens = max_chain_tokens
+        # Render only the messages a call adds to its chain's tip where that is proved exact (False: always the
+        # full render, which bench_token_exact compares against).
+        self.incremental = incremental
         self._loader = RendererLoader()
         self._chains: TokenChains | None = None
         self._unavailable: str | None = None
@@ -56,6 +66,8 @@ class PromptBuilder:
         self._engine_error: str | None = None  # /model_info failed on the last try (no tokenizer path yet)
 
     async def _renderer(self) -> PromptRenderer | None:
+        if self._loaded is not None:
+            return self._loaded  # loaded for good: no /model_info or future hop per call
         if self._unavailable is not None:
             return None
         path = self.tokenizer_hint
@@ -116,8 +128,13 @@ class PromptBuilder:
             return await self._prepare_unrouted(renderer, chains, session_id, conv, request, call_kind)
 
         def plan_and_dump() -> tuple[Plan, bytes]:
-            text = renderer.render(request)
-            plan = chains.plan(session_id, text, conv.messages, renderer.encode, call_kind)
+            rendered = (
+                renderer.render_after_tip(request, chains.tips(session_id)) if self.incremental else None
+            )
+            if rendered is None:
+                rendered = rendered_tip(request, renderer.render(request))
+            plan = chains.plan(session_id, rendered.text, conv.messages, renderer.encode, call_kind)
+            plan.rendered = rendered
             if plan.input_ids is not None:
                 request["input_ids"] = plan.input_ids  # messages stay: the engine's parsers still need them
             return plan, orjson.dumps(request)
@@ -152,6 +169,7 @@ class PromptBuilder:
 
             def render_and_encode() -> list[int]:
                 plan.text = renderer.render(request)
+                plan.rendered = rendered_tip(request, plan.text)
                 return renderer.encode(plan.text)
 
             step.check_ids = asyncio.ensure_future(asyncio.to_thread(render_and_encode))
@@ -199,6 +217,17 @@ class PromptBuilder:
 
     def stats(self) -> dict[str, int]:
         return self._chains.stats() if self._chains is not None else {}
+
+
+def rendered_tip(request: dict[str, Any], text: str) -> RenderedTip:
+    """What `text` was rendered from; the messages list is copied (a later change to the request's list must not
+    change what a chain tip claims it rendered)."""
+    return RenderedTip(
+        list(request["messages"]),
+        request.get("tools") or None,
+        request.get("chat_template_kwargs") or {},
+        text,
+    )
 
 
 async def _dumps(request: dict[str, Any]) -> bytes:

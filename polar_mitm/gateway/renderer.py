@@ -5,7 +5,9 @@ messages to *text* with the engine's chat template and tokenizes only the new ta
 is exact because every tail starts right after a special token (the end-of-turn that closes the previous
 assistant turn), and Hugging Face tokenizers split the input at special tokens before running BPE, so a tail
 tokenizes the same alone as inside the whole prompt. Whether this renderer equals the engine's is not assumed:
-the gateway compares it with the engine's returned prompt ids on every chain's first call.
+the gateway compares it with the engine's returned prompt ids on every chain's first call. A call that extends a
+chain's tip renders only the messages it adds, for the templates where `incremental_render.py` proves that equal
+to the full render (`render_after_tip`); any other call is rendered in full.
 
 The gateway loads it while it starts (the readiness answer waits for it), so it must load fast, and it tokenizes a
 tail on every call, so that must be fast too: a folder with a `tokenizer.json` is tokenized by tiktoken when
@@ -20,11 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from polar_mitm.gateway import incremental_render
+from polar_mitm.gateway.incremental_render import RenderedTip
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +97,18 @@ class PromptRenderer:
         )
 
     def render_messages(
-        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
     ) -> str:
         raise NotImplementedError
+
+    def render_after_tip(self, request: dict[str, Any], tips: Sequence[RenderedTip]) -> RenderedTip | None:
+        """`render(request)` (as the tip it makes) built from a chain tip's text plus the new messages alone, where
+        that is proved equal (gateway/incremental_render.py); None: render in full."""
+        return None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special tokens parsed, no BOS/EOS added (what apply_chat_template does)."""
@@ -106,10 +120,16 @@ class FastRenderer(PromptRenderer):
     library; the template through jinja2 as transformers runs it."""
 
     def __init__(
-        self, encoder: Any, templates: dict[str, Any], special_tokens: dict[str, str], source: str
+        self,
+        encoder: Any,
+        templates: dict[str, Any],
+        special_tokens: dict[str, str],
+        source: str,
+        local: frozenset[str] = frozenset(),
     ) -> None:
         self.encoder, self.templates, self.special_tokens = encoder, templates, special_tokens
         self.source = source
+        self.local = local  # names of the templates incremental rendering is proved for
         self._set_eot(encoder.token_id, special_tokens.get("eos_token"), set(encoder.added))
 
     @classmethod
@@ -119,30 +139,50 @@ class FastRenderer(PromptRenderer):
             config = _read_json(folder / "tokenizer_config.json")
             special_tokens = {**_special_tokens(_read_json(folder / "special_tokens_map.json"))}
             special_tokens.update(_special_tokens(config))
-            templates = {name: compile_template(text) for name, text in _templates(folder, config).items()}
+            texts = _templates(folder, config)
+            templates = {name: compile_template(text) for name, text in texts.items()}
+            local = frozenset(name for name, text in texts.items() if incremental_render.is_local(text))
         except RendererError:
             raise
         except Exception as exc:  # a broken folder or template: say which, then fall back
             raise RendererError(f"cannot load the tokenizer at {str(folder)!r}: {exc}") from exc
         if not templates:
             raise RendererError(f"the tokenizer at {str(folder)!r} has no chat template")
-        return cls(encoder, templates, special_tokens, str(folder))
+        return cls(encoder, templates, special_tokens, str(folder), local)
 
     def encode(self, text: str) -> list[int]:
         return self.encoder.encode(text)
 
-    def render_messages(
-        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
-    ) -> str:
+    def _template_name(self, tools: list | None) -> str:
         # transformers picks the named "tool_use" template when tools are given and it exists, else "default".
         name = "tool_use" if tools and "tool_use" in self.templates else "default"
-        template = self.templates.get(name) or next(iter(self.templates.values()))
-        return template.render(
+        return name if name in self.templates else next(iter(self.templates))
+
+    def render_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return self.templates[self._template_name(tools)].render(
             messages=template_messages(messages),
             tools=tools,
             documents=None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **kwargs},
+        )
+
+    def render_after_tip(self, request: dict[str, Any], tips: Sequence[RenderedTip]) -> RenderedTip | None:
+        tools, kwargs = request.get("tools") or None, request.get("chat_template_kwargs") or {}
+        if not tips or self._template_name(tools) not in self.local:
+            return None
+        return incremental_render.render_after_tip(
+            request["messages"],
+            tools,
+            kwargs,
+            tips,
+            lambda messages, prompt: self.render_messages(messages, tools, kwargs, prompt),
         )
 
 
@@ -201,10 +241,14 @@ class TransformersRenderer(PromptRenderer):
         return cls(tokenizer, str(folder))
 
     def render_messages(
-        self, messages: list[dict[str, Any]], tools: list | None, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
     ) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
 
     def encode(self, text: str) -> list[int]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from polar_mitm import compaction_label
 from polar_mitm.conversation import Completion, Message, ToolCall
+from polar_mitm.gateway.incremental_render import RenderedTip
 
 # Why a call did not extend a chain (recorded as `splice_reason`).
 NO_CHAIN = "no chain for this session yet"  # first call, or the gateway restarted / evicted the session
@@ -64,9 +65,11 @@ class Chain:
     turns: int  # sampled turns in engine_prompt + sampled
     stamp: int = 0  # last extension (routing tie-break)
     retired: bool = False
+    # What tip_text was rendered from: the next call renders only the messages it adds (incremental_render.py).
+    rendered: RenderedTip | None = None
 
     def size(self) -> int:
-        return len(self.stream) + len(self.tip_text) // 4
+        return len(self.stream) + len(self.tip_text) // 2  # the text, and the messages it was rendered from
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Plan:
     call_kind: str | None = (
         None  # the record's call_kind: who takes a compaction's label (compaction_label.py)
     )
+    rendered: RenderedTip | None = None  # what `text` was rendered from (the chain it commits to keeps it)
 
 
 @dataclass
@@ -129,6 +133,15 @@ class TokenChains:
         with self._lock:
             session = self._sessions.get(session_id)
             return session is not None and bool(session.chains) and not session.fallback
+
+    def tips(self, session_id: str) -> list[RenderedTip]:
+        """What this session's chain tips were rendered from, most messages first (for incremental rendering)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.fallback:
+                return []
+            chains = sorted(session.chains, key=lambda c: c.n_messages, reverse=True)
+            return [c.rendered for c in chains if c.rendered is not None]
 
     def unrouted_plan(self, session_id: str, n_messages: int, call_kind: str | None = None) -> Plan:
         """The plan of a call `routable` said no to, made without its rendering: a session's first call (its
@@ -232,6 +245,7 @@ class TokenChains:
                 chain.stream, chain.prompt_len = stream, len(completion.prompt_ids)
                 chain.answer, chain.closed = answer, closed
                 chain.turns, chain.stamp = turns, session.clock
+                chain.rendered = plan.rendered
                 self._size += chain.size()
             else:  # a new thread, a retry (a fork of its tip), or a chain extended meanwhile by another call
                 chain = Chain(
@@ -243,6 +257,7 @@ class TokenChains:
                     closed=closed,
                     turns=turns,
                     stamp=session.clock,
+                    rendered=plan.rendered,
                 )
                 session.chains.append(chain)
                 self._size += chain.size()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.codecs import detect
+from polar_mitm.conversation import Conversation
 from polar_mitm.engine.tiny_model import chat_template
 from polar_mitm.gateway.import_flows import iter_flows
 
@@ -21,6 +22,12 @@ TEMPLATES = ("qwen3", "smollm2")  # the two chat templates the project's engines
 
 def engine_requests() -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(flow file stem, session id, engine request) for every recorded model call."""
+    for source, session, conv in conversations():
+        yield source, session, conv.to_engine_request()
+
+
+def conversations() -> Iterator[tuple[str, str, Conversation]]:
+    """(flow file stem, session id, decoded request) for every recorded model call."""
     for flow_file in FLOW_FILES:
         for flow in iter_flows([flow_file]):
             record = flow.metadata.get("polar_record")
@@ -33,7 +40,7 @@ def engine_requests() -> Iterator[tuple[str, str, dict[str, Any]]]:
             if codec is None:
                 continue
             conv = codec.decode_request(body, path, dict(flow.request.query.items()))
-            yield flow_file.stem, record["session_id"], conv.to_engine_request()
+            yield flow_file.stem, record["session_id"], conv
 
 
 def tokenizer_with_template(model_dir: Path, template: str, folder: Path) -> Path:
