@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import REPO_ROOT, Harness, HarnessError, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import REPO_ROOT, Harness, HarnessError, Hookup, ProviderName, Runtime, ShellTool
 
 MODEL = "openai/gpt-4.1-mini"
 VENV_VARIABLE = "POLAR_AIDER_VENV"
@@ -39,6 +39,7 @@ class Aider(Harness):
     package: ClassVar[str] = "aider-chat"  # PyPI, pinned in scripts/setup-aider.sh
     binary: ClassVar[str] = "aider"
     runtime: ClassVar[Runtime] = "python"
+    api: ClassVar[ProviderName] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = ()  # none: it edits through its text edit format
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

@@ -21,6 +21,7 @@ from polar_mitm.session_ids import SessionId
 Mode = Literal["proxy", "base-url"]
 MODES: tuple[Mode, ...] = ("proxy", "base-url")
 Runtime = Literal["bun", "node", "rust", "python"]
+ProviderName = Literal["anthropic", "openai_chat", "openai_responses", "google"]  # codecs/ names them so
 
 # Nothing listens on the discard port: in base-URL mode every request that is not for the gateway (telemetry,
 # update checks, plugin downloads) is pointed at it through the proxy variables and fails at once, offline.
@@ -163,6 +164,8 @@ class Harness:
     package: ClassVar[str]  # the npm package pinned in package.json
     binary: ClassVar[str]  # its executable under node_modules/.bin
     runtime: ClassVar[Runtime]  # decides how it is told to trust mitmproxy's CA
+    api: ClassVar[ProviderName]  # the provider API it speaks in proxy mode (its recorded flow says the same)
+    base_url_api: ClassVar[ProviderName | None] = None  # in base-URL mode, where that differs
     shell_tools: ClassVar[tuple[ShellTool, ...]]  # what its model calls to run a command (first = usual)
 
     # -- hooks --------------------------------------------------------------------------------------------------

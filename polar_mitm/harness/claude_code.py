@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 
 class ClaudeCode(Harness):
@@ -18,6 +18,7 @@ class ClaudeCode(Harness):
     package: ClassVar[str] = "@anthropic-ai/claude-code"
     binary: ClassVar[str] = "claude"
     runtime: ClassVar[Runtime] = "bun"
+    api: ClassVar[ProviderName] = "anthropic"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (
         ShellTool("Bash", {"command": COMMAND, "description": "Run the requested shell command"}),
     )

@@ -74,11 +74,15 @@ def prepare(
 
 @harness_app.command("list")
 def list_command() -> None:
-    """The presets, their pinned package and installed version, runtime and shell tool."""
+    """The presets: pinned package and installed version, runtime, provider API (proxy mode, then base-URL mode
+    where it differs) and shell tool."""
     for harness in HARNESSES.values():
         version = harness.installed_version() or "not installed"
-        tools = ", ".join(t.name for t in harness.shell_tools)
-        typer.echo(f"{harness.name:15} {harness.package + '@' + version:40} {harness.runtime:5} {tools}")
+        tools = ", ".join(t.name for t in harness.shell_tools) or "-"
+        api = harness.api + (f" (base URL: {harness.base_url_api})" if harness.base_url_api else "")
+        typer.echo(
+            f"{harness.name:15} {harness.package + '@' + version:38} {harness.runtime:6} {api:40} {tools}"
+        )
 
 
 @harness_app.command("env")

@@ -21,6 +21,7 @@ from polar_mitm.harness.base import (
     Harness,
     HarnessError,
     Hookup,
+    ProviderName,
     Runtime,
     ShellTool,
 )
@@ -40,6 +41,8 @@ class Cline(Harness):
     package: ClassVar[str] = "cline"  # npm, pinned in scripts/setup-cline.sh
     binary: ClassVar[str] = "cline"
     runtime: ClassVar[Runtime] = "bun"
+    api: ClassVar[ProviderName] = "openai_responses"
+    base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("run_commands", {"commands": [COMMAND]}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 MODEL = "gpt-5.5"  # a slug in Codex's bundled model catalogue, so it needs no remote model list
 
@@ -25,6 +25,7 @@ class Codex(Harness):
     package: ClassVar[str] = "@openai/codex"
     binary: ClassVar[str] = "codex"
     runtime: ClassVar[Runtime] = "rust"
+    api: ClassVar[ProviderName] = "openai_responses"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (
         ShellTool("exec_command", {"cmd": COMMAND}),  # unified exec (current default)
         ShellTool("shell", {"command": ["bash", "-lc", COMMAND]}),  # the classic shell tool

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 
 class GeminiCli(Harness):
@@ -18,6 +18,7 @@ class GeminiCli(Harness):
     package: ClassVar[str] = "@google/gemini-cli"
     binary: ClassVar[str] = "gemini"
     runtime: ClassVar[Runtime] = "node"
+    api: ClassVar[ProviderName] = "google"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("run_shell_command", {"command": COMMAND}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

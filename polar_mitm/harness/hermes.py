@@ -16,7 +16,16 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, REPO_ROOT, Harness, HarnessError, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import (
+    COMMAND,
+    REPO_ROOT,
+    Harness,
+    HarnessError,
+    Hookup,
+    ProviderName,
+    Runtime,
+    ShellTool,
+)
 
 FIRST_PARTY = ("openai-api", "gpt-4.1-mini")  # api.openai.com: Hermes speaks Responses to that host
 OURS = ("custom", "polar-model")  # any OpenAI-compatible endpoint: Chat Completions
@@ -39,6 +48,8 @@ class Hermes(Harness):
     package: ClassVar[str] = "hermes-agent"  # PyPI, pinned in scripts/setup-hermes.sh
     binary: ClassVar[str] = "hermes"
     runtime: ClassVar[Runtime] = "python"
+    api: ClassVar[ProviderName] = "openai_responses"
+    base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("terminal", {"command": COMMAND}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

@@ -21,6 +21,7 @@ from polar_mitm.harness.base import (
     Harness,
     HarnessError,
     Hookup,
+    ProviderName,
     Runtime,
     ShellTool,
 )
@@ -40,6 +41,8 @@ class Kilo(Harness):
     package: ClassVar[str] = "@kilocode/cli"  # npm, pinned in scripts/setup-kilo.sh
     binary: ClassVar[str] = "kilo"
     runtime: ClassVar[Runtime] = "bun"
+    api: ClassVar[ProviderName] = "anthropic"
+    base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (
         ShellTool("bash", {"command": COMMAND, "description": "Run the requested shell command"}),
     )

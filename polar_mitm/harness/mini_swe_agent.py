@@ -17,7 +17,16 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, REPO_ROOT, Harness, HarnessError, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import (
+    COMMAND,
+    REPO_ROOT,
+    Harness,
+    HarnessError,
+    Hookup,
+    ProviderName,
+    Runtime,
+    ShellTool,
+)
 
 MODEL = "openai/gpt-4.1-mini"  # litellm's `openai/` provider: Chat Completions, api.openai.com by default
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # the only way the agent ends its run
@@ -35,6 +44,7 @@ class MiniSweAgent(Harness):
     package: ClassVar[str] = "mini-swe-agent"  # PyPI, pinned in scripts/setup-mini-swe-agent.sh
     binary: ClassVar[str] = "mini"
     runtime: ClassVar[Runtime] = "python"
+    api: ClassVar[ProviderName] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("bash", {"command": COMMAND}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

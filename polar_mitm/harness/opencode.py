@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, DEAD_PROXY, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, DEAD_PROXY, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 FIRST_PARTY_MODEL = "anthropic/claude-sonnet-4-5"
 
@@ -21,6 +21,8 @@ class OpenCode(Harness):
     package: ClassVar[str] = "opencode-ai"
     binary: ClassVar[str] = "opencode"
     runtime: ClassVar[Runtime] = "bun"
+    api: ClassVar[ProviderName] = "anthropic"
+    base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (
         ShellTool("bash", {"command": COMMAND, "description": "Run the requested shell command"}),
     )

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 FIRST_PARTY = ("openai", "gpt-5.1-codex")
 OURS = ("polar", "polar-model")
@@ -21,6 +21,8 @@ class Pi(Harness):
     package: ClassVar[str] = "@mariozechner/pi-coding-agent"
     binary: ClassVar[str] = "pi"
     runtime: ClassVar[Runtime] = "node"
+    api: ClassVar[ProviderName] = "openai_responses"
+    base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("bash", {"command": COMMAND}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import COMMAND, Harness, Hookup, Runtime, ShellTool
+from polar_mitm.harness.base import COMMAND, Harness, Hookup, ProviderName, Runtime, ShellTool
 
 MODEL = "qwen3-coder-plus"
 
@@ -20,6 +20,7 @@ class QwenCode(Harness):
     package: ClassVar[str] = "@qwen-code/qwen-code"
     binary: ClassVar[str] = "qwen"
     runtime: ClassVar[Runtime] = "node"
+    api: ClassVar[ProviderName] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("run_shell_command", {"command": COMMAND}),)
 
     def config_files(self, hookup: Hookup, home: Path) -> dict[str, str]:

@@ -179,3 +179,19 @@ def test_a_relative_ca_bundle_reaches_the_harness_as_an_absolute_path(name, tmp_
         k: v for k, v in env.items() if k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
     }
     assert ca_vars and set(ca_vars.values()) == {str(tmp_path / bundle)}
+
+
+def test_each_preset_declares_the_provider_api_its_recorded_flow_speaks():
+    """`harness list` shows `api`: the provider of every call in the preset's recorded proxy-mode capture."""
+    import pyarrow.parquet as pq
+
+    flows = Path(__file__).resolve().parents[2] / "sample_flows" / "harness"
+    for name, harness in HARNESSES.items():
+        providers = set(
+            pq.read_table(flows / f"{name}.parquet", columns=["provider"])["provider"].to_pylist()
+        )
+        assert providers == {harness.api}, name
+    listed = CliRunner().invoke(app, ["harness", "list"]).output
+    for name, harness in HARNESSES.items():
+        [line] = [line for line in listed.splitlines() if line.startswith(name + " ")]
+        assert harness.api in line and (harness.base_url_api or "") in line, line

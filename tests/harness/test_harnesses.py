@@ -169,6 +169,11 @@ def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
     rows = stack.records(session)
     loop = [r for r in rows if r["tools_json"] != "[]"] if harness.shell_tools else rows  # Aider: no tools
     result.update(records=len(rows), wall_s=run.wall_s, turns=len(loop))
+    api = (harness.base_url_api or harness.api) if mode != "proxy" else harness.api
+    assert {r["provider"] for r in loop} == {api}, (
+        name,
+        mode,
+    )  # what `polar-mitm harness list` says it speaks
     if harness.shell_tools:
         check_run(run, rows, stack, name, mode, task, tiny_engine)
     else:
