@@ -7,8 +7,10 @@ gateway's own cost from model time. Both paths go client → mitmdump → engine
   bare:  mitmdump --mode reverse:ENGINE           (forwards the OpenAI chat request untouched)
   polar: mitmdump -s addon/polar.py (reverse)     (decode → engine → encode → fsynced record → answer)
 
-Prints p50/p99 per prompt size, for sequential calls and for 64 concurrent sessions, and the added latency.
-Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200]
+Prints p50/p99 per prompt size, for sequential calls and for concurrent sessions (`--concurrent SESSIONSxTOKENS,…`)
+through 1 and N gateway processes (`--processes 1,2`, sessions spread across them as `--gateways N` does), with the
+added latency and calls/s against the bare mitmdump measured in the same run.
+Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200] [--concurrent 64x1000,256x1000] [--processes 1,2]
 """
 
 from __future__ import annotations
@@ -112,8 +114,10 @@ def sequential(url: str, body: bytes, calls: int) -> list[float]:
     return times
 
 
-async def concurrent(url_for, body: bytes, sessions: int, calls_each: int) -> list[float]:
+async def concurrent(url_for, body: bytes, sessions: int, calls_each: int) -> tuple[list[float], float]:
+    """Per-call latencies (ms) of `sessions` sessions × `calls_each` calls at once, and the calls per second."""
     times: list[float] = []
+    started = time.perf_counter()
 
     async def session(i: int) -> None:
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
@@ -124,7 +128,7 @@ async def concurrent(url_for, body: bytes, sessions: int, calls_each: int) -> li
                 assert r.status_code == 200
 
     await asyncio.gather(*(session(i) for i in range(sessions)))
-    return times
+    return times, len(times) / (time.perf_counter() - started)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -136,6 +140,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sizes", default="1000,8000,32000")
     parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--concurrent", default="64x1000", help="SESSIONSxTOKENS cases, comma-separated")
+    parser.add_argument("--processes", default="1,2", help="gateway processes for the concurrent cases")
     parser.add_argument(
         "--set",
         action="append",
@@ -164,19 +170,49 @@ def main() -> None:
                 b = sequential(f"http://127.0.0.1:{bare_port}/v1/chat/completions", body, calls)
                 p = sequential(f"{gw.reverse_url}/s/bench/v1/chat/completions", body, calls)
                 report(f"{size} tokens × {calls} sequential", b, p)
-            body = body_for(1000)
-            b = asyncio.run(
-                concurrent(
-                    lambda i: f"http://127.0.0.1:{bare_port}/v1/chat/completions", body, args.sessions, 5
-                )
-            )
-            p = asyncio.run(
-                concurrent(lambda i: f"{gw.reverse_url}/s/c{i}/v1/chat/completions", body, args.sessions, 5)
-            )
-            report(f"{args.sessions} sessions × 5, 1k tokens", b, p)
+            concurrent_cases(args, engine_port, bare_port, root, options)
         finally:
             gw.stop()
             procs.stop(bare)
+
+
+def concurrent_cases(args, engine_port: int, bare_port: int, root: Path, options: dict[str, str]) -> None:
+    """Each SESSIONSxTOKENS case through the bare mitmdump, then through 1 and N gateway processes."""
+    cases = [tuple(int(x) for x in case.split("x")) for case in args.concurrent.split(",")]
+    engine = f"http://127.0.0.1:{engine_port}"
+    bare_runs = {}
+    for sessions, tokens in cases:
+        bare_url = f"http://127.0.0.1:{bare_port}/v1/chat/completions"
+        bare_runs[sessions, tokens] = asyncio.run(
+            concurrent(lambda i, url=bare_url: url, body_for(tokens), sessions, 5)
+        )
+    print(
+        f"\n{'concurrent case':<34}{'calls/s':>9}{'p50':>10}{'p99':>10}{'added p50':>11}{'× bare calls/s':>16}"
+    )
+    for (sessions, tokens), (times, rate) in bare_runs.items():
+        print(
+            f"{f'{sessions} × 5, {tokens} tokens, bare':<34}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
+        )
+    for n in (int(x) for x in args.processes.split(",")):
+        with procs.gateways_running(
+            [engine] * n, root / f"flows-{n}", confdir=root / "conf", options=options
+        ) as gateways:
+            for sessions, tokens in cases:
+                urls = [gw.reverse_url for gw in gateways]
+                times, rate = asyncio.run(
+                    concurrent(
+                        lambda i, urls=urls, n=n: f"{urls[i % n]}/s/c{i}/v1/chat/completions",
+                        body_for(tokens),
+                        sessions,
+                        5,
+                    )
+                )
+                bare_times, bare_rate = bare_runs[sessions, tokens]
+                label = f"{sessions} × 5, {tokens} tokens, polar ×{n}"
+                print(
+                    f"{label:<34}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
+                    f"{pct(times, 50) - pct(bare_times, 50):>10.1f}m{rate / bare_rate:>16.2f}"
+                )
 
 
 def report(label: str, bare: list[float], polar: list[float]) -> None:

@@ -314,6 +314,49 @@ def gateway_running(
 
 
 @contextmanager
+def gateways_running(
+    backends: list[str],
+    out_dir: Path,
+    *,
+    confdir: Path,
+    log: Path | None = None,
+    options: dict[str, str] | None = None,
+) -> Iterator[list[GatewayProcess]]:
+    """One gateway per backend for the duration of a block (`--gateways N`): tokenization and record writing are
+    CPU work in one event loop per process, so several processes serve more sessions at once. One gateway writes
+    `out_dir` itself; several write `out_dir/gw-K` each (a journal per process, so no one recovers another's live
+    journal; every reader takes the folder whole, as with Ray's `node-*`), logs `gateway-K.log`.
+
+    The first starts alone (it creates the mitmproxy CA in `confdir`, which the others then share), the rest
+    together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def start(k: int) -> GatewayProcess:
+        several = len(backends) > 1
+        return start_gateway(
+            backends[k],
+            out_dir / f"gw-{k}" if several else out_dir,
+            confdir=confdir,
+            log=log.with_name(f"{log.stem}-{k}{log.suffix}") if log is not None and several else log,
+            options=options,
+        )
+
+    started: list[GatewayProcess] = []
+    try:
+        started.append(start(0))
+        with ThreadPoolExecutor(max_workers=max(1, len(backends) - 1)) as pool:
+            futures = [pool.submit(start, k) for k in range(1, len(backends))]
+        started += [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            raise failed[0]  # type: ignore[misc]
+        yield started
+    finally:
+        for gateway in started:  # stopping compacts each journal into a shard
+            gateway.stop()
+
+
+@contextmanager
 def engine_and_gateway(
     out_dir: Path,
     *,

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from polar_mitm import procs
+from polar_mitm import engines, procs
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.loop import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
@@ -86,22 +86,29 @@ def capture_stack(
     ca_bundle: Path | None,
     work: Path,
     gateway_options=None,
+    gateways: int = 1,
 ):
-    """Attach to a running gateway, or start engine (unless given) + gateway for the duration."""
+    """Attach to a running gateway, or start engine (unless given) + `gateways` gateways for the duration; yields
+    (the gateways' endpoints, the engine URL)."""
     if gateway_url:
-        yield GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle), engine
+        yield [GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle)], engine
         return
-    with procs.engine_and_gateway(
-        out,
-        confdir=work / "mitmproxy",
-        engine=engine,
-        model=model,
-        engine_args=["--script", str(script)] if script else [],
-        engine_log=work / "engine.log",
-        gateway_log=work / "gateway.log",
-        gateway_options=gateway_options,
-    ) as (engine_url, gw):
-        yield GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), engine_url
+    with (
+        procs.engine_running(
+            engine,
+            model=model,
+            log=work / "engine.log",
+            extra_args=["--script", str(script)] if script else [],
+        ) as engine_url,
+        procs.gateways_running(
+            engines.gateway_backends(engine_url, gateways),
+            out,
+            confdir=work / "mitmproxy",
+            log=work / "gateway.log",
+            options=gateway_options,
+        ) as started,
+    ):
+        yield [GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()) for gw in started], engine_url
 
 
 class Interrupted(Exception):
@@ -153,7 +160,7 @@ def run_rollout(
     tasks: list[Task],
     harness: HarnessSpec,
     config: RolloutConfig,
-    endpoints: GatewayEndpoints,
+    endpoints: GatewayEndpoints | list[GatewayEndpoints],
     *,
     live: bool = True,
 ) -> RolloutSummary:
@@ -182,6 +189,10 @@ def rollout_command(
         RolloutConfig.concurrency
     ),
     out: Annotated[Path, typer.Option(help="Record directory (the gateway's polar_out).")] = Path("flows"),
+    gateways: Annotated[
+        int,
+        typer.Option(help="Gateway processes started (sessions spread across them, records under OUT/gw-*)."),
+    ] = 1,
     rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path(
         "rewards.parquet"
     ),
@@ -232,6 +243,10 @@ def rollout_command(
         workspace_root=work_dir / "workspaces",
         log_dir=work_dir / "logs",
     )
+    if gateways < 1 or (gateways > 1 and (ray is not None or gateway_url)):
+        raise fail(
+            "--gateways must be at least 1, and is 1 with --ray (one gateway per node) or --gateway-url"
+        )
     if ray is not None:
         ray_rollout(
             task_list,
@@ -257,6 +272,7 @@ def rollout_command(
             gateway_proxy=gateway_proxy,
             ca_bundle=None,
             work=work_dir,
+            gateways=gateways,
         ) as (endpoints, _):
             summary = run_rollout(task_list, harness_spec, config, endpoints)
     except Interrupted as stop:
@@ -407,6 +423,7 @@ def loop_command(
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))
     ] = (LoopConfig.concurrency),
+    gateways: Annotated[int, typer.Option(help=help_of(LoopConfig, "gateways"))] = LoopConfig.gateways,
     model: Annotated[str, typer.Option(help=help_of(LoopConfig, "model"))] = LoopConfig.model,
     script: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "script"))] = LoopConfig.script,
     engine: Annotated[

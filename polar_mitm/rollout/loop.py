@@ -127,6 +127,13 @@ class LoopConfig:
     iterations: int = field(default=2, metadata=_help("RL iterations."))
     group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
     concurrency: int = field(default=4, metadata=_help("Harness sessions at once."))
+    gateways: int = field(
+        default=1,
+        metadata=_help(
+            "Gateway processes per rollout (sessions spread across them, records under iter-K/flows/gw-*): "
+            "for hundreds of sessions or long prompts, where one gateway's CPU is the bottleneck."
+        ),
+    )
     model: str = field(default="tiny", metadata=_help("Starting model: tiny | smollm2 | PATH."))
     script: Path | None = field(default=None, metadata=_help("Scripted policy for the embedded engine."))
     engine_url: str | None = field(
@@ -337,6 +344,8 @@ class Loop:
             check_held_out(self.tasks, self.eval_tasks)
             if cfg.eval_every < 1 or cfg.eval_samples < 1:
                 raise ValueError("--eval-every and --eval-samples must be at least 1")
+        if cfg.gateways < 1 or (cfg.gateways > 1 and cfg.ray_address is not None):
+            raise ValueError("--gateways must be at least 1 (and is 1 with --ray: one gateway per node)")
         check_tracker(cfg.report_to)  # refused before the engine starts
         self.tracker: Tracker = NoTracker()  # run() opens the --report-to one
         self.on_iteration = on_iteration or (lambda stats: None)
@@ -414,15 +423,15 @@ class Loop:
             finished_before[0] += len(summary.sessions)
             return summary
 
-        # Stopping the gateway compacts its journal: the iteration's records are complete shards after the block.
-        with procs.gateway_running(
-            engines.gateway_backends(self.engine_url, 1)[0],
+        # Stopping a gateway compacts its journal: the iteration's records are complete shards after the block.
+        with procs.gateways_running(
+            engines.gateway_backends(self.engine_url, cfg.gateways),
             it / "flows",
             confdir=cfg.run_dir / "mitmproxy",
             log=it / "gateway.log",
             options=gateway_options,
-        ) as gw:
-            endpoints = GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle())
+        ) as gateways:
+            endpoints = [GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()) for gw in gateways]
             if sampler is None:
                 return asyncio.run(run_wave(tasks))
             return asyncio.run(sample_groups(sampler, run_wave))

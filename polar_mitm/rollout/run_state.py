@@ -41,7 +41,7 @@ STATE_FILE = "state.json"
 SESSIONS_FILE = "sessions.jsonl"
 # Options that may differ on --resume: they change what is kept, not what is trained (an engine restarted at another
 # address is given the last trained weights at start).
-RESUMABLE_CHANGES = ("resume", "keep_checkpoints", "engine_url")
+RESUMABLE_CHANGES = ("resume", "keep_checkpoints", "engine_url", "gateways")
 
 
 class RunRecordError(ValueError):

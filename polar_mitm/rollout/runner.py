@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -149,11 +149,15 @@ class Rollout:
         self,
         tasks: list[Task],
         harness: HarnessSpec,
-        gateway: GatewayEndpoints,
+        gateway: GatewayEndpoints | Sequence[GatewayEndpoints],
         config: RolloutConfig,
         on_update: Callable[[list[SessionRun]], None] | None = None,
     ) -> None:
-        self.tasks, self.harness, self.gateway, self.config = tasks, harness, gateway, config
+        self.tasks, self.harness, self.config = tasks, harness, config
+        # Several gateway processes (`--gateways N`): each session goes whole to the one with the fewest running
+        # sessions, so its seq and token chain stay in one process.
+        self.gateways = [gateway] if isinstance(gateway, GatewayEndpoints) else list(gateway)
+        self.running_on = [0] * len(self.gateways)
         self.on_update = on_update or (lambda sessions: None)
         self.started = time.monotonic()
         self.sessions = [
@@ -206,7 +210,15 @@ class Rollout:
     async def _run(self, s: SessionRun) -> None:
         s.stage = "run"
         self.on_update(self.sessions)
-        launch = self.harness.launch(s.task, s.session_id, s.workspace, self.gateway, s.index)  # type: ignore
+        gateway = min(range(len(self.gateways)), key=self.running_on.__getitem__)
+        self.running_on[gateway] += 1
+        try:
+            await self._run_on(s, self.gateways[gateway])
+        finally:
+            self.running_on[gateway] -= 1
+
+    async def _run_on(self, s: SessionRun, gateway: GatewayEndpoints) -> None:
+        launch = self.harness.launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
         start = time.monotonic()
         try:
