@@ -24,7 +24,8 @@ W = head + M[k:], head = [M[0]] plus M[q] when the tip's query q ≥ 1. Then, wh
     end-of-turn, and the tool grouping of M[k], depend on that neighbour; W puts M[0]/M[q] before M[k]);
   - M[0] is a system or user message: its block, like M[q]'s, reads neither `loop.last` nor neighbours.
 
-So T(M) = P + (T(W) minus T(head) without generation prompt) — checked cheaply on the strings too. Any other
+So T(M) = P + (T(W) minus T(head) without generation prompt) — checked cheaply on the strings too. A retry (the
+tip's very messages, tools and kwargs) is the tip's text: these templates read nothing else (no date). Any other
 template, or a call that does not meet the conditions, is rendered in full (renderer.py), and a chain's first call
 is still checked against the engine's own ids (prompts.py).
 """
@@ -88,8 +89,12 @@ def render_after_tip(
     None when not proved (no such tip, or a call outside the conditions of the module docstring)."""
     for tip in tips:
         k = len(tip.messages)
-        if k >= len(messages) or tip.tools != tools or tip.kwargs != kwargs or messages[:k] != tip.messages:
+        if k > len(messages) or tip.tools != tools or tip.kwargs != kwargs or messages[:k] != tip.messages:
             continue
+        if k == len(messages):
+            return (
+                tip  # a retry: the same inputs, and these templates read nothing else (no date, no globals)
+            )
         if not window_safe(messages, k):
             return None
         head = tip.head or make_head(messages, k, render)

@@ -143,7 +143,9 @@ def test_random_conversations_are_rendered_exactly_or_in_full(renderer):
         kwargs = rng.choice([{}, {"enable_thinking": False}])
         full = renderer.render({"messages": messages, "tools": tools, "chat_template_kwargs": kwargs})
         request = {"messages": messages, "tools": tools, "chat_template_kwargs": kwargs}
-        for k in range(1, len(messages)):  # every tip, fresh (its window head rendered on this call)
+        for k in range(
+            1, len(messages) + 1
+        ):  # every tip, fresh (its window head rendered on this call); k = n: a retry
             tip_text = renderer.render_messages(messages[:k], tools, kwargs)
             tip = renderer.render_after_tip(request, [RenderedTip(messages[:k], tools, kwargs, tip_text)])
             if tip is None:
