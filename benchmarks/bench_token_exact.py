@@ -14,6 +14,8 @@ the same run so that machine load hits them alike:
 Printed per prompt size: the gateway's prepare+complete time per call (p50/p99) of each, the added latency of
 tokens mode (tokens − messages) before/after, and the engine-side work tokens mode removes (a full chat-template
 render + tokenization, measured with the same tokenizer: what SGLang does per call in messages mode).
+A full render costs ~35 µs per message, so its share grows with the session's message count, not its tokens:
+`--turns 60` (122 messages) shows the long agent sessions harnesses produce.
 Run: .venv/bin/python benchmarks/bench_token_exact.py [--repeats 5] [--turns 10]
 """
 

@@ -33,9 +33,12 @@ is still checked against the engine's own ids (prompts.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # sha256 of the template texts the argument above was made for; a changed template is rendered in full until its
 # own argument is made (tests/gateway/test_incremental_render.py checks these are the project's templates).
@@ -91,16 +94,20 @@ def render_after_tip(
         k = len(tip.messages)
         if k > len(messages) or tip.tools != tools or tip.kwargs != kwargs or messages[:k] != tip.messages:
             continue
-        if k == len(messages):
-            return (
-                tip  # a retry: the same inputs, and these templates read nothing else (no date, no globals)
-            )
+        if k == len(messages):  # a retry: the same inputs, and these templates read nothing else (no date)
+            return tip
         if not window_safe(messages, k):
             return None
-        head = tip.head or make_head(messages, k, render)
-        if head is None:
+        try:
+            head = tip.head or make_head(messages, k, render)
+            if head is None:
+                return None
+            window = render([*head_messages(messages, head.query), *messages[k:]], True)
+        except (
+            Exception
+        ) as exc:  # a window the template refuses: the full render decides (and raises if it must)
+            log.debug("incremental rendering refused by the template: %s", exc)
             return None
-        window = render([*head_messages(messages, head.query), *messages[k:]], True)
         if not (window.startswith(head.bare) and tip.text.endswith(head.footer)):
             return None  # the template did not split as argued: never build on it
         text = tip.text[: len(tip.text) - len(head.footer)] + window[len(head.bare) :]

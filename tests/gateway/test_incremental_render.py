@@ -18,7 +18,12 @@ import pytest
 
 from polar_mitm.conversation import Completion, Message
 from polar_mitm.engine.tiny_model import chat_template
-from polar_mitm.gateway.incremental_render import LOCAL_TEMPLATES, RenderedTip, template_hash
+from polar_mitm.gateway.incremental_render import (
+    LOCAL_TEMPLATES,
+    RenderedTip,
+    render_after_tip,
+    template_hash,
+)
 from polar_mitm.gateway.prompts import PromptBuilder, rendered_tip
 from polar_mitm.gateway.renderer import PromptRenderer
 from tests.gateway.sample_sessions import TEMPLATES, conversations, engine_requests, tokenizer_with_template
@@ -207,3 +212,19 @@ def test_a_template_the_argument_was_not_made_for_is_rendered_in_full(template_d
     ]
     tip = RenderedTip(messages[:1], None, {}, renderer.render_messages(messages[:1], None, {}))
     assert renderer.render_after_tip({"messages": messages}, [tip]) is None
+
+
+def test_a_window_the_template_refuses_is_rendered_in_full():
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "x"},
+        {"role": "tool", "content": "o"},
+    ]
+
+    def render(window: list[dict[str, Any]], prompt: bool) -> str:
+        if len(window) > 1:
+            raise ValueError("conversations must alternate")  # as some templates' raise_exception does
+        return "head" + ("<gen>" if prompt else "")
+
+    tip = RenderedTip(messages[:1], None, {}, "head<gen>")
+    assert render_after_tip(messages, None, {}, [tip], render) is None
