@@ -317,7 +317,8 @@ def iteration_table(results):
 
     evaluated = [r.eval for r in results if r.eval is not None]
     caption = (
-        "seconds per stage: rollout / merge / train; groups: informative / all (+ drawn to replace flat ones)"
+        "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); "
+        "groups: informative / all (+ drawn to replace flat ones)"
     )
     if evaluated:
         caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
@@ -351,7 +352,7 @@ def iteration_table(results):
             str(r.requests),
             str(r.sequences),
             f"{r.trainable_tokens}/{r.total_tokens}",
-            f"{s['rollout']:.0f}/{s['merge']:.0f}/{s['train']:.0f}",
+            f"{s['rollout']:.0f}/{s['merge']:.0f}/" + ("skip" if r.train_skipped else f"{s['train']:.0f}"),
             *held_out,
         )
     return table

@@ -265,6 +265,8 @@ class IterationStats:
     # the trained calls by staleness: weight updates between the weights that sampled the call (its record's
     # weight_version) and those the training started from — per call, so a session spanning a push counts in two
     call_staleness: dict[str, int] = field(default_factory=dict)
+    # every group was flat: no optimizer step, the weights stayed (Loop._skipped_training)
+    train_skipped: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
@@ -798,6 +800,7 @@ class Loop:
         seconds = {"rollout": rollout_s, "merge": merge_s, "train": train_s}
         stats = iteration_stats(k, version, summary, figures, seconds)
         stats.call_staleness = call_staleness(self.cfg.run_dir / f"iter-{k}", base)
+        stats.train_skipped = bool(self._state(k).info("train").get("skipped"))
         stats.eval = self._eval_stage(k)
         return stats
 
