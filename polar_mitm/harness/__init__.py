@@ -31,6 +31,7 @@ from polar_mitm.harness.gemini import GeminiCli
 from polar_mitm.harness.hermes import Hermes
 from polar_mitm.harness.kilo import Kilo
 from polar_mitm.harness.mini_swe_agent import MiniSweAgent
+from polar_mitm.harness.openclaw import OpenClaw
 from polar_mitm.harness.opencode import OpenCode
 from polar_mitm.harness.pi import Pi
 from polar_mitm.harness.qwen import QwenCode
@@ -49,6 +50,7 @@ HARNESSES: dict[str, Harness] = {
         Cline(),
         Kilo(),
         Hermes(),
+        OpenClaw(),
     )
 }
 

@@ -86,8 +86,14 @@ def test_import_flows_rebuilds_each_harness_session(name, tmp_path):
             assert row[col] == original[col]
 
 
+# Aider rebuilds every prompt; OpenClaw ends each with runtime facts that the next one leaves out (its test below).
+NO_PREFIX_EXTENSION = {"aider", "openclaw"}
+
+
 @needs_samples
-@pytest.mark.parametrize("name", [name for name in RECORDED or list(HARNESSES) if name != "aider"])
+@pytest.mark.parametrize(
+    "name", [name for name in RECORDED or list(HARNESSES) if name not in NO_PREFIX_EXTENSION]
+)
 def test_each_turn_prompt_extends_the_previous_one_token_for_token(name):
     """What prefix merging relies on: the harness re-sends history that renders to the very same tokens."""
     turns = [f.metadata["polar_record"] for f in main_turns(name)]
@@ -487,3 +493,39 @@ def test_hermes_pricing_lookup_is_a_model_listing_answered_by_the_gateway():
         ("GET", "api.openai.com", "/v1/models")
     ]
     assert others[0].response.status_code == 200 and "data" in others[0].response.json()
+
+
+# -- OpenClaw -------------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_openclaw_appends_runtime_facts_that_it_drops_from_history_so_no_call_extends_the_last():
+    """anthropic provider (proxy mode): streamed Messages with adaptive thinking (`block_binding`), server-side
+    `context_management` (clear_tool_uses) and `output_config.effort`. Every call ends with a fresh user message of
+    runtime facts (`<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>`: active exec sessions, subagents) that the next call
+    leaves out of its history, so no call's prompt extends the last one's: each opens its own chain, exact on its
+    own (test_token_exact_harnesses.py: 100% context-exact, one sequence per call)."""
+    flows = main_turns("openclaw")
+    requests = [body(f) for f in flows]
+    assert len(flows) == len(model_flows("openclaw")) == 3  # no side calls
+    for request in requests:
+        assert request["model"] == "claude-sonnet-4-6" and request["stream"] is True
+        assert request["thinking"]["type"] == "adaptive" and "block_binding" in request["thinking"]
+        [edit] = request["context_management"]["edits"]
+        assert edit["type"].startswith("clear_tool_uses")
+        assert "exec" in {t["name"] for t in request["tools"]} and len(request["tools"]) == 12
+        facts = request["messages"][-1]
+        assert facts["role"] == "user" and facts["content"][0]["text"].startswith(
+            "<<<BEGIN_OPENCLAW_INTERNAL"
+        )
+    # The facts of call 1 are gone from call 2's history: the tool result follows the sampled answer directly.
+    history = requests[1]["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "user"]
+    assert history[2]["content"][0]["type"] == "tool_result"
+    assert sum("INTERNAL_CONTEXT" in json.dumps(m) for m in history) == 1
+    # Its thinking comes back signed, its tool call as sampled.
+    thinking, _, call = history[1]["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == THINKING and thinking["signature"]
+    assert call["name"] == "exec" and call["input"] == {"command": "echo hello > out.txt"}
+    records = [f.metadata["polar_record"] for f in flows]
+    assert [r["splice_reason"] for r in records[1:]] == ["no prefix match", "no prefix match"]
