@@ -16,8 +16,9 @@ bash scripts/setup-vllm.sh  # vLLM (CPU build) in .venv-vllm for tests/engine/te
 bash scripts/setup-mini-swe-agent.sh  # harnesses with pins of their own, each in its venv (recipes/<name>.md)
 bash scripts/setup-aider.sh
 bash scripts/setup-hermes.sh
-bash scripts/setup-cline.sh  # npm harnesses installed per harness (.harness-cline, .harness-kilo)
+bash scripts/setup-cline.sh  # npm harnesses installed per harness (.harness-cline, .harness-kilo, .harness-openclaw)
 bash scripts/setup-kilo.sh
+bash scripts/setup-openclaw.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
 .venv/bin/ruff format --check .  # the tree stays as `ruff format .` writes it
