@@ -32,7 +32,7 @@ from polar_mitm.storage.records import RECORD_SCHEMA
 from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
-from tests.harness.test_token_exact_harnesses import COMMANDS, PROMPT, SCRIPT
+from tests.harness.test_token_exact_harnesses import COMMANDS, PROMPT, REBUILDING, SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,8 @@ def test_harness_session_at_t07_is_scored_alike(stack, vllm_model_dir, tmp_path,
 
 def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: Path, name: str) -> None:
     """One scripted session of harness `name` through `stack`: it succeeds, is context-exact, merges into one
-    main sequence, and the trainer's step-0 logprobs are vLLM's recorded ones."""
+    main sequence (one per call for a harness that rebuilds every prompt), and the trainer's step-0 logprobs are
+    vLLM's recorded ones."""
     temperature = stack.temperature
     session = f"vllm-{name}-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
@@ -183,7 +184,12 @@ def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: P
     main = [r for r in rows if r["tools_json"] != "[]"]
     submits = name == "mini-swe-agent"  # its last turn is FINAL + its submit command (policy.shell_script)
     assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
-    assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
+    if (
+        name in REBUILDING
+    ):  # OpenClaw: no call extends the last (test_token_exact_harnesses), each its own chain
+        assert [r["splice_reason"] for r in main[1:]] == ["no prefix match"] * (len(main) - 1)
+    else:
+        assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
 
     sequences = merged_sequences(rows)
     prompts = {r["request_id"]: np.asarray(r["prompt_ids"], dtype=np.int32) for r in rows}
@@ -202,6 +208,6 @@ def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: P
     }
     print(f"{name} T={temperature}: {RESULTS[(name, temperature)]}, per-row mean |Δ| ≤ {row_gap:.1e}")
     assert exactness.share == 1.0, exactness
-    assert main_sequences == 1, [seq.request_ids for seq in sequences]
+    assert main_sequences == (len(main) if name in REBUILDING else 1), [seq.request_ids for seq in sequences]
     assert compared >= sum(len(r["completion_ids"]) for r in main)  # every main-thread token is compared
     assert token_gap <= STEP0_TOLERANCE, token_gap
