@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from polar_mitm.harness.base import REPO_ROOT, Harness, HarnessError, Hookup, ProviderName, Runtime, ShellTool
+from polar_mitm.harness.base import (
+    REPO_ROOT,
+    Harness,
+    Hookup,
+    ProviderName,
+    Runtime,
+    ShellTool,
+    venv_executable,
+    venv_version,
+)
 
 MODEL = "openai/gpt-4.1-mini"
 VENV_VARIABLE = "POLAR_AIDER_VENV"
@@ -94,16 +102,8 @@ class Aider(Harness):
         return ["--message", prompt]
 
     def executable(self, bin_dir: Path | None = None) -> Path:
-        """`aider` in its own venv, else on PATH (`bin_dir`, the npm CLIs' folder, does not hold it)."""
-        candidate = venv_dir() / "bin" / self.binary
-        if candidate.exists():
-            return candidate
-        found = shutil.which(self.binary)
-        if found:
-            return Path(found)
-        raise HarnessError(f"{self.binary} ({self.package}) is not installed: run scripts/setup-aider.sh")
+        """`aider` in its own venv, else on PATH."""
+        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-aider.sh")
 
     def installed_version(self) -> str | None:
-        """The version in its venv (the npm CLIs' versions come from node_modules)."""
-        found = sorted(venv_dir().glob("lib/python*/site-packages/aider_chat-*.dist-info"))
-        return found[-1].name.removeprefix("aider_chat-").removesuffix(".dist-info") if found else None
+        return venv_version(venv_dir(), "aider_chat")

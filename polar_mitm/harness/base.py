@@ -285,3 +285,23 @@ def base_environment(extra_path: list[Path] | None = None) -> dict[str, str]:
         env["PATH"] = os.pathsep.join([*(str(p) for p in extra_path), env.get("PATH", os.defpath)])
     env.setdefault("TERM", "dumb")
     return env
+
+
+# -- harnesses installed from PyPI into a venv of their own (mini-swe-agent, Aider, Hermes) --------------------------
+
+
+def venv_executable(venv: Path, binary: str, package: str, setup_script: str) -> Path:
+    """`binary` in the harness's own venv, else on PATH (the npm CLIs' folder does not hold it)."""
+    candidate = venv / "bin" / binary
+    if candidate.exists():
+        return candidate
+    found = shutil.which(binary)
+    if found:
+        return Path(found)
+    raise HarnessError(f"{binary} ({package}) is not installed: run {setup_script}")
+
+
+def venv_version(venv: Path, distribution: str) -> str | None:
+    """The installed version of `distribution` (its dist-info name, e.g. `aider_chat`) in the harness's venv."""
+    found = sorted(venv.glob(f"lib/python*/site-packages/{distribution}-*.dist-info"))
+    return found[-1].name.removeprefix(f"{distribution}-").removesuffix(".dist-info") if found else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,11 +19,12 @@ from polar_mitm.harness.base import (
     COMMAND,
     REPO_ROOT,
     Harness,
-    HarnessError,
     Hookup,
     ProviderName,
     Runtime,
     ShellTool,
+    venv_executable,
+    venv_version,
 )
 
 FIRST_PARTY = ("openai-api", "gpt-4.1-mini")  # api.openai.com: Hermes speaks Responses to that host
@@ -84,16 +84,8 @@ class Hermes(Harness):
         return ["-z", prompt, "--toolsets", TOOLSETS]
 
     def executable(self, bin_dir: Path | None = None) -> Path:
-        """`hermes` in its own venv, else on PATH (`bin_dir`, the npm CLIs' folder, does not hold it)."""
-        candidate = venv_dir() / "bin" / self.binary
-        if candidate.exists():
-            return candidate
-        found = shutil.which(self.binary)
-        if found:
-            return Path(found)
-        raise HarnessError(f"{self.binary} ({self.package}) is not installed: run scripts/setup-hermes.sh")
+        """`hermes` in its own venv, else on PATH."""
+        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-hermes.sh")
 
     def installed_version(self) -> str | None:
-        """The version in its venv (the npm CLIs' versions come from node_modules)."""
-        found = sorted(venv_dir().glob("lib/python*/site-packages/hermes_agent-*.dist-info"))
-        return found[-1].name.removeprefix("hermes_agent-").removesuffix(".dist-info") if found else None
+        return venv_version(venv_dir(), "hermes_agent")

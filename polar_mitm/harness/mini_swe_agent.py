@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,11 +20,12 @@ from polar_mitm.harness.base import (
     COMMAND,
     REPO_ROOT,
     Harness,
-    HarnessError,
     Hookup,
     ProviderName,
     Runtime,
     ShellTool,
+    venv_executable,
+    venv_version,
 )
 
 MODEL = "openai/gpt-4.1-mini"  # litellm's `openai/` provider: Chat Completions, api.openai.com by default
@@ -76,18 +76,8 @@ class MiniSweAgent(Harness):
         return ["-y", "--exit-immediately", "-c", "mini.yaml", "-c", HOOKUP_CONFIG, "-t", prompt]
 
     def executable(self, bin_dir: Path | None = None) -> Path:
-        """`mini` in its own venv, else on PATH (`bin_dir`, the npm CLIs' folder, does not hold it)."""
-        candidate = venv_dir() / "bin" / self.binary
-        if candidate.exists():
-            return candidate
-        found = shutil.which(self.binary)
-        if found:
-            return Path(found)
-        raise HarnessError(
-            f"{self.binary} ({self.package}) is not installed: run scripts/setup-mini-swe-agent.sh"
-        )
+        """`mini` in its own venv, else on PATH."""
+        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-mini-swe-agent.sh")
 
     def installed_version(self) -> str | None:
-        """The version in its venv (the npm CLIs' versions come from node_modules)."""
-        found = sorted(venv_dir().glob("lib/python*/site-packages/mini_swe_agent-*.dist-info"))
-        return found[-1].name.removeprefix("mini_swe_agent-").removesuffix(".dist-info") if found else None
+        return venv_version(venv_dir(), "mini_swe_agent")
