@@ -142,6 +142,39 @@ def git_clone_argv(source: str) -> list[str]:
     return ["git", "-c", "protocol.ext.allow=never", "clone", "-q", "--", source, "."]
 
 
+class InOrder:
+    """Hands sessions on in the order they were drawn, whatever order their INIT finishes in.
+
+    INIT workers prepare several workspaces at once; a slow setup must not let a later session overtake it into
+    the READY buffer, or a group's sessions would start apart (GRPO groups, the straggler cut and `--overlap`
+    assume a group runs side by side, in task order). Turns passed without a hand-off (a failed or cut INIT) do
+    not hold up the ones behind them.
+    """
+
+    def __init__(self) -> None:
+        self._drawn = self._next = 0
+        self._passed: set[int] = set()
+        self._turns: dict[int, asyncio.Event] = {}
+
+    def draw(self) -> int:
+        ticket, self._drawn = self._drawn, self._drawn + 1
+        return ticket
+
+    async def turn(self, ticket: int) -> None:
+        """Wait until every earlier ticket has passed."""
+        if ticket != self._next:
+            await self._turns.setdefault(ticket, asyncio.Event()).wait()
+
+    def passed(self, ticket: int) -> None:
+        self._passed.add(ticket)
+        while self._next in self._passed:
+            self._passed.discard(self._next)
+            self._turns.pop(self._next, None)
+            self._next += 1
+        if self._next in self._turns:
+            self._turns[self._next].set()
+
+
 class Rollout:
     """Runs G sessions per task through the stages; `on_update` gets the live sessions after every change."""
 
@@ -348,6 +381,7 @@ class Rollout:
         self._buffered = cfg.ready_buffer > 0
         self._pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
         self._ready: asyncio.Queue[SessionRun | None] = asyncio.Queue(maxsize=max(cfg.ready_buffer, 0))
+        self._ready_order = InOrder()
         self._post_queue: asyncio.Queue[SessionRun | None] = asyncio.Queue()
 
     async def run(self) -> RolloutSummary:
@@ -385,7 +419,11 @@ class Rollout:
 
     async def _init_worker(self) -> None:
         while (s := await self._pending.get()) is not None:
-            await self._guarded(s, self._prepare)
+            ticket = self._ready_order.draw()  # no await since the get: tickets follow the pending order
+            try:
+                await self._guarded(s, lambda s, ticket=ticket: self._prepare(s, ticket))
+            finally:
+                self._ready_order.passed(ticket)
 
     async def _run_worker(self) -> None:
         source = self._ready if self._buffered else self._pending
@@ -396,12 +434,13 @@ class Rollout:
         while (s := await self._post_queue.get()) is not None:
             await self._guarded(s, self._evaluate)
 
-    async def _prepare(self, s: SessionRun) -> None:
-        """INIT worker: prepare the workspace and park the session in the READY buffer."""
+    async def _prepare(self, s: SessionRun, ticket: int) -> None:
+        """INIT worker: prepare the workspace and park the session in the READY buffer, in pending order."""
         if s.cut:
             await self._finish_cut(s)
         elif await self._init(s):
             s.stage = "ready"
+            await self._ready_order.turn(ticket)
             await self._ready.put(s)  # blocks while the READY buffer is full
         else:
             await self._teardown(s)

@@ -108,6 +108,24 @@ def test_ready_buffer_keeps_run_workers_busy(gateway, tmp_path):
     assert with_buffer.wall_seconds < without.wall_seconds
 
 
+def test_ready_buffer_starts_sessions_in_task_order_whatever_order_their_init_ends(gateway, tmp_path):
+    # The first task's setup is the slow one: prepared side by side, the second would be READY first.
+    tasks = write_tasks(
+        tmp_path / "t.jsonl", [task("first", workspace={"setup": ["sleep 1"]}), task("second")]
+    )
+    harness = "cmd:echo hello > out.txt"
+    summary = run(
+        tasks, harness, gateway, tmp_path, group_size=2, concurrency=1, ready_buffer=4, init_workers=4
+    )
+    started = sorted(summary.sessions, key=lambda s: s.spans["run"][0])
+    assert [(s.task.task_id, s.index) for s in started] == [
+        ("first", 0),
+        ("first", 1),
+        ("second", 0),
+        ("second", 1),
+    ]
+
+
 def test_task_file_errors_name_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(task("ok")) + "\n" + json.dumps({"task_id": "x"}) + "\n")
