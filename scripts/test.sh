@@ -16,6 +16,7 @@ bash scripts/setup-vllm.sh  # vLLM (CPU build) in .venv-vllm for tests/engine/te
 bash scripts/setup-mini-swe-agent.sh  # harnesses with pins of their own, each in its venv (recipes/<name>.md)
 bash scripts/setup-aider.sh
 bash scripts/setup-hermes.sh
+bash scripts/setup-openhands.sh  # on Python 3.12 (pyenv's, or POLAR_OPENHANDS_PYTHON)
 bash scripts/setup-cline.sh  # npm harnesses installed per harness (.harness-cline, .harness-kilo, .harness-openclaw)
 bash scripts/setup-kilo.sh
 bash scripts/setup-openclaw.sh

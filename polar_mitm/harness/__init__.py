@@ -1,4 +1,5 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes), unmodified, via the gateway: presets.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw, OpenHands),
+unmodified, via the gateway: presets.
 
     from polar_mitm.harness import get_harness, Hookup
     harness = get_harness("codex")
@@ -33,6 +34,7 @@ from polar_mitm.harness.kilo import Kilo
 from polar_mitm.harness.mini_swe_agent import MiniSweAgent
 from polar_mitm.harness.openclaw import OpenClaw
 from polar_mitm.harness.opencode import OpenCode
+from polar_mitm.harness.openhands import OpenHands
 from polar_mitm.harness.pi import Pi
 from polar_mitm.harness.qwen import QwenCode
 
@@ -51,6 +53,7 @@ HARNESSES: dict[str, Harness] = {
         Kilo(),
         Hermes(),
         OpenClaw(),
+        OpenHands(),
     )
 }
 

@@ -157,7 +157,7 @@ def test_rollout_launch_gives_argv_and_env_for_the_rollout_runner(tmp_path):
         )
 
 
-@pytest.mark.parametrize("name", ["hermes", "mini-swe-agent", "codex", "pi", "claude-code"])
+@pytest.mark.parametrize("name", ["hermes", "mini-swe-agent", "openhands", "codex", "pi", "claude-code"])
 def test_a_relative_ca_bundle_reaches_the_harness_as_an_absolute_path(name, tmp_path, monkeypatch):
     """`polar-mitm rollout` with its default work dir (runs/rollout) hands over a relative bundle path; the harness
     runs in its workspace, where that path names nothing (Hermes then stops: "SSL_CERT_FILE points to a missing CA

@@ -1,5 +1,5 @@
-"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw), unmodified, end to end through the
-gateway, in both hook-up modes.
+"""The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw, OpenHands),
+unmodified, end to end through the gateway, in both hook-up modes.
 
 Each run is a one-shot prompt against the scripted tiny engine (polar_mitm/harness/policy.py): turn 1 thinks and
 calls the harness's own shell tool with `echo hello > out.txt`, turn 2 answers. The harness must parse our tool
@@ -129,6 +129,30 @@ def hermes_checks(rows: list[dict[str, Any]], mode: str) -> None:
         assert len(json.loads(row["tools_json"])) == 6
 
 
+def openhands_checks(rows: list[dict[str, Any]], mode: str) -> None:
+    """litellm's openai/ provider, as the OpenHands SDK calls it: Chat Completions, not streamed, a constant
+    `prompt_cache_key` (the conversation id), the CLI's six tools; our tool call ran with the `security_risk` its
+    LLM security analyzer requires, and the tool result came back as the terminal's observation."""
+    requests = [json.loads(row["request_json"]) for row in rows]
+    for request in requests:
+        assert not request.get("stream") and request["model"] == "gpt-4.1-mini"
+        assert [t["function"]["name"] for t in request["tools"]] == [
+            "terminal",
+            "file_editor",
+            "task_tracker",
+            "task",
+            "finish",
+            "think",
+        ]
+    assert len({r["prompt_cache_key"] for r in requests}) == 1
+    call = next(m for m in requests[1]["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == {"command": "echo hello > out.txt", "security_risk": "LOW"}
+    result = next(m for m in requests[1]["messages"] if m["role"] == "tool")
+    assert "[The command completed with exit code 0.]" in result["content"][0]["text"], result
+    if mode == "proxy":
+        assert {row["host"] for row in rows} == {"api.openai.com"}
+
+
 CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
     "claude-code": claude_code_checks,
     "codex": codex_checks,
@@ -136,6 +160,7 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
     "gemini": gemini_checks,
     "mini-swe-agent": mini_swe_agent_checks,
     "hermes": hermes_checks,
+    "openhands": openhands_checks,
 }
 
 

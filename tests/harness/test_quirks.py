@@ -529,3 +529,62 @@ def test_openclaw_appends_runtime_facts_that_it_drops_from_history_so_no_call_ex
     assert call["name"] == "exec" and call["input"] == {"command": "echo hello > out.txt"}
     records = [f.metadata["polar_record"] for f in flows]
     assert [r["splice_reason"] for r in records[1:]] == ["no prefix match", "no prefix match"]
+
+
+# -- OpenHands ------------------------------------------------------------------------------------------------
+
+
+@needs_samples
+def test_openhands_sends_whole_chat_requests_drops_reasoning_and_keeps_arguments_as_sampled():
+    """The OpenHands SDK through litellm's openai/ provider (proxy mode): Chat Completions, not streamed,
+    `max_completion_tokens: 32768`, no sampling settings, the conversation id as `prompt_cache_key`, six tools.
+    History: our tool call comes back with the arguments as sampled (`security_risk` included), our
+    `reasoning_content` is dropped, tool results are the terminal's observation as content parts. Tokens mode
+    splices every turn (test_token_exact_harnesses.py)."""
+    flows = main_turns("openhands")
+    assert len(flows) == len(model_flows("openhands")) == 3  # no side model calls
+    requests = [body(f) for f in flows]
+    for request in requests:
+        assert not request.get("stream") and flows[0].response.headers["content-type"] == "application/json"
+        assert request["max_completion_tokens"] == 32768
+        assert not {"temperature", "top_p", "max_tokens", "reasoning_effort"} & set(request)
+        assert [t["function"]["name"] for t in request["tools"]] == [
+            "terminal",
+            "file_editor",
+            "task_tracker",
+            "task",
+            "finish",
+            "think",
+        ]
+        terminal = request["tools"][0]["function"]["parameters"]
+        assert {"command", "security_risk", "summary"} <= set(terminal["properties"])
+    assert len({r["prompt_cache_key"] for r in requests}) == 1
+    assert flows[0].request.headers["user-agent"].startswith("OpenAI/Python")
+    sampled = json.loads(flows[0].metadata["polar_record"]["response_json"])["choices"][0]["message"]
+    assert sampled["reasoning_content"] == THINKING
+    resent = next(m for m in requests[1]["messages"] if m["role"] == "assistant")
+    assert "reasoning_content" not in resent and resent["content"] == [
+        {"type": "text", "text": sampled["content"]}
+    ]
+    assert (
+        resent["tool_calls"][0]["function"]["arguments"] == sampled["tool_calls"][0]["function"]["arguments"]
+    )
+    results = [m for m in requests[2]["messages"] if m["role"] == "tool"]
+    assert [r["name"] for r in results] == ["terminal", "terminal"]
+    assert results[1]["content"][0]["text"].startswith("hello\n[The command completed with exit code 0.]")
+    tool_texts = [m.content for m in decode(flows[2]).messages if m.role == "tool"]
+    assert tool_texts == [r["content"][0]["text"] for r in results]  # content parts become plain text
+    records = [f.metadata["polar_record"] for f in flows]
+    assert [r["prompt_mode"] for r in records[1:]] == ["tokens", "tokens"]
+
+
+@needs_samples
+def test_openhands_update_check_is_refused_by_the_gateway_and_never_recorded():
+    """Every run, headless too, the CLI asks PyPI for its latest version (2 s timeout, errors ignored): the
+    gateway answers it 404 as not a model call (base-URL mode: the dead proxy refuses it)."""
+    others = [f for f in iter_flows([SAMPLES / "openhands.flow"]) if "polar_record" not in f.metadata]
+    assert [(f.request.method, f.request.host, f.request.path) for f in others] == [
+        ("GET", "pypi.org", "/pypi/openhands/json")
+    ]
+    assert others[0].response.status_code == 404
+    assert others[0].request.headers["user-agent"] == "openhands-cli/1.16.0"
