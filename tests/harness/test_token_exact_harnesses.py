@@ -1,12 +1,12 @@
-"""The real harness CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw), proxy mode, in
-both prompt modes: how many sampled tokens are trained in the exact context the engine sampled them in.
+"""The real harness CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw, OpenHands), proxy
+mode, in both prompt modes: how many sampled tokens are trained in the exact context the engine sampled them in.
 
 Scripted multi-turn session (polar_mitm/harness/policy.py): turn 1 thinks, then three shell tool calls, then a
 final answer. In `tokens` mode every harness reaches 100% context-exact sampled tokens and its main thread (the
 calls that offer tools) merges into one sequence (Aider and OpenClaw, whose calls never extend the last one: one
 per call); in `messages` mode the harnesses that rewrite their history —
-Gemini CLI drops thought parts, Pi, Qwen Code, Cline and Hermes re-serialise tool arguments compactly — drift
-below 100%.
+Gemini CLI drops thought parts, Pi, Qwen Code, Cline and Hermes re-serialise tool arguments compactly, OpenHands
+drops our reasoning_content — drift below 100%.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ REWRITING = {
     "qwen",
     "cline",
     "hermes",
+    "openhands",
 }  # harnesses whose resent history differs from the sampled tokens
 # Aider rebuilds every prompt: the files it added to the chat go before the conversation, its format reminder
 # after it, and an applied edit is followed by its canned "I updated the files." — no call extends the last one.
