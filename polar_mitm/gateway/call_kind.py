@@ -44,6 +44,10 @@ COMPACTION_MARKERS = (
         "The messages above are NEW conversation messages to incorporate into the existing",
     ),
     ("hermes", "You are a summarization agent creating a context checkpoint"),  # agent/context_compressor.py
+    (  # openhands-sdk 1.21.0: context/condenser/prompts/summarizing_prompt.j2, a lone tool-free user message
+        "openhands",
+        "You are maintaining a context-aware state summary for an interactive agent.",
+    ),
 )
 
 

@@ -151,6 +151,16 @@ def test_call_kind_tells_compaction_side_and_main():
         ]
     )
     assert call_kind(hermes, "/v1/chat/completions") == "compaction"
+    openhands = Conversation(  # its condenser's one tool-free user message (openhands-sdk 1.21.0)
+        messages=[
+            Message(
+                role="user",
+                content="You are maintaining a context-aware state summary for an interactive agent.\n"
+                "You will be given a list of events",
+            )
+        ]
+    )
+    assert call_kind(openhands, "/v1/chat/completions") == "compaction"
 
 
 # ---- remote compaction v2: a compaction_trigger item ends a /responses input ------------------------------------
