@@ -38,7 +38,10 @@ def run_seed(seed: int, iterations: int, learning_rate: float, root: Path) -> di
     seconds = time.monotonic() - started
     flows = run_dir / "iter-0" / "flows"
     before = right_choice_probabilities(resolve_model("tiny", seed=seed), flows)
-    after = right_choice_probabilities(run_dir / f"iter-{iterations - 1}" / "train", flows)
+    # The last training's weights: an iteration whose groups were all flat trains nothing (its train/ holds only
+    # skipped.json) and keeps the weights before it, which its train marker names.
+    last = json.loads((run_dir / f"iter-{iterations - 1}" / "state.json").read_text())
+    after = right_choice_probabilities(Path(last["stages"]["train"]["model_dir"]), flows)
     return {
         "seed": seed,
         "rewards": [r.reward_mean for r in results],
