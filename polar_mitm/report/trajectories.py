@@ -7,7 +7,6 @@ sampled token comes after the first prompt, so nothing trainable is ever cut.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,20 +59,6 @@ class Trajectory:
     total: int = 0
 
 
-@functools.lru_cache(maxsize=4)
-def cached_tokenizer(spec: str, modified_ns: int):
-    """A tokenizer loaded once per process while its files stay the same (`modified_ns`): the loop rewrites its
-    report after every iteration, and loading a tokenizer costs more than drawing the page."""
-    from polar_mitm.reconstruct.merge import load_tokenizer
-
-    return load_tokenizer(spec)
-
-
-def _modified_ns(spec: str) -> int:
-    tokenizer_file = Path(spec).expanduser() / "tokenizer.json"
-    return tokenizer_file.stat().st_mtime_ns if tokenizer_file.exists() else 0
-
-
 def load_report_tokenizer(run: RunData, spec: str | None):
     """The tokenizer to decode with: `spec`, else the engine's (recorded by the gateway), else a trained
     checkpoint's; None (ids only) when none loads."""
@@ -84,9 +69,12 @@ def load_report_tokenizer(run: RunData, spec: str | None):
     candidates += [
         str(s.train_dir) for s in run.stages if s.train_dir and (s.train_dir / "tokenizer.json").exists()
     ]
+    from polar_mitm.reconstruct.merge import shared_tokenizer
+
     for candidate in candidates:
         try:
-            return cached_tokenizer(candidate, _modified_ns(candidate))
+            # Loaded once per process (and shared with the merge): the loop rewrites its report every iteration.
+            return shared_tokenizer(candidate)
         except (OSError, ValueError):  # a path from another machine, or not a tokenizer: try the next one
             continue
     return None
