@@ -41,4 +41,11 @@ if [[ $EXTRAS == *all* || $EXTRAS == *serve* || $EXTRAS == *train* ]]; then
 fi
 .venv/bin/uv pip install -q --python .venv/bin/python \
     --override requirements/overrides.txt -e ".[$EXTRAS]"
+# Bytecode for everything installed and for the project's own modules. With PYTHONDONTWRITEBYTECODE=1, as container
+# images and CI often set, Python never writes a .pyc, so every process compiled its imports from source again: each
+# rollout session's SDK agent (openai + pydantic: 1.33 s of CPU to start, 0.68 s from bytecode), the engine, every
+# gateway. Python reads .pyc files whatever that variable says; compileall skips what is up to date (uv's
+# --compile-bytecode compiles only what that command installs).
+.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    polar_mitm addon >/dev/null || true
 echo "$want" > "$STAMP"
