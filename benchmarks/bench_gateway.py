@@ -140,7 +140,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sizes", default="1000,8000,32000")
     parser.add_argument("--sessions", type=int, default=64)
-    parser.add_argument("--concurrent", default="64x1000", help="SESSIONSxTOKENS cases, comma-separated")
+    parser.add_argument(
+        "--concurrent", default="64x1000", help="SESSIONSxTOKENS cases, comma-separated ('' for none)"
+    )
     parser.add_argument("--processes", default="1,2", help="gateway processes for the concurrent cases")
     parser.add_argument(
         "--set",
@@ -178,7 +180,9 @@ def main() -> None:
 
 def concurrent_cases(args, engine_port: int, bare_port: int, root: Path, options: dict[str, str]) -> None:
     """Each SESSIONSxTOKENS case through the bare mitmdump, then through 1 and N gateway processes."""
-    cases = [tuple(int(x) for x in case.split("x")) for case in args.concurrent.split(",")]
+    cases = [tuple(int(x) for x in case.split("x")) for case in args.concurrent.split(",") if case.strip()]
+    if not cases:
+        return
     engine = f"http://127.0.0.1:{engine_port}"
     bare_runs = {}
     for sessions, tokens in cases:
