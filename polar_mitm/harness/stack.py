@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,8 @@ class HarnessStack:
         workspace.mkdir(parents=True, exist_ok=True)
         prepared = harness.prepare(self.hookup(mode, session, task), home)
         argv = [*harness.command(prompt, bin_dir=self.bin_dir), *(args or [])]
-        env = {**base_environment(extra_path=[self.bin_dir]), **prepared.env}
+        marker = uuid.uuid4().hex  # every process of this run carries it (procs.kill_marked)
+        env = {**base_environment(extra_path=[self.bin_dir]), **prepared.env, procs.HARNESS_RUN_ENV: marker}
         started = time.monotonic()
         # Its own process group: on a timeout the harness's helpers (Codex's native binary under its Node
         # launcher, Gemini's relaunched child) go down with it and cannot hold our pipes open.
@@ -147,6 +149,7 @@ class HarnessStack:
         procs.kill_group(
             proc.pid
         )  # helpers it left behind (a one-shot run owns nothing that should outlive it)
+        procs.kill_marked(marker)  # and those that left its process group (Cline's hub daemon)
         return HarnessRun(
             argv=argv,
             returncode=code,

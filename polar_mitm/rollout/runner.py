@@ -258,7 +258,7 @@ class Rollout:
             s.proc = await asyncio.create_subprocess_exec(
                 *launch.argv,
                 cwd=launch.cwd,
-                env=launch.env,
+                env={**launch.env, procs.HARNESS_RUN_ENV: s.session_id},
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log or asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.STDOUT,
@@ -276,6 +276,7 @@ class Rollout:
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
         finally:
+            procs.kill_marked(s.session_id)  # daemons it left outside its process group (Cline's hub)
             s.spans["run"] = (start, time.monotonic())
             if log:
                 log.close()

@@ -126,6 +126,22 @@ def test_ready_buffer_starts_sessions_in_task_order_whatever_order_their_init_en
     ]
 
 
+def test_a_daemon_the_harness_left_outside_its_process_group_is_stopped_with_its_session(gateway, tmp_path):
+    # `setsid` leaves the harness's process group, as Cline's hub daemon does: killing the group misses it.
+    pidfile = tmp_path / "daemon.pid"
+    harness = f"cmd:setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pidfile}; echo hello > out.txt"
+    tasks = write_tasks(tmp_path / "t.jsonl", [task("daemon")])
+    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1).sessions
+    assert session.status == "ok" and session.reward == 1.0
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (
+        not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
+    )  # gone (or dead, not reaped)
+
+
 def test_task_file_errors_name_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(task("ok")) + "\n" + json.dumps({"task_id": "x"}) + "\n")
