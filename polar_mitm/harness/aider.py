@@ -12,23 +12,17 @@ run unattended (they need an explicit yes, which `--yes-always` does not give): 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import ClassVar
 
 from polar_mitm.harness.base import (
-    REPO_ROOT,
-    Harness,
     Hookup,
     ProviderName,
-    Runtime,
     ShellTool,
-    venv_executable,
-    venv_version,
+    VenvHarness,
 )
 
 MODEL = "openai/gpt-4.1-mini"
-VENV_VARIABLE = "POLAR_AIDER_VENV"
 # Aider's whole-file format reminder: every main-thread prompt holds it (the scripted policy keys on it).
 WHOLE_FORMAT_MARKER = "To suggest changes to a file you MUST return the entire content of the updated file."
 # For scripted sessions: a test command (`--auto-test --test-cmd`) that fails once, then passes — Aider then sends
@@ -37,16 +31,14 @@ FAIL_ONCE_TEST = "test -e .checked && grep -qx hello out.txt || { touch .checked
 FAIL_ONCE_ARGS = ["--auto-test", "--test-cmd", FAIL_ONCE_TEST]
 
 
-def venv_dir() -> Path:
-    """Where scripts/setup-aider.sh installs it (POLAR_AIDER_VENV moves it)."""
-    return Path(os.environ.get(VENV_VARIABLE) or REPO_ROOT / ".venv-aider")
-
-
-class Aider(Harness):
+class Aider(VenvHarness):
     name: ClassVar[str] = "aider"
     package: ClassVar[str] = "aider-chat"  # PyPI, pinned in scripts/setup-aider.sh
     binary: ClassVar[str] = "aider"
-    runtime: ClassVar[Runtime] = "python"
+    venv: ClassVar[str] = ".venv-aider"
+    venv_variable: ClassVar[str] = "POLAR_AIDER_VENV"
+    setup_script: ClassVar[str] = "scripts/setup-aider.sh"
+    distribution: ClassVar[str] = "aider_chat"
     api: ClassVar[ProviderName] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = ()  # none: it edits through its text edit format
 
@@ -100,10 +92,3 @@ class Aider(Harness):
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["--message", prompt]
-
-    def executable(self, bin_dir: Path | None = None) -> Path:
-        """`aider` in its own venv, else on PATH."""
-        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-aider.sh")
-
-    def installed_version(self) -> str | None:
-        return venv_version(venv_dir(), "aider_chat")

@@ -287,21 +287,33 @@ def base_environment(extra_path: list[Path] | None = None) -> dict[str, str]:
     return env
 
 
-# -- harnesses installed from PyPI into a venv of their own (mini-swe-agent, Aider, Hermes) --------------------------
+# -- harnesses installed from PyPI into a venv of their own (mini-swe-agent, Aider, Hermes, OpenHands) ---------------
 
 
-def venv_executable(venv: Path, binary: str, package: str, setup_script: str) -> Path:
-    """`binary` in the harness's own venv, else on PATH (the npm CLIs' folder does not hold it)."""
-    candidate = venv / "bin" / binary
-    if candidate.exists():
-        return candidate
-    found = shutil.which(binary)
-    if found:
-        return Path(found)
-    raise HarnessError(f"{binary} ({package}) is not installed: run {setup_script}")
+class VenvHarness(Harness):
+    """A harness that `setup_script` installs from PyPI into a venv of its own (its pins must not decide ours);
+    `venv_variable` names the environment variable that moves the venv."""
 
+    runtime: ClassVar[Runtime] = "python"
+    venv: ClassVar[str]  # the venv's folder under the repository root
+    venv_variable: ClassVar[str]
+    setup_script: ClassVar[str]
+    distribution: ClassVar[str]  # its dist-info name, e.g. `aider_chat`
 
-def venv_version(venv: Path, distribution: str) -> str | None:
-    """The installed version of `distribution` (its dist-info name, e.g. `aider_chat`) in the harness's venv."""
-    found = sorted(venv.glob(f"lib/python*/site-packages/{distribution}-*.dist-info"))
-    return found[-1].name.removeprefix(f"{distribution}-").removesuffix(".dist-info") if found else None
+    def venv_dir(self) -> Path:
+        return Path(os.environ.get(self.venv_variable) or REPO_ROOT / self.venv)
+
+    def executable(self, bin_dir: Path | None = None) -> Path:
+        """`binary` in the harness's own venv, else on PATH (the npm CLIs' folder does not hold it)."""
+        candidate = self.venv_dir() / "bin" / self.binary
+        if candidate.exists():
+            return candidate
+        found = shutil.which(self.binary)
+        if found:
+            return Path(found)
+        raise HarnessError(f"{self.binary} ({self.package}) is not installed: run {self.setup_script}")
+
+    def installed_version(self) -> str | None:
+        name = self.distribution
+        found = sorted(self.venv_dir().glob(f"lib/python*/site-packages/{name}-*.dist-info"))
+        return found[-1].name.removeprefix(f"{name}-").removesuffix(".dist-info") if found else None

@@ -11,25 +11,19 @@ the final answer on stdout). Its shell tool is `terminal {command}`. recipes/her
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import ClassVar
 
 from polar_mitm.harness.base import (
     COMMAND,
-    REPO_ROOT,
-    Harness,
     Hookup,
     ProviderName,
-    Runtime,
     ShellTool,
-    venv_executable,
-    venv_version,
+    VenvHarness,
 )
 
 FIRST_PARTY = ("openai-api", "gpt-4.1-mini")  # api.openai.com: Hermes speaks Responses to that host
 OURS = ("custom", "polar-model")  # any OpenAI-compatible endpoint: Chat Completions
-VENV_VARIABLE = "POLAR_HERMES_VENV"
 # The toolsets a run offers: the shell and the file tools (a coding agent's), not the web, browser, image,
 # memory and messaging tools of Hermes' default `hermes-cli` set, which would call out to other services.
 TOOLSETS = "terminal,file"
@@ -38,16 +32,14 @@ TOOLSETS = "terminal,file"
 CONTEXT_LENGTH = 131072
 
 
-def venv_dir() -> Path:
-    """Where scripts/setup-hermes.sh installs it (POLAR_HERMES_VENV moves it)."""
-    return Path(os.environ.get(VENV_VARIABLE) or REPO_ROOT / ".venv-hermes")
-
-
-class Hermes(Harness):
+class Hermes(VenvHarness):
     name: ClassVar[str] = "hermes"
     package: ClassVar[str] = "hermes-agent"  # PyPI, pinned in scripts/setup-hermes.sh
     binary: ClassVar[str] = "hermes"
-    runtime: ClassVar[Runtime] = "python"
+    venv: ClassVar[str] = ".venv-hermes"
+    venv_variable: ClassVar[str] = "POLAR_HERMES_VENV"
+    setup_script: ClassVar[str] = "scripts/setup-hermes.sh"
+    distribution: ClassVar[str] = "hermes_agent"
     api: ClassVar[ProviderName] = "openai_responses"
     base_url_api: ClassVar[ProviderName | None] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("terminal", {"command": COMMAND}),)
@@ -82,10 +74,3 @@ class Hermes(Harness):
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["-z", prompt, "--toolsets", TOOLSETS]
-
-    def executable(self, bin_dir: Path | None = None) -> Path:
-        """`hermes` in its own venv, else on PATH."""
-        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-hermes.sh")
-
-    def installed_version(self) -> str | None:
-        return venv_version(venv_dir(), "hermes_agent")

@@ -12,38 +12,30 @@ without a tool call gets a format-error user message and another call (recipes/m
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import ClassVar
 
 from polar_mitm.harness.base import (
     COMMAND,
-    REPO_ROOT,
-    Harness,
     Hookup,
     ProviderName,
-    Runtime,
     ShellTool,
-    venv_executable,
-    venv_version,
+    VenvHarness,
 )
 
 MODEL = "openai/gpt-4.1-mini"  # litellm's `openai/` provider: Chat Completions, api.openai.com by default
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # the only way the agent ends its run
 HOOKUP_CONFIG = "polar-mitm-hookup.yaml"
-VENV_VARIABLE = "POLAR_MINI_SWE_AGENT_VENV"
 
 
-def venv_dir() -> Path:
-    """Where scripts/setup-mini-swe-agent.sh installs it (POLAR_MINI_SWE_AGENT_VENV moves it)."""
-    return Path(os.environ.get(VENV_VARIABLE) or REPO_ROOT / ".venv-mini-swe-agent")
-
-
-class MiniSweAgent(Harness):
+class MiniSweAgent(VenvHarness):
     name: ClassVar[str] = "mini-swe-agent"
     package: ClassVar[str] = "mini-swe-agent"  # PyPI, pinned in scripts/setup-mini-swe-agent.sh
     binary: ClassVar[str] = "mini"
-    runtime: ClassVar[Runtime] = "python"
+    venv: ClassVar[str] = ".venv-mini-swe-agent"
+    venv_variable: ClassVar[str] = "POLAR_MINI_SWE_AGENT_VENV"
+    setup_script: ClassVar[str] = "scripts/setup-mini-swe-agent.sh"
+    distribution: ClassVar[str] = "mini_swe_agent"
     api: ClassVar[ProviderName] = "openai_chat"
     shell_tools: ClassVar[tuple[ShellTool, ...]] = (ShellTool("bash", {"command": COMMAND}),)
 
@@ -74,10 +66,3 @@ class MiniSweAgent(Harness):
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["-y", "--exit-immediately", "-c", "mini.yaml", "-c", HOOKUP_CONFIG, "-t", prompt]
-
-    def executable(self, bin_dir: Path | None = None) -> Path:
-        """`mini` in its own venv, else on PATH."""
-        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-mini-swe-agent.sh")
-
-    def installed_version(self) -> str | None:
-        return venv_version(venv_dir(), "mini_swe_agent")

@@ -13,38 +13,32 @@ litellm, requests) read SSL_CERT_FILE / REQUESTS_CA_BUNDLE. recipes/openhands.md
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import ClassVar
 
 from polar_mitm.harness.base import (
     COMMAND,
-    REPO_ROOT,
-    Harness,
     Hookup,
     ProviderName,
-    Runtime,
     ShellTool,
-    venv_executable,
-    venv_version,
+    VenvHarness,
 )
 
 # litellm's `openai/` provider: Chat Completions, api.openai.com unless LLM_BASE_URL says otherwise. Not a gpt-5 or
 # codex name, which the SDK sends to the Responses API instead.
 MODEL = "openai/gpt-4.1-mini"
-VENV_VARIABLE = "POLAR_OPENHANDS_VENV"
+# The tools the CLI's default agent offers on every main call, in order (openhands 1.16.0).
+DEFAULT_TOOLS = ["terminal", "file_editor", "task_tracker", "task", "finish", "think"]
 
 
-def venv_dir() -> Path:
-    """Where scripts/setup-openhands.sh installs it (POLAR_OPENHANDS_VENV moves it)."""
-    return Path(os.environ.get(VENV_VARIABLE) or REPO_ROOT / ".venv-openhands")
-
-
-class OpenHands(Harness):
+class OpenHands(VenvHarness):
     name: ClassVar[str] = "openhands"
     package: ClassVar[str] = "openhands"  # PyPI, pinned in scripts/setup-openhands.sh
     binary: ClassVar[str] = "openhands"
-    runtime: ClassVar[Runtime] = "python"
+    venv: ClassVar[str] = ".venv-openhands"
+    venv_variable: ClassVar[str] = "POLAR_OPENHANDS_VENV"
+    setup_script: ClassVar[str] = "scripts/setup-openhands.sh"
+    distribution: ClassVar[str] = "openhands"
     api: ClassVar[ProviderName] = "openai_chat"
     # Its `terminal` tool takes `command` (optional: is_input, timeout, reset) plus the `security_risk` and `summary`
     # the SDK adds to every schema. The CLI always sets an LLM security analyzer, so a call without security_risk
@@ -81,10 +75,3 @@ class OpenHands(Harness):
 
     def prompt_args(self, prompt: str) -> list[str]:
         return ["--headless", "--override-with-envs", "-t", prompt]
-
-    def executable(self, bin_dir: Path | None = None) -> Path:
-        """`openhands` in its own venv, else on PATH."""
-        return venv_executable(venv_dir(), self.binary, self.package, "scripts/setup-openhands.sh")
-
-    def installed_version(self) -> str | None:
-        return venv_version(venv_dir(), "openhands")
