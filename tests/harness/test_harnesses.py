@@ -21,6 +21,7 @@ import pytest
 
 from polar_mitm.harness import HARNESSES, MODES
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
+from polar_mitm.harness.openhands import DEFAULT_TOOLS
 from polar_mitm.harness.policy import AIDER_EDIT, HELLO_SCRIPT, THINKING
 from polar_mitm.harness.stack import HarnessRun, HarnessStack
 
@@ -136,14 +137,7 @@ def openhands_checks(rows: list[dict[str, Any]], mode: str) -> None:
     requests = [json.loads(row["request_json"]) for row in rows]
     for request in requests:
         assert not request.get("stream") and request["model"] == "gpt-4.1-mini"
-        assert [t["function"]["name"] for t in request["tools"]] == [
-            "terminal",
-            "file_editor",
-            "task_tracker",
-            "task",
-            "finish",
-            "think",
-        ]
+        assert [t["function"]["name"] for t in request["tools"]] == DEFAULT_TOOLS
     assert len({r["prompt_cache_key"] for r in requests}) == 1
     call = next(m for m in requests[1]["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
     assert json.loads(call["arguments"]) == {"command": "echo hello > out.txt", "security_risk": "LOW"}

@@ -21,6 +21,7 @@ from polar_mitm.conversation import Conversation
 from polar_mitm.gateway.import_flows import import_flows, iter_flows
 from polar_mitm.harness import HARNESSES
 from polar_mitm.harness.aider import WHOLE_FORMAT_MARKER
+from polar_mitm.harness.openhands import DEFAULT_TOOLS
 from polar_mitm.harness.policy import AIDER_EDIT, THINKING
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
@@ -548,14 +549,7 @@ def test_openhands_sends_whole_chat_requests_drops_reasoning_and_keeps_arguments
         assert not request.get("stream") and flows[0].response.headers["content-type"] == "application/json"
         assert request["max_completion_tokens"] == 32768
         assert not {"temperature", "top_p", "max_tokens", "reasoning_effort"} & set(request)
-        assert [t["function"]["name"] for t in request["tools"]] == [
-            "terminal",
-            "file_editor",
-            "task_tracker",
-            "task",
-            "finish",
-            "think",
-        ]
+        assert [t["function"]["name"] for t in request["tools"]] == DEFAULT_TOOLS
         terminal = request["tools"][0]["function"]["parameters"]
         assert {"command", "security_risk", "summary"} <= set(terminal["properties"])
     assert len({r["prompt_cache_key"] for r in requests}) == 1
