@@ -1,15 +1,23 @@
 """Added latency of the polar addon over a bare forwarding mitmdump, to the same engine.
 
-The engine here is a replay server that answers every chat call at once with an SGLang-shaped answer carrying the
-prompt's token ids (so payload sizes are real: a 32k-token prompt means 32k ids coming back), which isolates the
-gateway's own cost from model time. Both paths go client → mitmdump → engine over loopback:
+The engine here is a replay server that answers every chat call at once, SGLang-shaped: it serves `/model_info`
+with the tiny model's tokenizer (so tokens mode, the default, is what runs), echoes `input_ids` as the prompt ids,
+and for messages renders and tokenizes them with the chat template, as SGLang does (memoised, so bare and polar
+pay the engine the same). Payload sizes are real: a 32k-token prompt means 32k ids coming back.
 
-  bare:  mitmdump --mode reverse:ENGINE           (forwards the OpenAI chat request untouched)
-  polar: mitmdump -s addon/polar.py (reverse)     (decode → engine → encode → fsynced record → answer)
+Calls come as agent sessions: a session opens with a prompt of the case's size and each next call adds the
+previous answer and a ~50-token user turn, 10 calls per session — so a session's first call opens its token chain
+(rendered alongside the engine call) and the others extend it (the incremental hot path).
+All paths go client → mitmdump → engine over loopback, session by session, interleaved so load hits them alike:
+
+  bare:            mitmdump --mode reverse:ENGINE       (forwards the OpenAI chat request untouched)
+  polar messages:  mitmdump -s addon/polar.py, polar_prompt_mode=messages (the engine renders)
+  polar tokens:    the same in tokens mode, the default (decode → token-exact prompt → engine → encode →
+                   fsynced record → answer)
 
 Prints p50/p99 per prompt size, for sequential calls and for concurrent sessions (`--concurrent SESSIONSxTOKENS,…`)
-through 1 and N gateway processes (`--processes 1,2`, sessions spread across them as `--gateways N` does), with the
-added latency and calls/s against the bare mitmdump measured in the same run.
+through 1 and N gateway processes in tokens mode (`--processes 1,2`, sessions spread across them as `--gateways N`
+does), with the added latency and calls/s against the bare mitmdump measured in the same run.
 Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200] [--concurrent 64x1000,256x1000] [--processes 1,2]
 """
 
@@ -24,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -34,15 +43,63 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from polar_mitm import procs
+from polar_mitm.engine.model_zoo import resolve_model
 
-WORD_TOKENS = 1  # " word" is one token in Qwen's BPE; the replay engine counts words as prompt tokens
+CALLS_PER_SESSION = 10
+TURN_WORDS = 50  # " word" is one token in Qwen's BPE
+ANSWER = " ".join(["ok"] * 16)
+JSON = {"content-type": "application/json"}
 
 
-def replay_engine(port: int) -> threading.Thread:
-    async def chat(request: Request) -> Response:
+class ReplayEngine:
+    """An instant SGLang-shaped engine with a real tokenizer and chat template (the tiny model's)."""
+
+    def __init__(self, port: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = resolve_model("tiny")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        eot = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.completion = [*self.tokenizer.encode(ANSWER, add_special_tokens=False), eot]
+        self._rendered: dict[
+            bytes, list[int]
+        ] = {}  # the engine's own rendering, memoised (same cost for all)
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/model_info", self.model_info, methods=["GET"]),
+            ]
+        )
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        procs.wait_port(port)
+
+    async def model_info(self, request: Request) -> Response:
+        info = {
+            "model_path": str(self.model_dir),
+            "tokenizer_path": str(self.model_dir),
+            "weight_version": "0",
+        }
+        return Response(orjson.dumps(info), media_type="application/json")
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        if body.get("input_ids"):
+            return body["input_ids"]
+        key = orjson.dumps([body["messages"], body.get("tools"), body.get("chat_template_kwargs")])
+        if key not in self._rendered:
+            self._rendered[key] = self.tokenizer.apply_chat_template(
+                body["messages"],
+                tools=body.get("tools"),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **(body.get("chat_template_kwargs") or {}),
+            )
+        return self._rendered[key]
+
+    async def chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
-        n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", [])) * WORD_TOKENS
-        completion = list(range(100, 132))
+        prompt = self.prompt_ids(body)
         answer = {
             "id": "chatcmpl-replay",
             "object": "chat.completion",
@@ -51,26 +108,40 @@ def replay_engine(port: int) -> threading.Thread:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "ok " * 16},
+                    "message": {"role": "assistant", "content": ANSWER},
                     "finish_reason": "stop",
-                    "prompt_token_ids": list(range(n_prompt)),
-                    "response_token_ids": completion,
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": self.completion,
                     "meta_info": {
                         "weight_version": "0",
-                        "output_token_logprobs": [[-0.5, t, None] for t in completion],
+                        "output_token_logprobs": [[-0.5, t, None] for t in self.completion],
                     },
                 }
             ],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": 32, "total_tokens": n_prompt + 32},
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(self.completion),
+                "total_tokens": len(prompt) + len(self.completion),
+            },
         }
         return Response(orjson.dumps(answer), media_type="application/json")
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    procs.wait_port(port)
-    return thread
+
+def session_bodies(n_tokens: int, calls: int = CALLS_PER_SESSION) -> list[bytes]:
+    """The request bodies of one agent session whose first prompt holds about `n_tokens` tokens."""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix the bug. " + " ".join(["word"] * n_tokens)},
+    ]
+    bodies = []
+    for turn in range(calls):
+        bodies.append(orjson.dumps({"model": "gpt", "max_tokens": 32, "messages": messages}))
+        messages = [
+            *messages,
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": f"Turn {turn}: " + " ".join(["word"] * TURN_WORDS)},
+        ]
+    return bodies
 
 
 def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Popen:
@@ -91,39 +162,37 @@ def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Pope
     return proc
 
 
-def body_for(n_tokens: int) -> bytes:
-    return orjson.dumps(
-        {
-            "model": "gpt",
-            "max_tokens": 32,
-            "messages": [{"role": "user", "content": " ".join(["word"] * n_tokens)}],
-        }
-    )
+def run_session(client: httpx.Client, url: str, bodies: list[bytes], times: list[float]) -> None:
+    for body in bodies:
+        t = time.perf_counter()
+        r = client.post(url, content=body, headers=JSON)
+        times.append((time.perf_counter() - t) * 1000)
+        assert r.status_code == 200, r.text[:200]
 
 
-def sequential(url: str, body: bytes, calls: int) -> list[float]:
-    times = []
+def sequential(urls: dict[str, Any], bodies: list[bytes], sessions: int) -> dict[str, list[float]]:
+    """Per-call latencies (ms) of `sessions` sessions through each path, interleaved session by session;
+    `urls[name](session)` is the path's URL for that session. One warm-up session each first."""
+    times: dict[str, list[float]] = {name: [] for name in urls}
     with httpx.Client(timeout=60, trust_env=False) as client:
-        for _ in range(5):  # warm-up
-            client.post(url, content=body, headers={"content-type": "application/json"})
-        for _ in range(calls):
-            t = time.perf_counter()
-            r = client.post(url, content=body, headers={"content-type": "application/json"})
-            times.append((time.perf_counter() - t) * 1000)
-            assert r.status_code == 200, r.text[:200]
+        for url_of in urls.values():
+            run_session(client, url_of("warm"), bodies, [])
+        for s in range(sessions):
+            for name, url_of in urls.items():
+                run_session(client, url_of(str(s)), bodies, times[name])
     return times
 
 
-async def concurrent(url_for, body: bytes, sessions: int, calls_each: int) -> tuple[list[float], float]:
-    """Per-call latencies (ms) of `sessions` sessions × `calls_each` calls at once, and the calls per second."""
+async def concurrent(url_for, bodies: list[bytes], sessions: int) -> tuple[list[float], float]:
+    """Per-call latencies (ms) of `sessions` sessions at once, each sending `bodies` in turn, and the calls/s."""
     times: list[float] = []
     started = time.perf_counter()
 
     async def session(i: int) -> None:
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
-            for _ in range(calls_each):
+            for body in bodies:
                 t = time.perf_counter()
-                r = await client.post(url_for(i), content=body, headers={"content-type": "application/json"})
+                r = await client.post(url_for(i), content=body, headers=JSON)
                 times.append((time.perf_counter() - t) * 1000)
                 assert r.status_code == 200
 
@@ -137,9 +206,8 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=200, help="sequential calls per path at 1k tokens")
     parser.add_argument("--sizes", default="1000,8000,32000")
-    parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument(
         "--concurrent", default="64x1000", help="SESSIONSxTOKENS cases, comma-separated ('' for none)"
     )
@@ -155,43 +223,55 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         engine_port, bare_port = procs.free_port(), procs.free_port()
-        replay_engine(engine_port)
+        ReplayEngine(engine_port)
+        engine = f"http://127.0.0.1:{engine_port}"
         bare = bare_mitmdump(engine_port, bare_port, root / "conf-bare")
         options = dict(item.split("=", 1) for item in args.set)
-        gw = procs.start_gateway(
-            f"http://127.0.0.1:{engine_port}", root / "flows", confdir=root / "conf", options=options
+        gw_tokens = procs.start_gateway(engine, root / "flows", confdir=root / "conf", options=options)
+        gw_messages = procs.start_gateway(
+            engine,
+            root / "flows-messages",
+            confdir=root / "conf",
+            options={**options, "polar_prompt_mode": "messages"},
         )
+        urls = {
+            "bare": lambda s: f"http://127.0.0.1:{bare_port}/v1/chat/completions",
+            "polar messages": lambda s: f"{gw_messages.reverse_url}/s/m{s}/v1/chat/completions",
+            "polar tokens": lambda s: f"{gw_tokens.reverse_url}/s/t{s}/v1/chat/completions",
+        }
         try:
             print(
-                f"{'case':<28}{'bare p50':>10}{'bare p99':>10}{'polar p50':>11}{'polar p99':>11}"
-                f"{'added p50':>11}{'ratio':>8}"
+                f"sessions of {CALLS_PER_SESSION} calls (each adds the answer and a {TURN_WORDS}-token turn)"
+            )
+            print(
+                f"{'case':<30}{'bare p50':>10}{'bare p99':>10}  "
+                f"{'messages p50/p99 added':>26}  {'tokens p50/p99 added':>24}"
             )
             for size in (int(s) for s in args.sizes.split(",")):
-                body = body_for(size)
-                calls = max(20, args.calls // (1 + size // 8000))
-                b = sequential(f"http://127.0.0.1:{bare_port}/v1/chat/completions", body, calls)
-                p = sequential(f"{gw.reverse_url}/s/bench/v1/chat/completions", body, calls)
-                report(f"{size} tokens × {calls} sequential", b, p)
-            concurrent_cases(args, engine_port, bare_port, root, options)
+                sessions = max(2, args.calls // CALLS_PER_SESSION // (1 + size // 8000))
+                times = sequential(urls, session_bodies(size), sessions)
+                report(f"{size} tokens × {sessions * CALLS_PER_SESSION} sequential", times)
+            concurrent_cases(args, engine, bare_port, root, options)
         finally:
-            gw.stop()
+            gw_tokens.stop()
+            gw_messages.stop()
             procs.stop(bare)
 
 
-def concurrent_cases(args, engine_port: int, bare_port: int, root: Path, options: dict[str, str]) -> None:
-    """Each SESSIONSxTOKENS case through the bare mitmdump, then through 1 and N gateway processes."""
+def concurrent_cases(args, engine: str, bare_port: int, root: Path, options: dict[str, str]) -> None:
+    """Each SESSIONSxTOKENS case (5 calls per session) through the bare mitmdump, then 1 and N gateways."""
     cases = [tuple(int(x) for x in case.split("x")) for case in args.concurrent.split(",") if case.strip()]
     if not cases:
         return
-    engine = f"http://127.0.0.1:{engine_port}"
     bare_runs = {}
+    bare_url = f"http://127.0.0.1:{bare_port}/v1/chat/completions"
     for sessions, tokens in cases:
-        bare_url = f"http://127.0.0.1:{bare_port}/v1/chat/completions"
-        bare_runs[sessions, tokens] = asyncio.run(
-            concurrent(lambda i, url=bare_url: url, body_for(tokens), sessions, 5)
-        )
+        bodies = session_bodies(tokens, 5)
+        asyncio.run(concurrent(lambda i: bare_url, bodies, 1))  # warm: the engine renders each prompt once
+        bare_runs[sessions, tokens] = asyncio.run(concurrent(lambda i: bare_url, bodies, sessions))
     print(
-        f"\n{'concurrent case':<34}{'calls/s':>9}{'p50':>10}{'p99':>10}{'added p50':>11}{'× bare calls/s':>16}"
+        f"\n{'concurrent case (tokens mode)':<34}{'calls/s':>9}{'p50':>10}{'p99':>10}{'added p50':>11}"
+        f"{'× bare calls/s':>16}"
     )
     for (sessions, tokens), (times, rate) in bare_runs.items():
         print(
@@ -203,12 +283,12 @@ def concurrent_cases(args, engine_port: int, bare_port: int, root: Path, options
         ) as gateways:
             for sessions, tokens in cases:
                 urls = [gw.reverse_url for gw in gateways]
+                bodies = session_bodies(tokens, 5)
                 times, rate = asyncio.run(
                     concurrent(
                         lambda i, urls=urls, n=n: f"{urls[i % n]}/s/c{i}/v1/chat/completions",
-                        body_for(tokens),
+                        bodies,
                         sessions,
-                        5,
                     )
                 )
                 bare_times, bare_rate = bare_runs[sessions, tokens]
@@ -219,11 +299,14 @@ def concurrent_cases(args, engine_port: int, bare_port: int, root: Path, options
                 )
 
 
-def report(label: str, bare: list[float], polar: list[float]) -> None:
-    b50, b99, p50, p99 = pct(bare, 50), pct(bare, 99), pct(polar, 50), pct(polar, 99)
-    print(
-        f"{label:<28}{b50:>9.2f}m{b99:>9.2f}m{p50:>10.2f}m{p99:>10.2f}m{p50 - b50:>10.2f}m{p50 / b50:>8.2f}"
-    )
+def report(label: str, times: dict[str, list[float]]) -> None:
+    bare = times["bare"]
+    b50, b99 = pct(bare, 50), pct(bare, 99)
+    cells = []
+    for name in ("polar messages", "polar tokens"):
+        p50, p99 = pct(times[name], 50), pct(times[name], 99)
+        cells.append(f"{p50:>7.2f}/{p99:>6.2f}m {p50 - b50:>+7.2f}m")
+    print(f"{label:<30}{b50:>9.2f}m{b99:>9.2f}m  {cells[0]:>26}  {cells[1]:>24}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
@@ -259,8 +262,18 @@ def check_token_ids(ids: Any, where: str) -> None:
     """A list of ints in [0, 2^31): bools, floats, strings or out-of-range ids are a broken engine answer."""
     if type(ids) is not list:
         raise ValueError(f"engine answer's {where} is not a list")
-    # C-speed checks over long prompts (a Python loop costs ~1 ms per 30k ids).
-    if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT):
+    if not ids:
+        return
+    # One C pass (a Python loop costs ~1 ms per 30k ids; three passes of min/max/type ~0.4 ms per 8k): array()
+    # refuses floats, strings and None, and numpy checks the range.
+    try:
+        values = np.frombuffer(array("q", ids), dtype=np.int64)
+    except (TypeError, OverflowError):
+        values = None
+    if values is None or values.min() < 0 or values.max() >= TOKEN_ID_LIMIT:
+        raise ValueError(f"engine answer's {where} holds a value that is not a token id in [0, 2^31)")
+    # array() takes True and False as 1 and 0: only those positions can hold a bool.
+    if any(type(ids[i]) is bool for i in np.flatnonzero(values <= 1).tolist()):
         raise ValueError(f"engine answer's {where} holds a value that is not a token id in [0, 2^31)")
 
 

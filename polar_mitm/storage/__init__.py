@@ -7,6 +7,7 @@ Each contract keeps its schema, typed row, validation, writer and reader togethe
 - `records`: the per-request record (RECORD_SCHEMA, `Record`, strict journal-row conversion) and the one reader of
   the records store (shards plus the live journal).
 - `journal`: how records are written: the durable journal, its compaction into shards, the quarantine.
+- `compact_child`: the child process the writer compacts journals in while the gateway serves.
 - `journal_format`: the journal's frames and file names, shared by the writer and the reader.
 - `merged`: the merged sequence (MERGED_SCHEMA, `MergedSequence`, its checks) and the merged store's shards.
 - `rewards`: a rollout's rewards file (REWARDS_SCHEMA, `RewardRow`), its writer, and the rewards merge joins.

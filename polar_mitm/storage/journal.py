@@ -25,7 +25,12 @@ a reader that reads the journals first and the shards second, skipping journals 
 nor doubles a record (`read_live_journals`, `LiveJournals.uncompacted`; `storage/records.py` reads in that order).
 The frame format and those names are `storage/journal_format.py`'s; what a record is, `storage/records.py`'s.
 
-All file work happens on one writer thread; the event loop only enqueues and awaits a future.
+The event loop only enqueues and awaits a future. Appends and fsyncs happen on the writer thread; compaction on a
+compactor thread of its own, so a rotation never holds up an acknowledgement. While the gateway serves, that thread
+compacts in a child process (`storage/compact_child.py`): parsing a journal's JSON and building Arrow
+columns from Python lists holds the GIL — in the gateway's process it took a quarter of the gateway's samples at 8k
+tokens (benchmarks/bench_gateway.py) and stalled the event loop. At start and at close, with no call waiting, it
+compacts in-process.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -158,6 +165,44 @@ def compact_journal(journal: Path, out_dir: Path) -> Path | None:
     return shard
 
 
+def compact_journals_in_child(journals: list[Path], out_dir: Path) -> dict[Path, Path | None | str]:
+    """Compact `journals` in a child Python (out of this process's GIL); per journal its shard (None: no rows), or
+    why it failed. The child dies with the thread that started it (a killed gateway leaves no compaction running
+    beside the next gateway's recovery); its log lines go to this process's stderr."""
+    from polar_mitm.procs import die_with_parent
+
+    cmd = [sys.executable, "-m", "polar_mitm.storage.compact_child", str(out_dir), *map(str, journals)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+    }
+    try:
+        done = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            env=env,
+            preexec_fn=die_with_parent,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return dict.fromkeys(journals, f"the compaction did not end in {CHILD_TIMEOUT_S} s")
+    results: dict[Path, Path | None | str] = {}
+    for line in done.stdout.splitlines():
+        item = orjson.loads(line)
+        shard = item.get("shard")
+        results[Path(item["journal"])] = (
+            item["error"] if item.get("error") else Path(shard) if shard else None
+        )
+    for journal in journals:  # a child that died early reported nothing for the rest
+        results.setdefault(journal, f"the compaction process exited with {done.returncode}")
+    return results
+
+
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding polar_mitm/, for the child
+CHILD_TIMEOUT_S = 600
+
+
 # -- the writer --------------------------------------------------------------------------------------------------
 
 
@@ -171,6 +216,7 @@ class RecordWriter:
         rotate_bytes: int = 64 << 20,
         rotate_seconds: float = 300.0,
         fsync: bool = True,
+        compact_in_child: bool = True,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.journal_dir = self.out_dir / JOURNAL_DIR
@@ -180,10 +226,16 @@ class RecordWriter:
         self._fd: int | None = None
         self._journal: Path | None = None
         self._closed: list[Path] = []  # closed journals not compacted yet (a failed write or compaction)
+        self._closed_lock = threading.Lock()  # the writer adds to _closed, the compactor takes from it
         self._compacted_at = 0.0  # when compaction last ran (a failed one is retried `rotate_seconds` later)
+        self._compactor: threading.Thread | None = None
+        self._compact_requests: queue.Queue[bool | None] = (
+            queue.Queue()
+        )  # True: compact now; None: drain, stop
         self._opened_at = 0.0
         self._size = 0
         self.shards_written: list[Path] = []
+        self.compact_in_child = compact_in_child
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -199,7 +251,11 @@ class RecordWriter:
                 log.warning("%s is not a journal file; left alone", leftover)
                 continue
             self._closed.append(leftover)
-        self._compact_closed()
+        self._compact_closed(in_child=False)
+        self._compactor = threading.Thread(
+            target=self._compact_loop, name="polar-record-compactor", daemon=True
+        )
+        self._compactor.start()
         self._thread = threading.Thread(target=self._run, name="polar-record-writer", daemon=True)
         self._thread.start()
 
@@ -210,6 +266,10 @@ class RecordWriter:
         self._queue.put(None)
         self._thread.join()
         self._thread = None
+        assert self._compactor is not None
+        self._compact_requests.put(None)
+        self._compactor.join()
+        self._compactor = None
 
     def quarantine_shard(self, shard: Path, reason: str) -> None:
         """Move an unreadable shard aside (so the gateway keeps serving) with the reason beside it.
@@ -262,49 +322,72 @@ class RecordWriter:
             os.close(self._fd)
             self._fd = None
         if self._journal is not None:
-            self._closed.append(self._journal)
+            with self._closed_lock:
+                self._closed.append(self._journal)
             self._journal = None
 
-    def _compact_closed(self) -> None:
+    # -- compactor thread ----------------------------------------------------------------------------------------
+
+    def _compact_loop(self) -> None:
+        while True:
+            request = self._compact_requests.get()
+            if request is None:  # closing: no call waits any more, so in-process (no child to start)
+                self._compact_closed(in_child=False)
+                return
+            self._compact_closed(in_child=self.compact_in_child)
+
+    def _compact_closed(self, *, in_child: bool) -> None:
         self._compacted_at = time.monotonic()
-        for journal in list(self._closed):
-            try:
-                shard = compact_journal(journal, self.out_dir)
-            except Exception as exc:  # e.g. the disk is full: the journal stays, its records readable from it
-                if isinstance(exc, FileNotFoundError) and not journal.exists():
+        with self._closed_lock:
+            journals = list(self._closed)
+        if not journals:
+            return
+        if in_child:
+            results = compact_journals_in_child(journals, self.out_dir)
+        else:
+            results = {}
+            for journal in journals:
+                try:
+                    results[journal] = compact_journal(journal, self.out_dir)
+                except Exception as exc:
+                    log.debug("compaction of %s", journal, exc_info=True)
+                    results[journal] = f"{type(exc).__name__}: {one_line(exc)}"
+        for journal, result in results.items():
+            if isinstance(result, str):
+                if (
+                    not journal.exists()
+                ):  # compacted meanwhile (a reader never doubles: its shard is named after it)
                     log.warning("journal %s vanished before compaction", journal)
-                    self._closed.remove(journal)
+                else:
+                    # A warning, not an error: mitmproxy exits on an error logged during startup.
+                    log.warning(
+                        "compaction of %s failed (%s); it will be retried in %.0f s or at the next rotation",
+                        journal,
+                        result,
+                        self.rotate_seconds,
+                    )
                     continue
-                # A warning, not an error: mitmproxy exits on an error logged during startup.
-                log.warning(
-                    "compaction of %s failed (%s: %s); it will be retried in %.0f s or at the next rotation",
-                    journal,
-                    type(exc).__name__,
-                    one_line(exc),
-                    self.rotate_seconds,
-                    exc_info=True,
-                )
-                continue
-            if shard:
-                self.shards_written.append(shard)
-            log.info("compacted journal %s → %s", journal.name, shard)
-            self._closed.remove(journal)
+            elif result is not None:
+                self.shards_written.append(result)
+                log.info("compacted journal %s → %s", journal.name, result)
+            with self._closed_lock:
+                self._closed.remove(journal)
+
+    # -- writer thread -------------------------------------------------------------------------------------------
 
     def _rotate(self) -> None:
         self._close_journal()
-        self._compact_closed()
+        self._compact_requests.put(True)
 
     def _retry_due(self) -> bool:
-        return bool(self._closed) and time.monotonic() - self._compacted_at >= self.rotate_seconds
+        with self._closed_lock:
+            waiting = bool(self._closed)
+        return waiting and time.monotonic() - self._compacted_at >= self.rotate_seconds
 
-    def _due(self, stopping: bool) -> bool:
+    def _due(self) -> bool:
         if self._fd is None:
-            return stopping and bool(self._closed)
-        return (
-            stopping
-            or self._size >= self.rotate_bytes
-            or time.monotonic() - self._opened_at > self.rotate_seconds
-        )
+            return False
+        return self._size >= self.rotate_bytes or time.monotonic() - self._opened_at > self.rotate_seconds
 
     def _run(self) -> None:
         stopping = False
@@ -312,10 +395,11 @@ class RecordWriter:
             try:
                 first = self._queue.get(timeout=min(1.0, self.rotate_seconds))
             except queue.Empty:
-                if self._due(False):
+                if self._due():
                     self._rotate()
                 elif self._retry_due():
-                    self._compact_closed()
+                    self._compacted_at = time.monotonic()  # one request per period, however long it takes
+                    self._compact_requests.put(True)
                 continue
             batch = [first]
             while True:  # group commit: everything queued so far shares one fsync
@@ -327,7 +411,9 @@ class RecordWriter:
             stopping = len(items) != len(batch)
             if items:
                 self._append(items)
-            if self._due(stopping):
+            if stopping:
+                self._close_journal()  # close() then has the compactor compact it
+            elif self._due():
                 self._rotate()
 
     def _append(self, items: list[tuple[bytes, Future]]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import sys
+import time
 from datetime import UTC, datetime
 
 import pyarrow.parquet as pq
@@ -127,6 +129,38 @@ def test_writer_rotates_by_size(tmp_path):
     writer.close()
     assert len(list(tmp_path.glob("records-*.parquet"))) > 1
     assert sorted(read_all(tmp_path)["seq"].to_pylist()) == list(range(30))
+
+
+_COMPACTION_CHILDREN: list[str] = []
+
+
+def _note_compaction_child(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen" and "polar_mitm.storage.compact_child" in map(str, args[1] or ()):
+        _COMPACTION_CHILDREN.append(str(args[1]))
+
+
+sys.addaudithook(_note_compaction_child)  # audit hooks stay for the process: this one only notes our children
+
+
+def test_rotation_compacts_in_a_child_process_and_appends_go_on_meanwhile(tmp_path):
+    """While serving, compaction (JSON parsing and Arrow building under the GIL) runs in a child process on a
+    thread of its own: a rotation holds up neither the event loop nor the next acknowledgement. Closing
+    compacts in-process (no call waits any more)."""
+    _COMPACTION_CHILDREN.clear()
+    writer = RecordWriter(tmp_path, rotate_bytes=2000)
+    writer.start()
+    for i in range(30):
+        writer.write(make_record(i)).result(timeout=10)
+    deadline = time.monotonic() + 30
+    while not writer.shards_written and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writer.shards_written, "no rotation was compacted while the writer ran"
+    children = len(_COMPACTION_CHILDREN)
+    assert children >= 1
+    writer.close()
+    assert len(_COMPACTION_CHILDREN) == children  # the last journal: in-process at close
+    assert not list((tmp_path / JOURNAL_DIR).glob("*.polarj"))
+    assert sorted(read_all(tmp_path, include_journal=False)["seq"].to_pylist()) == list(range(30))
 
 
 def test_torn_journal_tail_is_ignored_and_recovered_at_start(tmp_path):
