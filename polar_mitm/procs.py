@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+
+from polar_mitm.gateway import control
 
 if TYPE_CHECKING:
     from polar_mitm.harness.netns import LoopbackNamespace
@@ -173,6 +176,7 @@ class GatewayProcess:
     reverse_port: int
     confdir: Path
     out_dir: Path
+    control_token: str | None = None  # what its control call must carry (gateway/control.py)
 
     @property
     def proxy_url(self) -> str:
@@ -192,6 +196,26 @@ class GatewayProcess:
         if not bundle.exists():
             write_ca_bundle(self.ca_cert, bundle)
         return bundle
+
+    def switch(self, out_dir: Path, options: dict[str, str] | None = None, *, timeout: float = 300.0) -> None:
+        """Point the running gateway at another records folder (and these `polar_` options): its journal is
+        compacted into the old folder's shards before this returns. Raises RuntimeError when it refuses."""
+        if self.control_token is None:
+            raise RuntimeError("this gateway was started without a control token")
+        body = {"options": {"polar_out": str(out_dir), **(options or {})}}
+        try:
+            answer = httpx.post(
+                f"{self.reverse_url}{control.CONTROL_PATH}",
+                json=body,
+                headers={control.TOKEN_HEADER: self.control_token},
+                timeout=timeout,
+                trust_env=False,
+            )
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"gateway control call failed: {exc!r}") from exc
+        if answer.status_code != 200:
+            raise RuntimeError(f"gateway refused the switch ({answer.status_code}): {answer.text[:300]}")
+        self.out_dir = Path(out_dir)
 
     def stop(self) -> None:
         stop(self.proc, timeout=20)
@@ -263,11 +287,13 @@ def start_gateway(
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
+    token = secrets.token_urlsafe(24)  # in its environment, not its command line (which any process can read)
     proc = subprocess.Popen(
         netns.wrap(cmd) if netns else cmd,
         stdout=out,
         stderr=subprocess.STDOUT,
         preexec_fn=die_with_parent if tie_to_parent else None,
+        env={**os.environ, control.TOKEN_ENV: token},
     )
     wait = netns.wait_port if netns is not None else wait_port
     try:
@@ -280,7 +306,7 @@ def start_gateway(
     except BaseException:
         stop(proc)
         raise
-    return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir))
+    return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir), token)
 
 
 GATEWAY_READY_PATH = "/_polar/ready"  # gateway/service.py answers it
@@ -363,13 +389,35 @@ def gateways_running(
 
     The first starts alone (it creates the mitmproxy CA in `confdir`, which the others then share), the rest
     together."""
+    started = start_gateways(backends, out_dir, confdir=confdir, log=log, options=options)
+    try:
+        yield started
+    finally:
+        for gateway in started:  # stopping compacts each journal into a shard
+            gateway.stop()
+
+
+def gateway_folder(out_dir: Path, k: int, n: int) -> Path:
+    """Gateway K's records folder of N: `out_dir` itself for one, `out_dir/gw-K` for several."""
+    return out_dir / f"gw-{k}" if n > 1 else out_dir
+
+
+def start_gateways(
+    backends: list[str],
+    out_dir: Path,
+    *,
+    confdir: Path,
+    log: Path | None = None,
+    options: dict[str, str] | None = None,
+) -> list[GatewayProcess]:
+    """Start one gateway per backend (`gateways_running` says how); the caller stops them."""
     from concurrent.futures import ThreadPoolExecutor
 
     def start(k: int) -> GatewayProcess:
         several = len(backends) > 1
         return start_gateway(
             backends[k],
-            out_dir / f"gw-{k}" if several else out_dir,
+            gateway_folder(out_dir, k, len(backends)),
             confdir=confdir,
             log=log.with_name(f"{log.stem}-{k}{log.suffix}") if log is not None and several else log,
             options=options,
@@ -384,10 +432,11 @@ def gateways_running(
         failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
             raise failed[0]  # type: ignore[misc]
-        yield started
-    finally:
-        for gateway in started:  # stopping compacts each journal into a shard
+    except BaseException:
+        for gateway in started:
             gateway.stop()
+        raise
+    return started
 
 
 @contextmanager

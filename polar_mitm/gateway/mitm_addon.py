@@ -14,14 +14,15 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+import orjson
 from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from polar_mitm.codecs import DEFAULT_CODEC, by_path
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
+from polar_mitm.gateway import control, log_redaction
 from polar_mitm.gateway import identity as ident
-from polar_mitm.gateway import log_redaction
 from polar_mitm.gateway.cancel import SHUTDOWN, CallCancel
 from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.engine_info import record_engine
@@ -128,6 +129,7 @@ class PolarGateway:
             None  # writes <polar_out>/_engine.json once the engine answers
         )
         self._warm_task: asyncio.Task | None = None  # loads the renderer while the gateway starts
+        self._control_token = control.take_token()  # None: no control call (gateway/control.py)
 
     def load(self, loader) -> None:
         for option in mitmproxy_options():
@@ -184,6 +186,10 @@ class PolarGateway:
         )
         if prompts is not previous_prompts:  # a new prompt builder: load its renderer now, not on a call
             self._start_background()
+        elif (
+            previous is not None and "out" in changed
+        ):  # a new records folder: the engine described in it too
+            self._start_engine_record()
 
     def _refuse(self, message: str) -> NoReturn:
         if not self.is_running:
@@ -235,10 +241,21 @@ class PolarGateway:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # configured outside mitmproxy's loop (tests): the first call loads it
             return
-        for task in (self._warm_task, self._engine_task):
-            if task is not None:
-                task.cancel()
+        if self._warm_task is not None:
+            self._warm_task.cancel()
         self._warm_task = loop.create_task(self._warm_up(self.prompts))
+        self._start_engine_record()
+
+    def _start_engine_record(self) -> None:
+        """Write `<polar_out>/_engine.json` once the engine answers (engine_info.py)."""
+        if self.engine is None or self.prompts is None or self.options is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._engine_task is not None:
+            self._engine_task.cancel()
         self._engine_task = loop.create_task(
             record_engine(
                 Path(self.options.out),
@@ -307,6 +324,9 @@ class PolarGateway:
     async def _request(self, flow: http.HTTPFlow) -> None:
         if flow.id in self._live_flows:  # sent to the loopback hop at its headers (requestheaders)
             return
+        if self._control_token is not None and flow.request.path.split("?", 1)[0] == control.CONTROL_PATH:
+            flow.response = await self._control(flow)
+            return
         credentials = self._credentials.pop(flow.id, None) or ident.take_credentials(
             flow.request.headers, flow.request.query
         )
@@ -335,6 +355,37 @@ class PolarGateway:
         flow.response = make_response(answer)
         if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
             flow.metadata.update(answer.meta)
+
+    async def _control(self, flow: http.HTTPFlow) -> http.Response:
+        """`POST /_polar/control` (gateway/control.py): once the calls still running have ended, apply the options
+        (a new records folder: the old journal is compacted into shards before this answers)."""
+        given = flow.request.headers.get(control.TOKEN_HEADER, "")
+        flow.request.headers.pop(control.TOKEN_HEADER, None)
+        if flow.request.method != "POST" or not control.authorized(self._control_token, given):
+            return error_answer(403, "polar-mitm: control call refused")
+        try:
+            texts = control.option_texts(flow.request.raw_content or b"")
+        except ValueError as exc:
+            return error_answer(400, f"polar-mitm: control call: {exc}")
+        await self._wait_calls(control.DRAIN_SECONDS)
+        if self._handling or self.live.busy:
+            return error_answer(409, "polar-mitm: calls are still running; nothing changed")
+        try:
+            ctx.options.set(
+                *texts
+            )  # mitmproxy's parser, then configure (refused: rolled back, nothing changed)
+        except OptionsError as exc:
+            return error_answer(400, f"polar-mitm: control call: {exc}")
+        if (
+            self._engine_task is not None
+        ):  # the new folder's _engine.json, before the caller sends calls there
+            done, _ = await asyncio.wait(
+                {asyncio.ensure_future(asyncio.shield(self._engine_task))}, timeout=30
+            )
+            if not done:
+                log.warning("the engine description for %s is not written yet", self.options.out)
+        body = {"out": self.options.out if self.options else None, "applied": texts}
+        return http.Response.make(200, orjson.dumps(body), {"content-type": "application/json"})
 
     @staticmethod
     def _forwarding(flow: http.HTTPFlow) -> bool:

@@ -1,9 +1,9 @@
 """`polar-mitm loop`: rollout → merge → GRPO → push weights → repeat.
 
-Each iteration: a gateway writes the iteration's records to `RUN/iter-K/flows`, G harness sessions per task run
-through it (the staged rollout), `merge` joins the records into sequences with the rewards, GRPO trains on them,
-and the new weights are pushed to the engine (`/update_weights_from_disk`), whose `weight_version` then appears in
-the next iteration's records.
+Each iteration: the run's gateway (up for the whole run, loop_gateways.py) writes the iteration's records to
+`RUN/iter-K/flows`, G harness sessions per task run through it (the staged rollout), `merge` joins the records
+into sequences with the rewards, GRPO trains on them, and the new weights are pushed to the engine
+(`/update_weights_from_disk`), whose `weight_version` then appears in the next iteration's records.
 
 `--overlap N` rolls out up to N iterations ahead of the trainer (Polar's asynchronous design): a thread runs the
 rollouts (and merges) in order, iteration K+N's while iteration K trains, so their data is up to N weight versions
@@ -53,6 +53,7 @@ from polar_mitm.rollout.informative import (
     group_sampler,
     sample_groups,
 )
+from polar_mitm.rollout.loop_gateways import LoopGateways
 from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
 from polar_mitm.rollout.run_state import (
     LOOP_FILE,
@@ -326,7 +327,7 @@ def iteration_stats(
 
 
 class Loop:
-    """Owns the engine for the whole run; a fresh gateway (and record directory) per iteration.
+    """Owns the engine and the gateways for the whole run; a record directory per iteration.
 
     `trainer_callbacks`: extra transformers `TrainerCallback`s for each training run in this process (the loop adds
     its progress line and the engine push itself)."""
@@ -360,9 +361,23 @@ class Loop:
         self.ray_pool: RayPool | None = None  # with --ray: the node actors, kept for the whole run
         self.tasks_by_id = {t.task_id: t for t in self.tasks}
         self._states: dict[int, IterationState] = {}  # iter-K/state.json, one writer object per iteration
+        self.loop_gateways: LoopGateways | None = None  # up from the first local rollout to the run's end
         self._states_lock = threading.Lock()
 
     # -- stages --------------------------------------------------------------------------------------------------
+
+    def _gateways(self) -> LoopGateways:
+        if self.loop_gateways is None:
+            self.loop_gateways = LoopGateways(
+                engines.gateway_backends(self.engine_url, self.cfg.gateways),
+                self.cfg.run_dir,
+                confdir=self.cfg.run_dir / "mitmproxy",
+            )
+        return self.loop_gateways
+
+    def _close_gateways(self) -> None:
+        if self.loop_gateways is not None:
+            self.loop_gateways.close()
 
     def _gateway_options(self, temperature: float | None = None) -> dict[str, str]:
         """Every gateway of the run forces the training temperature (or the evaluation's) and the completion
@@ -425,14 +440,8 @@ class Loop:
             finished_before[0] += len(summary.sessions)
             return summary
 
-        # Stopping a gateway compacts its journal: the iteration's records are complete shards after the block.
-        with procs.gateways_running(
-            engines.gateway_backends(self.engine_url, cfg.gateways),
-            it / "flows",
-            confdir=cfg.run_dir / "mitmproxy",
-            log=it / "gateway.log",
-            options=gateway_options,
-        ) as gateways:
+        # The run's gateways, pointed at this rollout's folder; its records are complete shards after the block.
+        with self._gateways().serving(it / "flows", gateway_options) as gateways:
             endpoints = [GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()) for gw in gateways]
             if sampler is None:
                 return asyncio.run(run_wave(tasks))
@@ -843,6 +852,9 @@ class Loop:
             self.engine_url = running.enter_context(
                 engines.attached(engine_url, log=cfg.run_dir / "router.log")
             ).url
+            running.callback(
+                self._close_gateways
+            )  # before the engine goes: the gateways compact their journals
             if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
                 self.weight_version = engines.common_weight_version(self.engine_url) or "0"
             self._restore_engine()

@@ -12,11 +12,28 @@ from pathlib import Path
 
 import orjson
 
-from polar_mitm.storage.journal import compact_journal
+from polar_mitm.storage.journal import PARENT_ENV, compact_journal
 from polar_mitm.storage.location import one_line
 
 
+def die_with_parent() -> None:
+    """SIGTERM this process when the gateway that started it dies, and end now if it already has. Set here rather
+    than in a `preexec_fn`, which is not safe in a process with threads (the gateway has several)."""
+    import ctypes
+    import os
+    import signal
+
+    parent = int(os.environ.get(PARENT_ENV, "0"))
+    if not parent:
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the line above: nothing compacted, its successor recovers
+        sys.exit(3)
+
+
 def main(argv: list[str]) -> int:
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="polar compaction: %(levelname)s %(message)s")
     out_dir, journals = Path(argv[0]), [Path(a) for a in argv[1:]]
     for journal in journals:

@@ -167,24 +167,16 @@ def compact_journal(journal: Path, out_dir: Path) -> Path | None:
 
 def compact_journals_in_child(journals: list[Path], out_dir: Path) -> dict[Path, Path | None | str]:
     """Compact `journals` in a child Python (out of this process's GIL); per journal its shard (None: no rows), or
-    why it failed. The child dies with the thread that started it (a killed gateway leaves no compaction running
-    beside the next gateway's recovery); its log lines go to this process's stderr."""
-    from polar_mitm.procs import die_with_parent
-
+    why it failed. The child dies with this process (compact_child.py; a killed gateway leaves no compaction
+    running beside the next gateway's recovery); its log lines go to this process's stderr."""
     cmd = [sys.executable, "-m", "polar_mitm.storage.compact_child", str(out_dir), *map(str, journals)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+        PARENT_ENV: str(os.getpid()),
     }
     try:
-        done = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            env=env,
-            preexec_fn=die_with_parent,
-            timeout=CHILD_TIMEOUT_S,
-            check=False,
-        )
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, timeout=CHILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return dict.fromkeys(journals, f"the compaction did not end in {CHILD_TIMEOUT_S} s")
     results: dict[Path, Path | None | str] = {}
@@ -199,6 +191,7 @@ def compact_journals_in_child(journals: list[Path], out_dir: Path) -> dict[Path,
     return results
 
 
+PARENT_ENV = "POLAR_COMPACT_PARENT"  # the gateway's pid: the child ends if that process is gone
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding polar_mitm/, for the child
 CHILD_TIMEOUT_S = 600
 

@@ -2,7 +2,8 @@
 
 One loop iteration of the CPU demo tasks through two gateways: each session's calls all go to one gateway (its
 `seq` gap-free from 0, its records in one `gw-K` folder), both gateways get sessions, no record is lost or
-duplicated, and merge and training take the iteration's folder whole.
+duplicated, and merge and training take the iteration's folder whole. The two processes serve the whole run: the
+final rollout goes through them too.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def test_two_gateways_share_one_iteration_without_losing_or_splitting_a_session(
         script=EXAMPLES / "policy.json",
         learning_rate=1e-2,
         max_tokens=128,
+        final_rollout=True,
     )
-    (stats,) = Loop(cfg).run()
+    loop = Loop(cfg)
+    stats = loop.run()[0]
     flows = cfg.run_dir / "iter-0" / "flows"
     folders = {gw.name: read_all(gw).to_pylist() for gw in sorted(flows.glob("gw-*"))}
     assert sorted(folders) == ["gw-0", "gw-1"] and all(folders.values()), {
@@ -57,6 +60,12 @@ def test_two_gateways_share_one_iteration_without_losing_or_splitting_a_session(
     assert all(len(gateways) == 1 for gateways in where.values())  # a session stays on its gateway
     assert all(sorted(s) == list(range(len(s))) for s in seqs.values())  # seq gap-free per session
     assert stats.sequences == 6 and stats.trainable_tokens > 0
-    logs = sorted(p.name for p in (cfg.run_dir / "iter-0").glob("gateway-*.log"))
+    logs = sorted(p.name for p in cfg.run_dir.glob("gateway-*.log"))  # the run's gateways, one log each
     assert logs == ["gateway-0.log", "gateway-1.log"]
+    # Started once for the run: the final rollout went through the same two processes, and each rollout's
+    # records were complete shards when it ended (the switch compacts the journal into the folder it leaves).
+    assert loop.loop_gateways is not None and loop.loop_gateways.started == 2
+    final = read_all(cfg.run_dir / "iter-1" / "flows", include_journal=False).to_pylist()
+    assert len({r["session_id"] for r in final}) == 6
+    assert not list(flows.rglob("*.polarj"))
     assert json.loads((cfg.run_dir / "loop.json").read_text())[0]["requests"] == stats.requests
