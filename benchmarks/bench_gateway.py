@@ -15,7 +15,8 @@ All paths go client → mitmdump → engine over loopback, session by session, i
   polar tokens:    the same in tokens mode, the default (decode → token-exact prompt → engine → encode →
                    fsynced record → answer)
 
-Prints p50/p99 per prompt size, for sequential calls and for concurrent sessions (`--concurrent SESSIONSxTOKENS,…`)
+Prints p50/p99 per prompt size, and each proxy process's CPU per call (what sets how many calls a process can
+serve), for sequential calls and for concurrent sessions (`--concurrent SESSIONSxTOKENS,…`)
 through 1 and N gateway processes in tokens mode (`--processes 1,2`, sessions spread across them as `--gateways N`
 does), with the added latency and calls/s against the bare mitmdump measured in the same run.
 Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200] [--concurrent 64x1000,256x1000] [--processes 1,2]
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -170,17 +172,28 @@ def run_session(client: httpx.Client, url: str, bodies: list[bytes], times: list
         assert r.status_code == 200, r.text[:200]
 
 
-def sequential(urls: dict[str, Any], bodies: list[bytes], sessions: int) -> dict[str, list[float]]:
-    """Per-call latencies (ms) of `sessions` sessions through each path, interleaved session by session;
-    `urls[name](session)` is the path's URL for that session. One warm-up session each first."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sequential(
+    urls: dict[str, Any], pids: dict[str, int], bodies: list[bytes], sessions: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per-call latencies (ms) of `sessions` sessions through each path, interleaved session by session
+    (`urls[name](session)` is the path's URL for that session; one warm-up session each first), and each path's
+    proxy process CPU per call (ms)."""
     times: dict[str, list[float]] = {name: [] for name in urls}
     with httpx.Client(timeout=60, trust_env=False) as client:
         for url_of in urls.values():
             run_session(client, url_of("warm"), bodies, [])
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for s in range(sessions):
             for name, url_of in urls.items():
                 run_session(client, url_of(str(s)), bodies, times[name])
-    return times
+    per_call = {name: (cpu_seconds(pid) - cpu[name]) * 1e3 / len(times[name]) for name, pid in pids.items()}
+    return times, per_call
 
 
 async def concurrent(url_for, bodies: list[bytes], sessions: int) -> tuple[list[float], float]:
@@ -234,6 +247,7 @@ def main() -> None:
             confdir=root / "conf",
             options={**options, "polar_prompt_mode": "messages"},
         )
+        pids = {"bare": bare.pid, "polar messages": gw_messages.proc.pid, "polar tokens": gw_tokens.proc.pid}
         urls = {
             "bare": lambda s: f"http://127.0.0.1:{bare_port}/v1/chat/completions",
             "polar messages": lambda s: f"{gw_messages.reverse_url}/s/m{s}/v1/chat/completions",
@@ -245,12 +259,13 @@ def main() -> None:
             )
             print(
                 f"{'case':<30}{'bare p50':>10}{'bare p99':>10}  "
-                f"{'messages p50/p99 added':>26}  {'tokens p50/p99 added':>24}"
+                f"{'messages p50/p99 added':>26}  {'tokens p50/p99 added':>24}  "
+                f"{'proxy CPU per call bare/messages/tokens':>40}"
             )
             for size in (int(s) for s in args.sizes.split(",")):
                 sessions = max(2, args.calls // CALLS_PER_SESSION // (1 + size // 8000))
-                times = sequential(urls, session_bodies(size), sessions)
-                report(f"{size} tokens × {sessions * CALLS_PER_SESSION} sequential", times)
+                times, cpu = sequential(urls, pids, session_bodies(size), sessions)
+                report(f"{size} tokens × {sessions * CALLS_PER_SESSION} sequential", times, cpu)
             concurrent_cases(args, engine, bare_port, root, options)
         finally:
             gw_tokens.stop()
@@ -299,14 +314,15 @@ def concurrent_cases(args, engine: str, bare_port: int, root: Path, options: dic
                 )
 
 
-def report(label: str, times: dict[str, list[float]]) -> None:
+def report(label: str, times: dict[str, list[float]], cpu: dict[str, float]) -> None:
     bare = times["bare"]
     b50, b99 = pct(bare, 50), pct(bare, 99)
     cells = []
     for name in ("polar messages", "polar tokens"):
         p50, p99 = pct(times[name], 50), pct(times[name], 99)
         cells.append(f"{p50:>7.2f}/{p99:>6.2f}m {p50 - b50:>+7.2f}m")
-    print(f"{label:<30}{b50:>9.2f}m{b99:>9.2f}m  {cells[0]:>26}  {cells[1]:>24}")
+    cpu_cells = " / ".join(f"{cpu[name]:.2f}" for name in ("bare", "polar messages", "polar tokens"))
+    print(f"{label:<30}{b50:>9.2f}m{b99:>9.2f}m  {cells[0]:>26}  {cells[1]:>24}  {cpu_cells + ' ms':>40}")
 
 
 if __name__ == "__main__":
