@@ -68,9 +68,10 @@ def wait_until(check, proc: subprocess.Popen, timeout: float = 120.0) -> float:
 def one_start(engine_url: str, root: Path, mode: str) -> dict[str, float]:
     """Start a gateway in `mode`, time listening / ready / first answer, stop it."""
     port = procs.free_port()
-    mitmdump = Path(sys.executable).with_name("mitmdump")
     cmd = [
-        str(mitmdump),
+        sys.executable,
+        "-m",
+        "polar_mitm.gateway.launch",  # as procs.start_gateway starts it (mitmdump on uvloop)
         "-q",
         "-s",
         str(procs.addon_path()),

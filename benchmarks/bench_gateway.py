@@ -10,7 +10,8 @@ previous answer and a ~50-token user turn, 10 calls per session — so a session
 (rendered alongside the engine call) and the others extend it (the incremental hot path).
 All paths go client → mitmdump → engine over loopback, session by session, interleaved so load hits them alike:
 
-  bare:            mitmdump --mode reverse:ENGINE       (forwards the OpenAI chat request untouched)
+  bare:            mitmdump --mode reverse:ENGINE       (forwards the OpenAI chat request untouched; on the same
+                                                        event loop as the gateways, so "added" is the addon's)
   polar messages:  mitmdump -s addon/polar.py, polar_prompt_mode=messages (the engine renders)
   polar tokens:    the same in tokens mode, the default (decode → token-exact prompt → engine → encode →
                    fsynced record → answer)
@@ -20,6 +21,7 @@ serve), for sequential calls and for concurrent sessions (`--concurrent SESSIONS
 through 1 and N gateway processes in tokens mode (`--processes 1,2`, sessions spread across them as `--gateways N`
 does), with the added latency and calls/s against the bare mitmdump measured in the same run.
 Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200] [--concurrent 64x1000,256x1000] [--processes 1,2]
+     [--event-loop uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -147,10 +149,11 @@ def session_bodies(n_tokens: int, calls: int = CALLS_PER_SESSION) -> list[bytes]
 
 
 def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Popen:
-    mitmdump = Path(sys.executable).with_name("mitmdump")
     proc = subprocess.Popen(
         [
-            str(mitmdump),
+            sys.executable,
+            "-m",
+            "polar_mitm.gateway.launch",  # on the same event loop as the gateways (`--event-loop`)
             "-q",
             "--mode",
             f"reverse:http://127.0.0.1:{engine_port}@{port}",
@@ -226,6 +229,12 @@ def main() -> None:
     )
     parser.add_argument("--processes", default="1,2", help="gateway processes for the concurrent cases")
     parser.add_argument(
+        "--event-loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="every proxy's event loop (gateway/launch.py; polar-mitm starts its gateways on uvloop)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -233,6 +242,7 @@ def main() -> None:
         help="extra gateway option, e.g. polar_fsync=false",
     )
     args = parser.parse_args()
+    os.environ["POLAR_EVENT_LOOP"] = args.event_loop  # the proxies started below inherit it
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         engine_port, bare_port = procs.free_port(), procs.free_port()

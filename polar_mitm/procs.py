@@ -265,9 +265,10 @@ def start_gateway(
     `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
     """
     proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
-    mitmdump = Path(sys.executable).with_name("mitmdump")
     cmd = [
-        str(mitmdump),
+        sys.executable,
+        "-m",
+        "polar_mitm.gateway.launch",  # mitmdump on uvloop (gateway/launch.py)
         "-q",
         "-s",
         str(addon_path()),
