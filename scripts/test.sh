@@ -23,8 +23,10 @@ bash scripts/setup-openclaw.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
 .venv/bin/ruff format --check .  # the tree stays as `ruff format .` writes it
+# Two workers (pytest-xdist; POLAR_TEST_WORKERS=0 runs in one process): one keeps only ~1.1 of 2 cores busy.
+workers=(-n "${POLAR_TEST_WORKERS:-2}" --dist loadfile)  # tests/conftest.py: files sharing a server go together
 if (( fast )); then
-  exec .venv/bin/python -m pytest -q -ra -m "not slow" "$@"
+  exec .venv/bin/python -m pytest -q -ra "${workers[@]}" -m "not slow" "$@"
 fi
 bash scripts/setup-browser.sh  # Chromium for the report's browser test
-exec .venv/bin/python -m pytest -q -ra --durations=15 "$@"
+exec .venv/bin/python -m pytest -q -ra "${workers[@]}" --durations=15 "$@"

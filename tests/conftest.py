@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,57 @@ import pytest
 from polar_mitm import procs
 from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.session_ids import SessionId
+from tests.summary_tables import print_worker_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# -- pytest-xdist (scripts/test.sh runs the suite on 2 workers) --------------------------------------
+# A test file runs whole on one worker (its module fixtures start once), except where files share a costly session
+# fixture: those go together so that it starts once in the run. vLLM files share one tiny vLLM server (4 GB, about a
+# minute to start); the capstone starts a second vLLM, which must not pin the same core at the same time.
+SHARED_GROUPS = {
+    "vllm": ("tests/engine/test_vllm", "tests/engine/test_real_harness_learning.py"),
+    "demo-run": ("tests/rollout/test_demo_learning.py", "tests/report/"),
+}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    for group, prefixes in SHARED_GROUPS.items():
+        if path.startswith(prefixes):
+            return group
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker (xdist's own `xdist_group` marks do not group under pytest 9.2)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.polar_tables = Path(tempfile.mkdtemp(prefix="polar-test-tables-"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["polar_tables"] = str(node.config.polar_tables)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    folder = getattr(config, "polar_tables", None)
+    if folder is not None:
+        print_worker_tables(folder, terminalreporter)
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 TOOL_SCRIPT = [
     {

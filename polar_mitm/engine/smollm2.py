@@ -99,7 +99,10 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
 
 def ensure_smollm2(out_dir: Path) -> Path:
     """Convert SmolLM2 once into `out_dir`; later calls return the cached checkpoint at once."""
+    from polar_mitm.engine.model_zoo import build_lock
+
     marker = out_dir / "polar_model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("build_version") == BUILD_VERSION:
-        return out_dir
-    return convert(find_gguf(out_dir.parent / "downloads"), out_dir)
+    with build_lock(out_dir):
+        if marker.exists() and json.loads(marker.read_text()).get("build_version") == BUILD_VERSION:
+            return out_dir
+        return convert(find_gguf(out_dir.parent / "downloads"), out_dir)

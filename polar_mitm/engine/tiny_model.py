@@ -169,17 +169,22 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_
 
 def ensure_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_DIM) -> Path:
     """Build the tiny model into `out_dir` unless an up-to-date build is already there."""
+    from polar_mitm.engine.model_zoo import build_lock
+
     out_dir = Path(out_dir)
-    marker = out_dir / "polar_model.json"
-    if marker.exists():
-        meta = json.loads(marker.read_text())
-        # Builds from before head_dim was recorded are the default head_dim's.
-        built_head_dim = meta.get("head_dim", TINY_HEAD_DIM)
-        if (
-            meta.get("build_version") == BUILD_VERSION
-            and meta.get("seed") == seed
-            and built_head_dim == head_dim
-        ):
+    with build_lock(out_dir):
+        if _up_to_date(out_dir / "polar_model.json", seed=seed, head_dim=head_dim):
             return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return build_tiny_model(out_dir, seed=seed, head_dim=head_dim)
+        return build_tiny_model(out_dir, seed=seed, head_dim=head_dim)
+
+
+def _up_to_date(marker: Path, *, seed: int, head_dim: int) -> bool:
+    if not marker.exists():
+        return False
+    meta = json.loads(marker.read_text())
+    # Builds from before head_dim was recorded are the default head_dim's.
+    return (
+        meta.get("build_version") == BUILD_VERSION
+        and meta.get("seed") == seed
+        and meta.get("head_dim", TINY_HEAD_DIM) == head_dim
+    )

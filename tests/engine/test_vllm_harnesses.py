@@ -33,6 +33,7 @@ from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 from tests.harness.test_token_exact_harnesses import COMMANDS, PROMPT, REBUILDING, SCRIPT
+from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
 
@@ -75,28 +76,27 @@ def stack(request, vllm_url, vllm_script, tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def report_table(request):
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None or not RESULTS:
+    if not RESULTS:
         return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line("\nsix harnesses on vLLM (proxy mode, tokens mode, scripted shell session):")
-        reporter.write_line(
-            f"{'harness':12} {'calls':>5} {'seqs':>4} {'context-exact':>20} "
-            f"{'Δlp T=1':>9} {'Δlp T=0.7':>9} {'wall T=1':>8} {'wall T=0.7':>10}"
+    lines = [
+        f"{'harness':12} {'calls':>5} {'seqs':>4} {'context-exact':>20} "
+        f"{'Δlp T=1':>9} {'Δlp T=0.7':>9} {'wall T=1':>8} {'wall T=0.7':>10}"
+    ]
+    for name in HARNESSES:
+        cold, warm = (RESULTS.get((name, t)) for t in TEMPERATURES)
+        first = cold or warm
+        if first is None:
+            continue
+        exact = f"{first['share']:.1%} ({first['exact']}/{first['sampled']})"
+        gaps = [f"{r['step0_gap']:.1e}" if r else "–" for r in (cold, warm)]
+        walls = [f"{r['wall_s']:.0f} s" if r else "–" for r in (cold, warm)]
+        lines.append(
+            f"{name:12} {first['calls']:>5} {first['sequences']:>4} {exact:>20} "
+            f"{gaps[0]:>9} {gaps[1]:>9} {walls[0]:>8} {walls[1]:>10}"
         )
-        for name in HARNESSES:
-            cold, warm = (RESULTS.get((name, t)) for t in TEMPERATURES)
-            first = cold or warm
-            if first is None:
-                continue
-            exact = f"{first['share']:.1%} ({first['exact']}/{first['sampled']})"
-            gaps = [f"{r['step0_gap']:.1e}" if r else "–" for r in (cold, warm)]
-            walls = [f"{r['wall_s']:.0f} s" if r else "–" for r in (cold, warm)]
-            reporter.write_line(
-                f"{name:12} {first['calls']:>5} {first['sequences']:>4} {exact:>20} "
-                f"{gaps[0]:>9} {gaps[1]:>9} {walls[0]:>8} {walls[1]:>10}"
-            )
+    show_table(
+        request.config, "six harnesses on vLLM (proxy mode, tokens mode, scripted shell session):", lines
+    )
 
 
 def merged_sequences(rows: list[dict[str, Any]]) -> list[MergedSequence]:

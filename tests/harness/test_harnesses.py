@@ -24,6 +24,7 @@ from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 from polar_mitm.harness.openhands import DEFAULT_TOOLS
 from polar_mitm.harness.policy import AIDER_EDIT, HELLO_SCRIPT, THINKING
 from polar_mitm.harness.stack import HarnessRun, HarnessStack
+from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
 
@@ -49,18 +50,15 @@ def stack(tmp_path_factory, request):
 
 def report(config: pytest.Config, isolation: str) -> None:
     """The closing table (harness, version, mode, turns, records, pass, wall time), shown even with -q."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None or not RESULTS:
+    if not RESULTS:
         return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(f"\nreal harnesses through the gateway ({isolation}):")
-        reporter.write_line(f"{'harness':15} {'version':9} {'mode':9} turns records pass  wall")
-        for r in RESULTS:
-            reporter.write_line(
-                f"{r['harness']:15} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
-                f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s"
-            )
+    lines = [f"{'harness':15} {'version':9} {'mode':9} turns records pass  wall"]
+    for r in RESULTS:
+        lines.append(
+            f"{r['harness']:15} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
+            f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s"
+        )
+    show_table(config, f"real harnesses through the gateway ({isolation}):", lines)
 
 
 def messages(row: dict[str, Any]) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import BREAK_COMPACTION
 from polar_mitm.reconstruct.turns import sequences_from_table
 from polar_mitm.storage.records import RECORD_SCHEMA
+from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
 
@@ -201,23 +202,20 @@ def start_stack(root: Path, script: dict[str, Any], *, context_length: int | Non
 @pytest.fixture(scope="module", autouse=True)
 def report_table(request):
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None or not RESULTS:
+    if not RESULTS:
         return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line("\nlong real sessions with the harness's own compaction:")
-        reporter.write_line(
-            f"{'harness':22} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
-            f"{'drops':>5} {'wall':>6}  breaks by reason"
+    lines = [
+        f"{'harness':22} {'calls':>5} {'main':>4} {'compact':>7} {'errors':>6} {'chains':>6} "
+        f"{'drops':>5} {'wall':>6}  breaks by reason"
+    ]
+    for r in RESULTS:
+        breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
+        lines.append(
+            f"{r['harness']:22} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
+            f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
+            + (f"  → {r['reaction']}" if "reaction" in r else "")
         )
-        for r in RESULTS:
-            breaks = ", ".join(f"{k}: {v}" for k, v in sorted(r["breaks"].items())) or "-"
-            reporter.write_line(
-                f"{r['harness']:22} {r['calls']:5} {r['main']:4} {r['compactions']:7} "
-                f"{r['errors']:6} {r['chains']:6} {r['drops']:5} {r['wall_s']:5.0f}s  {breaks}"
-                + (f"  → {r['reaction']}" if "reaction" in r else "")
-            )
+    show_table(request.config, "long real sessions with the harness's own compaction:", lines)
 
 
 def merge_session(rows: list[dict[str, Any]], eot_id: int) -> tuple[list, dict[str, int], int]:

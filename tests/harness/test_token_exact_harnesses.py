@@ -27,6 +27,7 @@ from polar_mitm.reconstruct.fidelity import sequence_fidelity
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
 from polar_mitm.storage.records import RECORD_SCHEMA
+from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
 
@@ -70,23 +71,18 @@ def stack(request, tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def report_table(request):
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None or not RESULTS:
+    if not RESULTS:
         return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line("\ncontext-exact sampled tokens per harness (proxy mode):")
-        reporter.write_line(f"{'harness':15} {'tokens mode':>30} {'messages mode':>30}")
-        for name in HARNESSES:
-            cells = []
-            for mode in ("tokens", "messages"):
-                r = RESULTS.get((name, mode))
-                cells.append(
-                    f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}"
-                    if r
-                    else "–"
-                )
-            reporter.write_line(f"{name:15} {cells[0]:>30} {cells[1]:>30}")
+    lines = [f"{'harness':15} {'tokens mode':>30} {'messages mode':>30}"]
+    for name in HARNESSES:
+        cells = []
+        for mode in ("tokens", "messages"):
+            r = RESULTS.get((name, mode))
+            cells.append(
+                f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}" if r else "–"
+            )
+        lines.append(f"{name:15} {cells[0]:>30} {cells[1]:>30}")
+    show_table(request.config, "context-exact sampled tokens per harness (proxy mode):", lines)
 
 
 def max_logprob_gap(tiny_engine, sequences) -> float:
