@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 BUILTIN_MODELS = ("tiny", "smollm2")
@@ -15,19 +12,6 @@ def cache_root() -> Path:
     """Where built models live: $POLAR_MITM_CACHE, else ~/.cache/polar-mitm."""
     root = os.environ.get("POLAR_MITM_CACHE") or Path.home() / ".cache" / "polar-mitm"
     return Path(root)
-
-
-@contextlib.contextmanager
-def build_lock(out_dir: Path) -> Iterator[None]:
-    """Hold `OUT_DIR.lock` while a checkpoint is checked and built: processes that need the same model at once (two
-    loops, parallel test workers) build it once; the others wait, then find it built."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f"{out_dir.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def resolve_model(spec: str, *, seed: int = 0) -> Path:

