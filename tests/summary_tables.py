@@ -24,15 +24,17 @@ def show_table(config: pytest.Config, title: str, lines: list[str]) -> None:
     if reporter is None or capture is None:
         return
     with capture.global_and_fixture_disabled():
-        reporter.write_line("\n" + title)
-        for line in lines:
-            reporter.write_line(line)
+        write_table(reporter, title, lines)
 
 
 def print_worker_tables(folder: Path, reporter) -> None:
     """The controller's end of the run: every table the workers wrote, in the order they finished."""
     for path in sorted(folder.glob("*.txt")):
         title, *lines = path.read_text().splitlines()
-        reporter.write_line("\n" + title)
-        for line in lines:
-            reporter.write_line(line)
+        write_table(reporter, title, lines)
+
+
+def write_table(reporter, title: str, lines: list[str]) -> None:
+    reporter.write_line("\n" + title)
+    for line in lines:
+        reporter.write_line(line)

@@ -14,8 +14,5 @@ def build_lock(out_dir: Path) -> Iterator[None]:
     loops, parallel test workers) build it once; the others wait, then find it built."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(out_dir.parent / f"{out_dir.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
