@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from polar_mitm import secret_handover
 from polar_mitm.gateway import control
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ class GatewayProcess:
     confdir: Path
     out_dir: Path
     control_token: str | None = None  # what its control call must carry (gateway/control.py)
+    session_key: str | None = None  # signs its sessions' credentials, when it was started with one
 
     @property
     def proxy_url(self) -> str:
@@ -259,10 +261,14 @@ def start_gateway(
     reverse_port: int | None = None,
     netns: LoopbackNamespace | None = None,
     tie_to_parent: bool = False,
+    engine_key: str | None = None,
+    session_key: str | None = None,
 ) -> GatewayProcess:
     """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given).
 
     `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
+    Its control token, `engine_key` (the engine's API key) and `session_key` (what signs session credentials)
+    reach it through an inherited pipe (`secret_handover`), never its environment or command line.
     """
     proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
     cmd = [
@@ -288,14 +294,20 @@ def start_gateway(
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    token = secrets.token_urlsafe(24)  # in its environment, not its command line (which any process can read)
-    proc = subprocess.Popen(
-        netns.wrap(cmd) if netns else cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        preexec_fn=die_with_parent if tie_to_parent else None,
-        env={**os.environ, control.TOKEN_ENV: token},
+    token = secrets.token_urlsafe(24)
+    handover = secret_handover.Handover(
+        {"control_token": token, "engine_key": engine_key, "session_key": session_key}
     )
+    try:
+        proc = subprocess.Popen(
+            netns.wrap(cmd) if netns else cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent if tie_to_parent else None,
+            **handover.popen_kwargs(dict(os.environ)),
+        )
+    finally:
+        handover.close()
     wait = netns.wait_port if netns is not None else wait_port
     try:
         wait(proxy_port, proc=proc)
@@ -307,7 +319,7 @@ def start_gateway(
     except BaseException:
         stop(proc)
         raise
-    return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir), token)
+    return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir), token, session_key)
 
 
 GATEWAY_READY_PATH = "/_polar/ready"  # gateway/service.py answers it

@@ -2,31 +2,30 @@
 next records folder and sampling options with `POST /_polar/control`, instead of starting a new gateway (2–3 s, the
 tokenizer loaded again) for each.
 
-Only the process that started the gateway can make it: the gateway takes a token from `POLAR_CONTROL_TOKEN` as it
-starts (and removes it from its environment, so nothing it starts inherits it), and the call must carry it in
-`x-polar-control-token`. Without the variable the path is nothing special (answered as any request that is not a
+Only the process that started the gateway can make it: the gateway reads a token from the pipe it inherited as it
+starts (`polar_mitm.secret_handover`: never in its environment or command line, which any process of the same user
+can read), and the call must carry it in `x-polar-control-token`. Without a token the path is nothing special (answered as any request that is not a
 model call). A control call is never forwarded upstream nor recorded, and changes only `polar_` options.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 from typing import Any
 
 import orjson
 
+from polar_mitm import secret_handover
 from polar_mitm.gateway.options import PREFIX
 
 CONTROL_PATH = "/_polar/control"
-TOKEN_ENV = "POLAR_CONTROL_TOKEN"
 TOKEN_HEADER = "x-polar-control-token"
 DRAIN_SECONDS = 30.0  # a switch waits this long for calls still running (their records go to the old folder)
 
 
 def take_token() -> str | None:
     """The control token this gateway was started with (None: no control call is accepted)."""
-    return os.environ.pop(TOKEN_ENV, None) or None
+    return secret_handover.take("control_token")
 
 
 def authorized(token: str | None, given: str) -> bool:
