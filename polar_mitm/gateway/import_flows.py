@@ -8,21 +8,24 @@ Two kinds of flows carry token ids:
 Anything else is skipped and counted.
 
 A flow file is often what a killed mitmdump left: cut at an arbitrary byte. Every flow before the cut is imported,
-and so is every good record when one flow's `polar_record` is not a record; what was not imported is named, one
-line each (`FlowImport.problems`), never hidden behind a traceback.
+and so is every good record when one flow's `polar_record` is not a record; after a corrupt region in the middle,
+reading resumes at the next intact flow (`_next_flow`), so one bad region loses only the flows it covers. What
+was not imported is named, one line each (`FlowImport.problems`), never hidden behind a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,7 +33,7 @@ import pyarrow.parquet as pq
 from polar_mitm.codecs import ENGINE_CODEC
 from polar_mitm.conversation import Completion
 from polar_mitm.gateway.identity import scrub_headers
-from polar_mitm.storage.location import one_line
+from polar_mitm.storage.location import FILE_MODE, one_line, private_dir
 from polar_mitm.storage.records import Record, records_table
 
 
@@ -74,29 +77,86 @@ def _why_unreadable(path: Path, offset: int, flows: int, exc: Exception) -> str:
 
 
 def read_flow_file(path: Path, problems: list[str] | None = None) -> Iterator[tuple[int, Any]]:
-    """(position in the file from 1, flow) of each HTTP flow of one `mitmdump -w` file, up to where it stops.
+    """(position in the file from 1, flow) of each HTTP flow of one `mitmdump -w` file.
 
-    Where it stops early (cut, corrupt, unreadable), a line naming the file, the number of flows read and the
-    byte offset goes to `problems`; without `problems`, FlowFileError is raised with that line.
+    After a corrupt region reading resumes at the next intact flow, with a line naming the file and the bytes
+    skipped; where it stops early (cut, corrupt to the end, unreadable) a line names the file, the number of flows
+    read and the byte offset. Those lines go to `problems`; without `problems`, FlowFileError is raised instead.
     """
-    from mitmproxy import exceptions, http, io
+    from mitmproxy import http
 
     flows, offset = 0, 0
     try:
         with open(path, "rb") as f:
-            for flow in io.FlowReader(f).stream():
-                flows, offset = flows + 1, f.tell()
-                if isinstance(flow, http.HTTPFlow):
-                    yield flows, flow
-    except exceptions.FlowReadException as exc:
-        line = _why_unreadable(path, offset, flows, exc)
+            while True:
+                try:
+                    for flow in _flows_from(f):
+                        flows, offset = flows + 1, f.tell()
+                        if isinstance(flow, http.HTTPFlow):
+                            yield flows, flow
+                    return
+                except OSError:
+                    raise
+                except Exception as exc:  # corrupt bytes fail in tnetstring or in mitmproxy's flow state
+                    resume = _next_flow(f, offset)
+                    if resume is None:
+                        line = _why_unreadable(path, offset, flows, exc)
+                        break
+                    _problem(
+                        problems,
+                        f"{path}: corrupt data from byte {offset} to {resume} after {flows} flows ({_reason(exc)}); "
+                        f"skipped, reading resumed at the next intact flow",
+                    )
+                    f.seek(resume)
+                    offset = resume
     except OSError as exc:
         line = f"{path}: cannot be read ({exc.strerror or exc}); not imported"
-    else:
-        return
+    _problem(problems, line)
+
+
+def _problem(problems: list[str] | None, line: str) -> None:
     if problems is None:
         raise FlowFileError(line)
     problems.append(line)
+
+
+def _reason(exc: Exception) -> str:
+    cause = exc.__cause__ or exc
+    return f"{type(cause).__name__}: {one_line(cause)}"
+
+
+def _flows_from(f: BinaryIO) -> Iterator[Any]:
+    """The flows from the file's position on, read by mitmproxy's own reader."""
+    from mitmproxy import io
+
+    yield from io.FlowReader(f).stream()
+
+
+# A flow is a tnetstring dict: `<length>:` then its first key, itself a tnetstring (`<length>:<key>,`). A lookahead,
+# so that digits ending a corrupt region do not hide the flow right behind them.
+_FLOW_START = re.compile(rb"(?=(\d{1,12}):\d{1,12}:)")
+
+
+def _next_flow(f: BinaryIO, after: int) -> int | None:
+    """Where the next intact flow after byte `after` starts (one that mitmproxy reads whole), or None."""
+    from mitmproxy import io
+
+    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+    try:
+        for found in _FLOW_START.finditer(data, after + 1):
+            start = found.start()
+            end = start + len(found.group(1)) + 1 + int(found.group(1))
+            if end >= len(data) or data[end : end + 1] != b"}":  # a dict's payload ends in its type byte
+                continue
+            try:
+                next(iter(io.FlowReader(BytesIO(data[start : end + 1])).stream()))
+            except Exception:  # not a flow after all: a number inside the corrupt region or a flow's body
+                continue
+            return start
+        return None
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
 
 
 def iter_flows(paths: Iterable[Path], problems: list[str] | None = None) -> Iterator[Any]:
@@ -186,11 +246,12 @@ def import_flow_files(paths: list[Path], out_dir: Path) -> FlowImport:
 
 def _write_shard(table: pa.Table, out_dir: Path, name: str) -> Path:
     """Atomically: a reader never sees half a shard, and a failed import leaves no partial file behind."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(out_dir)
     shard = out_dir / f"records-imported-{name}.parquet"
     tmp = out_dir / f".{shard.name}.tmp"
     try:
         pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, FILE_MODE)  # records are their owner's only
         os.replace(tmp, shard)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,11 +1,33 @@
-"""A store's location: a local path (relative is fine) or a pyarrow filesystem URI (s3://, gs://, file://, …)."""
+"""A store's location: a local path (relative is fine) or a pyarrow filesystem URI (s3://, gs://, file://, …), and
+how the local folders we create are made owner-only."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+# Records, journals and run directories hold prompts and token ids: nobody but their owner reads them.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def private_dir(path: str | Path) -> Path:
+    """`path` as a folder, each part this creates owner-only (0700; one that exists keeps its mode)."""
+    target = missing_part = Path(path)
+    missing = []
+    while not missing_part.is_dir() and missing_part != missing_part.parent:
+        missing.append(missing_part)
+        missing_part = missing_part.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)  # the umask can only take bits away from 0700
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+    return target
 
 
 class StorageError(ValueError):

@@ -120,3 +120,25 @@ def test_nothing_importable_exits_1_naming_why(flow_file, tmp_path):
     assert f"{cut}: file truncated after 0 flows" in result.stderr, said
     assert f"{tmp_path / 'missing.flow'}: cannot be read" in result.stderr, said
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("records-*.parquet"))
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "inserted garbage ending in digits"])
+def test_a_corrupt_region_mid_file_loses_only_the_flows_it_covers(flow_file, tmp_path, damage):
+    flows, ends = read_flows(flow_file)
+    data = flow_file.read_bytes()
+    if damage == "overwritten":  # the second flow's bytes are noise: the first and third are imported
+        middle = ends[0] + (ends[1] - ends[0]) // 3
+        corrupt = data[:middle] + b"\x00garbage\xff" * 8 + data[middle + 80 :]
+        expected = [flows[0], flows[2]]
+    else:  # noise between the first and second flows, ending in digits right before the second's length
+        corrupt = data[: ends[0]] + b"#\xfe noise 12:34" + data[ends[0] :]
+        expected = flows
+    damaged = tmp_path / "damaged.flow"
+    damaged.write_bytes(corrupt)
+    result = import_flows(str(damaged), "-o", str(tmp_path / "out"))
+    said = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in said, said
+    assert imported_ids(tmp_path / "out") == [f.metadata["polar_record"]["request_id"] for f in expected]
+    assert f"{damaged}: corrupt data from byte {ends[0]} to " in result.stderr, said
+    assert "reading resumed at the next intact flow" in result.stderr, said
+    assert "1 not imported" in result.stdout, said
