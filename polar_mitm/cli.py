@@ -52,9 +52,27 @@ def serve(
     first_token_delay: Annotated[
         float, typer.Option(help="Test knob: seconds to hold the first token back (a slow prefill).")
     ] = 0.0,
+    stream_weight_version: Annotated[
+        bool, typer.Option(help="Test knob: off, streamed answers omit their weight_version (as SGLang's).")
+    ] = True,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File (mode 600) holding the API key every route but /health needs; without a key (nor "
+            "$POLAR_ENGINE_KEY) only sampling routes answer and weight pushes are off."
+        ),
+    ] = None,
 ) -> None:
     """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
     import os
+
+    from polar_mitm import engine_keys
+
+    try:  # before the model loads: a bad key file is said at once
+        api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()
+    except engine_keys.KeyFileError as exc:
+        typer.echo(f"polar-mitm serve: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
     import torch
     import uvicorn
@@ -77,8 +95,11 @@ def serve(
         f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
         f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}"
     )
+    if api_key is None:
+        console.print("[yellow]no API key[/] (--api-key-file): sampling routes only, weight pushes are off")
     pacing = Pacing(token_delay=token_delay, first_token_delay=first_token_delay)
-    uvicorn.run(build_app(engine, pacing), host=host, port=port, log_level="warning", access_log=False)
+    app = build_app(engine, pacing, api_key=api_key, stream_weight_version=stream_weight_version)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 
 @app.command("chat")

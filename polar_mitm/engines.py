@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from polar_mitm import procs
+from polar_mitm.engine_keys import auth_headers
 
 
 class EngineSetError(RuntimeError):
@@ -65,7 +66,7 @@ def split_engine_list(spec: str) -> list[str] | None:
 def router_workers(url: str, *, timeout: float = 5.0) -> list[str] | None:
     """The worker URLs behind SGLang's router at `url` (GET /workers), or None when `url` is not a router."""
     try:
-        response = httpx.get(f"{url.rstrip('/')}/workers", timeout=timeout)
+        response = httpx.get(f"{url.rstrip('/')}/workers", timeout=timeout, headers=auth_headers(url))
         body = response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -88,7 +89,7 @@ def model_info(url: str, *, timeout: float = 10.0) -> dict:
     vLLM's `/weight_info` (its weight version only)."""
     for path in ("/model_info", "/get_model_info", "/weight_info"):
         try:
-            response = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout)
+            response = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout, headers=auth_headers(url))
         except httpx.HTTPError:
             continue
         if response.status_code == 200:
@@ -149,7 +150,9 @@ def forwards_token_ids(url: str, *, timeout: float = 60.0) -> bool:
         "return_token_ids": True,
     }
     try:
-        answer = httpx.post(f"{url.rstrip('/')}/v1/chat/completions", json=body, timeout=timeout).json()
+        answer = httpx.post(
+            f"{url.rstrip('/')}/v1/chat/completions", json=body, timeout=timeout, headers=auth_headers(url)
+        ).json()
         return "response_token_ids" in answer["choices"][0]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return False
@@ -174,7 +177,9 @@ def engine_weight_version(engine_url: str, *, timeout: float = 30.0) -> str | No
     """The engine's current `weight_version` (GET /model_info; vLLM: GET /weight_info)."""
     path = "/weight_info" if engine_kind_at(engine_url, timeout=timeout) == "vllm" else "/model_info"
     try:
-        response = httpx.get(f"{engine_url.rstrip('/')}{path}", timeout=timeout)
+        response = httpx.get(
+            f"{engine_url.rstrip('/')}{path}", timeout=timeout, headers=auth_headers(engine_url)
+        )
         response.raise_for_status()
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot read {engine_url}{path}: {exc}") from exc
@@ -186,9 +191,10 @@ def engine_kind_at(engine_url: str, *, timeout: float = 10.0) -> str:
     engine: one weight API)."""
     base = engine_url.rstrip("/")
     try:
-        if httpx.get(f"{base}/model_info", timeout=timeout).status_code == 200:
+        headers = auth_headers(base)
+        if httpx.get(f"{base}/model_info", timeout=timeout, headers=headers).status_code == 200:
             return "sglang"
-        version = httpx.get(f"{base}/version", timeout=timeout)
+        version = httpx.get(f"{base}/version", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot reach {engine_url}: {exc}") from exc
     return "vllm" if version.status_code == 200 else "sglang"
@@ -196,7 +202,7 @@ def engine_kind_at(engine_url: str, *, timeout: float = 10.0) -> str:
 
 def _vllm_post(base: str, path: str, body: dict | None, timeout: float) -> httpx.Response:
     try:
-        response = httpx.post(f"{base}{path}", json=body, timeout=timeout)
+        response = httpx.post(f"{base}{path}", json=body, timeout=timeout, headers=auth_headers(base))
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot reach {base}{path}: {exc}") from exc
     if response.status_code != 200:
@@ -213,12 +219,21 @@ def push_weights_to_vllm(
     first (`/pause?mode=wait`); new ones wait until `/resume`, which is sent however the reload went.
     """
     base = engine_url.rstrip("/")
-    version = weight_version or next_version({base: engine_weight_version(base)}) or "1"
+    current = engine_weight_version(base)
+    version = str(weight_version or next_version({base: current}) or "1")
+    if version == current:
+        raise EngineSyncError(
+            f"{base} already serves weight_version {version}: a push must carry a new label"
+        )
     _vllm_post(base, "/pause?mode=wait", None, timeout)
     try:
         rpc = {
             "method": "polar_reload_weights",
-            "kwargs": {"weights_path": str(Path(model_dir).resolve())},
+            "kwargs": {
+                "weights_path": str(Path(model_dir).resolve()),
+                "weight_version": version,
+                "current_version": current,
+            },
             "timeout": timeout,
         }
         results = _vllm_post(base, "/collective_rpc", rpc, timeout).json().get("results")
@@ -257,12 +272,18 @@ def push_weights_to_engine(
     """
     if engine_kind_at(engine_url) == "vllm":
         return push_weights_to_vllm(engine_url, model_dir, weight_version=weight_version, timeout=timeout)
+    before = engine_weight_version(engine_url)
+    # Always a label: SGLang keeps the served one when none is given, and records would name the wrong weights.
+    weight_version = weight_version or next_version({engine_url: before})
     body: dict[str, str] = {"model_path": str(Path(model_dir).resolve())}
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     try:
         response = httpx.post(
-            f"{engine_url.rstrip('/')}/update_weights_from_disk", json=body, timeout=timeout
+            f"{engine_url.rstrip('/')}/update_weights_from_disk",
+            json=body,
+            timeout=timeout,
+            headers=auth_headers(engine_url),
         )
     except httpx.HTTPError as exc:
         raise EngineSyncError(f"cannot reach {engine_url}: {exc}") from exc
@@ -276,7 +297,12 @@ def push_weights_to_engine(
             f"HTTP {response.status_code} {answer.get('message', '')}"
         )
     # SGLang's answer may omit the version: ask for it.
-    return str(answer.get("weight_version") or engine_weight_version(engine_url) or weight_version or "")
+    served = str(answer.get("weight_version") or engine_weight_version(engine_url) or weight_version or "")
+    if served == (before or ""):
+        raise EngineSyncError(
+            f"{engine_url} took {model_dir} but kept weight_version {served}: push a new label"
+        )
+    return served
 
 
 def push_to_workers(

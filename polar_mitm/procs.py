@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from polar_mitm import secret_handover
+from polar_mitm import engine_keys, secret_handover
 from polar_mitm.gateway import control
 
 if TYPE_CHECKING:
@@ -62,10 +62,13 @@ def start_engine(
     extra_args: list[str] | None = None,
     timeout: float = 300.0,
     netns: LoopbackNamespace | None = None,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers.
 
-    With `netns` it runs inside that network namespace (its URL is only reachable from there).
+    It gets an API key (`api_key`, else a new one) through an inherited pipe, remembered for its URL in this process
+    (`engine_keys.key_for`): our gateways and weight pushes send it, nothing else can. With `netns` it runs inside
+    that network namespace (its URL is only reachable from there).
     """
     port = port or free_port()
     cmd = [
@@ -80,13 +83,20 @@ def start_engine(
         *(extra_args or []),
     ]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        netns.wrap(cmd) if netns else cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    key = api_key or engine_keys.new_key()
+    handover = secret_handover.Handover({engine_keys.HANDOVER_NAME: key})
+    env = {k: v for k, v in os.environ.items() if k != engine_keys.KEY_ENV}  # the pipe's key, not a user's
+    try:
+        proc = subprocess.Popen(
+            netns.wrap(cmd) if netns else cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            **handover.popen_kwargs({**env, "HF_HUB_OFFLINE": "1"}),
+        )
+    finally:
+        handover.close()
     url = f"http://127.0.0.1:{port}"
+    engine_keys.remember(url, key)
     try:
         if netns is not None:  # uvicorn listens only once the model is loaded
             netns.wait_port(port, timeout=timeout, proc=proc)
@@ -295,6 +305,7 @@ def start_gateway(
         cmd += ["--set", f"{key}={value}"]
     out = open(log, "ab") if log else subprocess.DEVNULL
     token = secrets.token_urlsafe(24)
+    engine_key = engine_key or engine_keys.key_for(backend)  # the key of an engine this process started
     handover = secret_handover.Handover(
         {"control_token": token, "engine_key": engine_key, "session_key": session_key}
     )
@@ -366,6 +377,7 @@ def engine_running(
         yield url
     finally:
         stop(proc)
+        engine_keys.forget(url)
 
 
 @contextmanager

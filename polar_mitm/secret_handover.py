@@ -6,16 +6,16 @@ keeps the exec-time block even after Python pops the variable; `/proc/PID/cmdlin
 writes the secrets, as one JSON object, into a pipe the child inherits; only the pipe's *number* is in the
 environment (`POLAR_SECRETS_FD`). The child reads it once at start (`take`), closes it and forgets the number, so
 nothing it starts inherits either. What remains open without a sandbox: a process of the same user that can
-ptrace (root can) may still read the child's memory — the sandbox issue closes that.
+ptrace (root can) may still read the child's memory — the sandbox issue closes that. Standard library only: vLLM's
+launcher (its own venv, polar_mitm/vllm/launcher.py) takes the engine's key through it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from typing import Any
-
-import orjson
 
 FD_ENV = "POLAR_SECRETS_FD"
 
@@ -26,7 +26,7 @@ class Handover:
     """The parent's side: `Popen(..., **handover.popen_kwargs(env))`, then `handover.close()` after the start."""
 
     def __init__(self, secrets: dict[str, str | None]) -> None:
-        payload = orjson.dumps({k: v for k, v in secrets.items() if v})
+        payload = json.dumps({k: v for k, v in secrets.items() if v}).encode()
         self._read_fd, write_fd = os.pipe()
         try:
             if len(payload) > 60_000:  # must fit the pipe's buffer: nothing reads until the child starts
@@ -70,7 +70,7 @@ def _read_inherited() -> dict[str, str]:
         with contextlib.suppress(OSError):
             os.close(fd)
     try:
-        value = orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError:
+        value = json.loads(b"".join(chunks))
+    except ValueError:
         return {}
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.engine_info import ENGINE_FILE
@@ -45,7 +45,11 @@ def start_mitmdump(cwd: Path, engine_url: str, port: int, *extra: str) -> subpro
         "--set",
         f"confdir={cwd / 'conf'}",
     ]
-    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A gateway started by hand finds the engine's key in $POLAR_ENGINE_KEY (polar_mitm/engine_keys.py).
+    env = {**os.environ, engine_keys.KEY_ENV: engine_keys.key_for(engine_url) or ""}
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -4,6 +4,10 @@ Endpoints: POST /v1/chat/completions, POST /generate, POST /tokenize, POST /upda
 POST /abort_request, GET /model_info, GET /health, GET /v1/models, and (ours) GET /engine_stats. Errors are
 SGLang-like JSON (`{"object": "error", ...}`) with HTTP 400 for bad input; generation runs in worker threads so the
 event loop keeps answering while a long prompt prefills, and streamed tokens are sent while the next is decoded.
+
+Every route but /health needs the engine's API key (`engine_keys.KeyGuard`), and a weight push must carry a label
+this engine has never served: records are labelled by it, so weights pushed under a served label would pass as
+the weights that label names.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -28,6 +33,7 @@ from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, To
 from polar_mitm.engine.parsers import StreamingSplitter
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
 from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText, ParsedStream
+from polar_mitm.engine_keys import KeyGuard
 
 BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
 
@@ -97,13 +103,17 @@ class EngineStats:
 class EngineServer:
     """Routes bound to one Engine."""
 
-    def __init__(self, engine: Engine, pacing: Pacing | None = None) -> None:
+    def __init__(
+        self, engine: Engine, pacing: Pacing | None = None, *, stream_weight_version: bool = True
+    ) -> None:
         self.engine = engine
         self.pacing = pacing or Pacing()
+        self.stream_weight_version = stream_weight_version  # False: streams say no version, as SGLang's
         self.stats = EngineStats()
         self._cancels: dict[
             str, threading.Event
         ] = {}  # running request id → its cancel flag (/abort_request)
+        self.served_versions = {engine.weight_version}  # a push must bring a label not among these
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -275,22 +285,37 @@ class EngineServer:
             {"tokens": list(ids), "count": len(ids), "max_model_len": self.engine.context_length}
         )
 
+    def _push_label(self, asked: Any) -> str:
+        """The label a push gets: the one asked for, else one past the current; never one served before."""
+        current = self.engine.weight_version
+        if asked is None or asked == "":
+            label = str(int(current) + 1) if current.isdigit() else f"{current}+1"
+        else:
+            label = str(asked)
+        if label in self.served_versions:
+            raise chat.ChatRequestError(
+                f"weight_version {label!r} was already served by this engine: a push must carry a new label"
+            )
+        return label
+
     async def update_weights_from_disk(self, request: Request) -> Response:
         try:
             body = await read_json(request)
             path = body.get("model_path") if isinstance(body, dict) else None
             if not path:
                 raise chat.ChatRequestError("model_path is required")
+            label = self._push_label(body.get("weight_version"))
         except BAD_INPUT as exc:
-            return error_response(str(exc))
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         try:
             version = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.update_weights_from_disk, path, body.get("weight_version")
+                None, self.engine.update_weights_from_disk, path, label
             )
         except Exception as exc:  # a bad checkpoint must not take the server down
             return JSONResponse(
                 {"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400
             )
+        self.served_versions.add(version)
         return JSONResponse(
             {
                 "success": True,
@@ -445,7 +470,8 @@ class EngineServer:
                 ext["input_ids"] = [gen.prompt_ids]
             if want_out:
                 ext["output_ids"] = [gen.output_ids]
-            ext["weight_version"] = gen.weight_version
+            if self.stream_weight_version:
+                ext["weight_version"] = gen.weight_version
             yield sse_event(
                 {
                     "id": request_id,
@@ -562,5 +588,13 @@ class EngineServer:
         ]
 
 
-def build_app(engine: Engine, pacing: Pacing | None = None) -> Starlette:
-    return Starlette(routes=EngineServer(engine, pacing).routes())
+def build_app(
+    engine: Engine,
+    pacing: Pacing | None = None,
+    *,
+    api_key: str | None = None,
+    stream_weight_version: bool = True,
+) -> Starlette:
+    """The engine's app; every route but /health needs `api_key` (without one: sampling routes only)."""
+    server = EngineServer(engine, pacing, stream_weight_version=stream_weight_version)
+    return Starlette(routes=server.routes(), middleware=[Middleware(KeyGuard, key=api_key)])

@@ -8,6 +8,11 @@ and `polar-mitm serve` answer `/model_info`, vLLM `/version`) or set (`sglang|vl
 the model info (`engine_kind`, in `_engine.json`). Every answer's meta info says whether its logprobs are
 temperature-scaled (`logprobs_temperature_scaled`): SGLang's always are; vLLM's per its `--logprobs-mode`.
 
+Every request carries the engine's API key (`engine_keys.key_for`: handed to the gateway through a pipe, or
+`$POLAR_ENGINE_KEY` for a gateway started by hand). A vLLM answer is labelled with the weight version read *before*
+the call; when a push changed it by the end, the answer's meta also says `weight_version_after`, and the record
+keeps the older label, so the trainer counts the call as stale rather than as the new weights' (issue 36 item 11).
+
 aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0.7 ms (benchmarks/bench_gateway.py).
 """
 
@@ -23,6 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from polar_mitm import engine_keys
 from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engines import weight_version_of
 from polar_mitm.vllm.dialect import ENGINE_KINDS, VllmCall, VllmStream, engine_kind, sglang_answer, to_vllm
@@ -71,11 +77,22 @@ class EngineClient:
     """A pooled async HTTP client; maps engine failures to typed GatewayErrors."""
 
     def __init__(
-        self, base_url: str, *, timeout: float = 600.0, max_connections: int = 512, kind: str = "auto"
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        max_connections: int = 512,
+        kind: str = "auto",
+        api_key: str | None = None,
     ) -> None:
         if kind != "auto" and kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be auto or one of {ENGINE_KINDS}, got {kind!r}")
         self.base_url = base_url.rstrip("/")
+        key = api_key or engine_keys.key_for(self.base_url)
+        self._headers = {
+            "content-type": "application/json",
+            **({"authorization": f"Bearer {key}"} if key else {}),
+        }
         self.timeout = timeout
         self.max_connections = max_connections
         self.kind_setting = kind
@@ -83,6 +100,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._served_model: str | None = None
         self._model_info: dict[str, Any] | None = None
+        self.streams_say_version = False  # learnt from a stream: its sglext carries the weight version
 
     def _client(self) -> aiohttp.ClientSession:
         # Created lazily: an aiohttp session belongs to the event loop that first uses it.
@@ -106,7 +124,7 @@ class EngineClient:
             for attempt in (1, 2):
                 try:
                     async with self._client().request(
-                        method, self.base_url + path, data=body, headers={"content-type": "application/json"}
+                        method, self.base_url + path, data=body, headers=self._headers
                     ) as resp:
                         raw = await resp.read()
                         status = resp.status
@@ -223,15 +241,11 @@ class EngineClient:
             path, body, translator = call.path, orjson.dumps(call.body), VllmStream(call)
         try:
             try:
-                resp = await self._client().post(
-                    self.base_url + path, data=body, headers={"content-type": "application/json"}
-                )
+                resp = await self._client().post(self.base_url + path, data=body, headers=self._headers)
             except (
                 aiohttp.ServerDisconnectedError
             ):  # a closing keep-alive connection: once more on a fresh one
-                resp = await self._client().post(
-                    self.base_url + path, data=body, headers={"content-type": "application/json"}
-                )
+                resp = await self._client().post(self.base_url + path, data=body, headers=self._headers)
         except TimeoutError as exc:
             raise GatewayError(
                 "overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s"
@@ -264,9 +278,10 @@ class EngineClient:
         if await self.kind() != "vllm":
             return with_logprobs_meta(await self._request("POST", "/v1/chat/completions", body))
         call = await self._vllm_call(body)
+        before = await self.weight_version()  # before the call: a push may land while it runs
         raw = await self._request("POST", call.path, orjson.dumps(call.body))
-        version = await self.weight_version()
-        return await _offload(_translated_answer, len(raw), call, raw, version)
+        after = await self.weight_version()
+        return await _offload(_translated_answer, len(raw), call, raw, before, after)
 
     async def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": False}
@@ -308,10 +323,11 @@ def with_logprobs_meta(raw: bytes) -> bytes:
     return raw[:cut] + SGLANG_LOGPROBS_FIELD + separator + raw[cut:]
 
 
-def _translated_answer(call: VllmCall, raw: bytes, weight_version: str | None) -> bytes:
-    """vLLM's whole answer as SGLang's, JSON bytes (an unreadable answer is an engine error)."""
+def _translated_answer(call: VllmCall, raw: bytes, before: str | None, after: str | None) -> bytes:
+    """vLLM's whole answer as SGLang's, JSON bytes (an unreadable answer is an engine error), labelled with the
+    version read before the call (and the one after, when a push changed it meanwhile)."""
     try:
-        return orjson.dumps(sglang_answer(call, orjson.loads(raw), weight_version))
+        return orjson.dumps(sglang_answer(call, orjson.loads(raw), before, weight_version_after=after))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}: {raw[:200]!r}") from exc
 

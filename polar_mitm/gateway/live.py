@@ -11,6 +11,10 @@ A stream whose ids or logprobs do not add up still ends normally for the harness
 record is an error, never training data. When the harness goes away mid-stream the engine is told to abort
 (`/abort_request`, SGLang's API), the rest of its stream is read for the ids sampled so far, and the call is
 recorded as `abort` with those ids.
+
+A stream that does not say its weight version (SGLang's, vLLM's) is labelled with the version read *before* the
+engine was called; when the version read after the end differs (a push landed meanwhile, `--overlap`), the record
+keeps the older label and its meta says `weight_version_after`, so the trainer counts the call as stale.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from polar_mitm.gateway.engine_client import sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
 from polar_mitm.gateway.prompts import PromptStep
 from polar_mitm.storage.records import Record
+from polar_mitm.vllm.dialect import version_change
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ class LiveCall:
         self.offered = {tool.name for tool in conv.tools}
         self.row: dict[str, Any] | None = None
         self.stop_reason: str | None = None  # set by `stop`; else the disconnect event's reason
+        self.version_before: str | None = None  # the engine's weight version when the call was sent
 
     # -- the whole call ----------------------------------------------------------------------------------------
 
@@ -169,6 +175,8 @@ class LiveCall:
         return await self._failed(err)
 
     async def _run(self) -> dict[str, Any]:
+        if not getattr(self.calls.engine, "streams_say_version", False):
+            self.version_before = await self._weight_version()  # before the engine starts: a push may land
         async with self.calls.engine.open_stream(self.engine_body) as resp:
             reader = asyncio.ensure_future(self._read(resp))
             watcher = asyncio.ensure_future(self._watch())
@@ -317,8 +325,8 @@ class LiveCall:
             problem = None
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             completion, problem = self.assembler.display(), str(exc)
-        if completion.weight_version is None and problem is None:
-            completion.weight_version = await self._weight_version()
+        if problem is None:
+            await self._label_version(completion)
         completion.id = self._encoder().head.id
         completion.meta_json = orjson.dumps(completion.meta_info).decode()
         harness_safe(completion, [tool.name for tool in self.conv.tools])  # as the non-streamed path does
@@ -418,6 +426,20 @@ class LiveCall:
 
     def _response_json(self, completion: Completion) -> str:
         return orjson.dumps(self.codec.encode_response(self.conv, completion)).decode()
+
+    async def _label_version(self, completion: Completion) -> None:
+        """The weight version the call ran under: the stream's own, else the one read before it (and the one read
+        now as well, when a push changed it during the call)."""
+        engine = self.calls.engine
+        if completion.weight_version is not None:
+            if hasattr(engine, "streams_say_version"):
+                engine.streams_say_version = (
+                    True  # this engine's streams say it: no read before the next call
+                )
+            return
+        after = await self._weight_version()
+        completion.weight_version = self.version_before
+        completion.meta_info.update(version_change(self.version_before, after))
 
     async def _weight_version(self) -> str | None:
         """SGLang's streamed chunks do not carry the weight version: ask the engine (weights change between RL

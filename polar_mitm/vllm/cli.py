@@ -23,14 +23,40 @@ def serve_command(
         Path | None,
         typer.Option(help="scripted test policy (engine/script.py's format; the logprobs stay the model's)"),
     ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="file (mode 600) holding the API key every route but /health needs (else $POLAR_ENGINE_KEY); "
+            "without a key only sampling routes answer and weight pushes are off"
+        ),
+    ] = None,
 ) -> None:
     """Run vLLM in the foreground; arguments after the options go to `vllm serve` unchanged."""
+    from polar_mitm import engine_keys
     from polar_mitm.vllm.server import VllmNotInstalled, exec_vllm
 
     if device not in ("cpu", "gpu"):
         raise typer.BadParameter("--device must be cpu or gpu")
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in ctx.args):
+        typer.echo(
+            "polar-mitm: give the key with --api-key-file PATH (a command line is readable by all)", err=True
+        )
+        raise typer.Exit(2)
     try:
-        exec_vllm(model, port=port, host=host, device=device, extra_args=list(ctx.args), script=script)  # type: ignore[arg-type]
+        api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()
+    except engine_keys.KeyFileError as exc:
+        typer.echo(f"polar-mitm: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        exec_vllm(
+            model,
+            port=port,
+            host=host,
+            device=device,  # type: ignore[arg-type]
+            extra_args=list(ctx.args),
+            script=script,
+            api_key=api_key,
+        )
     except VllmNotInstalled as exc:
         typer.echo(f"polar-mitm: {exc}", err=True)
         raise typer.Exit(2) from exc

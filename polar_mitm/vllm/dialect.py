@@ -185,8 +185,17 @@ def _finish(reason: Any, has_calls: bool) -> str:
     return "tool_calls" if has_calls and finish == "stop" else finish
 
 
-def sglang_answer(call: VllmCall, answer: dict[str, Any], weight_version: str | None) -> dict[str, Any]:
-    """vLLM's non-streamed answer as SGLang's chat answer (`Completion.from_engine_response` reads it)."""
+def sglang_answer(
+    call: VllmCall,
+    answer: dict[str, Any],
+    weight_version: str | None,
+    *,
+    weight_version_after: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's non-streamed answer as SGLang's chat answer (`Completion.from_engine_response` reads it).
+
+    `weight_version` is the one read before the call; `weight_version_after`, read after it, is said too when it
+    differs (a push landed meanwhile: the record keeps the older label, so the trainer treats the call as stale)."""
     choice = (answer.get("choices") or [{}])[0]
     prompt_ids = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
     output_ids = choice.get("token_ids")
@@ -202,6 +211,7 @@ def sglang_answer(call: VllmCall, answer: dict[str, Any], weight_version: str | 
             "matched": choice.get("stop_reason"),
         },
         "weight_version": weight_version,
+        **version_change(weight_version, weight_version_after),
     }
     cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     if isinstance(cached, int):
@@ -220,6 +230,13 @@ def sglang_answer(call: VllmCall, answer: dict[str, Any], weight_version: str | 
             }
         ],
     }
+
+
+def version_change(before: str | None, after: str | None) -> dict[str, Any]:
+    """The meta fields saying a push landed during a call (`weight_version_after`), or nothing when none did."""
+    if after is None or after == before:
+        return {}
+    return {"weight_version_after": after, "weight_version_changed": True}
 
 
 class VllmStream:

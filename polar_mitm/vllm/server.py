@@ -8,7 +8,9 @@ reasoning parser: `<think>` text comes back as text and the gateway splits it wi
 the three engines' answers are split alike), and the model's generation_config ignored (the gateway sends every sampling field itself). On CPU
 also what was measured to work here: fp32 (bf16 was ~3× slower), `--enforce-eager`, a 1 GiB KV cache. vLLM runs
 in its own venv (scripts/setup-vllm.sh) through `polar_mitm.vllm.launcher`, with this repository on PYTHONPATH so
-its processes can import the worker extension.
+its processes can import the worker extension. Every route but /health needs the engine's API key: vLLM's own
+`--api-key` guards only /v1 (and would be on its command line and in its logged arguments), so our middleware
+(`engine_keys.ProcessKeyGuard`) guards them all, the key handed to the launcher through an inherited pipe.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Literal
 
 import httpx
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs, secret_handover
 from polar_mitm.vllm import SCRIPT_ENV, SCRIPTED_POLICY
 
 Device = Literal["cpu", "gpu"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = REPO_ROOT / ".venv-vllm"
 WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
+KEY_GUARD = "polar_mitm.engine_keys.ProcessKeyGuard"  # the key check on every route but /health
 STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
 
 # Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).
@@ -105,6 +108,8 @@ def vllm_command(
         str(port),
         "--served-model-name",
         served_name or model_dir.name,
+        "--middleware",
+        KEY_GUARD,
         *COMMON_FLAGS,
         *DEVICE_FLAGS[device],
         *(["--logits-processors", SCRIPTED_POLICY] if scripted_policy else []),
@@ -145,9 +150,11 @@ def start_vllm(
     timeout: float = STARTUP_SECONDS,
     scripted_policy: bool = False,
     script: Path | None = None,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """vLLM in its own process group; returns (process, base URL) once `/health` answers. `script` plays a scripted
-    policy from the start (it implies `scripted_policy`)."""
+    policy from the start (it implies `scripted_policy`). Its API key (`api_key`, else a new one) is handed over
+    through a pipe and remembered for its URL (`engine_keys.key_for`)."""
     model_dir = resolve_vllm_model(str(model)) if not Path(model).is_dir() else Path(model)
     port = port or procs.free_port()
     cmd = vllm_command(
@@ -158,14 +165,21 @@ def start_vllm(
         extra_args=extra_args,
     )
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=vllm_environment(device, script=script),
-        start_new_session=True,  # vLLM starts an engine-core process: stopped with the group
-    )
+    key = api_key or engine_keys.new_key()
+    handover = secret_handover.Handover({engine_keys.HANDOVER_NAME: key})
+    env = {k: v for k, v in vllm_environment(device, script=script).items() if k != engine_keys.KEY_ENV}
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # vLLM starts an engine-core process: stopped with the group
+            **handover.popen_kwargs(env),
+        )
+    finally:
+        handover.close()
     url = f"http://127.0.0.1:{port}"
+    engine_keys.remember(url, key)
     try:
         procs.wait_http(f"{url}/health", timeout=timeout, proc=proc)
     except BaseException:
@@ -195,6 +209,7 @@ def vllm_running(model: str | Path = "tiny", **kwargs) -> Iterator[str]:
         yield url
     finally:
         stop_vllm(proc)
+        engine_keys.forget(url)
 
 
 def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> None:
@@ -203,6 +218,7 @@ def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> 
         f"{url.rstrip('/')}/collective_rpc",
         json={"method": "polar_set_script", "kwargs": {"path": None if script is None else str(script)}},
         timeout=timeout,
+        headers=engine_keys.auth_headers(url),
     )
     response.raise_for_status()
 
@@ -225,8 +241,10 @@ def exec_vllm(
     device: Device,
     extra_args: list[str],
     script: Path | None = None,
+    api_key: str | None = None,
 ) -> None:
-    """Replace this process with vLLM (the foreground `polar-mitm vllm serve`)."""
+    """Replace this process with vLLM (the foreground `polar-mitm vllm serve`); `api_key` reaches it through a pipe
+    that survives the exec (without one: sampling routes only, no weight pushes)."""
     model_dir = resolve_vllm_model(model) if not Path(model).is_dir() else Path(model)
     cmd = vllm_command(
         model_dir,
@@ -236,7 +254,8 @@ def exec_vllm(
         scripted_policy=script is not None,
         extra_args=extra_args,
     )
-    os.execve(cmd[0], cmd, vllm_environment(device, script=script))
+    env = vllm_environment(device, script=script)
+    os.execve(cmd[0], cmd, engine_keys.handover_across_exec(api_key, env) if api_key else env)
 
 
 __all__ = [

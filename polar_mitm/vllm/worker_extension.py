@@ -39,8 +39,16 @@ def retie_output_embeddings(model: Any, tied: bool) -> list[str]:
 class PolarWorkerExtension:
     """vLLM mixes this class into its worker: `self` is the worker (its `model_runner`, `reload_weights`)."""
 
-    def polar_reload_weights(self, weights_path: str) -> dict[str, Any]:
-        """Load the checkpoint at `weights_path` in place, tied head included; what was done, for the caller."""
+    def polar_reload_weights(
+        self, weights_path: str, weight_version: str | None = None, current_version: str | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint at `weights_path` in place, tied head included; what was done, for the caller.
+
+        Refused without a `weight_version` label new to this worker (neither `current_version`, what the server
+        serves now, nor one it loaded before): records name the weights by that label."""
+        loaded: set[str] = self.__dict__.setdefault("_polar_loaded_versions", set())
+        if not weight_version or weight_version == current_version or weight_version in loaded:
+            raise ValueError(f"weight_version {weight_version!r} is not new: a push must carry a new label")
         started = time.perf_counter()
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -48,8 +56,10 @@ class PolarWorkerExtension:
         retied = retie_output_embeddings(
             runner.get_model(), bool(getattr(hf_config, "tie_word_embeddings", False))
         )
+        loaded.add(weight_version)
         return {
             "weights_path": weights_path,
+            "weight_version": weight_version,
             "retied": retied,
             "seconds": round(time.perf_counter() - started, 4),
         }

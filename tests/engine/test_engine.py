@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 from openai import BadRequestError, OpenAI
+
+from polar_mitm import engine_keys
+from tests.engine import keyed
 
 TOOLS = [
     {
@@ -30,7 +32,7 @@ MESSAGES = [
 
 
 def client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=f"{url}/v1", api_key=engine_keys.key_for(url) or "unused", max_retries=0)
 
 
 def ids_extra(choice) -> tuple[list[int], list[int]]:
@@ -107,7 +109,7 @@ def test_generate_with_input_ids_agrees_with_chat(engine_url):
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     prompt_ids, response_ids = ids_extra(chat.choices[0])
-    gen = httpx.post(
+    gen = keyed.post(
         f"{engine_url}/generate",
         json={
             "input_ids": prompt_ids,
@@ -219,23 +221,23 @@ def test_bad_input_gets_400_and_the_server_stays_up(engine_url):
                 }
             ],
         )
-    r = httpx.post(f"{engine_url}/v1/chat/completions", content=b"{not json", timeout=10)
+    r = keyed.post(f"{engine_url}/v1/chat/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["object"] == "error"
-    r = httpx.post(
+    r = keyed.post(
         f"{engine_url}/generate",
         json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "bogus": 1}},
     )
     assert r.status_code == 400 and "bogus" in r.json()["message"]
-    info = httpx.get(f"{engine_url}/model_info").json()
+    info = keyed.get(f"{engine_url}/model_info").json()
     too_long = [100] * (info["context_length"] + 1)
-    r = httpx.post(f"{engine_url}/generate", json={"input_ids": too_long}, timeout=60)
+    r = keyed.post(f"{engine_url}/generate", json={"input_ids": too_long}, timeout=60)
     assert r.status_code == 400 and "context length" in r.json()["message"]
-    assert httpx.get(f"{engine_url}/health").status_code == 200
+    assert keyed.get(f"{engine_url}/health").status_code == 200
 
 
 def test_client_disconnect_stops_generation(engine_url):
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{engine_url}/v1/chat/completions", json=body, timeout=30) as r:
+    with keyed.stream("POST", f"{engine_url}/v1/chat/completions", json=body, timeout=30) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 5:
                 break
@@ -260,27 +262,27 @@ def test_update_weights_from_disk_changes_outputs_and_version(tmp_path, engine_u
         )
         return ids_extra(c.choices[0])[1]
 
-    before, version = greedy(), httpx.get(f"{engine_url}/model_info").json()["weight_version"]
+    before, version = greedy(), keyed.get(f"{engine_url}/model_info").json()["weight_version"]
     other = build_tiny_model(tmp_path / "tiny-seed1", seed=1)
-    r = httpx.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(other)}, timeout=60)
+    r = keyed.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(other)}, timeout=60)
     assert r.status_code == 200 and r.json()["success"]
     try:
-        assert httpx.get(f"{engine_url}/model_info").json()["weight_version"] != version
+        assert keyed.get(f"{engine_url}/model_info").json()["weight_version"] != version
         assert greedy() != before
     finally:
-        httpx.post(
+        keyed.post(
             f"{engine_url}/update_weights_from_disk",
             json={"model_path": str(resolve_model("tiny"))},
             timeout=60,
         )
-    bad = httpx.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+    bad = keyed.post(f"{engine_url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and not bad.json()["success"]
 
 
 def test_tokenize_and_model_listing(engine_url, tiny_engine):
-    r = httpx.post(f"{engine_url}/tokenize", json={"prompt": "hello world"}).json()
+    r = keyed.post(f"{engine_url}/tokenize", json={"prompt": "hello world"}).json()
     assert r["tokens"] == tiny_engine.tokenizer.encode("hello world") and r["count"] == 2
-    r = httpx.post(f"{engine_url}/tokenize", json={"messages": MESSAGES}).json()
+    r = keyed.post(f"{engine_url}/tokenize", json={"messages": MESSAGES}).json()
     assert r["count"] == len(
         tiny_engine.tokenizer.apply_chat_template(
             MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False

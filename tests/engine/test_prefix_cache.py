@@ -6,6 +6,7 @@ import random
 
 from openai import OpenAI
 
+from polar_mitm import engine_keys
 from polar_mitm.engine.generation import Engine
 from polar_mitm.engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
 from polar_mitm.engine.sampling import SamplingParams
@@ -69,7 +70,9 @@ def test_the_pool_stays_within_its_byte_budget():
 
 
 def test_served_second_turn_reports_cached_tokens_and_true_logprobs(engine_url, tiny_engine):
-    client = OpenAI(base_url=f"{engine_url}/v1", api_key="unused", max_retries=0)
+    client = OpenAI(
+        base_url=f"{engine_url}/v1", api_key=engine_keys.key_for(engine_url) or "unused", max_retries=0
+    )
     messages = [
         {"role": "system", "content": "You are a coding agent. " * 40},
         {"role": "user", "content": "List the files."},

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs
 from polar_mitm.sdk_agent import join_chat_stream
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
@@ -467,11 +467,15 @@ def test_first_content_event_arrives_while_the_engine_is_still_generating(slow_g
                 continue
             delta = (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {})
             if (delta.get("content") or delta.get("reasoning_content")) and running_at_first_content is None:
-                stats = httpx.get(f"{slow_engine}/engine_stats", timeout=10).json()
+                stats = httpx.get(
+                    f"{slow_engine}/engine_stats", timeout=10, headers=engine_keys.auth_headers(slow_engine)
+                ).json()
                 running_at_first_content = request_id in stats["running"]
             pieces.append(delta.get("content") or "")
     assert running_at_first_content is True
-    stats = httpx.get(f"{slow_engine}/engine_stats", timeout=10).json()
+    stats = httpx.get(
+        f"{slow_engine}/engine_stats", timeout=10, headers=engine_keys.auth_headers(slow_engine)
+    ).json()
     assert request_id not in stats["running"]
     assert "".join(pieces) == "Let me write the file."
 
@@ -499,7 +503,9 @@ def test_client_disconnect_mid_stream_stops_the_engine_and_records_abort(slow_ga
     deadline = time.monotonic() + 30
     finished = None
     while time.monotonic() < deadline and finished is None:
-        stats = httpx.get(f"{slow_engine}/engine_stats", timeout=10).json()
+        stats = httpx.get(
+            f"{slow_engine}/engine_stats", timeout=10, headers=engine_keys.auth_headers(slow_engine)
+        ).json()
         finished = next((g for g in stats["recent"] if g["request_id"] == request_id), None)
         time.sleep(0.2)
     assert finished is not None and finished["finish_reason"] == "abort"

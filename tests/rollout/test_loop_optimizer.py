@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs
 from polar_mitm.engine.generation import Engine
 from polar_mitm.rollout.loop import RUN_STATE_DIR, Loop, LoopConfig
 from tests.train.scored_rows import task_groups, write_merged
@@ -236,11 +236,16 @@ def test_torch_dtype_bf16_trains_writes_and_pushes_bf16_weights_the_engine_reloa
         pushed = train / "engine-weights"
         assert dtypes_of(train) == {torch.bfloat16} and dtypes_of(pushed) == {torch.bfloat16}
         assert json.loads((pushed / "config.json").read_text())["dtype"] == "bfloat16"
-        assert httpx.get(f"{url}/model_info").json()["weight_version"] == loop.weight_version != "0"
+        assert (
+            httpx.get(f"{url}/model_info", headers=engine_keys.auth_headers(url)).json()["weight_version"]
+            == loop.weight_version
+            != "0"
+        )
         reloaded, initial = Engine(pushed), Engine(tiny_model_dir)
         prompt = initial.tokenizer.encode("Write hello into out.txt")
         answer = httpx.post(
             f"{url}/generate",
+            headers=engine_keys.auth_headers(url),
             json={
                 "input_ids": prompt,
                 "return_logprob": True,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs
 from polar_mitm.cli import app
 from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.train.data import build_training_data
@@ -53,7 +53,11 @@ def generate(
             "ignore_eos": True,
         },
     }
-    answer = httpx.post(f"{url}/generate", json=body, timeout=120).raise_for_status().json()
+    answer = (
+        httpx.post(f"{url}/generate", json=body, timeout=120, headers=engine_keys.auth_headers(url))
+        .raise_for_status()
+        .json()
+    )
     meta = answer["meta_info"]
     logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
     assert [entry[1] for entry in meta["output_token_logprobs"]] == answer["output_ids"]
@@ -362,7 +366,9 @@ def test_push_to_engine_changes_its_weight_version_and_outputs(
         "--push-to-engine",
         own_engine,
     )
-    info = httpx.get(f"{own_engine}/model_info", timeout=30).json()
+    info = httpx.get(
+        f"{own_engine}/model_info", timeout=30, headers=engine_keys.auth_headers(own_engine)
+    ).json()
     assert info["weight_version"] == "2"  # the data's version "0" plus two optimizer steps
     after_ids, _, after_version = generate(own_engine, prompt, seed=1, max_new_tokens=16, temperature=0.0)
     assert after_version == "2" and after_ids != before_ids
