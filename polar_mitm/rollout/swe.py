@@ -310,7 +310,8 @@ def instance_task(
     instance: Instance, options: SweOptions, spec_path: Path, spec_sha256: str
 ) -> dict[str, Any]:
     """The task-file object of one instance (tasks.py format); its commands pin the spec by its sha256."""
-    grader = f"{shlex.quote(sys.executable)} -m polar_mitm.rollout.swe_grading"
+    # -P: the workspace (the command's cwd) is not on sys.path, so a polar_mitm/ or swebench/ there is not imported.
+    grader = f"{shlex.quote(sys.executable)} -P -m polar_mitm.rollout.swe_grading"
     spec_arguments = f"{shlex.quote(str(spec_path))} {spec_sha256}"
     org, name = instance.repo.split("/")
     fields = {

@@ -19,7 +19,11 @@ What the agent can reach: it runs as the same user as grading, so nothing outsid
 by permissions alone (files made read-only here stop accidents, not an agent that runs chmod). So grading trusts
 nothing the agent could have changed unless it can check it:
 - the workspace: every path grading deletes or restores is resolved first and refused when it leaves the
-  workspace (`workspace_entry`); a symlink at a test path is removed as a link, never followed;
+  workspace (`workspace_entry`); a symlink at a test path is removed as a link, never followed; every file that
+  steers pytest or Python's start (conftest.py, pytest.py, ini files, sitecustomize, .pth, bytecode) is put back as
+  at `base_commit`, git runs without the repository's hooks and filters, pytest's configuration search stops at
+  the workspace, and the tests' Python starts without the workspace on sys.path (`swe_workspace`);
+- the grader itself runs as `python -P -m …`, so a `polar_mitm/` or `swebench/` in the workspace is not imported;
 - the spec (outside the workspace, in `<tasks>.swe/`) is pinned by its sha256 on the command line: the task file
   holds the digest and the rollout read the task file before any agent ran, so a spec changed since
   `polar-mitm tasks swe` wrote it is refused rather than graded with (it names the test command and the venv);
@@ -45,14 +49,26 @@ import sys
 import tempfile
 import types
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
+from polar_mitm.rollout.swe_workspace import (
+    CWD_PLUGIN,
+    GradingError,
+    git,
+    path_problem,
+    pytest_config_arguments,
+    remove_entry,
+    restore_steering_paths,
+    workspace_entry,
+    write_cwd_plugin,
+)
+
 READY_MARK = ".polar-env-ready"
-
-
-class GradingError(RuntimeError):
-    """Grading refused: a path escaping the workspace, a grading spec or environment changed since it was made."""
+# The test run's Python: the workspace is not put on sys.path at start (a workspace pytest.py would be imported for
+# `python -m pytest`), no bytecode is written, no user site; and whatever PYTHON*/PYTEST_* the caller had is dropped.
+ISOLATED_PYTHON = {"PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+UNTRUSTED_ENV = ("PYTHON", "PYTEST_", "VIRTUAL_ENV", "PY_")
 
 
 @dataclass
@@ -183,28 +199,6 @@ def _repository_path(named: str) -> str:
     return named[2:] if named.startswith(("a/", "b/")) else named
 
 
-def path_problem(path: str) -> str | None:
-    """Why `path` is not a plain relative path inside a repository's work tree, or None when it is."""
-    if not path:
-        return "is empty"
-    if "\0" in path:
-        return "contains a NUL character"
-    if path.startswith('"'):
-        return "is C-quoted (git's escapes could hide '..'); quoted paths are not supported"
-    if path.startswith("/"):
-        return "is absolute: it escapes the repository"
-    parts = path.split("/")
-    if ".." in parts:
-        return "has a '..' component: it escapes the repository"
-    if any(part in ("", ".") for part in parts):
-        return "has an empty or '.' component"
-    if any(part.lower() == ".git" for part in parts):
-        return "is inside .git"
-    if path.startswith("-"):
-        return "starts with '-' (the test command would read it as an option)"
-    return None
-
-
 def suite_directives(spec: GradingSpec) -> list[str]:
     """What the test command runs: the test files of `test_patch` (swebench skips data files such as .json)."""
     non_test = tuple(swebench_harness().constants.NON_TEST_EXTS)
@@ -324,12 +318,31 @@ def check_env(spec: GradingSpec, workspace: Path) -> None:
         raise GradingError(f"the task's environment {env}: {changes}; the next INIT of the task rebuilds it")
 
 
-def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
-    """The test run: the command on the patch's test files, in the venv or in the instance's container."""
-    command = " ".join([spec.test_command, *map(shlex.quote, suite_directives(spec))])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+def suite_argv(
+    spec: GradingSpec, workspace: Path, plugin_dir: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The test run: the command on the patch's test files, in the venv or in the instance's container.
+
+    With `plugin_dir` (a folder of the grader's own, outside the workspace) a `python -m pytest` command in the
+    venv gets the workspace on sys.path back, as `-m` gives it, but only after pytest and its plugins loaded
+    (`swe_workspace.write_cwd_plugin`).
+    """
+    directives = suite_directives(spec)
+    form = _pytest_form(spec.test_command)
+    pinned = pytest_config_arguments(workspace, directives) if form else []
+    if form == "module" and plugin_dir is not None and not spec.image:
+        pinned = ["-p", CWD_PLUGIN, *pinned]
+    command = " ".join([spec.test_command, *map(shlex.quote, [*pinned, *directives])])
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(UNTRUSTED_ENV) and k not in ("BASH_ENV", "ENV")
+    }
+    if CWD_PLUGIN in pinned:
+        env["PYTHONPATH"] = str(plugin_dir)  # that folder holds the plugin and nothing else
     if spec.image:
         script = f"{spec.container_setup} && {command}" if spec.container_setup else command
+        script = f"export {' '.join(f'{k}={v}' for k, v in ISOLATED_PYTHON.items())} && {script}"
         mount = f"{workspace}:{spec.container_workdir}"
         if spec.container == "apptainer":
             image = str(Path(spec.env_dir) / "image.sif")
@@ -363,36 +376,26 @@ def suite_argv(spec: GradingSpec, workspace: Path) -> tuple[list[str], dict[str,
         ], env
     bin_dir = Path(spec.env_dir) / "bin"
     env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-        VIRTUAL_ENV=spec.env_dir,
-        PYTHONDONTWRITEBYTECODE="1",
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=spec.env_dir, **ISOLATED_PYTHON
     )
     return ["bash", "-c", command], env
 
 
+def _pytest_form(test_command: str) -> str | None:
+    """How the test command runs pytest: "module" (`python -m pytest`), "script" (`pytest`), or None (not pytest,
+    or it names its configuration itself: then its configuration search is left alone)."""
+    try:
+        words = shlex.split(test_command)
+    except ValueError:
+        return None
+    if any(word in ("-c", "--config-file", "--rootdir") or word.startswith("--rootdir=") for word in words):
+        return None
+    if any(word == "pytest" and words[i - 1] == "-m" for i, word in enumerate(words) if i):
+        return "module"
+    return "script" if any(Path(word).name in ("pytest", "py.test") for word in words) else None
+
+
 # -- grading ---------------------------------------------------------------------------------------------------------
-
-
-def workspace_entry(workspace: Path, path: str) -> Path:
-    """Where `path` (from test_patch) lies in the workspace, its directories' symlinks resolved, the entry not.
-
-    Why: the agent owns the workspace and may have made a test directory (or one above it) a symlink to elsewhere;
-    grading deletes and restores these paths, so a path whose directory resolves outside the workspace (or into
-    its .git) is refused with a GradingError. The entry itself is returned unresolved: a symlink there is removed
-    as a link, never followed.
-    """
-    if (problem := path_problem(path)) is not None:
-        raise GradingError(f"test_patch path {path!r} {problem}")
-    root = workspace.resolve()
-    parent = (root / path).parent.resolve()
-    if not parent.is_relative_to(root):
-        raise GradingError(
-            f"test_patch path {path!r} escapes the workspace: its directory resolves to {parent} "
-            f"(a symlink in the workspace points outside it)"
-        )
-    if parent.relative_to(root).parts[:1] == (".git",):
-        raise GradingError(f"test_patch path {path!r} resolves into the workspace's .git ({parent})")
-    return parent / PurePosixPath(path).name
 
 
 def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | None:
@@ -405,30 +408,14 @@ def restore_and_apply_test_patch(spec: GradingSpec, workspace: Path) -> str | No
     except ValueError as exc:
         raise GradingError(f"test_patch: {exc}") from None
     entries = [workspace_entry(workspace, path) for path in paths]
-    git = ["git", "--literal-pathspecs"]  # a test file named `*` or `:(top)x` is that file, not a pattern
+    restore_steering_paths(workspace, spec.base_commit)  # conftest.py, pytest.py, ini files, bytecode, …
     for path, entry in zip(paths, entries, strict=True):
-        in_base = (
-            subprocess.run(
-                [*git, "cat-file", "-e", f"{spec.base_commit}:{path}"], cwd=workspace, capture_output=True
-            ).returncode
-            == 0
-        )
-        if in_base:  # git replaces a symlink in the way by the file; it does not write through it
-            subprocess.run(
-                [*git, "checkout", "-q", spec.base_commit, "--", path],
-                cwd=workspace,
-                check=True,
-                capture_output=True,
-            )
-        elif (
-            entry.is_dir() and not entry.is_symlink()
-        ):  # a file the patch creates: whatever the agent put there goes
-            shutil.rmtree(entry)  # rmtree does not follow symlinks inside the directory
-        else:
-            entry.unlink(missing_ok=True)
-    applied = subprocess.run(
-        ["git", "apply", "-v", "-"], cwd=workspace, input=spec.test_patch, text=True, capture_output=True
-    )
+        if git(workspace, "cat-file", "-e", f"{spec.base_commit}:{path}", check=False).returncode == 0:
+            remove_entry(entry)  # written afresh: never through a link, whatever the agent's index says
+            git(workspace, "checkout", "-q", spec.base_commit, "--", path)
+        else:  # a file the patch creates: whatever the agent put there goes
+            remove_entry(entry)
+    applied = git(workspace, "apply", "-v", "-", input=spec.test_patch, check=False)
     return None if applied.returncode == 0 else f"test_patch does not apply: {applied.stderr.strip()[-500:]}"
 
 
@@ -441,17 +428,18 @@ def grade(spec: GradingSpec, workspace: Path) -> Grade:
         print(problem)
         return Grade(0.0, constants.APPLY_PATCH_FAIL)
     check_env(spec, workspace)
-    argv, env = suite_argv(spec, workspace)
-    run = subprocess.run(
-        argv,
-        cwd=workspace,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
+    with tempfile.TemporaryDirectory(prefix="polar-grading-") as plugin_dir:
+        argv, env = suite_argv(spec, workspace, write_cwd_plugin(Path(plugin_dir)))
+        run = subprocess.run(
+            argv,
+            cwd=workspace,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
     log = (
         f"{constants.START_TEST_OUTPUT}\n{run.stdout}\n{constants.END_TEST_OUTPUT}\n"
         f"{constants.TEST_EXIT_CODE}: {run.returncode}\n"

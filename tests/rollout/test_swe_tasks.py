@@ -341,8 +341,9 @@ def test_tests_run_in_the_instance_image_with_the_workspace_mounted(tmp_path):
         "sweb.eval.x86_64.a_1776_b-1:latest",
         "bash",
         "-c",
-        "conda activate testbed && python -m pytest -rA --tb=no -p no:cacheprovider test_inflection.py",
-    ]
+        "export PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1 PYTHONNOUSERSITE=1 && conda activate testbed && "
+        "python -m pytest -rA --tb=no -p no:cacheprovider -c /dev/null --rootdir . --confcutdir . test_inflection.py",
+    ]  # the workspace off sys.path at start, and pytest's configuration search kept inside it (swe_workspace)
     spec.container = "apptainer"
     argv, _ = suite_argv(spec, tmp_path / "ws")
     assert argv[:2] == ["apptainer", "exec"] and str(tmp_path / "env" / "image.sif") in argv
