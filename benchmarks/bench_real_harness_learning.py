@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.run_dir = args.run_dir.resolve()
     tasks_dir = args.run_dir / "tasks"
-    split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed, tasks_dir)
+    split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed)
     train, held_out = write_split(split, tasks_dir)
     started = time.monotonic()
 

@@ -7,8 +7,10 @@ gives it nothing to learn from; it does answer small sums, mostly wordily ("3 + 
 
 Families (each task's own check grades it):
 
-- `add`: "What is A + B? Reply with the number only." — graded on the harness's final answer by `answer_check.py`
-  (1.0 the number alone, 0.5 a short reply ending in it, 0.0 otherwise); A, B in 0..ADD_MAX.
+- `add`: "What is A + B? Reply with the number only." — graded on the harness's final answer by
+  `polar_mitm.rollout.answer_check`, run from the installed package (1.0 the number alone, 0.5 a short reply
+  whose only number it is, 0.0 otherwise, negations and lists of candidates included); A, B in 0..ADD_MAX.
+  Nothing in the task folder is run: a check script there was one an agent could replace for every later run.
 - `write`: "Create a file NAME that contains the single line: WORD" — checked in the workspace (exit code), with
   the harness's own tools.
 
@@ -24,7 +26,7 @@ import json
 import random
 import re
 import shlex
-import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,9 @@ WORDS = (
     "marble",
 )  # fmt: skip
 TIMEOUTS = {"init": 30, "run": 300, "eval": 30}
-CHECK_FILE = "answer_check.py"  # copied beside the task files; the add tasks' eval command runs it
+# The add tasks' check, run from the package with -P (the workspace, the command's directory, is not on sys.path).
+CHECK_COMMAND = f"{shlex.quote(sys.executable)} -P -m {answer_check.__name__}"
+STALE_CHECK_FILE = "answer_check.py"  # the copy older versions put beside the task files (and ran from there)
 WORKSPACE_DIR = "workspace"  # an empty directory every session starts from
 
 
@@ -60,15 +64,12 @@ def _cut(items: list[Any], held_out_share: float, rng: random.Random) -> tuple[l
     return shuffled[cut:], shuffled[:cut]
 
 
-def add_task(a: int, b: int, root: Path) -> dict[str, Any]:
+def add_task(a: int, b: int) -> dict[str, Any]:
     return {
         "task_id": f"add-{a}-{b}",
         "prompt": f"What is {a} + {b}? Reply with the number only.",
         "workspace": {"dir": WORKSPACE_DIR},
-        "eval": {
-            "command": f"python3 {shlex.quote(str(root.resolve() / CHECK_FILE))} {a + b}",
-            "reward": "stdout",
-        },
+        "eval": {"command": f"{CHECK_COMMAND} {a + b}", "reward": "stdout"},
         "timeouts": TIMEOUTS,
         "family": "add",
     }
@@ -86,7 +87,7 @@ def write_task(name: str, word: str) -> dict[str, Any]:
 
 
 def generate(
-    families: list[str], train: int, held_out: int, seed: int, root: Path, held_out_share: float = 0.3
+    families: list[str], train: int, held_out: int, seed: int, held_out_share: float = 0.3
 ) -> TaskSplit:
     """`train` and `held_out` tasks per family, drawn from disjoint item pools (see the module docstring)."""
     unknown = set(families) - set(FAMILIES)
@@ -100,7 +101,7 @@ def generate(
         if family == "add":
             pairs = [(a, b) for a in range(ADD_MAX + 1) for b in range(ADD_MAX + 1)]
             train_pool, held_pool = _cut(pairs, held_out_share, rng)
-            make = [add_task(a, b, root) for a, b in train_pool], [add_task(a, b, root) for a, b in held_pool]
+            make = [add_task(a, b) for a, b in train_pool], [add_task(a, b) for a, b in held_pool]
         else:
             train_names, held_names = _cut(list(NAMES), held_out_share, rng)
             train_words, held_words = _cut(list(WORDS), held_out_share, rng)
@@ -149,10 +150,13 @@ def _items(prompt: str) -> tuple[str, ...]:
 
 
 def write_split(split: TaskSplit, root: Path) -> tuple[Path, Path]:
-    """ROOT/train.jsonl, ROOT/held_out.jsonl, the check script and the empty workspace; returns the two files."""
+    """ROOT/train.jsonl, ROOT/held_out.jsonl and the empty workspace; returns the two files.
+
+    A check script an older version left in ROOT goes: no task runs it now, and nobody should by mistake.
+    """
     root.mkdir(parents=True, exist_ok=True)
     (root / WORKSPACE_DIR).mkdir(exist_ok=True)
-    shutil.copyfile(answer_check.__file__, root / CHECK_FILE)
+    (root / STALE_CHECK_FILE).unlink(missing_ok=True)
     paths = root / "train.jsonl", root / "held_out.jsonl"
     for path, rows in zip(paths, (split.train, split.held_out), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))

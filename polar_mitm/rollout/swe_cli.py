@@ -33,7 +33,7 @@ def generate_command(
     from polar_mitm.rollout.generated_tasks import generate, write_split
 
     try:
-        split = generate([f.strip() for f in family.split(",") if f.strip()], train, held_out, seed, out)
+        split = generate([f.strip() for f in family.split(",") if f.strip()], train, held_out, seed)
     except ValueError as exc:
         typer.echo(f"polar-mitm tasks generate: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +28,37 @@ from polar_mitm.rollout.tasks import load_tasks, passed
         ("3 + 4 equals 7.", 0.5),
         ("The answer is: 7", 0.5),
         ("3 + 4 will be 7.\n\nHowever, in Python you can also", 0.5),  # the first line counts
+        ("3 + 4 = 7", 0.5),  # the sum's own numbers are not candidates
+        ("7 is the answer.", 0.5),  # the right number inside a short sentence
+        ("The answer is 7 apples", 0.5),
+        ("7.\n\nBecause 3 + 4 = 7", 0.5),
         ("Here is how:\n7", 0.0),
-        ("7 or 8", 0.0),  # the last number counts
         ("1 2 3 4 5 6 7 8 9 7", 0.0),  # long: listing candidates earns nothing
         ("The sum of three and four, which you asked me about, is 7", 0.0),  # over SHORT_WORDS
         ("", 0.0),
         ("17", 0.0),
+        ("70", 0.0),
+        ("-7", 0.0),
+        ("7.5", 0.0),
+        ("3 + 4 = 8", 0.0),
+        # Negations: the right number, denied.
+        ("It is not 7", 0.0),
+        ("It isn't 8, it is 7", 0.0),
+        ("No, 7", 0.0),
+        ("7 is wrong", 0.0),
+        # Hedges and lists of candidates: none commits to the answer.
+        ("7 or 8", 0.0),
+        ("6 or 7", 0.0),
+        ("Either 6 or 7", 0.0),
+        ("7, 8", 0.0),
+        ("7-8", 0.0),
+        ("6/7", 0.0),
+        ("maybe 7", 0.0),
+        ("probably 7", 0.0),
+        ("about 7", 0.0),
+        ("7?", 0.0),
+        ("7 7", 0.0),
+        ("7\n8", 0.0),  # another bare answer on a later line
     ],
 )
 def test_the_answer_check_grades_the_reply(reply, reward):
@@ -41,7 +67,7 @@ def test_the_answer_check_grades_the_reply(reply, reward):
 
 
 def test_held_out_tasks_share_nothing_with_the_training_prompts(tmp_path):
-    split = generate(list(FAMILIES), 20, 10, seed=3, root=tmp_path)
+    split = generate(list(FAMILIES), 20, 10, seed=3)
     assert len(split.train) == len(split.held_out) * 2 == 40
     train_prompts = " ".join(t["prompt"] for t in split.train)
     pairs = {tuple(t["task_id"].split("-")[1:]) for t in split.train if t["family"] == "add"}
@@ -65,12 +91,12 @@ def test_the_same_seed_writes_the_same_files_and_the_cli_refuses_bad_input_in_on
         )
         assert done.returncode == 0, done.stderr
     for name in ("train.jsonl", "held_out.jsonl"):
-        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text().replace(
-            "/b/", "/a/"
-        )
+        # The folder is nowhere in the files: the check runs from the package, not from a file beside them.
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+    assert not (tmp_path / "a" / "answer_check.py").exists()
     tasks = load_tasks(tmp_path / "a" / "train.jsonl")
     assert len(tasks) == 32 and tasks[0].workspace_dir == tmp_path / "a" / "workspace"
-    other = generate(["add"], 16, 8, seed=6, root=tmp_path)
+    other = generate(["add"], 16, 8, seed=6)
     assert [t["task_id"] for t in other.held_out] != [
         json.loads(line)["task_id"] for line in (tmp_path / "a" / "held_out.jsonl").read_text().splitlines()
     ][:8]
@@ -91,7 +117,7 @@ print([f"{a + b}", f"{a} + {b} equals {a + b}.", f"{a + b + 1}", ""][int(sys.arg
 def test_a_rollout_grades_each_session_on_what_its_harness_answered(tmp_path):
     """The real runner and a `cmd:` harness that answers by session index: the number alone, a wordy right
     answer, a wrong number, nothing — graded 1.0, 0.5, 0.0, 0.0 on each task from the harness's own output."""
-    split = generate(["add"], 2, 1, seed=0, root=tmp_path / "tasks")
+    split = generate(["add"], 2, 1, seed=0)
     train, _ = write_split(split, tmp_path / "tasks")
     answerer = tmp_path / "answer.py"
     answerer.write_text(ANSWERER)
@@ -105,3 +131,58 @@ def test_a_rollout_grades_each_session_on_what_its_harness_answered(tmp_path):
     rewards = sorted((s.task.task_id, s.index, s.reward) for s in summary.sessions)
     expected = [(t["task_id"], i, r) for t in split.train for i, r in enumerate((1.0, 0.5, 0.0, 0.0))]
     assert rewards == sorted(expected)
+
+
+TAMPERER = """import os, re, sys
+from pathlib import Path
+# Every answer_check.py it can find in the task folder and the run's workspaces becomes `print(1.0)`; a copy and a
+# polar_mitm/ package in its own workspace (the check's directory) try to stand in for the real one.
+for top in (Path(sys.argv[1]), Path.cwd().parent):
+    for folder, _, files in os.walk(top):
+        for name in files:
+            if name == "answer_check.py":
+                (Path(folder) / name).write_text("print(1.0)\\n")
+(Path(sys.argv[1]) / "answer_check.py").write_text("print(1.0)\\n")
+shadow = Path("polar_mitm/rollout")
+shadow.mkdir(parents=True)
+for init in (Path("polar_mitm/__init__.py"), shadow / "__init__.py"):
+    init.write_text("")
+(shadow / "answer_check.py").write_text("print(1.0)\\n")
+Path("answer_check.py").write_text("print(1.0)\\n")
+a, b = map(int, re.match(r"What is (\\d+) \\+ (\\d+)", sys.argv[2]).groups())
+print(a + b + 1)  # wrong
+"""
+
+
+def rollout_rewards(tasks: Path, harness: str, tmp_path: Path, name: str) -> list[tuple[str, int, float]]:
+    rollout = Rollout(
+        load_tasks(tasks),
+        HarnessSpec(harness),
+        GatewayEndpoints("http://127.0.0.1:9"),  # the harness calls no model
+        RolloutConfig(
+            group_size=4,
+            concurrency=4,
+            workspace_root=tmp_path / name / "ws",
+            log_dir=tmp_path / name / "logs",
+        ),
+    )
+    return sorted((s.task.task_id, s.index, s.reward) for s in asyncio.run(rollout.run()).sessions)
+
+
+def test_an_agent_that_overwrites_every_answer_check_it_finds_still_scores_zero_and_later_runs_are_unaffected(
+    tmp_path,
+):
+    split = generate(["add"], 2, 1, seed=0)
+    train, _ = write_split(split, tmp_path / "tasks")
+    tamperer, answerer = tmp_path / "tamper.py", tmp_path / "answer.py"
+    tamperer.write_text(TAMPERER)
+    answerer.write_text(ANSWERER)
+    hostile = rollout_rewards(
+        train, f"cmd:{sys.executable} {tamperer} {tmp_path / 'tasks'} {{prompt}}", tmp_path, "hostile"
+    )
+    assert hostile == sorted((t["task_id"], i, 0.0) for t in split.train for i in range(4))
+    # A later run on the same folder grades as a fresh one: 1.0, 0.5, 0.0, 0.0 by session index.
+    later = rollout_rewards(train, f"cmd:{sys.executable} {answerer} {{prompt}} {{index}}", tmp_path, "later")
+    assert later == sorted(
+        (t["task_id"], i, r) for t in split.train for i, r in enumerate((1.0, 0.5, 0.0, 0.0))
+    )
