@@ -1,7 +1,9 @@
 """The child process a gateway's record writer compacts journals in (`storage/journal.py` says why).
 
 `python -m polar_mitm.storage.compact_child OUT JOURNAL…`: compacts each journal into a shard of OUT and prints one
-JSON line per journal on stdout: `{"journal", "shard"}` (shard null: no rows) or `{"journal", "error"}`.
+JSON line per journal on stdout: `{"journal", "shard"}` (shard null: no rows) or `{"journal", "error"}`. It inherits
+the folder's writer lock from the gateway (`journal.lock_folder`) and holds it until it ends, so no other writer
+recovers the folder while this compaction still writes into it.
 """
 
 from __future__ import annotations

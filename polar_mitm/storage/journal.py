@@ -25,6 +25,12 @@ a reader that reads the journals first and the shards second, skipping journals 
 nor doubles a record (`read_live_journals`, `LiveJournals.uncompacted`; `storage/records.py` reads in that order).
 The frame format and those names are `storage/journal_format.py`'s; what a record is, `storage/records.py`'s.
 
+One writer per folder: `start` takes an exclusive `flock` on `<out>/_journal/writer.lock` and holds it for the
+writer's life (its compaction child inherits it), so a second gateway on a live gateway's folder refuses in one
+line (`RecordFolderBusy`) instead of compacting and removing the live journal under it. Record folders, journals,
+shards and the quarantine are created owner-only (0700 folders, 0600 files): another user's process cannot read a
+record (where sessions run as the same user, only the sandbox keeps them out).
+
 The event loop only enqueues and awaits a future. Appends and fsyncs happen on the writer thread; compaction on a
 compactor thread of its own, so a rotation never holds up an acknowledgement. While the gateway serves, that thread
 compacts in a child process (`storage/compact_child.py`): parsing a journal's JSON and building Arrow
@@ -35,6 +41,8 @@ compacts in-process.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -59,12 +67,38 @@ from polar_mitm.storage.journal_format import (
     journal_id,
     scan_journal,
 )
-from polar_mitm.storage.location import one_line
+from polar_mitm.storage.location import FILE_MODE, one_line, private_dir
 from polar_mitm.storage.records import records_table
 
 log = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "_quarantine"
+LOCK_FILE = "writer.lock"  # in `_journal/`: held (flock) by the folder's one record writer
+
+
+class RecordFolderBusy(OSError):
+    """Another record writer (a live gateway) holds the folder: writing beside it would remove its journal."""
+
+
+def lock_folder(journal_dir: Path) -> int:
+    """An fd holding an exclusive flock on `journal_dir`'s lock file (released when every copy of it is closed:
+    the writer's, and its compaction child's); raises RecordFolderBusy naming the folder and the holder."""
+    fd = os.open(journal_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RecordFolderBusy(
+            f"{journal_dir.parent} is in use by another record writer (pid {holder}): give each gateway its own "
+            f"records folder, or stop the other first"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the next one's message
+    return fd
 
 
 # -- compaction and quarantine -----------------------------------------------------------------------------------
@@ -87,11 +121,10 @@ def _free_name(folder: Path, name: str) -> Path:
 
 def quarantine(path: Path, out_dir: Path, reason: str) -> Path:
     """Move `path` to `<out>/_quarantine/` with a `.reason` file beside it (never deleted: a person decides)."""
-    folder = out_dir / QUARANTINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dir(out_dir / QUARANTINE_DIR)
     target = _free_name(folder, path.name)
     os.replace(path, target)
-    target.with_name(f"{target.name}.reason").write_text(f"{path}: {reason}\n")
+    _write_private(target.with_name(f"{target.name}.reason"), f"{path}: {reason}\n".encode())
     fsync_dir(folder)
     fsync_dir(path.parent)
     log.warning("quarantined %s → %s: %s", path, target, reason)
@@ -99,14 +132,13 @@ def quarantine(path: Path, out_dir: Path, reason: str) -> Path:
 
 
 def _write_rejected_rows(journal: Path, out_dir: Path, rejected: list[tuple[dict[str, Any], str]]) -> Path:
-    folder = out_dir / QUARANTINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dir(out_dir / QUARANTINE_DIR)
     target = _free_name(folder, f"{journal.stem}.rows.jsonl")
-    with open(target, "wb") as f:
-        for row, reason in rejected:
-            f.write(orjson.dumps({"journal": journal.name, "reason": reason, "row": row}) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    lines = b"".join(
+        orjson.dumps({"journal": journal.name, "reason": reason, "row": row}) + b"\n"
+        for row, reason in rejected
+    )
+    _write_private(target, lines, fsync=True)
     fsync_dir(folder)
     log.warning(
         "journal %s: %d row(s) cannot be records, kept in %s: %s",
@@ -118,12 +150,22 @@ def _write_rejected_rows(journal: Path, out_dir: Path, rejected: list[tuple[dict
     return target
 
 
+def _write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
+    """Write a new owner-only file (records and their reasons are nobody else's to read)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
 def _write_shard(journal: Path, out_dir: Path, table: pa.Table) -> Path:
     stamp = table.column("started_at")[0].as_py().strftime("%Y%m%dT%H%M%S")
     shard = out_dir / f"records-{stamp}-{journal_id(journal)}.parquet"
     tmp = out_dir / f".{shard.name}.tmp"
     try:
         pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, FILE_MODE)  # before it has its name: no reader ever sees it open to others
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, shard)
@@ -165,10 +207,13 @@ def compact_journal(journal: Path, out_dir: Path) -> Path | None:
     return shard
 
 
-def compact_journals_in_child(journals: list[Path], out_dir: Path) -> dict[Path, Path | None | str]:
+def compact_journals_in_child(
+    journals: list[Path], out_dir: Path, lock_fd: int | None = None
+) -> dict[Path, Path | None | str]:
     """Compact `journals` in a child Python (out of this process's GIL); per journal its shard (None: no rows), or
-    why it failed. The child dies with this process (compact_child.py; a killed gateway leaves no compaction
-    running beside the next gateway's recovery); its log lines go to this process's stderr."""
+    why it failed. The child dies with this process (compact_child.py) and inherits the folder's lock (`lock_fd`),
+    so a killed gateway's folder is free for the next gateway's recovery only once its compaction is gone too;
+    its log lines go to this process's stderr."""
     cmd = [sys.executable, "-m", "polar_mitm.storage.compact_child", str(out_dir), *map(str, journals)]
     env = {
         **os.environ,
@@ -176,7 +221,14 @@ def compact_journals_in_child(journals: list[Path], out_dir: Path) -> dict[Path,
         PARENT_ENV: str(os.getpid()),
     }
     try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, timeout=CHILD_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            env=env,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+            pass_fds=() if lock_fd is None else (lock_fd,),
+        )
     except subprocess.TimeoutExpired:
         return dict.fromkeys(journals, f"the compaction did not end in {CHILD_TIMEOUT_S} s")
     results: dict[Path, Path | None | str] = {}
@@ -229,6 +281,7 @@ class RecordWriter:
         self._size = 0
         self.shards_written: list[Path] = []
         self.compact_in_child = compact_in_child
+        self._lock_fd: int | None = None  # the folder's lock, held from `start` to the end of `close`
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -236,9 +289,11 @@ class RecordWriter:
         """Recover journals a crash left behind, then start the writer thread.
 
         Bad rows and a failed compaction never raise here (the gateway must serve): bad rows are quarantined,
-        and a journal that could not be compacted is kept and retried by the writer thread.
+        and a journal that could not be compacted is kept and retried by the writer thread. Raises
+        RecordFolderBusy when another writer holds the folder (its live journal is never touched).
         """
-        self.journal_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.journal_dir)
+        self._lock_fd = lock_folder(self.journal_dir)
         for leftover in sorted(self.journal_dir.glob(f"*{JOURNAL_SUFFIX}")):
             if not leftover.is_file():
                 log.warning("%s is not a journal file; left alone", leftover)
@@ -263,6 +318,14 @@ class RecordWriter:
         self._compact_requests.put(None)
         self._compactor.join()
         self._compactor = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        """Free the folder for the next writer: after the last compaction, so it never sees a journal of ours."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
 
     def quarantine_shard(self, shard: Path, reason: str) -> None:
         """Move an unreadable shard aside (so the gateway keeps serving) with the reason beside it.
@@ -296,7 +359,7 @@ class RecordWriter:
         self._journal = self.journal_dir / name
         # Unbuffered: after a failed write no bytes may linger in a buffer and land later, after a partial frame.
         self._fd = os.open(
-            self._journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644
+            self._journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, FILE_MODE
         )
         self._opened_at, self._size = time.monotonic(), 0
         self._write_all(FILE_HEADER)
@@ -336,7 +399,7 @@ class RecordWriter:
         if not journals:
             return
         if in_child:
-            results = compact_journals_in_child(journals, self.out_dir)
+            results = compact_journals_in_child(journals, self.out_dir, self._lock_fd)
         else:
             results = {}
             for journal in journals:

@@ -6,15 +6,18 @@ on the column names. Bump RECORD_SCHEMA_VERSION on any change and keep readers t
 nullable columns only). Records are written by `storage/journal.py` (the durable journal and its shards).
 
 The reader, for every consumer, local or under any pyarrow filesystem URI: `list_sources` lists the inputs (record
-Parquet files, and the records still in a local folder's live journal) and `merge` streams them; `scan_records` /
+Parquet files, and the records still in the live journals of a local folder and of every records folder under it:
+`gw-K` of `--gateways N`, Ray's `node-*`, a dead gateway's included) and `merge` streams them; `scan_records` /
 `read_all` read them whole. A live journal is read *before* its folder is listed and a journal whose shard is listed
 is left out (`storage/journal_format.py`), so a compaction running meanwhile can neither hide a record nor show it
-twice. Unreadable parts are skipped, one line each, and never stop the rest.
+twice. A record is its `request_id`: a frame written twice is one record. Unreadable parts are skipped, one line
+each, and never stop the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -217,18 +220,41 @@ def journal_rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=RECORD_SCHEMA)
 
 
+def distinct_rows(rows: list[Any]) -> tuple[list[Any], list[tuple[dict[str, Any], str]]]:
+    """`rows` with each `request_id` once (the first), and the later rows that reuse an id with other contents.
+
+    A frame written twice (a retried append, a journal copied into another) is the same record: once is enough.
+    A different row under a taken id cannot be a second record (every reader keys calls by it), so it is set
+    aside with why. Rows that are not dicts, or have no text id, pass through for `records_table` to judge.
+    """
+    first: dict[str, dict[str, Any]] = {}
+    kept: list[Any] = []
+    rejected: list[tuple[dict[str, Any], str]] = []
+    for row in rows:
+        request_id = row.get("request_id") if isinstance(row, dict) else None
+        if not isinstance(request_id, str):
+            kept.append(row)
+        elif request_id not in first:
+            first[request_id] = row
+            kept.append(row)
+        elif row != first[request_id]:
+            rejected.append((row, f"request_id {request_id!r} is taken by an earlier, different record"))
+    return kept, rejected
+
+
 def records_table(rows: list[dict[str, Any]]) -> tuple[pa.Table, list[tuple[dict[str, Any], str]]]:
     """Journal dicts → (a RECORD_SCHEMA table of the good rows, the rows that cannot be records with why).
 
-    One bad row (a token id beyond int32, a missing field, a string where a number goes) must not keep the
-    others out of a shard, so on failure each row is converted alone to find the bad ones.
+    Each `request_id` once (`distinct_rows`). One bad row (a token id beyond int32, a missing field, a string
+    where a number goes) must not keep the others out of a shard, so on failure each row is converted alone to
+    find the bad ones.
     """
+    rows, rejected = distinct_rows(rows)
     try:
-        return journal_rows_to_table(rows), []
+        return journal_rows_to_table(rows), rejected
     except Exception:  # which row, and why, is found below
         pass
     good: list[pa.Table] = []
-    rejected: list[tuple[dict[str, Any], str]] = []
     for row in rows:
         try:
             good.append(journal_rows_to_table([row]))
@@ -398,11 +424,12 @@ def _parquet_source(file: str, fs: pafs.FileSystem, inputs: Inputs) -> None:
 
 
 def list_sources(inputs: Sequence[str | Path], *, include_journal: bool = True) -> Inputs:
-    """Every records Parquet file under `inputs` (files or folders, sorted), plus a local folder's live journal.
+    """Every records Parquet file under `inputs` (files or folders, sorted), plus the live journals of a local
+    folder and of every records folder below it (`journal_folders`).
 
     Files whose columns are not records (e.g. merged shards) are skipped and named in `skipped`; unreadable files
     and columns of the wrong type are skipped with a line in `problems`. Names starting with `_` or `.` are
-    skipped, as pyarrow datasets do. A live journal is read *before* its folder is listed, and a journal whose
+    skipped, as pyarrow datasets do. Live journals are read *before* the folder is listed, and a journal whose
     shard is listed is left out, so a compaction running meanwhile neither hides nor doubles a record.
     """
     found = Inputs(sources=[], skipped=[], problems=[])
@@ -410,15 +437,31 @@ def list_sources(inputs: Sequence[str | Path], *, include_journal: bool = True) 
         where = Location.of(uri)
         if not where.exists:
             raise StorageError(f"{uri}: no such file or folder")
-        journals = read_live_journals(where.path) if include_journal and where.is_local_folder else None
+        journals = (
+            [(folder, read_live_journals(folder)) for folder in journal_folders(Path(where.path))]
+            if include_journal and where.is_local_folder
+            else []
+        )
         files = where.parquet_files()  # after the journals: see the docstring
         for file in files:
             _parquet_source(file, where.filesystem, found)
-        if journals is not None:
-            journal = _journal_source(Path(where.path), journals, files, found)
+        for folder, live in journals:
+            journal = _journal_source(folder, live, files, found)
             if journal is not None:
                 found.sources.append(journal)
     return found
+
+
+def journal_folders(root: Path) -> list[Path]:
+    """`root` and every folder below it that holds a live journal (`_journal/`): each of `--gateways N`'s `gw-K`,
+    each Ray node's `node-*`, at any depth (a run's `iter-K/flows/gw-K`). Names starting with `_` or `.` are not
+    entered, as for shards; a folder that cannot be listed is left out here and named by the Parquet listing."""
+    folders = [root]
+    for parent, children, _ in os.walk(root, onerror=lambda exc: None):
+        if Path(parent) != root and JOURNAL_DIR in children:
+            folders.append(Path(parent))
+        children[:] = sorted(name for name in children if name[:1] not in "_.")
+    return folders
 
 
 def _journal_source(folder: Path, journals: LiveJournals, files: list[str], found: Inputs) -> Source | None:

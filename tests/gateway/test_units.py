@@ -169,8 +169,12 @@ def test_torn_journal_tail_is_ignored_and_recovered_at_start(tmp_path):
     for i in range(3):
         writer.write(make_record(i)).result(timeout=10)
     journal = next((tmp_path / JOURNAL_DIR).glob("*.polarj"))
-    with open(journal, "ab") as f:  # a crash in the middle of the fourth frame
-        f.write(b"\x40\x00\x00\x00garbage")
+    # A crash in the middle of the fourth frame: the journal as it was, the writer gone (it held the folder's lock).
+    left_behind = journal.read_bytes() + b"\x40\x00\x00\x00garbage"
+    writer.close()
+    for shard in tmp_path.glob("records-*.parquet"):
+        shard.unlink()
+    journal.write_bytes(left_behind)
     assert len(read_journal(journal)) == 3
     # A second writer on the same directory (the restarted gateway) compacts what the crash left behind.
     RecordWriter(tmp_path).start()
