@@ -13,7 +13,6 @@ import json
 import time
 import uuid
 
-import httpx
 import orjson
 import pytest
 
@@ -25,6 +24,7 @@ from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.engine_info import read_engine_file
 from polar_mitm.storage.records import read_all
 from polar_mitm.vllm.server import resolve_vllm_model
+from tests.engine import keyed
 
 API_KEY = "sk-polar-vllm-SECRET-51c2"
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU: vLLM and transformers agree far closer than this (measured 0.0 here)
@@ -32,7 +32,7 @@ LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU: vLLM and transformers agree far closer 
 
 def vllm_scores(vllm_url: str, served: str, prompt_ids: list[int], sampled_ids: list[int]) -> list[float]:
     """vLLM's own log-probabilities of `sampled_ids` after `prompt_ids` (prompt logprobs are never processed)."""
-    answer = httpx.post(
+    answer = keyed.post(
         f"{vllm_url}/v1/completions",
         json={"model": served, "prompt": prompt_ids + sampled_ids, "max_tokens": 1, "prompt_logprobs": 0},
         timeout=120,
@@ -158,11 +158,11 @@ def chat(base: str, messages: list[dict], stream: bool) -> str:
     body = {"model": "gpt-4.1", "messages": messages, "stream": stream}
     headers = {"authorization": f"Bearer {API_KEY}"}
     if not stream:
-        response = httpx.post(f"{base}/chat/completions", json=body, headers=headers, timeout=120)
+        response = keyed.post(f"{base}/chat/completions", json=body, headers=headers, timeout=120)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"] or ""
     text = ""
-    with httpx.stream(
+    with keyed.stream(
         "POST", f"{base}/chat/completions", json=body, headers=headers, timeout=120
     ) as response:
         assert response.status_code == 200
@@ -217,12 +217,12 @@ def test_weight_push_reaches_the_tied_head(vllm_url, vllm_reference, vllm_model_
     new weights, tied head included — where vLLM's own reload_weights leaves the head on the old weights."""
     new_dir = resolve_vllm_model("tiny", seed=1)
     assert json.loads((new_dir / "config.json").read_text())["tie_word_embeddings"] is True
-    served = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    served = keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
     prompt = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
     probe = [9707, 11, 1879, 0]
     before = engines.engine_weight_version(vllm_url)
     try:
-        httpx.post(
+        keyed.post(
             f"{vllm_url}/collective_rpc",
             json={"method": "reload_weights", "kwargs": {"weights_path": str(new_dir)}},
             timeout=120,
@@ -250,27 +250,27 @@ def test_weight_push_reaches_the_tied_head(vllm_url, vllm_reference, vllm_model_
 def test_count_tokens_and_model_listing_are_answered_from_vllm(vllm_gateway, vllm_url):
     base = f"{vllm_gateway.reverse_url}/t/vllm/s/side-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "user", "content": "Count these tokens, please."}]
-    counted = httpx.post(
+    counted = keyed.post(
         f"{base}/v1/messages/count_tokens",
         json={"model": "claude-sonnet-4-6", "messages": messages},
         headers={"anthropic-version": "2023-06-01"},
         timeout=60,
     )
     assert counted.status_code == 200, counted.text
-    by_vllm = httpx.post(
+    by_vllm = keyed.post(
         f"{vllm_url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=60
     ).json()["count"]
     assert counted.json()["input_tokens"] == by_vllm > 0
-    served = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
-    listed = httpx.get(f"{base}/v1/models", timeout=30).json()
+    served = keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    listed = keyed.get(f"{base}/v1/models", timeout=30).json()
     assert served in [model["id"] for model in listed["data"]]
 
 
 def test_context_overflow_on_vllm_is_the_providers_400(vllm_gateway, vllm_url):
     base = f"{vllm_gateway.reverse_url}/t/vllm/s/overflow-{uuid.uuid4().hex[:6]}/v1"
-    context = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    context = keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     body = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "word " * (context + 1000)}]}
-    response = httpx.post(f"{base}/chat/completions", json=body, timeout=120)
+    response = keyed.post(f"{base}/chat/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
@@ -282,12 +282,12 @@ def test_vllm_down_is_a_provider_shaped_error(tmp_path):
         dead, tmp_path / "flows", confdir=tmp_path / "conf", options={"polar_engine": "vllm"}
     ) as gateway:
         base = f"{gateway.reverse_url}/t/down/s/vllm-down"
-        openai = httpx.post(
+        openai = keyed.post(
             f"{base}/v1/chat/completions",
             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
             timeout=60,
         )
-        anthropic = httpx.post(
+        anthropic = keyed.post(
             f"{base}/v1/messages",
             json={"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
             headers={"anthropic-version": "2023-06-01"},

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,6 +20,7 @@ from polar_mitm import engines
 from polar_mitm.demo import DEMO_LEARNING_RATE
 from polar_mitm.rollout.loop import Loop, LoopConfig
 from polar_mitm.storage.records import read_all
+from tests.engine import keyed
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU
 
 def sample_call(vllm_url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     """vLLM's next call: 8 tokens sampled at T=1 after `prompt`, with their reported logprobs."""
-    served = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    served = keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {
         "model": served,
         "prompt": prompt,
@@ -40,7 +40,7 @@ def sample_call(vllm_url: str, prompt: list[int]) -> tuple[list[int], list[float
         "return_token_ids": True,
         "ignore_eos": True,
     }
-    choice = httpx.post(f"{vllm_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    choice = keyed.post(f"{vllm_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 

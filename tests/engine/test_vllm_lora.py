@@ -8,9 +8,10 @@ answer.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
+
+from tests.engine import keyed
 
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU
 ADAPTER_NAME = "polar-lora-test"
@@ -42,7 +43,7 @@ def sample(vllm_url: str, model: str, prompt: list[int]) -> tuple[list[int], lis
         "return_token_ids": True,
         "ignore_eos": True,
     }
-    response = httpx.post(f"{vllm_url}/v1/completions", json=body, timeout=120)
+    response = keyed.post(f"{vllm_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -57,14 +58,14 @@ def test_a_hot_loaded_lora_adapter_answers_as_the_merged_model(
 ):
     adapter, merged = adapter_and_merged
     prompt = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
-    loaded = httpx.post(
+    loaded = keyed.post(
         f"{vllm_url}/v1/load_lora_adapter",
         json={"lora_name": ADAPTER_NAME, "lora_path": str(adapter)},
         timeout=120,
     )
     assert loaded.status_code == 200, loaded.text
     try:
-        served = [m["id"] for m in httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"]]
+        served = [m["id"] for m in keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"]]
         assert ADAPTER_NAME in served
         ids, logprobs = sample(vllm_url, ADAPTER_NAME, prompt)
         gap = max_gap(logprobs, vllm_reference(prompt, ids, merged))
@@ -76,4 +77,4 @@ def test_a_hot_loaded_lora_adapter_answers_as_the_merged_model(
         base_ids, base_logprobs = sample(vllm_url, base_name, prompt)  # the base model is served as it was
         assert max_gap(base_logprobs, vllm_reference(prompt, base_ids)) <= LOGPROB_TOLERANCE
     finally:
-        httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": ADAPTER_NAME}, timeout=60)
+        keyed.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": ADAPTER_NAME}, timeout=60)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
+
+from tests.engine import keyed
 
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU (measured ≤ 1e-6)
 TOOL = {
@@ -34,7 +35,7 @@ def tokenizer(vllm_model_dir):
 
 @pytest.fixture(scope="module")
 def served(vllm_url) -> str:
-    return httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    return keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def chat_prompt(tokenizer, tools: list | None = None) -> list[int]:
@@ -45,7 +46,7 @@ def chat_prompt(tokenizer, tools: list | None = None) -> list[int]:
 def complete(vllm_url: str, served: str, prompt: list[int], **sampling) -> tuple[list[int], list[float]]:
     """One token-in call (what the gateway sends in tokens mode): the sampled ids and their reported logprobs."""
     body = {"model": served, "prompt": prompt, "max_tokens": 64, "logprobs": 0, "return_token_ids": True}
-    choice = httpx.post(f"{vllm_url}/v1/completions", json=body | sampling, timeout=120).json()["choices"][0]
+    choice = keyed.post(f"{vllm_url}/v1/completions", json=body | sampling, timeout=120).json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 

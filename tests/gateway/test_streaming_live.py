@@ -574,13 +574,17 @@ def test_engine_stream_adds_up_to_its_answer_for_greedy_random_text(engine_url):
         if with_tools:
             body["tools"] = tools
         whole = httpx.post(
-            f"{engine_url}/v1/chat/completions", timeout=60, json={**body, "return_token_ids": True}
+            f"{engine_url}/v1/chat/completions",
+            timeout=60,
+            json={**body, "return_token_ids": True},
+            headers=engine_keys.auth_headers(engine_url),
         ).json()["choices"][0]
         text, reasoning, logprobs, ext = "", "", [], {}
         with httpx.stream(
             "POST",
             f"{engine_url}/v1/chat/completions",
             timeout=60,
+            headers=engine_keys.auth_headers(engine_url),
             json={
                 **body,
                 "stream": True,
