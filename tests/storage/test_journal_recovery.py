@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import procs
+from polar_mitm import engine_keys, procs, secret_handover
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.journal import QUARANTINE_DIR, RecordWriter
 from polar_mitm.storage.journal_format import (
@@ -303,8 +303,16 @@ def start_gateway_with_file_size_limit(
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
+    handover = secret_handover.Handover({"engine_key": engine_keys.key_for(backend)})  # the engine's key
     with open(tmp_path / "gw.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_file_size)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=limit_file_size,
+            **handover.popen_kwargs(dict(os.environ)),
+        )
+    handover.close()
     try:
         procs.wait_port(port, proc=proc)
     except BaseException:
