@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from polar_mitm import engine_keys
 from polar_mitm.agent_cli import agent
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
@@ -304,5 +305,16 @@ def _register_vllm() -> None:
 _register_vllm()
 
 
+def main() -> None:
+    """The `polar-mitm` command: `app`, with an unusable engine key file answered in one line (exit 2)."""
+    try:
+        app()
+    except (
+        engine_keys.KeyFileError
+    ) as exc:  # $POLAR_ENGINE_KEY_FILE, read by whichever command talks to an engine
+        print(f"polar-mitm: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -19,6 +19,7 @@ from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
+from polar_mitm import engine_keys
 from polar_mitm.codecs import DEFAULT_CODEC, by_path
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
 from polar_mitm.gateway import control, log_redaction
@@ -166,7 +167,12 @@ class PolarGateway:
             writer, last_seq = self._new_writer(options)
         engine = self.engine
         if engine is None or changed & set(ENGINE_OPTIONS):
-            engine = EngineClient(options.backend, timeout=options.engine_timeout, kind=options.engine)
+            try:
+                engine = EngineClient(options.backend, timeout=options.engine_timeout, kind=options.engine)
+            except (
+                engine_keys.KeyFileError
+            ) as exc:  # $POLAR_ENGINE_KEY_FILE unusable: one line, not a traceback
+                self._refuse(str(exc))
         prompts = previous_prompts = self.prompts
         if prompts is None or changed & set(PROMPT_OPTIONS):
             prompts = PromptBuilder(

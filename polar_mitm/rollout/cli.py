@@ -25,6 +25,7 @@ from polar_mitm.rollout.loop import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.tasks import Task, TaskFileError, load_tasks
 from polar_mitm.rollout.view import render, summary_table
+from polar_mitm.storage.location import private_dir
 from polar_mitm.train.cli import (
     CONFIG_FIELDS,
     RENAMED_OPTIONS,
@@ -237,7 +238,7 @@ def rollout_command(
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
     given = locals()  # the options, by name (before any other local)
     task_list, harness_spec = load_inputs(tasks, harness)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(work_dir)  # owner-only: logs, workspaces, grading state
     config = RolloutConfig(
         **{name: given[name] for name in ROLLOUT_FIELDS},
         workspace_root=work_dir / "workspaces",

@@ -30,19 +30,23 @@ metrics to one tracked run (trackers.py), and RUN/report.html is rewritten after
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import queue
 import shutil
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from polar_mitm import engines, procs
+from polar_mitm import engine_keys, engines, procs
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.evaluation import EvalResult, check_held_out, eval_due, evaluation_result
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
@@ -80,6 +84,7 @@ from polar_mitm.rollout.trackers import (
     numeric_metrics,
     open_tracker,
 )
+from polar_mitm.storage.location import private_dir
 from polar_mitm.train.cli import LORA_HELP
 
 if TYPE_CHECKING:
@@ -831,7 +836,7 @@ class Loop:
 
         cfg = self.cfg
         cfg.run_dir = cfg.run_dir.resolve()
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.run_dir)  # owner-only: records, rewards, the run state (issue 36 item 2)
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
         results = self._resumed() if cfg.resume else self._started()
         with ExitStack() as running:
@@ -1077,12 +1082,29 @@ def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
     )
 
 
+@contextlib.contextmanager
+def engine_key_file(engine_url: str | None, it: Path) -> Iterator[dict[str, str]]:
+    """The environment that lets trainer processes push to `engine_url`: its key in an owner-only file named by
+    $POLAR_ENGINE_KEY_FILE, removed when they are done (torchrun does not pass an inherited pipe on to its workers,
+    and a key in the environment would be readable in /proc)."""
+    key = engine_keys.key_for(engine_url) if engine_url else None
+    if key is None:
+        yield {}
+        return
+    fd, name = tempfile.mkstemp(prefix=".engine-key-", dir=private_dir(it))  # mkstemp: mode 600
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(key)
+        yield {engine_keys.KEY_FILE_ENV: name}
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
 def train_in_processes(
     cfg: LoopConfig, start: Path, it: Path, fields: dict[str, Any]
 ) -> tuple[Path, str | None]:
     """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo` with the trainer `fields` as its
     options (the same run state, so the optimizer continues as in-process); returns (weights, version)."""
-    import os
     import subprocess
 
     from polar_mitm.train.cli import grpo_argv
@@ -1107,8 +1129,10 @@ def train_in_processes(
         argv += ["--lora", "--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)]
         argv += ["--lora-target-modules", cfg.lora_target_modules]
     log = it / "train.log"
-    with open(log, "wb") as sink:
-        done = subprocess.run(argv, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT)
+    with engine_key_file(fields.get("push_to_engine"), it) as key_env, open(log, "wb") as sink:
+        done = subprocess.run(
+            argv, env={**os.environ, **env, **key_env}, stdout=sink, stderr=subprocess.STDOUT
+        )
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"the {n}-process GRPO step failed (exit {done.returncode}); log {log}:\n{tail}")

@@ -250,7 +250,7 @@ class RayRollout:
     def _begin(self) -> None:
         import ray
 
-        from polar_mitm import engines
+        from polar_mitm import engine_keys, engines
 
         refs = []
         live = self.pool.live()
@@ -270,6 +270,7 @@ class RayRollout:
                     config,
                     str(self.work_dir / "mitmproxy" / node.name),
                     str(self.work_dir / "logs"),
+                    engine_keys.key_for(backend),  # the node's gateway needs it; nothing else there has it
                 )
             )
         ray.get(refs, timeout=180)

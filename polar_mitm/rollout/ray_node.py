@@ -178,8 +178,11 @@ class NodeRollout:
         config: RolloutConfig,
         confdir: str,
         log_dir: str,
+        engine_key: str | None = None,
     ) -> None:
-        """Start this rollout's gateway (writing to `out_dir`) and the runner's pools."""
+        """Start this rollout's gateway (writing to `out_dir`) and the runner's pools; `engine_key` is the engine's
+        API key, which the gateway gets through a pipe (a Ray task's arguments travel over Ray's own connections,
+        never a command line or an environment)."""
         await self.end()
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -192,6 +195,7 @@ class NodeRollout:
             log=Path(log_dir) / f"gateway-{self.name}.log",
             options=options,
             tie_to_parent=True,
+            engine_key=engine_key,
         )
         gw = self.gateway
         self.rollout = StreamingRollout(

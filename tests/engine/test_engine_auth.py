@@ -24,7 +24,12 @@ from polar_mitm.storage.records import read_all
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = ["Done: out.txt now says hello, and the file is written."]
+# Long enough (about 50 tokens, 15 s at 0.3 s a token) that a push started at the first token has loaded its weights
+# before the call ends, even on a busy 2-core machine (the swap itself waits for the generation to finish).
+SCRIPT = [
+    "Done: out.txt now says hello, and the file is written. I checked it twice: the first line is the greeting, "
+    "the second line is empty, and nothing else was changed in the folder or in any other file of the project."
+]
 EVERY_ROUTE = [
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),

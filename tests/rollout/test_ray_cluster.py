@@ -5,6 +5,7 @@ sglang-router. A worker node is killed mid-rollout: nothing finished is lost, no
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import engines, procs
+from polar_mitm import engine_keys, engines, procs
 from polar_mitm.storage.records import read_all
 
 pytestmark = pytest.mark.slow
@@ -35,17 +36,30 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def scripted_engines(tmp_path_factory):
+def engine_key_file(tmp_path_factory) -> Path:
+    """The engines' API key, as a user of engines started elsewhere hands it to `polar-mitm`: a mode-600 file named
+    by $POLAR_ENGINE_KEY_FILE (the driver passes it on to each node's gateway)."""
+    path = tmp_path_factory.mktemp("engine-key") / "key"
+    path.write_text(engine_keys.new_key())
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scripted_engines(tmp_path_factory, engine_key_file):
     """Two embedded engines playing the CPU demo's scripted choice policy (as `polar-mitm loop` starts one)."""
     started = [
         procs.start_engine(
             "tiny",
             log=tmp_path_factory.mktemp(f"engine{k}") / "engine.log",
             extra_args=["--threads", "1", "--script", str(EXAMPLES / "policy.json")],
+            api_key=engine_key_file.read_text(),
         )
         for k in range(2)
     ]
+    os.environ[engine_keys.KEY_FILE_ENV] = str(engine_key_file)  # the CLIs this module starts read it
     yield [url for _, url in started]
+    os.environ.pop(engine_keys.KEY_FILE_ENV, None)
     for proc, _ in started:
         procs.stop(proc)
 
@@ -190,6 +204,4 @@ def test_a_worker_node_killed_mid_rollout_loses_nothing_finished_and_counts_noth
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "HF_HUB_OFFLINE": "1"}
