@@ -406,6 +406,7 @@ def gateways_running(
     confdir: Path,
     log: Path | None = None,
     options: dict[str, str] | None = None,
+    session_key: str | None = None,
 ) -> Iterator[list[GatewayProcess]]:
     """One gateway per backend for the duration of a block (`--gateways N`): tokenization and record writing are
     CPU work in one event loop per process, so several processes serve more sessions at once. One gateway writes
@@ -414,7 +415,9 @@ def gateways_running(
 
     The first starts alone (it creates the mitmproxy CA in `confdir`, which the others then share), the rest
     together."""
-    started = start_gateways(backends, out_dir, confdir=confdir, log=log, options=options)
+    started = start_gateways(
+        backends, out_dir, confdir=confdir, log=log, options=options, session_key=session_key
+    )
     try:
         yield started
     finally:
@@ -434,8 +437,10 @@ def start_gateways(
     confdir: Path,
     log: Path | None = None,
     options: dict[str, str] | None = None,
+    session_key: str | None = None,
 ) -> list[GatewayProcess]:
-    """Start one gateway per backend (`gateways_running` says how); the caller stops them."""
+    """Start one gateway per backend (`gateways_running` says how); the caller stops them. `session_key`: the
+    gateways serve only calls carrying a session credential under it (a rollout's, `session_ids.credential`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def start(k: int) -> GatewayProcess:
@@ -446,6 +451,7 @@ def start_gateways(
             confdir=confdir,
             log=log.with_name(f"{log.stem}-{k}{log.suffix}") if log is not None and several else log,
             options=options,
+            session_key=session_key,
         )
 
     started: list[GatewayProcess] = []

@@ -1,9 +1,11 @@
 """Who is calling: session and task ids, first match wins (documented in README, tested in test_gateway).
 
-Session: header `x-polar-session` → proxy-auth user name (regular mode, `HTTPS_PROXY=http://SESSION:x@host:port`,
-or `TASK/SESSION` with the slash written `%2F`) → a path prefix `/s/SESSION/…` (reverse mode; `/t/TASK/s/SESSION/…`
-also names the task) → an API key `polar-SESSION` or `polar-TASK/SESSION` → one id per client connection.
-Task: header `x-polar-task`, else the TASK part of whichever of the above carries one.
+Session: proxy-auth user name (regular mode, `HTTPS_PROXY=http://SESSION:x@host:port`, or `TASK/SESSION` with the
+slash written `%2F`) → a path prefix `/s/SESSION/…` (reverse mode; `/t/TASK/s/SESSION/…` also names the task) →
+header `x-polar-session` → an API key `polar-SESSION` or `polar-TASK/SESSION` → one id per client connection.
+Task: a session bound by its proxy user or path takes its task from there only; otherwise header `x-polar-task`,
+else the TASK part of whichever form carries one. A rollout's gateway (started with a session key) takes only forms
+whose session credential matches their ids (`session_ids.credential`) and refuses every other call.
 
 The forms themselves (how each is built and parsed) live in `polar_mitm/session_ids.py`; this module decides
 which header, path or key to read them from.
@@ -61,17 +63,23 @@ class Identity:
 
 
 def proxy_user(proxy_authorization: str | None) -> str | None:
-    """The user name of a `Basic` Proxy-Authorization header, decoded to its compact form `TASK/SESSION`."""
+    """The user name of a `Basic` Proxy-Authorization header, decoded to its compact form `TASK/SESSION`, with the
+    password after `session_ids.PASSWORD_SEPARATOR` (a rollout session's credential rides there)."""
     if not proxy_authorization:
         return None
     scheme, _, value = proxy_authorization.partition(" ")
     if scheme.lower() != "basic":
         return None
     try:
-        user = base64.b64decode(value.strip()).decode("utf-8", "replace").partition(":")[0]
+        user, _, password = base64.b64decode(value.strip()).decode("utf-8", "replace").partition(":")
     except ValueError:
         return None
-    return session_ids.decode_proxy_user(user) or None
+    user = session_ids.decode_proxy_user(user)
+    if not user:
+        return None
+    if password and password != session_ids.PROXY_PASSWORD:
+        return f"{user}{session_ids.PASSWORD_SEPARATOR}{password}"
+    return user
 
 
 def api_key_of(headers: dict[str, str], query: dict[str, str]) -> str | None:
@@ -90,6 +98,16 @@ def strip_path_prefix(path: str) -> tuple[str, str | None, str | None]:
     return (rest, ids.task, ids.session) if ids else (path, None, None)
 
 
+class SessionRefused(Exception):
+    """A call to a gateway that serves a rollout's sessions without a valid session credential (answered 401)."""
+
+
+BOUND_SOURCES = (
+    "proxy_auth",
+    "path",
+)  # the session's own hook-up: headers a harness sends cannot override it
+
+
 def resolve(
     headers: dict[str, str],
     path: str,
@@ -97,26 +115,41 @@ def resolve(
     *,
     proxy_user_name: str | None,
     connection_id: str,
+    session_key: str | None = None,
 ) -> tuple[Identity, str]:
     """The caller's identity, and the request path with any `/s/SESSION` prefix removed.
+
+    A session bound by its proxy user or its URL path is that session, whatever `x-polar-session`/`x-polar-task`
+    headers say (any code in a session can add headers; the hook-up is the rollout's). With `session_key` (a
+    rollout's gateway), only an identity whose credential matches its ids counts, headers never do, and a call
+    without one raises SessionRefused.
 
     `headers` must have lower-case names.
     """
     path_ids, rest = session_ids.parse_path(path)
-    candidates: list[tuple[str, SessionId | None]] = [
-        ("header", SessionId(headers.get("x-polar-session") or "", headers.get("x-polar-task"))),
+    harness_ids = {h: headers[h] for h in HARNESS_ID_HEADERS if headers.get(h)}
+    carried: list[tuple[str, SessionId | None]] = [
         ("proxy_auth", session_ids.parse_compact(proxy_user_name)),
         ("path", path_ids),
+        ("header", SessionId(headers.get("x-polar-session") or "", headers.get("x-polar-task"))),
         ("api_key", session_ids.parse_api_key(api_key_of(headers, query))),
     ]
-    source, session = "connection", f"conn-{connection_id}"
-    for name, ids in candidates:
-        if ids and ids.session:
-            source, session = name, ids.session
-            break
-    task = next((ids.task for _, ids in candidates if ids and ids.task), None)
-    harness_ids = {h: headers[h] for h in HARNESS_ID_HEADERS if headers.get(h)}
-    return Identity(session_id=session, task_id=task, source=source, harness_ids=harness_ids), rest
+    candidates = [(name, ids) for name, ids in carried if ids and ids.session]
+    if session_key is not None:
+        for name, ids in candidates:
+            if name != "header" and ids.verified(session_key):
+                return Identity(ids.session, ids.task, name, harness_ids), rest
+        raise SessionRefused(
+            "this gateway serves a rollout's sessions: the call carries no valid session credential "
+            "(use the base URL, proxy URL or API key the rollout gave this session)"
+        )
+    if not candidates:
+        return Identity(f"conn-{connection_id}", None, "connection", harness_ids), rest
+    source, ids = candidates[0]
+    task = ids.task
+    if source not in BOUND_SOURCES and task is None:  # an unbound session may take its task from another form
+        task = next((other.task for _, other in carried if other and other.task), None)
+    return Identity(session_id=ids.session, task_id=task, source=source, harness_ids=harness_ids), rest
 
 
 def safe_text(value: str) -> str:

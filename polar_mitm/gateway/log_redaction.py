@@ -17,11 +17,16 @@ AUTH_HEADER = re.compile(
     r"[^'\"\r\n,}]+"
 )
 
+# A rollout session's credential (session_ids.py) in a path (`/s/SESSION/c/CRED`) or an API key (`polarc-CRED-…`).
+SESSION_CREDENTIAL = re.compile(r"(/c/|\bpolarc-)[0-9a-f]{32}")
+
 
 def redact(text: str) -> str:
-    """`text` with URL credentials and credential header values replaced by `<redacted>`."""
+    """`text` with URL credentials, session credentials and credential header values replaced by `<redacted>`."""
     if "@" in text:
         text = USERINFO.sub(r"\1<redacted>@", text)
+    if "/c/" in text or "polarc-" in text:
+        text = SESSION_CREDENTIAL.sub(r"\1<redacted>", text)
     if "uthorization" in text or "api-key" in text.lower():
         text = AUTH_HEADER.sub(r"\1\2<redacted>", text)
     return text

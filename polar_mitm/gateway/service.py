@@ -74,8 +74,11 @@ class Gateway:
         engine: EngineClient,
         writer: RecordWriter,
         prompts: PromptBuilder | None = None,
+        *,
+        session_key: str | None = None,
     ) -> None:
         self.config, self.engine, self.writer = config, engine, writer
+        self.session_key = session_key  # a rollout's gateway: only calls with a valid session credential
         self.prompts = prompts or PromptBuilder("messages")
         self.calls = CallContext(engine, self.prompts, writer)
         self._seq: dict[str, itertools.count] = defaultdict(lambda: itertools.count(0))
@@ -105,9 +108,10 @@ class Gateway:
             return await self._internal_error(req, exc)
 
     async def _route(self, req: GatewayRequest) -> HttpAnswer | LiveAnswer | None:
-        who, path = ident.resolve(
-            req.headers, req.path, req.query, proxy_user_name=req.proxy_user, connection_id=req.connection_id
-        )
+        try:
+            who, path = self._identity(req)
+        except ident.SessionRefused as refused:
+            return self._refused(req, refused)
         if req.headers.get("upgrade", "").lower() == "websocket":
             return self._no_websocket(req, path)
         if req.method == "GET" and path == READY_PATH:
@@ -223,13 +227,7 @@ class Gateway:
         codec = self._shape_for(req, path)
         answer = codec.encode_error(GatewayError("internal", f"polar-mitm internal error: {exc!r}"))
         try:
-            who = ident.resolve(
-                req.headers,
-                req.path,
-                req.query,
-                proxy_user_name=req.proxy_user,
-                connection_id=req.connection_id,
-            )[0]
+            who = self._identity(req)[0]
         except Exception:  # the identity itself may be what failed: record under the connection's id
             log.exception("identity unresolvable for the internal-error record")
             who = ident.Identity(session_id=f"conn-{req.connection_id}", task_id=None, source="connection")
@@ -240,6 +238,25 @@ class Gateway:
         except Exception:
             log.exception("could not record the internal error on %s %s", req.method, req.path)
             return answer
+
+    def _identity(self, req: GatewayRequest) -> tuple[ident.Identity, str]:
+        return ident.resolve(
+            req.headers,
+            req.path,
+            req.query,
+            proxy_user_name=req.proxy_user,
+            connection_id=req.connection_id,
+            session_key=self.session_key,
+        )
+
+    def _refused(self, req: GatewayRequest, refused: ident.SessionRefused) -> HttpAnswer:
+        """A call without a valid session credential: 401 in its provider's shape, nothing recorded (readiness
+        polls still answered: they carry no session)."""
+        path = ident.strip_path_prefix(req.path)[0]
+        if req.method == "GET" and path == READY_PATH:
+            return self.readiness_answer()
+        log.warning("refused %s %s: no valid session credential", req.method, path[:200])
+        return self._shape_for(req, path).encode_error(GatewayError("unauthenticated", str(refused)))
 
     def _shape_for(self, req: GatewayRequest, path: str) -> Codec:
         """The provider whose error shape suits `req` (OpenAI's when nothing tells): never raises."""

@@ -91,6 +91,7 @@ def rollout_launch(
     ca_bundle: Path | None = None,
     mode: Mode | None = None,
     home: Path | None = None,
+    credential: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) for one rollout session of a preset (used by `polar-mitm rollout --harness NAME`).
 
@@ -106,6 +107,7 @@ def rollout_launch(
         gateway_url=reverse_url,
         gateway_proxy=proxy_url or "http://127.0.0.1:8080",
         ca_bundle=ca_bundle,
+        credential=credential,
     )
     prepared = harness.prepare(hookup, home or workspace.parent / f"{workspace.name}.home")
     return harness.command(prompt), prepared.env

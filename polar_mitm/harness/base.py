@@ -73,6 +73,7 @@ class Hookup:
     gateway_proxy: str = "http://127.0.0.1:8080"  # the gateway's regular listener (HTTPS_PROXY mode)
     gateway_url: str = "http://127.0.0.1:8081"  # the gateway's reverse listener (base-URL mode)
     ca_bundle: Path | None = None  # system CAs + mitmproxy's CA; required in proxy mode
+    credential: str | None = None  # the session credential a rollout's gateway asks for (session_ids.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,7 +90,7 @@ class Hookup:
     @property
     def session_id(self) -> SessionId:
         """The session and task ids, which build every form the gateway reads (polar_mitm/session_ids.py)."""
-        return SessionId(self.session, self.task)
+        return SessionId(self.session, self.task, self.credential)
 
     @property
     def identity(self) -> str:

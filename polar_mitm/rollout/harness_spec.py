@@ -24,11 +24,15 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from polar_mitm.codecs import sdk_base_url
 from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
 from polar_mitm.rollout.tasks import Task
 from polar_mitm.session_ids import SessionId
+
+if TYPE_CHECKING:
+    from polar_mitm.procs import GatewayProcess
 
 SDK_PROVIDERS = ("openai_chat", "openai_responses", "anthropic", "google")
 
@@ -38,6 +42,15 @@ class GatewayEndpoints:
     reverse_url: str  # e.g. http://127.0.0.1:8081
     proxy_url: str | None = None  # e.g. http://127.0.0.1:8080 (regular mode)
     ca_bundle: Path | None = None
+    session_key: str | None = None  # signs each session's credential when the gateway was started with it
+
+    @classmethod
+    def of(cls, gateway: GatewayProcess) -> GatewayEndpoints:
+        return cls(gateway.reverse_url, gateway.proxy_url, gateway.ca_bundle(), gateway.session_key)
+
+    def session_id(self, session: str, task: str | None) -> SessionId:
+        """The ids a session's hook-up carries, with its credential when this gateway asks for one."""
+        return SessionId(session, task).signed(self.session_key)
 
 
 @dataclass
@@ -83,7 +96,7 @@ class HarnessSpec:
     def launch(
         self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0
     ) -> Launch:
-        prefix = SessionId(session, task.task_id).path_prefix
+        prefix = gw.session_id(session, task.task_id).path_prefix
         env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
             base = sdk_base_url(self.value, gw.reverse_url + prefix)
@@ -116,7 +129,7 @@ class HarnessSpec:
         proxy = ""
         if gw.proxy_url:
             host = gw.proxy_url.split("://", 1)[-1]
-            proxy = SessionId(session, task.task_id).proxy_url(host)
+            proxy = gw.session_id(session, task.task_id).proxy_url(host)
         return {
             "prompt": task.prompt,
             "workspace": str(workspace),
@@ -140,5 +153,6 @@ class HarnessSpec:
             reverse_url=gw.reverse_url,
             proxy_url=gw.proxy_url,
             ca_bundle=gw.ca_bundle,
+            credential=gw.session_id(session, task.task_id).credential,
         )
         return Launch(argv, {**os.environ, **env}, workspace)

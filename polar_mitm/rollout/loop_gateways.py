@@ -13,6 +13,7 @@ its duration, and gateways that die or refuse a switch are replaced by fresh one
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ class LoopGateways:
         self._gateways: list[procs.GatewayProcess] = []
         self._lock = threading.Lock()
         self.started = 0  # gateway processes started, for the figures (and the test that counts them)
+        # The run's sessions' calls carry credentials under it (session_ids.py): no session writes into another.
+        self.session_key = secrets.token_urlsafe(32)
 
     @contextmanager
     def serving(self, out_dir: Path, options: dict[str, str]) -> Iterator[list[procs.GatewayProcess]]:
@@ -45,6 +48,7 @@ class LoopGateways:
                 confdir=self.confdir,
                 log=out_dir.parent / "gateway.log",
                 options=options,
+                session_key=self.session_key,
             ) as own:
                 self.started += len(own)
                 yield own
@@ -63,7 +67,12 @@ class LoopGateways:
             return self._gateways
         self.close()
         self._gateways = procs.start_gateways(
-            self.backends, out_dir, confdir=self.confdir, log=self.run_dir / "gateway.log", options=options
+            self.backends,
+            out_dir,
+            confdir=self.confdir,
+            log=self.run_dir / "gateway.log",
+            options=options,
+            session_key=self.session_key,
         )
         self.started += len(self._gateways)
         return self._gateways

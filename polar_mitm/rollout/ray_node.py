@@ -10,6 +10,7 @@ done, so a node that dies later loses nothing finished.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -196,11 +197,12 @@ class NodeRollout:
             options=options,
             tie_to_parent=True,
             engine_key=engine_key,
+            session_key=secrets.token_urlsafe(
+                32
+            ),  # made here: it never leaves this node's runner and gateway
         )
         gw = self.gateway
-        self.rollout = StreamingRollout(
-            self.harness, GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()), config
-        )
+        self.rollout = StreamingRollout(self.harness, GatewayEndpoints.of(gw), config)
         self.rollout.start()
 
     async def run_session(self, spec: SessionSpec) -> SessionOutcome:

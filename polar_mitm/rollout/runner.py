@@ -29,6 +29,7 @@ from typing import Literal
 import pyarrow as pa
 
 from polar_mitm import procs
+from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.tasks import Task
@@ -253,6 +254,8 @@ class Rollout:
     async def _run_on(self, s: SessionRun, gateway: GatewayEndpoints) -> None:
         launch = self.harness.launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
+        # Everything the harness starts is born in this group, `setsid` and a cleared environment included.
+        group = session_cgroup.for_sessions().new(session_cgroup.group_name(s.session_id))
         start = time.monotonic()
         try:
             s.proc = await asyncio.create_subprocess_exec(
@@ -263,6 +266,7 @@ class Rollout:
                 stdout=log or asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=group.preexec() if group is not None else None,
             )
             try:
                 s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
@@ -276,7 +280,11 @@ class Rollout:
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
         finally:
-            procs.kill_marked(s.session_id)  # daemons it left outside its process group (Cline's hub)
+            if (
+                group is not None
+            ):  # what it left running, wherever it moved (Cline's hub daemon, `setsid` escapes)
+                await asyncio.to_thread(group.stop)
+            procs.kill_marked(s.session_id)  # without a cgroup: daemons that kept the marker
             s.spans["run"] = (start, time.monotonic())
             if log:
                 log.close()

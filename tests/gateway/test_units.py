@@ -5,13 +5,16 @@ from __future__ import annotations
 import base64
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pyarrow.parquet as pq
 import pytest
 
+from polar_mitm import session_ids
 from polar_mitm.codecs import detect
 from polar_mitm.gateway import identity
+from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.journal import RecordWriter, compact_journal
 from polar_mitm.storage.journal_format import JOURNAL_DIR, read_journal
 from polar_mitm.storage.records import RECORD_SCHEMA, Record, read_all
@@ -50,7 +53,12 @@ def basic(user: str) -> str:
 def test_identity_first_match_wins_in_documented_order():
     resolve = identity.resolve
     h = {"x-polar-session": "hdr", "x-polar-task": "T", "x-api-key": "polar-key"}
+    # A session bound by its proxy user or path ignores x-polar-session/x-polar-task (issue 36 item 10).
     who, path = resolve(h, "/s/p/v1/messages", {}, proxy_user_name="u", connection_id="c1")
+    assert (who.session_id, who.task_id, who.source, path) == ("u", None, "proxy_auth", "/v1/messages")
+    who, path = resolve(h, "/s/p/v1/messages", {}, proxy_user_name=None, connection_id="c1")
+    assert (who.session_id, who.task_id, who.source, path) == ("p", None, "path", "/v1/messages")
+    who, path = resolve(h, "/v1/messages", {}, proxy_user_name=None, connection_id="c1")
     assert (who.session_id, who.task_id, who.source, path) == ("hdr", "T", "header", "/v1/messages")
     who, _ = resolve(
         {"x-api-key": "polar-key"}, "/s/p/v1/messages", {}, proxy_user_name="task9/u", connection_id="c1"
@@ -187,3 +195,41 @@ def test_compacting_an_empty_journal_writes_no_shard(tmp_path):
     empty = tmp_path / JOURNAL_DIR / "journal-x.polarj"
     empty.write_bytes(b"")
     assert compact_journal(empty, tmp_path) is None and not empty.exists()
+
+
+def test_a_rollout_gateway_takes_only_credentialed_ids_and_never_headers():
+    """With a session key, an identity counts only when its credential matches its ids: another session's ids
+    (which are on every harness command line) with no or a forged credential are refused, in every form."""
+    key = "k" * 43
+    mine = SessionId("s-1", "t/0").signed(key)
+    other = SessionId("s-2", "t/0")
+    resolve = identity.resolve
+    hdr = {"x-polar-session": other.session, "x-polar-task": "t/9"}
+    for path, user, headers in [
+        (mine.path_prefix + "/v1/messages", None, hdr),
+        ("/v1/messages", f"{mine.compact}{session_ids.PASSWORD_SEPARATOR}{mine.credential}", hdr),
+        ("/v1/messages", None, {**hdr, "x-api-key": mine.api_key}),
+    ]:
+        who, rest = resolve(headers, path, {}, proxy_user_name=user, connection_id="c", session_key=key)
+        assert (who.session_id, who.task_id, rest) == ("s-1", "t/0", "/v1/messages")
+    forged = replace(other, credential=mine.credential)  # a valid credential, for someone else's ids
+    for path, user, headers in [
+        (other.path_prefix + "/v1/messages", None, {}),
+        (forged.path_prefix + "/v1/messages", None, {}),
+        ("/v1/messages", other.compact, {}),
+        ("/v1/messages", f"{forged.compact}{session_ids.PASSWORD_SEPARATOR}{forged.credential}", {}),
+        ("/v1/messages", None, {"x-api-key": forged.api_key}),
+        ("/v1/messages", None, {"x-api-key": other.api_key}),
+        ("/v1/messages", None, {"x-polar-session": mine.session, "x-polar-task": mine.task}),
+        ("/v1/messages", None, {}),
+    ]:
+        with pytest.raises(identity.SessionRefused):
+            resolve(headers, path, {}, proxy_user_name=user, connection_id="c", session_key=key)
+    # The credential's forms parse back to the same ids.
+    assert session_ids.parse_api_key(mine.api_key) == mine
+    assert session_ids.parse_path(mine.path_prefix + "/v1")[0] == mine
+    assert identity.proxy_user(basic_with(mine.proxy_user, mine.credential)).endswith(mine.credential)
+
+
+def basic_with(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()

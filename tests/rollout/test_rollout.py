@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, write_rewards
 from polar_mitm.rollout.tasks import TaskFileError, load_tasks
@@ -140,6 +141,27 @@ def test_a_daemon_the_harness_left_outside_its_process_group_is_stopped_with_its
     assert (
         not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
     )  # gone (or dead, not reaped)
+
+
+@pytest.mark.skipif(session_cgroup.for_sessions().root is None, reason="needs a writable cgroup file system")
+def test_a_daemon_that_clears_its_marker_and_leaves_its_group_is_stopped_with_its_session(gateway, tmp_path):
+    """The escape of issue 36: `env -u POLAR_HARNESS_RUN setsid …` from `/` left nothing we found (the marker and
+    the process group were all we had); its session's cgroup still holds it."""
+    pidfile = tmp_path / "daemon.pid"
+    harness = (
+        f"cmd:cd / && env -u POLAR_HARNESS_RUN setsid bash -c 'echo $$ > {pidfile}; exec sleep 300' "
+        "< /dev/null > /dev/null 2>&1 & sleep 0.5; echo hello > out.txt"
+    )
+    tasks = write_tasks(tmp_path / "t.jsonl", [task("escape")])
+    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1).sessions
+    assert session.status == "ok" and session.reward == 1.0
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
+    groups = [p for p in session_cgroup.for_sessions().root.iterdir() if p.is_dir()]
+    assert groups == []  # each session's group is removed after it
 
 
 def test_task_file_errors_name_the_line(tmp_path):

@@ -1,0 +1,186 @@
+"""A control group per harness session: every process the session starts is found and stopped with it.
+
+Why: the environment marker (`procs.HARNESS_RUN_ENV`) is the agent's to remove, and a process group is left with
+`setsid` — `env -u POLAR_HARNESS_RUN setsid daemon &` outlived its rollout (issue 36). A process cannot leave its
+cgroup by forking, re-grouping or clearing its environment; the harness joins its session's group before it execs
+(`preexec`), so everything it starts is born inside. At the end `stop` kills the whole group: cgroup v2's
+`cgroup.kill` (one write, atomic against forks), else v1's `pids` controller with new forks refused first.
+
+Where no cgroup file system is writable (a container without it, not root) `SessionCgroups.open` says so once and
+sessions fall back to the process group and the marker. What stays open without a sandbox: a process running as
+root can write its own pid into another cgroup's `cgroup.procs`; the sandbox's PID namespace closes that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MOUNTS = Path("/proc/self/mounts")
+
+
+@dataclass(frozen=True)
+class SessionCgroup:
+    """One session's group: `path` is its directory in the cgroup file system; `v2` says which kind."""
+
+    path: Path
+    v2: bool
+
+    def preexec(self) -> Callable[[], None]:
+        """What the harness's child process runs between fork and exec: join this group (so does all it starts)."""
+        procs_file = os.fsencode(self.path / "cgroup.procs")
+
+        def join() -> None:
+            try:
+                fd = os.open(procs_file, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")  # "0": the writing process itself
+                finally:
+                    os.close(fd)
+            except OSError:  # not allowed here after all: the process group and the marker still find it
+                pass
+
+        return join
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """SIGKILL every process still in the group and remove it; how many there were."""
+        found = self.pids()
+        if found:
+            if self.v2 and (self.path / "cgroup.kill").exists():
+                (self.path / "cgroup.kill").write_text("1")
+            else:
+                with contextlib.suppress(OSError):  # no new forks while the loop below kills
+                    (self.path / "pids.max").write_text("0")
+            deadline = time.monotonic() + timeout
+            while (left := self.pids()) and time.monotonic() < deadline:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+        return len(found)
+
+
+class SessionCgroups:
+    """The rollout's parent group (`polar-mitm-PID` under this process's own cgroup) and one child per session."""
+
+    def __init__(self, root: Path | None, v2: bool) -> None:
+        self.root, self.v2 = root, v2
+
+    @classmethod
+    def open(cls) -> SessionCgroups:
+        """A parent group where one can be made (cgroup v2, else v1 `pids`); else one that makes none."""
+        for v2, where in ((True, _v2_home()), (False, _v1_pids_home())):
+            if where is None:
+                continue
+            root = where / f"polar-mitm-{os.getpid()}"
+            try:
+                root.mkdir(exist_ok=True)
+                probe = root / "probe"
+                probe.mkdir(exist_ok=True)
+                probe.rmdir()
+            except OSError:
+                continue
+            return cls(root, v2)
+        log.info(
+            "no writable cgroup file system: a session's processes are found by process group and marker"
+        )
+        return cls(None, False)
+
+    def new(self, name: str) -> SessionCgroup | None:
+        if self.root is None:
+            return None
+        path = self.root / name
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:
+            log.warning("no cgroup for session %s: %s", name, exc)
+            return None
+        return SessionCgroup(path, self.v2)
+
+    def close(self) -> None:
+        """Stop what is left in every session group and remove the parent."""
+        if self.root is None:
+            return
+        for child in self.root.iterdir() if self.root.is_dir() else []:
+            if child.is_dir():
+                SessionCgroup(child, self.v2).stop()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+
+def _mount_points() -> list[tuple[str, Path, set[str]]]:
+    try:
+        lines = MOUNTS.read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4:
+            found.append((parts[2], Path(parts[1].replace("\\040", " ")), set(parts[3].split(","))))
+    return found
+
+
+def _own_cgroup(controller: str | None) -> str | None:
+    """This process's cgroup path in the v2 hierarchy (controller None) or in v1's `controller`."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if (controller is None and controllers == "") or (controller in controllers.split(",")):
+            return path
+    return None
+
+
+def _v2_home() -> Path | None:
+    own = _own_cgroup(None)
+    for kind, mount, _ in _mount_points():
+        if kind == "cgroup2" and own is not None:
+            return mount / own.lstrip("/")
+    return None
+
+
+def _v1_pids_home() -> Path | None:
+    own = _own_cgroup("pids")
+    for kind, mount, options in _mount_points():
+        if kind == "cgroup" and "pids" in options and own is not None:
+            return mount / own.lstrip("/")
+    return None
+
+
+_this_process: list[SessionCgroups] = []
+
+
+def for_sessions() -> SessionCgroups:
+    """This process's parent group, made at the first session (and removed when the process exits)."""
+    if not _this_process:
+        import atexit
+
+        _this_process.append(SessionCgroups.open())
+        atexit.register(_this_process[0].close)
+    return _this_process[0]
+
+
+def group_name(session_id: str) -> str:
+    """A cgroup directory name for any session id (ids may hold characters a file name should not)."""
+    import hashlib
+
+    return "s-" + hashlib.sha256(session_id.encode()).hexdigest()[:20]
