@@ -64,6 +64,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     413: "request_too_large",
+    431: "request_too_large",  # the API has no type of its own for a head too large
     500: "api_error",
     529: "overloaded_error",
 }

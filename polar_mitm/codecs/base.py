@@ -22,6 +22,7 @@ ErrorKind = Literal[
     "overloaded",  # engine unreachable / timed out → Anthropic 529, OpenAI 503, Google 503
     "engine_error",  # engine answered 5xx or nonsense → 502 (Anthropic, Google: 500)
     "too_large",  # request body over the gateway's size limit → 413
+    "headers_too_large",  # more header lines or bytes than the gateway takes → 431
     "internal",  # a gateway bug: still answered in the provider's shape → 500
 ]
 
@@ -33,6 +34,7 @@ ERROR_STATUS: dict[str, int] = {
     "overloaded": 503,
     "engine_error": 502,
     "too_large": 413,
+    "headers_too_large": 431,
     "internal": 500,
 }
 

@@ -23,6 +23,7 @@ _ERROR_CODES: dict[str, str] = {
     "overloaded": "engine_unavailable",
     "engine_error": "engine_error",
     "too_large": "request_too_large",
+    "headers_too_large": "request_header_fields_too_large",
     "internal": "internal_error",
 }
 

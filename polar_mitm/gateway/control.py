@@ -6,17 +6,22 @@ Only the process that started the gateway can make it: the gateway reads a token
 starts (`polar_mitm.secret_handover`: never in its environment or command line, which any process of the same user
 can read), and the call must carry it in `x-polar-control-token`. Without a token the path is nothing special (answered as any request that is not a
 model call). A control call is never forwarded upstream nor recorded, and changes only `polar_` options.
+
+Even with the token, a call that would weaken the gateway (open passthrough, turn fsync off) or move its records
+folder is refused unless the gateway was started allowing it (`polar_control_may_weaken`,
+`polar_control_may_move_out`); those two are set at start only, never through a control call.
 """
 
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from polar_mitm import secret_handover
-from polar_mitm.gateway.options import PREFIX
+from polar_mitm.gateway.options import PREFIX, STARTUP_ONLY, GatewayOptions
 
 CONTROL_PATH = "/_polar/control"
 TOKEN_HEADER = "x-polar-control-token"
@@ -52,3 +57,37 @@ def option_texts(body: bytes) -> list[str]:
             raise ValueError(f"{name}: a value must be text, a number or a boolean")
         texts.append(f"{name}={value}")
     return texts
+
+
+def refusal(texts: list[str], current: GatewayOptions) -> str | None:
+    """Why the gateway started with `current` refuses these `--set` texts from a control call; None: it may apply
+    them (their values are checked when they are applied)."""
+    for text in texts:
+        name, _, value = text.partition("=")
+        if name.removeprefix(PREFIX) in STARTUP_ONLY:
+            return f"{name} is set when the gateway starts, never through a control call"
+        weakens = (name == PREFIX + "passthrough" and value != "block") or (
+            name == PREFIX + "fsync" and value not in ("", "true")  # mitmproxy also reads "toggle"
+        )
+        if weakens and not current.control_may_weaken:
+            return (
+                f"{text} would weaken the gateway (passthrough open or fsync off); start it with "
+                f"{PREFIX}control_may_weaken=true to allow that"
+            )
+        if (
+            name == PREFIX + "out"
+            and not current.control_may_move_out
+            and not _same_folder(value, current.out)
+        ):
+            return (
+                f"{name} cannot be moved through a control call; start the gateway with "
+                f"{PREFIX}control_may_move_out=true to allow that"
+            )
+    return None
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, ValueError):  # not a path the writer could open: refused as a move
+        return False

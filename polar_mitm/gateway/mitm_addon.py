@@ -22,7 +22,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from polar_mitm import engine_keys
 from polar_mitm.codecs import DEFAULT_CODEC, by_path
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
-from polar_mitm.gateway import control, log_redaction
+from polar_mitm.gateway import control, log_redaction, request_head
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.cancel import SHUTDOWN, CallCancel
 from polar_mitm.gateway.engine_client import EngineClient
@@ -30,7 +30,14 @@ from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.gateway.live import ABORT_DRAIN_SECONDS, LiveAnswer, Responder
 from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
-from polar_mitm.gateway.options import PREFIX, GatewayOptions, OptionError, mitmproxy_options, parse_options
+from polar_mitm.gateway.options import (
+    PREFIX,
+    STARTUP_ONLY,
+    GatewayOptions,
+    OptionError,
+    mitmproxy_options,
+    parse_options,
+)
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayRequest
 from polar_mitm.storage.journal import RecordWriter
@@ -96,6 +103,13 @@ def deferred_texts(value: Any) -> list[str] | None:
     return list(texts) if isinstance(texts, list) else None
 
 
+def control_refused() -> HttpAnswer:
+    """A control call without the token: the same answer whatever is wrong (nothing for a guesser to learn)."""
+    answer = DEFAULT_CODEC.encode_error(GatewayError("internal", "polar-mitm: control call refused"))
+    answer.status = 403
+    return answer
+
+
 def error_answer(status: int, message: str) -> http.Response:
     """A provider-neutral (OpenAI-shaped) error for a request the gateway cannot hand to its codecs."""
     answer = DEFAULT_CODEC.encode_error(GatewayError("internal", message))
@@ -157,6 +171,10 @@ class PolarGateway:
         previous = self.options
         if options == previous:
             return
+        if self.is_running and previous is not None:
+            for name in STARTUP_ONLY:
+                if getattr(options, name) != getattr(previous, name):
+                    self._refuse(f"{PREFIX}{name} is set when the gateway starts, never while it runs")
         changed = {
             f
             for f in GatewayOptions.__dataclass_fields__
@@ -290,13 +308,32 @@ class PolarGateway:
         """Credentials leave the flow as soon as its headers are here: a request that never completes (a short
         or malformed body) reaches `error` and `mitmdump -w` files without `request` ever running.
 
-        A body the gateway would buffer past its limit is not buffered: a `Content-Length` over the limit is
-        refused now (the body is read and dropped as it comes), and a chunked body is read by the loopback hop,
-        which stops at the limit. Both answer the provider's 413 and are recorded.
+        First of all, a head over the header limits is refused with the provider's 431 (request_head.py).
+        A control call with the token is then left whole to `request`, whatever the body limit; without it, it
+        is refused now. A body the gateway would buffer past its limit is not buffered: a `Content-Length` over
+        the limit is refused now (the body is read and dropped as it comes), and a chunked body is read by the
+        loopback hop, which stops at the limit. Both answer the provider's 413 and are recorded.
         """
+        if self.options is not None and flow.response is None:
+            excess = request_head.head_excess(
+                flow.request.headers.fields,
+                max_count=self.options.max_headers,
+                max_bytes=self.options.max_header_bytes,
+            )
+            if excess is not None:
+                await self._refuse_at_headers(flow, self._head_refusal(flow, excess))
+                return
         credentials = self._credentials[flow.id] = ident.take_credentials(
             flow.request.headers, flow.request.query
         )
+        if self._is_control(flow):
+            given = flow.request.headers.pop(control.TOKEN_HEADER, "")
+            if flow.request.method == "POST" and control.authorized(self._control_token, given):
+                flow.metadata["polar_control"] = True  # `request` answers it, with its whole body
+                return
+            del self._credentials[flow.id]
+            await self._refuse_at_headers(flow, control_refused())
+            return
         if self.gateway is None or self.closing or flow.response is not None:
             return  # `request` answers it
         length, chunked = body_framing(flow.request.headers)
@@ -330,7 +367,7 @@ class PolarGateway:
     async def _request(self, flow: http.HTTPFlow) -> None:
         if flow.id in self._live_flows:  # sent to the loopback hop at its headers (requestheaders)
             return
-        if self._control_token is not None and flow.request.path.split("?", 1)[0] == control.CONTROL_PATH:
+        if self._is_control(flow):
             flow.response = await self._control(flow)
             return
         credentials = self._credentials.pop(flow.id, None) or ident.take_credentials(
@@ -362,17 +399,44 @@ class PolarGateway:
         if answer.meta:  # saved with `mitmdump -w`, so `polar-mitm import-flows` can rebuild the records
             flow.metadata.update(answer.meta)
 
+    def _is_control(self, flow: http.HTTPFlow) -> bool:
+        return self._control_token is not None and flow.request.path.split("?", 1)[0] == control.CONTROL_PATH
+
+    def _head_refusal(self, flow: http.HTTPFlow, excess: str) -> HttpAnswer:
+        req = flow.request
+        return request_head.refusal(
+            req.pretty_host,
+            req.path,
+            (name for name, _ in req.headers.items(multi=True)),
+            excess,
+            reverse=isinstance(flow.client_conn.proxy_mode, ReverseMode),
+        )
+
+    async def _refuse_at_headers(self, flow: http.HTTPFlow, answer: HttpAnswer) -> None:
+        """Answer `answer` now, dropping the body as it arrives (never buffered), the head kept out of the way.
+
+        The request goes to the loopback hop with a bare head: its own may be what is refused (aiohttp, behind
+        the hop, has limits of its own); the flow keeps its own head, without credentials, for `-w` files.
+        """
+        ident.take_credentials(flow.request.headers, flow.request.query)  # none of it is needed, none kept
+        await self._go_live(flow, request_head.FixedAnswer(answer))
+        flow.request.headers = http.Headers(host=f"127.0.0.1:{self.live.port}", content_length="0")
+        flow.request.stream = drop_body
+
     async def _control(self, flow: http.HTTPFlow) -> http.Response:
         """`POST /_polar/control` (gateway/control.py): once the calls still running have ended, apply the options
-        (a new records folder: the old journal is compacted into shards before this answers)."""
-        given = flow.request.headers.get(control.TOKEN_HEADER, "")
+        (a new records folder: the old journal is compacted into shards before this answers). The token was
+        checked at the headers (`requestheaders`), before any body limit."""
         flow.request.headers.pop(control.TOKEN_HEADER, None)
-        if flow.request.method != "POST" or not control.authorized(self._control_token, given):
-            return error_answer(403, "polar-mitm: control call refused")
+        if not flow.metadata.get("polar_control"):
+            return make_response(control_refused())
         try:
             texts = control.option_texts(flow.request.raw_content or b"")
         except ValueError as exc:
             return error_answer(400, f"polar-mitm: control call: {exc}")
+        refusal = control.refusal(texts, self.options) if self.options is not None else None
+        if refusal is not None:
+            return error_answer(403, f"polar-mitm: control call refused: {refusal}")
         await self._wait_calls(control.DRAIN_SECONDS)
         if self._handling or self.live.busy:
             return error_answer(409, "polar-mitm: calls are still running; nothing changed")
@@ -540,7 +604,9 @@ class PolarGateway:
         """
         safe = ident.safe_text
         user = self._user_of(flow, credentials) or self._proxy_users.get(flow.client_conn.id)
-        headers = {safe(k).lower(): safe(v) for k, v in [*flow.request.headers.items(), *credentials.headers]}
+        # items(multi=True) reads the lines once; items() looks each name up again, over every line (quadratic).
+        pairs = [*flow.request.headers.items(multi=True), *credentials.headers]
+        headers = {safe(k).lower(): safe(v) for k, v in pairs}
         query = {safe(k): safe(v) for k, v in [*flow.request.query.items(), *credentials.query]}
         return GatewayRequest(
             method=safe(flow.request.method),

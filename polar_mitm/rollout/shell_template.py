@@ -7,11 +7,24 @@ literal — a comment (a newline in the value ends it), backticks (a backtick in
 body, `${…}` inside double quotes (single quotes are literal there), right after a backslash or a `$` — the template
 is rejected when it is parsed, before any session starts; the same values are in the environment for those places.
 
-Quoting is not enough where bash *evaluates* a word's value: arithmetic (`$((…))`, `((…))`, `$[…]`, `let`, an array
-subscript `NAME[…]` or `${NAME[…]}`, a `${…}` offset, assignments after `declare -i`) and `[[ … ]]` evaluate a
-variable name with a subscript in the value, so `a[$(touch F)]` runs `touch F` however it is quoted; builtins that take
-variable names (`read`, `unset`, `printf -v`, `test -v`, `declare NAME`, …) do the same. Those places are refused
-too, conservatively, and the environment variable is no way around it there: compare or pass the value as text.
+Quoting is not enough where bash *evaluates* a word's value: a task id `a[$(touch F)]` runs `touch F` as an array
+subscript wherever bash takes it as a variable name or arithmetic, however it is quoted. Rather than list those
+places (every builtin option that takes a name, every compound form), the positions a placeholder may take are an
+allowlist; everything else is refused:
+
+- an argument of a simple command whose name is a literal word: a program, or a builtin classified safe in BUILTINS
+  (`printf` after a literal format and without -v; `test`/`[` in the one-, two- and three-argument forms without
+  -v/-R; `export NAME=…`);
+- the value of a plain `NAME=` assignment word (not `NAME[…]=`, not inside `NAME=(…)`), in a template with no
+  arithmetic, `[[ … ]]`, subscript, `let`, `declare -i`/`-n`, `eval`, `source` or `trap`, which evaluate variables'
+  values again;
+- a redirection's target (`> {workspace}/out.txt`, `<<< {prompt}`), but not of `>&`/`<&` (bash may expand it
+  twice).
+
+Inside `$(…)` the same holds at every level: the substitution's word must itself be in an allowed position. A value
+that reaches a variable (an assignment, a here-string, any `read` in the template) in a template that also evaluates
+variables (the list above) is refused too. A second shell (`bash -c {prompt}`, `ssh`) parses a value again: no
+template quoting can prevent that.
 """
 
 from __future__ import annotations
@@ -34,21 +47,105 @@ EVALUATED = {  # contexts whose text bash evaluates: arithmetic (array subscript
     "[": "inside an array subscript NAME[...] (arithmetic)",
     "[[": "inside a [[ ... ]] conditional",
 }
-NAME_ARGUMENTS = frozenset(
-    {"read", "unset", "mapfile", "readarray", "getopts", "let", "wait"}
-)  # args are names
-DECLARATIONS = frozenset({"declare", "typeset", "local", "export", "readonly"})
-NAME_OPTIONS = frozenset({"-v", "-R"})  # printf -v NAME, test -v NAME, [ -R NAME ]
-PREFIX_WORDS = frozenset(
-    {"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time", "builtin", "command", "exec"}
-)  # before a command name
+SAFE = "safe"
+CHECKED = "checked"  # safe in some forms only: see QuotingScanner._builtin_problem
+# Every builtin of bash 5.2 (`compgen -b`), classified once. A name not here is a program: its arguments are data.
+BUILTINS = {
+    # Safe: the arguments are text, paths or numbers read as plain numbers (no arithmetic, no names, no code).
+    ":": SAFE,  # expands its arguments and does nothing
+    "true": SAFE,
+    "false": SAFE,
+    "echo": SAFE,  # prints them
+    "cd": SAFE,  # a directory (and -L/-P/-e/-@)
+    "pwd": SAFE,  # options only
+    "pushd": SAFE,  # a directory or +N/-N, read as a plain number
+    "popd": SAFE,
+    "dirs": SAFE,
+    "exit": SAFE,  # these five read a plain number (legal_number), not arithmetic
+    "return": SAFE,
+    "break": SAFE,
+    "continue": SAFE,
+    "shift": SAFE,
+    "printf": CHECKED,  # -v NAME takes a name, the format's options too: only after a literal format, without -v
+    "test": CHECKED,  # -v/-R take names, and operators in values reshape the expression: fixed small forms only
+    "[": CHECKED,
+    "export": CHECKED,  # only `export NAME=…` (no options): a plain assignment; `export NAME` takes a name
+    # Refused: they take variable names (whose subscripts are evaluated), evaluate, run code or define things.
+    ".": "it runs a file as shell code",
+    "source": "it runs a file as shell code",
+    "eval": "it runs its arguments as shell code",
+    "trap": "it runs its argument as shell code on a signal",
+    "alias": "it defines commands",
+    "unalias": "it changes what commands are",
+    "bind": "it binds keys to shell code",
+    "builtin": "it runs its first argument as a builtin",
+    "command": "it runs its first argument as a command",
+    "exec": "it runs its first argument as a command",
+    "caller": "it takes a frame number; not needed in a harness",
+    "compgen": "it expands its -W word list and takes variable names",
+    "complete": "it defines completions that run code",
+    "compopt": "it changes completions",
+    "declare": "it takes variable names; with -i or -n the value is evaluated",
+    "typeset": "it takes variable names; with -i or -n the value is evaluated",
+    "local": "it takes variable names; with -i or -n the value is evaluated",
+    "readonly": "it takes variable names; with -i or -n the value is evaluated",
+    "disown": "it takes job specifications",
+    "bg": "it takes job specifications",
+    "fg": "it takes job specifications",
+    "jobs": "its -x runs a command",
+    "kill": "it signals the processes its arguments name",
+    "wait": "its -p takes a variable name",
+    "enable": "it loads and disables builtins",
+    "fc": "it runs commands from the history",
+    "history": "it edits the history that fc runs",
+    "getopts": "it takes a variable name",
+    "hash": "it remaps command names to files",
+    "help": "not needed in a harness",
+    "let": "it evaluates arithmetic",
+    "logout": "not needed in a harness",
+    "mapfile": "it takes an array name, and -C runs code",
+    "readarray": "it takes an array name, and -C runs code",
+    "read": "it takes variable names, and evaluates their subscripts",
+    "set": "it changes shell options (a value such as -x is one)",
+    "shopt": "it changes shell options",
+    "suspend": "not needed in a harness",
+    "times": "it takes no arguments",
+    "type": "not needed in a harness",
+    "ulimit": "it changes resource limits",
+    "umask": "it changes the file mode mask",
+    "unset": "it takes variable names, and evaluates their subscripts",
+}
+PREFIX_KEYWORDS = frozenset({"if", "then", "else", "elif", "do", "while", "until", "!", "{", "time"})
+KEYWORDS = {  # `compgen -k` that are not prefixes of a command: a placeholder is never safe in their words
+    "case": "a `case` word or pattern",
+    "esac": "a word after `esac`",
+    "for": "a `for` loop's words (the loop variable takes the value)",
+    "select": "a `select` menu's words (the variable takes the value)",
+    "in": "a loop's word list",
+    "fi": "a word after `fi`",
+    "done": "a word after `done`",
+    "}": "a word after `}`",
+    "[[": "inside a [[ ... ]] conditional",
+    "]]": "a word after `]]`",
+}
+DECLARATIONS = frozenset({"declare", "typeset", "local", "readonly"})
+# Commands and contexts that evaluate variables' values again (recursively, as arithmetic or code): a template with
+# one of them may not assign a placeholder to a variable, since that variable may be what they evaluate.
+VALUE_EVALUATORS = frozenset({"let", "eval", "source", ".", "trap"})
+TEST_UNARY = frozenset("-a -b -c -d -e -f -g -h -k -p -r -s -t -u -w -x -G -L -N -O -S -n -z -o".split())
+TEST_BINARY = frozenset("= == != < > -eq -ne -lt -le -gt -ge -nt -ot -ef".split())
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^\]]*\])?\+?=")
+PLAIN_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+LITERAL_NAME = re.compile(r"[A-Za-z0-9_./~+@%:,=\[-]+")  # a command name that is what it says
+FUNCTION_HEADER = re.compile(r"[^\s()]+\(\)")
+REDIRECT_OPERATOR = re.compile(r"(?:[0-9]+|\{[A-Za-z_][A-Za-z0-9_]*\})?(?:<|>|>>|<<<|<>|>\||&>|&>>|>&|<&)")
 # `${NAME op word}` where the word is plain text (defaults, patterns, replacements), not a subscript or an offset.
 BRACE_WORD = re.compile(
     r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:\[[^\]]*\])?"
     r"(?::?[-=+?]|##?|%%?|/[/#%]?|\^\^?|,,?)"
 )
+BRACE_EVALUATES = re.compile(r"!|[^}]*?(?:\[|:(?![-=+?]))")  # indirection, a subscript or an offset
 FIELD_MARK = "\ue000"  # stands for a substituted placeholder in the text a context has seen
 _FORMATTER = string.Formatter()
 
@@ -62,6 +159,22 @@ def env_name(placeholder: str) -> str:
     return f"POLAR_{placeholder.upper()}"
 
 
+def _evaluated_error(name: str, problem: str) -> TemplateError:
+    return TemplateError(
+        f"{{{name}}} is {problem}, where bash evaluates the value whatever its quoting (a value such as "
+        f"a[$(cmd)] runs cmd; ${env_name(name)} is no safer there); use it as plain text instead, "
+        f"e.g. [ {{{name}}} = x ] or an argument of a program"
+    )
+
+
+def _refused_error(name: str, problem: str) -> TemplateError:
+    return TemplateError(
+        f"{{{name}}} is {problem}: a placeholder may only be an argument of a command named literally (a program, "
+        f"or a builtin that neither takes names nor runs code), the value of a plain NAME=…, or a redirection "
+        f'target; pass "${env_name(name)}" there as a quoted argument of a program instead'
+    )
+
+
 @dataclass(frozen=True)
 class Field:
     """One placeholder of a template and the quotes it sits inside ("" when bare)."""
@@ -73,13 +186,27 @@ class Field:
 
 
 @dataclass
+class Word:
+    raw: str
+    plain: str  # without quotes and backslashes
+    redirect: bool  # a redirection operator or its target, not an argument
+
+
+@dataclass
 class Context:
     """One open context of the scanner and the template text seen inside it (nested contexts' text included)."""
 
     kind: str
     text: str = ""
-    words: list[str] = field(default_factory=list)  # CODE contexts: the finished words of the current command
+    opener: str = ""  # "(" contexts: the word before the parenthesis (`b=` for `b=(…)`, `<` for `<(…)`)
+    words: list[Word] = field(
+        default_factory=list
+    )  # CODE contexts: the finished words of the current command
     word_start: int = 0  # CODE contexts: where the current word starts in `text`
+    redirect_in_word: bool = False  # an unquoted `<` or `>` was seen in the current word
+    target_next: bool = False  # the last word was a bare redirection operator: this word is its target
+    duplicating: bool = False  # the current word's redirection is `>&`/`<&`, or is its target
+    pending_tests: list[tuple[str, int]] = field(default_factory=list)  # (placeholder, word index) in test/[
 
     @property
     def word(self) -> str:
@@ -104,7 +231,17 @@ class QuotingScanner:
         # A `case` pattern's unmatched `)` can end a "$(…)" early in this scanner's eyes; inside double quotes that
         # would misplace every later placeholder, so those are refused instead.
         self.lost_in_case = False
-        self.integer_declared = False  # `declare -i`/`-n` seen: later assignments to that name are evaluated
+        self.value_evaluator = (
+            ""  # the first thing seen that evaluates variables' values again (see VALUE_EVALUATORS)
+        )
+        self.assigned: list[
+            str
+        ] = []  # placeholders assigned to a variable (NAME={…}) or fed to one (<<< {…})
+        self.fields: list[str] = []  # every placeholder substituted
+        self.reader = ""  # the first command that reads data into variables (`read`, x=$(…), …)
+        self.functions: set[str] = set()  # functions the template defines
+        self.called: list[tuple[str, str]] = []  # (placeholder, command) for placeholders given to a command
+        self.aliases = False  # the template runs `alias`
 
     @property
     def kinds(self) -> list[str]:
@@ -121,16 +258,48 @@ class QuotingScanner:
         self.prev, self.escaped = "a", False
         self.stack[-1].text += FIELD_MARK
 
+    def finish(self) -> None:
+        """The end of the template: the last commands end, and checks that need the whole template run."""
+        while len(self.stack) > 1:
+            self._pop()
+        self._end_command(self.stack[0], final=True)
+        # The value may reach a variable that the evaluator evaluates: directly, or through a pipe or a file.
+        if self.value_evaluator and (self.assigned or (self.reader and self.fields)):
+            if self.assigned:
+                name, how = self.assigned[0], "assigned to a variable in a template that"
+            else:
+                name, how = (
+                    self.fields[0],
+                    f"in a template that reads data into variables ({self.reader}) and",
+                )
+            raise _evaluated_error(
+                name,
+                f"{how} also has {self.value_evaluator} (there, and after declare -i or -n, arithmetic, [[ ]], "
+                "subscripts, let, eval, source or trap, bash evaluates variables' values again)",
+            )
+        for name, command in self.called:
+            if command in self.functions:
+                raise _refused_error(name, f"an argument of `{command}`, a function the template defines")
+            if self.aliases:
+                raise _refused_error(name, f"an argument of `{command}` in a template that defines aliases")
+
     def _push(self, kind: str) -> None:
-        self.stack.append(Context(kind))
+        opener = self.stack[-1].word if kind == "(" else ""
+        self.stack.append(Context(kind, opener=opener))
+        if kind in EVALUATED and not self.value_evaluator:
+            self.value_evaluator = EVALUATED[kind].removeprefix("inside ")
 
     def _pop(self) -> None:
         inner = self.stack.pop()
+        if inner.kind in CODE:
+            self._end_command(inner, final=True)
+        if inner.kind == "${" and BRACE_EVALUATES.match(inner.text) and not self.value_evaluator:
+            self.value_evaluator = "a ${...} subscript, offset or indirection"
         self.stack[-1].text += inner.text
 
     def _step(self, text: str, i: int) -> int:
         """Consume the character at i (and a lookahead where bash does); returns how many were consumed."""
-        owner, was_escaped = self.stack[-1], self.escaped
+        depth, owner, was_escaped = len(self.stack) - 1, self.stack[-1], self.escaped
         char, top = text[i], owner.kind
         consumed = 1
         if self.escaped:
@@ -151,12 +320,11 @@ class QuotingScanner:
         else:
             consumed = self._unquoted(text, i)
         # The text goes to the context it was read in; a closing character (its context gone) to the one outside.
-        (owner if any(context is owner for context in self.stack) else self.stack[-1]).text += text[
-            i : i + consumed
-        ]
+        owner_open = len(self.stack) > depth and self.stack[depth] is owner
+        (owner if owner_open else self.stack[-1]).text += text[i : i + consumed]
         current = self.stack[-1]
         if current.kind in CODE and not was_escaped and (current is owner or top == "#"):
-            self._split(current, char)
+            self._split(current, text[i : i + consumed])
         self.prev = text[i + consumed - 1]
         return consumed
 
@@ -200,6 +368,12 @@ class QuotingScanner:
             self.lost_in_case = self.lost_in_case or '"' in self.kinds
         elif char == "<" and nxt == "<" and text[i + 2 : i + 3] != "<" and self.prev != "<" and top in CODE:
             self.heredoc_pending = True
+            context.redirect_in_word = True
+            return 2
+        elif char in "<>" and nxt != "(" and top in CODE:
+            context.redirect_in_word = True
+        elif char == "&" and nxt == ">" and top in CODE:  # `&>`: a redirection, not a background `&`
+            context.redirect_in_word = True
             return 2
         elif char == "\n" and self.heredoc_pending:
             self.in_heredoc = True  # conservative: the rest of the template is treated as the body
@@ -234,21 +408,81 @@ class QuotingScanner:
             self._pop()
         return 1
 
-    def _split(self, context: Context, char: str) -> None:
-        """After `char` was added to a CODE context: a blank ends a word, `;`, `&`, `|` or a newline a command."""
-        if char not in " \t" and char not in COMMAND_BREAKS:
+    def _split(self, context: Context, chunk: str) -> None:
+        """After `chunk` was added to a CODE context: a blank ends a word, `;`, `&`, `|` or a newline a command."""
+        before = context.text[-len(chunk) - 1 : -len(chunk)]
+        if chunk in ("&", "|") and before in ("<", ">"):  # `>&2`, `<&0`, `>|`: redirections
+            context.duplicating = context.duplicating or chunk == "&"
             return
-        word = _plain(context.text[context.word_start : -1])
+        if chunk not in (" ", "\t") and chunk not in COMMAND_BREAKS:
+            return
+        self._end_word(context, context.text[context.word_start : -1])
         context.word_start = len(context.text)
-        if word.endswith(")") and "(" not in word:  # a `case` pattern: a command follows it
+        if chunk in COMMAND_BREAKS:
+            self._end_command(context)
+
+    def _end_word(self, context: Context, raw: str) -> None:
+        if not raw:
+            return
+        plain = _plain(raw)
+        if plain.endswith(")") and "(" not in plain:  # a `case` pattern: a command follows it
             context.words = []
-        elif word:
-            context.words.append(word)
-            command, args = _command(context.words)
-            if command in DECLARATIONS and args and _integer_option(args[-1]):
-                self.integer_declared = True
-        if char in COMMAND_BREAKS:
-            context.words = []
+            return
+        redirect = context.redirect_in_word or context.target_next
+        context.target_next = context.redirect_in_word and bool(REDIRECT_OPERATOR.fullmatch(raw))
+        context.duplicating = context.duplicating and context.target_next
+        context.redirect_in_word = False
+        context.words.append(Word(raw, plain, redirect))
+
+    def _end_command(self, context: Context, final: bool = False) -> None:
+        """A simple command ended: checks that need all its words, and what it tells about the template."""
+        if final:
+            self._end_word(context, context.text[context.word_start :])
+            context.word_start = len(context.text)
+        words = [word.raw for word in context.words if not word.redirect]
+        for name, index in context.pending_tests:
+            if (problem := _test_problem(words, index)) is not None:
+                raise _evaluated_error(name, problem)
+        context.pending_tests = []
+        self._note_command(words)
+        context.words, context.redirect_in_word, context.target_next, context.duplicating = (
+            [],
+            False,
+            False,
+            False,
+        )
+
+    def _note_command(self, words: list[str]) -> None:
+        """Function definitions, aliases and commands that evaluate variables' values (for `finish`)."""
+        plain = [_plain(word) for word in words]
+        for k, word in enumerate(plain):
+            if FUNCTION_HEADER.fullmatch(word):
+                self.functions.add(word[:-2])
+            elif word == "function" and k + 1 < len(plain):
+                self.functions.add(plain[k + 1].removesuffix("()"))
+            elif k + 1 < len(plain) and plain[k + 1] == "()":
+                self.functions.add(word)
+        start, _ = _skip_prefixes(plain)
+        while start < len(plain) and ASSIGNMENT.match(plain[start]):
+            start += 1
+        if start >= len(plain):
+            return
+        command, args = plain[start], plain[start + 1 :]
+        if command == "alias":
+            self.aliases = True
+        if not self.reader:
+            if command in ("read", "mapfile", "readarray", "getopts") or command == "printf" and "-v" in args:
+                self.reader = f"`{command}`"
+            elif any(
+                PLAIN_ASSIGNMENT.match(word) and ("$(" in word or "`" in word) for word in words[:start]
+            ):
+                self.reader = "an assignment from a command's output"
+        if self.value_evaluator:
+            return
+        if command in VALUE_EVALUATORS:
+            self.value_evaluator = f"`{command}`"
+        elif command in DECLARATIONS and any(_evaluating_option(arg) for arg in args):
+            self.value_evaluator = f"`{command}` with -i or -n (or an option that is not literal)"
 
     def problem(self) -> str | None:
         """Why a placeholder cannot be substituted here, or None when it can."""
@@ -269,45 +503,107 @@ class QuotingScanner:
             return "inside ${...} within double quotes"
         return None
 
-    def evaluated(self) -> str | None:
-        """Where bash would evaluate the placeholder's value (arithmetic, a variable name), or None."""
+    def check_position(self, name: str) -> None:
+        """Raise TemplateError unless the placeholder about to be substituted is in an allowed position."""
         for kind in reversed(self.kinds):
             if kind in EVALUATED:
-                return EVALUATED[kind]
+                raise _evaluated_error(name, EVALUATED[kind])
         for context in self.stack:
             if context.kind == "${" and not BRACE_WORD.match(context.text):
-                return (
+                raise _evaluated_error(
+                    name,
                     "inside ${...} as a subscript, offset or name (only the word of ${NAME:-word} and the like "
-                    "is text)"
+                    "is text)",
                 )
-        if (problem := self._argument_problem()) is not None:
-            return problem
-        if self.integer_declared:
-            return "after `declare -i` or `-n` (assignments to such a variable are evaluated)"
-        return None
+            if context.kind == "(" and context.opener:
+                if ASSIGNMENT.fullmatch(_plain(context.opener)):
+                    raise _evaluated_error(
+                        name,
+                        f"inside a compound array assignment {_plain(context.opener)}(...) (keys are evaluated)",
+                    )
+                if _plain(context.opener) not in ("<", ">"):  # not a process substitution: a pattern, `f(`
+                    raise _refused_error(name, f"inside `{_plain(context.opener)}(...)`")
+        # Each CODE level from the innermost out: its word that holds the placeholder (or the `$(…)` holding it)
+        # must be in an allowed position. A subshell's or process substitution's output is not a word: stop there.
+        depths = [k for k, context in enumerate(self.stack) if context.kind in CODE]
+        for depth in reversed(depths):
+            context = self.stack[depth]
+            current = context.word + "".join(inner.text for inner in self.stack[depth + 1 :])
+            self._check_word(name, context, current)
+            if context.kind != "$(":
+                break
 
-    def _argument_problem(self) -> str | None:
-        """A placeholder that a builtin would take as a variable name (bash evaluates a subscript in it)."""
-        depth = max(k for k, context in enumerate(self.stack) if context.kind in CODE)
-        context = self.stack[depth]
-        current = _plain(context.word + "".join(inner.text for inner in self.stack[depth + 1 :]))
-        command, args = _command([*context.words, current])
-        if not args:  # the placeholder is the command name, or in an assignment before it
-            return None
-        earlier = args[:-1]
-        if command in NAME_ARGUMENTS:
-            return f"an argument of `{command}` (it takes variable names, and evaluates their subscripts)"
-        if command in DECLARATIONS:
-            if any(_integer_option(arg) for arg in earlier):
-                return f"an argument of `{command}` with -i or -n (the value is evaluated)"
-            if not ASSIGNMENT.match(current):
-                return (
-                    f"a variable name given to `{command}` (its subscript is evaluated; NAME={{…}} is fine)"
+    def _check_word(self, name: str, context: Context, current: str) -> None:
+        if context.duplicating:  # `>& WORD` (no descriptor before it) expands WORD twice
+            raise _evaluated_error(
+                name, "the target of a `>&` or `<&` redirection (bash may expand it again)"
+            )
+        if context.redirect_in_word or context.target_next:
+            before = context.words[-1].raw if context.target_next and context.words else ""
+            if "<<<" in current or before.endswith("<<<"):
+                self.assigned.append(name)  # a here-string is read into variables as often as not
+            return  # a redirection's target: a file name or a here-string's text
+        arguments = [word for word in context.words if not word.redirect]
+        words = [word.raw for word in arguments] + [current]
+        plain = [word.plain for word in arguments] + [_plain(current)]
+        index = len(words) - 1
+        start, prefix = _skip_prefixes(plain[:index])
+        if start > index or (start == index and prefix in ("exec", "command", "builtin")):
+            raise _refused_error(name, f"an option of `{prefix}`")
+        while start < index and ASSIGNMENT.match(plain[start]):
+            start += 1
+        if start == index:
+            if ASSIGNMENT.match(plain[index]):
+                if not PLAIN_ASSIGNMENT.match(words[index]):
+                    raise _evaluated_error(name, "in an assignment to an array element or with +=")
+                self.assigned.append(name)
+                return
+            raise _refused_error(name, "the command name (or part of it)")
+        command, raw_command = plain[start], words[start]
+        if not LITERAL_NAME.fullmatch(command) or any(c in raw_command for c in "$`*?" + FIELD_MARK):
+            raise _refused_error(name, "an argument of a command whose name is not a literal word")
+        if command in KEYWORDS:
+            if command == "[[":
+                raise _evaluated_error(name, KEYWORDS[command])
+            raise _refused_error(name, KEYWORDS[command])
+        args, position = words[start + 1 :], index - start - 1
+        if command in BUILTINS:
+            self._check_builtin(name, context, command, args, position)
+        self.called.append((name, command))
+
+    def _check_builtin(
+        self, name: str, context: Context, command: str, args: list[str], position: int
+    ) -> None:
+        kind = BUILTINS[command]
+        if kind == SAFE:
+            return
+        if kind != CHECKED:
+            raise _evaluated_error(name, f"an argument of `{command}` ({kind})")
+        earlier = [_plain(arg) for arg in args[:position]]
+        if command == "printf":
+            if "-v" in earlier or any(arg.startswith("-v") for arg in earlier):
+                raise _evaluated_error(
+                    name, "after `printf -v` (a variable name, whose subscript is evaluated)"
                 )
-        option = next((arg for arg in earlier if arg in NAME_OPTIONS), None)
-        if command in ("printf", "test", "[") and option is not None:
-            return f"after `{command} {option}` (a variable name, whose subscript is evaluated)"
-        return None
+            formats = [arg for arg in args[:position] if _plain(arg) != "--"]
+            if not formats or not _fixed_word(formats[0]) or _plain(formats[0]).startswith("-"):
+                raise _refused_error(
+                    name, "an argument of `printf` before a literal format (or the format itself)"
+                )
+        elif command in ("test", "["):
+            for option in ("-v", "-R"):
+                if option in earlier:
+                    raise _evaluated_error(
+                        name, f"after `{command} {option}` (a variable name, whose subscript is evaluated)"
+                    )
+            # Checked when the command ends, with all its words; the placeholder's is the next argument word.
+            context.pending_tests.append((name, sum(not word.redirect for word in context.words)))
+        elif command == "export":
+            if any(arg.startswith("-") for arg in earlier):
+                raise _evaluated_error(name, "an argument of `export` after an option")
+            if not PLAIN_ASSIGNMENT.match(args[position]):
+                raise _evaluated_error(name, "a variable name given to `export` (NAME={…} is fine)")
+            self.assigned.append(name)
 
     def _parameter_expansion_in_double_quotes(self) -> bool:
         """A `${` with a `"` below it (and no `$(` between, which starts quoting afresh) keeps '…' literal."""
@@ -338,17 +634,83 @@ def _plain(word: str) -> str:
     return re.sub(r"""['"\\]""", "", word)
 
 
-def _command(words: list[str]) -> tuple[str, list[str]]:
-    """The command name of a simple command's (plain) words and its arguments, past assignments and keywords."""
-    k = 0
-    while k < len(words) and (ASSIGNMENT.match(words[k]) or words[k] in PREFIX_WORDS):
-        k += 1
-    return (words[k], words[k + 1 :]) if k < len(words) else ("", [])
+def _skip_prefixes(plain: list[str]) -> tuple[int, str]:
+    """Where a simple command's own words start past keywords, function headers and exec/command/builtin (with
+    their options), and the last prefix skipped."""
+    k, prefix = 0, ""
+    while k < len(plain):
+        word = plain[k]
+        if word in PREFIX_KEYWORDS or FUNCTION_HEADER.fullmatch(word):
+            k += 2 if word == "time" and plain[k + 1 : k + 2] == ["-p"] else 1
+        elif word == "()" or word == "coproc":
+            k += 2 if word == "coproc" and plain[k + 2 : k + 3] == ["{"] else 1
+        elif word == "function":
+            k += 3 if plain[k + 2 : k + 3] == ["()"] else 2
+        elif word in ("exec", "command", "builtin"):
+            k += 1
+            while k < len(plain) and plain[k].startswith("-"):
+                k += 2 if word == "exec" and plain[k] == "-a" else 1
+        else:
+            break
+        prefix = word
+    return k, prefix
 
 
-def _integer_option(word: str) -> bool:
-    """`-i`, `-ai`, `-n`, …: a declaration option that makes assignments evaluated (integer, nameref)."""
-    return len(word) > 1 and word[0] in "-+" and word[1] != "-" and bool(set(word[1:]) & {"i", "n"})
+def _fixed_word(raw: str) -> bool:
+    """`raw` is one word whatever the values: no unquoted expansion that could split it or glob into several."""
+    quote, escaped = "", False
+    for char in raw:
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            if char == quote:
+                quote = ""
+            elif quote == '"' and char in "$`":
+                continue
+        elif char in "'\"":
+            quote = char
+        elif char in "$`*?[":
+            return False
+    return True
+
+
+def _test_problem(words: list[str], index: int) -> str | None:
+    """Why the placeholder at `words[index]` of a finished test/[ command is unsafe there, or None."""
+    start, _ = _skip_prefixes([_plain(word) for word in words])
+    while start < len(words) and ASSIGNMENT.match(_plain(words[start])):
+        start += 1
+    if not start < index < len(words):  # the words were cut (a `case` pattern): nothing to vouch for
+        return "an argument of `test` or `[` in a command this check cannot follow"
+    command = _plain(words[start])
+    args = words[start + 1 :]
+    position = index - start - 1
+    if command == "[":
+        if not args or _plain(args[-1]) != "]":
+            return "an argument of `[` without its closing `]`"
+        args = args[:-1]
+    plain = [_plain(arg) for arg in args]
+    if not all(_fixed_word(arg) for arg in args):
+        return f"an argument of `{command}` beside an unquoted expansion (the number of arguments would vary)"
+    fields = {k for k, arg in enumerate(args) if FIELD_MARK in arg}
+    if len(args) == 1:
+        return None
+    if len(args) == 2 and plain[0] in TEST_UNARY and 0 not in fields:
+        return None
+    if len(args) == 3 and plain[1] in TEST_BINARY and 1 not in fields:
+        return None
+    return (
+        f"an argument of `{command}` in a form other than `{command} WORD`, `{command} -n WORD` or "
+        f"`{command} WORD = WORD` (a value such as -v would be an operator; argument {position + 1})"
+    )
+
+
+def _evaluating_option(word: str) -> bool:
+    """`-i`, `-ai`, `-n`, or an option that is not literal: a declaration that makes assignments evaluated."""
+    if not word or word[0] not in "-+" or word == "--":
+        return False
+    return bool(set(word[1:]) & {"i", "n"}) or not word[1:].isalnum()
 
 
 class ShellTemplate:
@@ -426,14 +788,11 @@ def _compile(template: str) -> list[str | Field]:
                 f"{{{name}}} is {problem}, where no quoting keeps its value literal; put it outside "
                 f'(values are shell-quoted for you) or use "${env_name(name)}" from the environment there'
             )
-        if (problem := scanner.evaluated()) is not None:
-            raise TemplateError(
-                f"{{{name}}} is {problem}, where bash evaluates the value whatever its quoting (a value such as "
-                f"a[$(cmd)] runs cmd; ${env_name(name)} is no safer there); use it as plain text instead, "
-                f"e.g. [ {{{name}}} = x ]"
-            )
+        scanner.check_position(name)
+        scanner.fields.append(name)
         parts.append(Field(name, conversion, spec, scanner.quote()))
         scanner.after_field()
     if (quote := scanner.unterminated()) is not None:
         raise TemplateError(f"unterminated {quote} in the template")
+    scanner.finish()
     return parts

@@ -101,6 +101,16 @@ BAD_VALUES = [
     "polar_shutdown_grace_seconds=-1",
     "polar_fsync=maybe",
     "polar_out=FILE",
+    "polar_temperature=inf",
+    "polar_top_p=0",
+    "polar_backend=file:///engine",
+    "polar_max_body_mb=0",
+    "polar_rotate_seconds=0",
+    "polar_keepalive_seconds=0.0001",
+    "polar_max_headers=0",
+    "polar_max_header_kb=0",
+    "polar_control_may_weaken=true",  # start-up only
+    "polar_control_may_move_out=false",
 ]
 PARSED_BY_MITMPROXY = {"polar_max_tokens=many", "polar_fsync=maybe"}  # its message does not name the option
 
