@@ -38,8 +38,7 @@ def refusal(host: str, path: str, names: Iterable[str], excess: str, *, reverse:
     path = ident.strip_path_prefix(path.split("?", 1)[0])[0]
     lower_names = {name.lower(): "" for name in names}
     codec: Codec = by_path(path) or provider_for(host, lower_names, path, reverse=reverse) or DEFAULT_CODEC
-    answer = codec.encode_error(GatewayError("headers_too_large", f"polar-mitm: the request has {excess}"))
-    return answer
+    return codec.encode_error(GatewayError("headers_too_large", f"polar-mitm: the request has {excess}"))
 
 
 class FixedAnswer:
