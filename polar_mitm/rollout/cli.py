@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import signal
 import sys
 import time
@@ -107,9 +108,10 @@ def capture_stack(
             confdir=work / "mitmproxy",
             log=work / "gateway.log",
             options=gateway_options,
+            session_key=secrets.token_urlsafe(32),  # each session's calls carry a credential under it
         ) as started,
     ):
-        yield [GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()) for gw in started], engine_url
+        yield [GatewayEndpoints.of(gw) for gw in started], engine_url
 
 
 class Interrupted(Exception):
@@ -386,9 +388,11 @@ def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
 
 
 def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopConfig:
-    """The options as given; with --resume, the run's recorded config (RUN/run.json), any option given again
-    checked against it (a different value ends the command with one line)."""
+    """The options as given; with --resume, the run's recorded config (RUN/run.json, every saved file checked first:
+    saved_state.py) for the folder given, any option given again checked against it (a different value ends the
+    command with one line), and a recorded harness other than this command line's run only with --yes."""
     from polar_mitm.rollout.run_state import RunRecordError, resumed_config
+    from polar_mitm.rollout.saved_state import check_saved_run
 
     grpo = ctx.meta[CONFIG_FIELDS]
     if not given["resume"]:
@@ -404,9 +408,16 @@ def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopCo
     explicit = {LOOP_OPTION_FIELDS.get(k, k): v for k, v in given.items() if k in typed and k != "run_dir"}
     explicit["grpo"] = {k: v for k, v in grpo.items() if k in typed}
     try:
-        return resumed_config(given["run_dir"], LoopConfig, explicit)
+        cfg = resumed_config(given["run_dir"], check_saved_run(given["run_dir"]), explicit)
     except RunRecordError as exc:
         raise fail(str(exc)) from None
+    # run.json says what command the sessions run: one edited by anyone else must not run unseen.
+    if cfg.harness != given["harness"] and not given["yes"]:
+        raise fail(
+            f"--resume: {cfg.run_dir / 'run.json'} runs the harness {cfg.harness!r}, this command line's --harness "
+            f"is {given['harness']!r}: add --yes to run the recorded one, or start a new run directory"
+        )
+    return cfg
 
 
 def loop_command(
@@ -479,6 +490,7 @@ def loop_command(
     keep_checkpoints: Annotated[
         int | None, typer.Option(help=help_of(LoopConfig, "keep_checkpoints"))
     ] = LoopConfig.keep_checkpoints,
+    yes: Annotated[bool, typer.Option("--yes", help=help_of(LoopConfig, "yes"))] = LoopConfig.yes,
 ) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
@@ -493,7 +505,7 @@ def loop_command(
         results = loop.run()
     if loop.start_eval is not None:
         console.print(f"held-out at the start (pass@1 / pass@N): {eval_cell(loop.start_eval)}")
-    console.print(f"run → {run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
+    console.print(f"run → {loop.cfg.run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
     if len(results) > 1:
         first, last = results[0], results[-1]
         console.print(

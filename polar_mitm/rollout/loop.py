@@ -65,12 +65,14 @@ from polar_mitm.rollout.run_state import (
     SessionJournal,
     append_event,
     config_differences,
+    in_run_dir,
     journal_finished,
     prune_checkpoints,
     record_run,
-    recorded_config,
+    recorded_run_dir,
     renumbered,
     session_from_row,
+    stored_path,
     write_json_atomic,
 )
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
@@ -215,6 +217,13 @@ class LoopConfig:
         default=False,
         metadata=_help(
             "Carry on the run in RUN (killed or stopped) with its recorded command: `--resume -o RUN`."
+        ),
+    )
+    yes: bool = field(
+        default=False,
+        metadata=_help(
+            "With --resume: run the harness RUN/run.json records even where it is not this command line's "
+            "--harness (the command stops showing both otherwise)."
         ),
     )
     keep_checkpoints: int | None = field(
@@ -368,6 +377,9 @@ class Loop:
         self._states: dict[int, IterationState] = {}  # iter-K/state.json, one writer object per iteration
         self.loop_gateways: LoopGateways | None = None  # up from the first local rollout to the run's end
         self._states_lock = threading.Lock()
+        # Where the run was started (run() sets it, _resumed takes it from run.json): paths its files hold that
+        # point there are read under cfg.run_dir, so a copied or moved run resumes where it is.
+        self.recorded_run_dir = cfg.run_dir
 
     # -- stages --------------------------------------------------------------------------------------------------
 
@@ -447,7 +459,7 @@ class Loop:
 
         # The run's gateways, pointed at this rollout's folder; its records are complete shards after the block.
         with self._gateways().serving(it / "flows", gateway_options) as gateways:
-            endpoints = [GatewayEndpoints(gw.reverse_url, gw.proxy_url, gw.ca_bundle()) for gw in gateways]
+            endpoints = [GatewayEndpoints.of(gw) for gw in gateways]
             if sampler is None:
                 return asyncio.run(run_wave(tasks))
             return asyncio.run(sample_groups(sampler, run_wave))
@@ -611,6 +623,10 @@ class Loop:
 
     # -- resumable stages (iter-K/state.json: run_state.py) ---------------------------------------------------
 
+    def _in_run(self, stored: str) -> Path:
+        """A path a stage marker holds, in the run directory as it is now (run_state.in_run_dir)."""
+        return in_run_dir(stored, self.cfg.run_dir, self.recorded_run_dir)
+
     def _state(self, k: int) -> IterationState:
         with self._states_lock:
             if k not in self._states:
@@ -691,7 +707,7 @@ class Loop:
             model_dir, version, seconds = skipped or self._trained_on_disk(k) or self._train(k)
             state.finish(
                 "train",
-                model_dir=str(model_dir),
+                model_dir=stored_path(model_dir, self.cfg.run_dir),
                 weight_version=version,
                 seconds=seconds,
                 base_weight_version=base,
@@ -703,7 +719,7 @@ class Loop:
             if not info.get("skipped"):  # the engine already serves these weights
                 self._push(it, info["weight_version"])
             state.finish("push", weight_version=info["weight_version"])
-        return Path(info["model_dir"]), info["weight_version"], info["seconds"]
+        return self._in_run(info["model_dir"]), info["weight_version"], info["seconds"]
 
     def _skipped_training(self, k: int) -> tuple[Path, str | None, float] | None:
         """No training when every group of iteration k is flat (one reward per group): there is no policy
@@ -735,7 +751,7 @@ class Loop:
                 {
                     "reason": "every group is flat",
                     "sequences": len(rows),
-                    "model_dir": str(self.model_dir),
+                    "model_dir": stored_path(self.model_dir, self.cfg.run_dir),
                     "weight_version": self.weight_version,
                 },
             )
@@ -747,7 +763,7 @@ class Loop:
         logger.warning(
             "iteration %d: every group is flat (equal rewards): no optimizer step, the weights stay", k
         )
-        return Path(skipped["model_dir"]), skipped["weight_version"], time.monotonic() - started
+        return self._in_run(skipped["model_dir"]), skipped["weight_version"], time.monotonic() - started
 
     def _trained_on_disk(self, k: int) -> tuple[Path, str | None, float] | None:
         """The training of iteration k when a kill came after it saved everything (the optimizer state counts it);
@@ -836,6 +852,7 @@ class Loop:
 
         cfg = self.cfg
         cfg.run_dir = cfg.run_dir.resolve()
+        self.recorded_run_dir = cfg.run_dir
         private_dir(cfg.run_dir)  # owner-only: records, rewards, the run state (issue 36 item 2)
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
         results = self._resumed() if cfg.resume else self._started()
@@ -903,8 +920,12 @@ class Loop:
     def _resumed(self) -> list[IterationStats]:
         """--resume: the finished iterations (loop.json), and the weights to go on from (model_dir,
         weight_version) — the last training that finished, which may belong to the iteration resumed."""
+        from polar_mitm.rollout.saved_state import check_saved_run
+
         cfg = self.cfg
-        differences = config_differences(recorded_config(cfg.run_dir, LoopConfig), vars(cfg))
+        recorded = check_saved_run(cfg.run_dir)  # every file read below, checked before the engine starts
+        self.recorded_run_dir = recorded_run_dir(cfg.run_dir)
+        differences = config_differences(recorded, vars(cfg))
         if differences:
             raise ValueError(
                 f"--resume: {cfg.run_dir} was started with other settings: {'; '.join(differences)}"
@@ -915,7 +936,7 @@ class Loop:
         trained = [k for k in (start, start - 1) if 0 <= k < cfg.iterations and self._state(k).done("train")]
         if trained:
             info = self._state(trained[0]).info("train")
-            self.model_dir, self.weight_version = Path(info["model_dir"]), info["weight_version"]
+            self.model_dir, self.weight_version = self._in_run(info["model_dir"]), info["weight_version"]
         stage = self._state(start).first_unfinished()
         append_event(cfg.run_dir, "resume", start, stage, weight_version=self.weight_version)
         return results

@@ -14,6 +14,11 @@ the old or the new content, never half of one:
 - `RUN/events.jsonl`: start, resume, iteration_done, eval_done and finished, one JSON object per line.
 
 The optimizer's own state (`RUN/trainer-state`) is saved atomically by train/continuation.py.
+
+A run resumes in the folder `--resume -o RUN` names, wherever it was started: paths into the run are stored relative
+to it, and the absolute ones older runs stored (and run.json's `run_dir`) are read under RUN (`in_run_dir`), so a
+copy never writes into the original nor reads from it. Every file above is checked before a resume starts anything
+(saved_state.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import shutil
 import sys
 import threading
 import time
-import typing
 from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
@@ -41,7 +45,7 @@ STATE_FILE = "state.json"
 SESSIONS_FILE = "sessions.jsonl"
 # Options that may differ on --resume: they change what is kept, not what is trained (an engine restarted at another
 # address is given the last trained weights at start).
-RESUMABLE_CHANGES = ("resume", "keep_checkpoints", "engine_url", "gateways")
+RESUMABLE_CHANGES = ("resume", "yes", "keep_checkpoints", "engine_url", "gateways")
 
 
 class RunRecordError(ValueError):
@@ -101,25 +105,6 @@ def config_to_json(cfg: Any) -> dict[str, Any]:
     return {f.name: to_json_value(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
-def _from_json_value(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    kinds = typing.get_args(hint) or (hint,)
-    for kind in kinds:
-        if kind is Path:
-            return Path(value)
-        if isinstance(kind, type) and issubclass(kind, Enum):
-            return kind(value)
-    return value
-
-
-def config_from_json(cls: type, data: dict[str, Any]) -> Any:
-    """The config dataclass `cls` that `config_to_json` wrote (fields added since keep their defaults)."""
-    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
-    known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: _from_json_value(hints[k], v) for k, v in data.items() if k in known})
-
-
 def record_run(run_dir: Path, cfg: Any, argv: list[str] | None = None) -> None:
     """`RUN/run.json`: the command that started the run and its whole config."""
     record = {
@@ -131,11 +116,42 @@ def record_run(run_dir: Path, cfg: Any, argv: list[str] | None = None) -> None:
     write_json_atomic(run_dir / RUN_RECORD, record)
 
 
-def recorded_config(run_dir: Path, cls: type) -> Any:
-    path = Path(run_dir) / RUN_RECORD
-    if not path.exists():
-        raise RunRecordError(f"--resume: {path} does not exist (no run was started in {run_dir})")
-    return config_from_json(cls, json.loads(path.read_text())["config"])
+def rebased_config_json(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """A recorded config for the run directory it is in now: `run_dir` is the given one, and every path that
+    pointed into the recorded run directory points to the same place under it (a copy of a run must neither write
+    into the original nor read from it)."""
+    recorded = config.get("run_dir")
+    return {
+        **{
+            name: str(in_run_dir(value, Path(run_dir), Path(recorded)))
+            if isinstance(value, str) and isinstance(recorded, str) and Path(value).is_absolute()
+            else value
+            for name, value in config.items()
+        },
+        "run_dir": str(Path(run_dir).resolve()),
+    }
+
+
+def in_run_dir(value: str | Path, run_dir: Path, recorded_run_dir: Path) -> Path:
+    """A path the run stored (relative to its run directory, or absolute as older runs stored them) in `run_dir`
+    now: relative ones under it, absolute ones inside the recorded run directory moved to the same place under it,
+    others (the starting model, a task file) as they are."""
+    path = Path(value)
+    if not path.is_absolute():
+        return run_dir / path
+    if path.is_relative_to(recorded_run_dir):
+        return run_dir / path.relative_to(recorded_run_dir)
+    return path
+
+
+def stored_path(path: Path, run_dir: Path) -> str:
+    """How a path the run keeps is written: relative to the run directory when inside it (the run can be moved)."""
+    return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
+
+
+def recorded_run_dir(run_dir: Path) -> Path:
+    """Where RUN/run.json says the run was started (another folder when the run was copied or moved since)."""
+    return Path(json.loads((Path(run_dir) / RUN_RECORD).read_text())["config"]["run_dir"])
 
 
 def config_differences(recorded: Any, wanted: dict[str, Any]) -> list[str]:
@@ -157,10 +173,9 @@ def config_differences(recorded: Any, wanted: dict[str, Any]) -> list[str]:
     return differences
 
 
-def resumed_config(run_dir: Path, cls: type, given: dict[str, Any]) -> Any:
-    """The recorded run's config, with `resume` (and the settings that may change) from `given`; any other
-    setting of `given` that differs from the record is refused, all in one line."""
-    recorded = recorded_config(run_dir, cls)
+def resumed_config(run_dir: Path, recorded: Any, given: dict[str, Any]) -> Any:
+    """The recorded run's config (in `run_dir`, where it is now), with `resume` (and the settings that may change)
+    from `given`; any other setting of `given` that differs from the record is refused, all in one line."""
     differences = config_differences(recorded, given)
     if differences:
         raise RunRecordError(
