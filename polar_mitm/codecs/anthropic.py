@@ -62,6 +62,7 @@ _STOP_REASON = {
 # Anthropic's error type follows the HTTP status.
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     431: "request_too_large",  # the API has no type of its own for a head too large

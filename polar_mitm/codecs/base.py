@@ -23,6 +23,7 @@ ErrorKind = Literal[
     "engine_error",  # engine answered 5xx or nonsense → 502 (Anthropic, Google: 500)
     "too_large",  # request body over the gateway's size limit → 413
     "headers_too_large",  # more header lines or bytes than the gateway takes → 431
+    "unauthenticated",  # a rollout gateway's call without a valid session credential → 401
     "internal",  # a gateway bug: still answered in the provider's shape → 500
 ]
 
@@ -35,6 +36,7 @@ ERROR_STATUS: dict[str, int] = {
     "engine_error": 502,
     "too_large": 413,
     "headers_too_large": 431,
+    "unauthenticated": 401,
     "internal": 500,
 }
 

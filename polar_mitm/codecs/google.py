@@ -38,6 +38,7 @@ _MODELS_PATH = re.compile(r"/models(?:/(?P<name>[^/:]+))?$")
 # Google's canonical error status follows the HTTP code.
 _ERROR_STATUS_NAMES = {
     400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
     413: "INVALID_ARGUMENT",
     431: "INVALID_ARGUMENT",

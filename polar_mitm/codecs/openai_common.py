@@ -24,6 +24,7 @@ _ERROR_CODES: dict[str, str] = {
     "engine_error": "engine_error",
     "too_large": "request_too_large",
     "headers_too_large": "request_header_fields_too_large",
+    "unauthenticated": "invalid_api_key",
     "internal": "internal_error",
 }
 

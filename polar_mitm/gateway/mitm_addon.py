@@ -19,7 +19,7 @@ from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
-from polar_mitm import engine_keys
+from polar_mitm import engine_keys, secret_handover
 from polar_mitm.codecs import DEFAULT_CODEC, by_path
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
 from polar_mitm.gateway import control, log_redaction, request_head
@@ -145,6 +145,8 @@ class PolarGateway:
         )
         self._warm_task: asyncio.Task | None = None  # loads the renderer while the gateway starts
         self._control_token = control.take_token()  # None: no control call (gateway/control.py)
+        # Set by a rollout that starts us: only calls with a valid session credential (session_ids.py).
+        self._session_key = secret_handover.take("session_key")
 
     def load(self, loader) -> None:
         for option in mitmproxy_options():
@@ -196,7 +198,7 @@ class PolarGateway:
             prompts = PromptBuilder(
                 options.prompt_mode, tokenizer=options.tokenizer, model_info=engine.model_info
             )
-        gateway = Gateway(options, engine, writer, prompts)
+        gateway = Gateway(options, engine, writer, prompts, session_key=self._session_key)
         if last_seq is None and self.gateway is not None:
             gateway.continue_numbering(self.gateway)  # the same records folder: its numbering goes on
         elif last_seq:

@@ -2,20 +2,17 @@
 
     sdk:openai_chat | sdk:openai_responses | sdk:anthropic | sdk:google   the reference agent (polar_mitm.sdk_agent)
     cmd:TEMPLATE    a bash command; placeholders {prompt}, {workspace}, {session}, {task}, {index}, {base_url}
-                    (reverse gateway URL with the /t/TASK/s/SESSION prefix), {proxy_url}
-                    (http://TASK%2FSESSION:x@host:port for HTTPS_PROXY), {ca_bundle}
+                    (reverse gateway URL with the /t/TASK/s/SESSION[/c/CRED] prefix), {proxy_url}
+                    (http://TASK%2FSESSION:CRED@host:port for HTTPS_PROXY), {ca_bundle}
     NAME            a real-harness preset from `polar-mitm harness` (claude-code, codex, gemini, qwen, pi, opencode)
 
-The quoting rule of `cmd:` templates (task ids and prompts come from task files, so they are untrusted): every
-placeholder is replaced by exactly one shell word holding its value literally. Bare (`echo {prompt}`) the value is
-shell-quoted; inside '…', "…" or $'…' the quote is closed, the quoted value spliced in and the quote reopened
-(`"task {task}"` → `"task "'a;b'""`). Where no quoting can keep a value literal (a comment, backticks, a here-document,
-"${…}" inside double quotes, right after a backslash) the template is rejected before any session starts. Each
-value is also in the environment (POLAR_PROMPT, POLAR_WORKSPACE, POLAR_SESSION, POLAR_TASK, POLAR_INDEX,
-POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_CA_BUNDLE): write "$POLAR_PROMPT" there instead. A value handed to a second
-shell (`bash -c {prompt}`, `ssh host {prompt}`, `eval`) is parsed again — pass it through the environment instead.
-Where bash evaluates a value whatever its quoting (arithmetic, array subscripts, `[[ … ]]`, `let`, `declare -i`,
-variable names for `read`/`printf -v`/`test -v`) the template is refused too; there no variable is safer.
+The quoting rule of `cmd:` templates (task ids and prompts come from task files, so they are untrusted) is
+`shell_template.py`'s: every placeholder becomes exactly one shell word holding its value literally, and a
+placeholder may stand only where bash never evaluates a word (an argument of a program or of a builtin known not
+to, a plain `NAME=` value, a redirection target); anywhere else the template is refused before any session starts.
+Each value is also in the environment (POLAR_PROMPT, POLAR_WORKSPACE, POLAR_SESSION, POLAR_TASK, POLAR_INDEX,
+POLAR_BASE_URL, POLAR_PROXY_URL, POLAR_CA_BUNDLE), for a quoted argument where a placeholder is refused.
+With a rollout's gateway, the base and proxy URLs carry the session's credential (session_ids.py).
 """
 
 from __future__ import annotations
