@@ -22,8 +22,8 @@ from rich.table import Table
 
 from polar_mitm.demo import DEMO_LEARNING_RATE, demo_loop_config, right_choice_probabilities
 from polar_mitm.engine.model_zoo import resolve_model
-from polar_mitm.rollout.loop import Loop
-from polar_mitm.rollout.progress import quiet_libraries
+from polar_mitm.loop.loop import Loop
+from polar_mitm.loop.progress import quiet_libraries
 
 
 def run_seed(seed: int, iterations: int, learning_rate: float, root: Path) -> dict:

@@ -117,7 +117,7 @@ def record(
 ) -> Rollouts:
     """Run `sessions` agent sessions through the real gateway; write a rewards JSONL next to the records."""
     from polar_mitm import procs
-    from polar_mitm.sdk_agent import DRIVERS, base_url_for
+    from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
 
     started = time.perf_counter()
     script = workdir / "script.json"

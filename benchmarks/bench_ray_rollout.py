@@ -17,7 +17,7 @@ from pathlib import Path
 
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
-from polar_mitm.rollout.tasks import load_tasks
+from polar_mitm.tasks.task_file import load_tasks
 
 NO_ENGINE = "http://127.0.0.1:9"  # the harness makes no model call; the gateways still run
 

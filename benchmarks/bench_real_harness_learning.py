@@ -122,7 +122,7 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
 
 
 def loop_config(args: argparse.Namespace, train: Path, held_out: Path, model: str, engine_url: str | None):
-    from polar_mitm.rollout.loop import LoopConfig
+    from polar_mitm.loop.config import LoopConfig
 
     return LoopConfig(
         tasks=train,
@@ -211,9 +211,9 @@ def print_summary(summary: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from polar_mitm.rollout.generated_tasks import generate, write_split
-    from polar_mitm.rollout.loop import Loop
-    from polar_mitm.rollout.progress import quiet_libraries
+    from polar_mitm.loop.loop import Loop
+    from polar_mitm.loop.progress import quiet_libraries
+    from polar_mitm.tasks.generated import generate, write_split
 
     quiet_libraries()
     # SIGTERM (a job scheduler's stop) unwinds like Ctrl-C: vLLM, in its own process group, is stopped with the run

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
-from polar_mitm.rollout.tasks import load_tasks
+from polar_mitm.tasks.task_file import load_tasks
 
 
 def main() -> None:

@@ -222,10 +222,11 @@ def train_iteration(
     import torch
     from transformers import PrinterCallback
 
+    from polar_mitm.storage.run_layout import ENGINE_WEIGHTS_DIR
     from polar_mitm.train.data import build_training_data, load_sequences
     from polar_mitm.train.grpo_config import PolarGRPOConfig
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
-    from polar_mitm.train.sync import ENGINE_WEIGHTS_DIR, attach_engine_push
+    from polar_mitm.train.sync import attach_engine_push
 
     data = build_training_data(load_sequences([merged_dir]), group_size=args.group_size)
     # Micro-batches bound memory (each row carries ~49k-wide logits per token); one optimizer step sees

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from polar_mitm import engine_keys
-from polar_mitm.agent_cli import agent
+from polar_mitm.agent.cli import agent
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -246,7 +246,8 @@ def records_command(
 
 
 def _register_subcommands() -> None:
-    from polar_mitm.rollout.cli import LoopCommand, loop_command, rollout_command
+    from polar_mitm.loop.cli import LoopCommand, loop_command
+    from polar_mitm.rollout.cli import rollout_command
 
     app.command("rollout")(rollout_command)
     app.command("loop", cls=LoopCommand)(loop_command)  # + every `grpo` option (generated on first use)
@@ -276,7 +277,7 @@ _register_harness()
 
 
 def _register_tasks() -> None:
-    from polar_mitm.rollout.swe_cli import tasks_app
+    from polar_mitm.tasks.cli import tasks_app
 
     app.add_typer(tasks_app, name="tasks")
 
@@ -285,7 +286,8 @@ _register_tasks()
 
 
 def _register_train() -> None:
-    from polar_mitm.train.cli import GrpoCommand, grpo_command, plot_command, sft_command, sync_command
+    from polar_mitm.train.cli import grpo_command, plot_command, sft_command, sync_command
+    from polar_mitm.train.config_options import GrpoCommand
 
     app.command("grpo", cls=GrpoCommand)(grpo_command)
     app.command("sync")(sync_command)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polar_mitm import procs
+from polar_mitm.storage.run_layout import iteration_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
 
@@ -114,7 +115,7 @@ def demo_loop_config(
     *, model: str, iterations: int, run_dir: Path, learning_rate: float = DEMO_LEARNING_RATE, seed: int = 0
 ):
     """The LoopConfig of the demo's RL loop (also used by its benchmark and tests)."""
-    from polar_mitm.rollout.loop import LoopConfig
+    from polar_mitm.loop.config import LoopConfig
 
     return LoopConfig(
         tasks=EXAMPLES / "tasks.jsonl",
@@ -144,9 +145,9 @@ def run_loop_demo(
 ) -> list:
     """The loop with a live progress line and a table per iteration; then the reward curve, the report and a
     closing summary line."""
-    from polar_mitm.rollout.cli import iteration_table
-    from polar_mitm.rollout.loop import Loop
-    from polar_mitm.rollout.progress import RichLoopProgress, quiet_libraries
+    from polar_mitm.loop.cli import iteration_table
+    from polar_mitm.loop.loop import Loop
+    from polar_mitm.loop.progress import RichLoopProgress, quiet_libraries
 
     cfg = demo_loop_config(
         model=model, iterations=iterations, run_dir=run_dir, learning_rate=learning_rate, seed=seed
@@ -171,7 +172,7 @@ def run_loop_demo(
         from polar_mitm.report import write_report
 
         report = write_report(run_dir)
-    last = run_dir / f"iter-{len(results) - 1}"
+    last = iteration_dir(run_dir, len(results) - 1)
     console.print(
         f"inspect: polar-mitm records {last / 'flows'} · polar-mitm stats {last / 'merged'} · "
         f"polar-mitm show <session> --data {last / 'merged'} --tokenizer tiny"

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from polar_mitm import procs
-from polar_mitm.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
 from polar_mitm.session_ids import SessionId
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # minute to start); the capstone starts a second vLLM, which must not pin the same core at the same time.
 SHARED_GROUPS = {
     "vllm": ("tests/engine/test_vllm", "tests/engine/test_real_harness_learning.py"),
-    "demo-run": ("tests/rollout/test_demo_learning.py", "tests/report/"),
+    "demo-run": ("tests/loop/test_demo_learning.py", "tests/report/"),
 }
 
 
@@ -156,7 +156,7 @@ def demo_run(tmp_path_factory):
     Shared by the learning test and the report tests: (run directory, the loop's per-iteration stats).
     """
     from polar_mitm.demo import demo_loop_config
-    from polar_mitm.rollout.loop import Loop
+    from polar_mitm.loop.loop import Loop
 
     run_dir = tmp_path_factory.mktemp("demo-run")
     return run_dir, Loop(demo_loop_config(model="tiny", iterations=1, run_dir=run_dir)).run()

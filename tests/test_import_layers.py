@@ -16,9 +16,21 @@ from tests.test_import_cycles import PACKAGE_ROOT, _write, import_graph
 FORBIDDEN = [
     *(
         (f"polar_mitm.{reader}", "polar_mitm.gateway", "records and the engine file are storage's")
-        for reader in ("reconstruct", "train", "rollout", "report")
+        for reader in ("reconstruct", "train", "rollout", "report", "tasks", "loop")
     ),
     ("polar_mitm.train", "polar_mitm.reconstruct", "the merged-sequence schema is storage's"),
+    # The rooms of issue 37: task files and graders below the runner, the runner below the loop that drives it.
+    ("polar_mitm.tasks", "polar_mitm.rollout", "task files and graders know nothing of the runner"),
+    ("polar_mitm.tasks", "polar_mitm.loop", "task files and graders know nothing of the loop"),
+    ("polar_mitm.rollout", "polar_mitm.loop", "the runner knows nothing of the loop that drives it"),
+    *(
+        (
+            f"polar_mitm.{user}",
+            "polar_mitm.train.cli",
+            "a GRPO run's parts are train/run.py's and config_options'",
+        )
+        for user in ("loop", "rollout", "tasks", "report", "reconstruct", "engine", "gateway")
+    ),
 ]
 
 

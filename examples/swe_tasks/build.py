@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # run from a checkout without installing
 
-from polar_mitm.rollout.swe_grading import swebench_harness  # noqa: E402
+from polar_mitm.tasks.swe_grading import swebench_harness  # noqa: E402
 
 PROJECT, VERSION, REPO = "inflection", "0.5.1", "jpvanhala/inflection"
 SDIST_SHA256 = "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417"

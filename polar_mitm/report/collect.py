@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.rollout.tasks import passed
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.rewards import read_rewards_table
+from polar_mitm.storage.run_layout import EVENTS_FILE, ITERATION_GLOB, LOOP_FILE, iteration_index
+from polar_mitm.tasks.task_file import passed
 
 logger = logging.getLogger(__name__)
-
-EVENTS_FILE = "events.jsonl"  # under a loop's run directory, appended by the loop
 
 
 @dataclass
@@ -61,13 +59,13 @@ def collect_run(root: str | Path) -> RunData:
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     iteration_dirs = sorted(
-        (p for p in root.glob("iter-*") if p.is_dir() and _iteration_index(p) is not None),
-        key=_iteration_index,
+        (p for p in root.glob(ITERATION_GLOB) if p.is_dir() and iteration_index(p) is not None),
+        key=iteration_index,
     )
     if iteration_dirs:
         stats = _loop_stats(root)
         stages = [
-            read_stage(d, f"iteration {_iteration_index(d)}", stats.get(_iteration_index(d)))
+            read_stage(d, f"iteration {iteration_index(d)}", stats.get(iteration_index(d)))
             for d in iteration_dirs
         ]
         run = RunData(root=root, kind="loop", stages=stages, events=read_events(root / EVENTS_FILE))
@@ -101,14 +99,9 @@ def resume_points(run: RunData) -> list[dict[str, Any]]:
     return [event for event in run.events if event["event"] == "resume"]
 
 
-def _iteration_index(path: Path) -> int | None:
-    match = re.fullmatch(r"iter-(\d+)", path.name)
-    return int(match.group(1)) if match else None
-
-
 def _loop_stats(root: Path) -> dict[int, dict[str, Any]]:
     """The loop's per-iteration table by iteration number (empty while a loop is still running)."""
-    path = root / "loop.json"
+    path = root / LOOP_FILE
     if not path.exists():
         return {}
     return {int(row["iteration"]): row for row in json.loads(path.read_text())}

@@ -1,6 +1,6 @@
 """How a rollout starts one harness session: the built-in SDK agent, a custom command template, or a preset.
 
-    sdk:openai_chat | sdk:openai_responses | sdk:anthropic | sdk:google   the reference agent (polar_mitm.sdk_agent)
+    sdk:openai_chat | sdk:openai_responses | sdk:anthropic | sdk:google   the reference agent (polar_mitm.agent.sdk_agent)
     cmd:TEMPLATE    a bash command; placeholders {prompt}, {workspace}, {session}, {task}, {index}, {base_url}
                     (reverse gateway URL with the /t/TASK/s/SESSION[/c/CRED] prefix), {proxy_url}
                     (http://TASK%2FSESSION:CRED@host:port for HTTPS_PROXY), {ca_bundle}
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from polar_mitm.codecs import sdk_base_url
 from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
-from polar_mitm.rollout.tasks import Task
 from polar_mitm.session_ids import SessionId
+from polar_mitm.tasks.task_file import Task
 
 if TYPE_CHECKING:
     from polar_mitm.procs import GatewayProcess
@@ -101,7 +101,7 @@ class HarnessSpec:
             argv = [
                 sys.executable,
                 "-m",
-                "polar_mitm.agent_cli",
+                "polar_mitm.agent.cli",
                 "--provider",
                 self.value,
                 "--base-url",

@@ -26,7 +26,7 @@ from typing import Any
 
 from polar_mitm.rollout.ray_node import NodeRollout, SessionOutcome, SessionSpec, new_session_id
 from polar_mitm.rollout.runner import RolloutConfig, RolloutSummary, SessionRun
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.tasks.task_file import Task
 
 ROLLOUT_RESOURCE = "polar_rollout"
 

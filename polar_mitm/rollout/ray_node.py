@@ -19,7 +19,7 @@ from pathlib import Path
 from polar_mitm import procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, SessionRun
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.tasks.task_file import Task
 
 
 @dataclass

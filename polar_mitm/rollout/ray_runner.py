@@ -19,7 +19,7 @@ from pathlib import Path
 from polar_mitm import procs
 from polar_mitm.rollout.ray_driver import RayPool, RayRolloutResult, write_report
 from polar_mitm.rollout.runner import RolloutConfig
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.tasks.task_file import Task
 
 
 def ray_rollout_command(

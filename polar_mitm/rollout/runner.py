@@ -30,10 +30,10 @@ import pyarrow as pa
 
 from polar_mitm import procs
 from polar_mitm.rollout import session_cgroup
-from polar_mitm.rollout.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
-from polar_mitm.rollout.tasks import Task
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
+from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
+from polar_mitm.tasks.task_file import Task
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -42,19 +42,33 @@ NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 SessionStage = Literal["pending", "init", "ready", "run", "post", "done"]
 
 
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
 @dataclass
 class RolloutConfig:
-    group_size: int = 4
-    concurrency: int = 4  # RUN workers (harness sessions at once)
-    init_workers: int = 2
-    post_workers: int = 2
-    ready_buffer: int = (
-        4  # prewarmed workspaces waiting for a RUN worker; 0 = no buffer (RUN workers init inline)
+    """How a rollout runs its sessions; each field with a `help` is a `polar-mitm rollout` option of that help (and
+    `loop` takes the ones it shares from here too)."""
+
+    group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
+    concurrency: int = field(default=4, metadata=_help("Harness sessions at once (RUN workers)."))
+    init_workers: int = field(default=2, metadata=_help("INIT workers (workspace preparation)."))
+    post_workers: int = field(default=2, metadata=_help("POST-RUN (evaluation) workers."))
+    ready_buffer: int = field(
+        default=4,
+        metadata=_help(
+            "Prewarmed workspaces waiting for a RUN worker (0 = none: RUN workers prepare inline)."
+        ),
     )
-    keep: int | None = None  # straggler cut: once K of a group's sessions are done, cancel the rest
-    failure_reward: float = 0.0  # reward of timed-out / crashed / failed-setup sessions
+    keep: int | None = field(
+        default=None, metadata=_help("Straggler cut: stop a group once K sessions are done.")
+    )
+    failure_reward: float = field(
+        default=0.0, metadata=_help("Reward of timed-out, crashed and failed-setup sessions.")
+    )
     workspace_root: Path = Path("/tmp/polar-workspaces")
-    keep_workspaces: bool = False
+    keep_workspaces: bool = field(default=False, metadata=_help("Keep workspaces after evaluation."))
     log_dir: Path | None = None  # harness stdout/stderr per session
 
 

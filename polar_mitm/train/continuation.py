@@ -33,11 +33,12 @@ import torch
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from polar_mitm.storage.run_layout import RUN_STATE_FILE
 from polar_mitm.train.grpo_config import REFERENCE_AT_START
 
 logger = logging.getLogger(__name__)
 
-RUN_STATE_FILE = "run_state.json"
+
 ADAPTER_DIR = "adapter"
 BEHAVIOUR_ROWS_FILE = "behaviour_check_rows.json"  # in each checkpoint-N: sequence_id → step-0 mean |diff|
 LAST_CHECKPOINT = "last"

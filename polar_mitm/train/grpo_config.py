@@ -5,8 +5,8 @@ TRL's fields keep their meaning wherever they still apply (`loss_type`, `epsilon
 completions were sampled by the engine behind the gateway, and are read from merged shards.
 
 Every field carries its help in `metadata["help"]`: each field added here becomes a `polar-mitm grpo` option with
-that help (`polar_mitm/train/cli.py`; TRL's own fields are options only where its `TRL_OPTIONS` lists them), and a
-`polar-mitm loop` option too (the loop sets a few itself: `LOOP_SETS` in rollout/loop.py).
+that help (`polar_mitm/train/config_options.py`; TRL's own fields are options only where its `TRL_OPTIONS` lists them), and a
+`polar-mitm loop` option too (the loop sets a few itself: `LOOP_SETS` in loop/config.py).
 
 TRL options that act only on the generation step this trainer replaces are refused when set (`NO_EFFECT_ON_RECORDED`):
 accepting them would silently do nothing.

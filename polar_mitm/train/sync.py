@@ -22,13 +22,12 @@ import torch
 from transformers import TrainerCallback
 
 from polar_mitm.engines import push_weights
+from polar_mitm.storage.run_layout import ENGINE_WEIGHTS_DIR
 
 if TYPE_CHECKING:
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 
 logger = logging.getLogger(__name__)
-
-ENGINE_WEIGHTS_DIR = "engine-weights"  # under output_dir: the checkpoint the engine was last told to load
 
 
 class EnginePushCallback(TrainerCallback):

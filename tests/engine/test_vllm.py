@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from polar_mitm import engines, procs
+from polar_mitm.agent.sdk_agent import DRIVERS
 from polar_mitm.gateway.engine_client import EngineClient, sse_frames
 from polar_mitm.gateway.engine_stream import StreamAssembler
-from polar_mitm.sdk_agent import DRIVERS
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.engine_info import read_engine_file
 from polar_mitm.storage.records import read_all

@@ -18,7 +18,8 @@ import pytest
 
 from polar_mitm import engines
 from polar_mitm.demo import DEMO_LEARNING_RATE
-from polar_mitm.rollout.loop import Loop, LoopConfig
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.loop import Loop
 from polar_mitm.storage.records import read_all
 from tests.engine import keyed
 

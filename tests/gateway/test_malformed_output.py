@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 

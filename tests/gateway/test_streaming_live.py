@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from polar_mitm import engine_keys, procs
-from polar_mitm.sdk_agent import join_chat_stream
+from polar_mitm.agent.sdk_agent import join_chat_stream
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 

@@ -4,7 +4,7 @@
 The scripted tiny engine makes the harness's shell tool (mini-swe-agent's `bash`, the OpenHands CLI's `terminal`)
 apply the instance's gold patch, then end the run — mini-swe-agent by its submit command, OpenHands by a final
 answer; the rollout clones the bundle, builds the task's venv, runs the harness through the gateway (proxy mode),
-grades with swebench and must give reward 1.0. The fixtures and helpers are tests/rollout/test_swe_tasks.py's.
+grades with swebench and must give reward 1.0. The fixtures and helpers are tests/tasks/test_swe_tasks.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from polar_mitm.harness import get_harness
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.storage.records import read_all
-from tests.rollout.test_swe_tasks import INSTANCES, one_task_file, rollout_cli, swe_file  # noqa: F401
+from tests.tasks.test_swe_tasks import INSTANCES, one_task_file, rollout_cli, swe_file  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from polar_mitm.report import write_report
-from tests.rollout.evaluated_loop import evaluated_loop_run
+from tests.loop.evaluated_loop import evaluated_loop_run
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """`polar-mitm report`: one self-contained HTML page from a real loop run (the demo's loop, shortened) and from
 single rollout/merge/train directories; and the loop's live report — RUN/report.html rewritten after every
-iteration of the shared evaluated loop (tests/rollout/evaluated_loop.py), with its held-out pass@k, group counts,
+iteration of the shared evaluated loop (tests/loop/evaluated_loop.py), with its held-out pass@k, group counts,
 and resume points from a hand-written RUN/events.jsonl."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.report import write_report
-from tests.rollout.evaluated_loop import evaluated_loop_run, report_after
+from tests.loop.evaluated_loop import evaluated_loop_run, report_after
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_report_command_on_stage_directories(demo_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def evaluated_run(tmp_path_factory) -> Path:
-    """The session's shared evaluated 2-iteration loop (tests/rollout/evaluated_loop.py)."""
+    """The session's shared evaluated 2-iteration loop (tests/loop/evaluated_loop.py)."""
     return evaluated_loop_run(tmp_path_factory)
 
 

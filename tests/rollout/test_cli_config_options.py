@@ -11,10 +11,11 @@ import typer
 from typer.testing import CliRunner
 
 from polar_mitm.cli import app
+from polar_mitm.loop.cli import LOOP_OPTION_FIELDS, loop_config
+from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.reconstruct.merge import BUILDERS
-from polar_mitm.rollout.cli import LOOP_OPTION_FIELDS, ROLLOUT_FIELDS, loop_config
-from polar_mitm.rollout.loop import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
+from polar_mitm.rollout.cli import ROLLOUT_FIELDS
 from polar_mitm.rollout.runner import RolloutConfig
 
 LOOP_RENAMED = LOOP_OPTION_FIELDS  # `loop` options spelt otherwise than their LoopConfig field

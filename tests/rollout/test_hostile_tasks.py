@@ -21,7 +21,7 @@ import pytest
 
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, write_rewards
-from polar_mitm.rollout.tasks import Task, TaskFileError, load_tasks
+from polar_mitm.tasks.task_file import Task, TaskFileError, load_tasks
 
 MARKER = "PWNED"  # every injection attempt below tries to create a file whose name starts with this
 

@@ -13,8 +13,8 @@ import pytest
 from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, write_rewards
-from polar_mitm.rollout.tasks import TaskFileError, load_tasks
 from polar_mitm.storage.records import read_all
+from polar_mitm.tasks.task_file import TaskFileError, load_tasks
 
 # A real HTTP client as the "harness": two chat calls through the gateway, each naming its session.
 CURL_TWICE = (

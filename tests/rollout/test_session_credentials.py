@@ -19,8 +19,8 @@ import pytest
 from polar_mitm import procs
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
-from polar_mitm.rollout.tasks import Task
 from polar_mitm.storage.records import read_all
+from polar_mitm.tasks.task_file import Task
 
 pytestmark = pytest.mark.slow
 

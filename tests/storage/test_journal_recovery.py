@@ -437,8 +437,8 @@ def test_rollout_tables_print_task_ids_as_text():
     from rich.console import Console
 
     from polar_mitm.rollout.runner import SessionRun
-    from polar_mitm.rollout.tasks import Task
     from polar_mitm.rollout.view import summary_table
+    from polar_mitm.tasks.task_file import Task
 
     console = Console(record=True, width=200, force_terminal=False)
     run = SessionRun(

@@ -15,8 +15,9 @@ from typer.core import TyperCommand
 from typer.testing import CliRunner
 
 from polar_mitm.cli import app
-from polar_mitm.train.cli import CONFIG_FIELDS, GrpoCommand, config_options, grpo_config, polar_fields
+from polar_mitm.train.config_options import CONFIG_FIELDS, GrpoCommand, config_options, polar_fields
 from polar_mitm.train.grpo_config import PolarGRPOConfig
+from polar_mitm.train.run import grpo_config
 
 COMMAND_ONLY = {
     "data",

@@ -21,10 +21,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polar_mitm.agent.sdk_agent import base_url_for
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import eot_from_tokenizer
 from polar_mitm.reconstruct.turns import sequences_from_table
-from polar_mitm.sdk_agent import base_url_for
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.storage.records import read_all

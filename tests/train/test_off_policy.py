@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polar_mitm.rollout.loop import cut_sessions
+from polar_mitm.loop.figures import cut_sessions
 from polar_mitm.rollout.runner import RolloutSummary, SessionRun
-from polar_mitm.rollout.tasks import load_tasks
+from polar_mitm.tasks.task_file import load_tasks
 from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import CISPO_EPSILON_HIGH, FRESH_RATIO_CAP, PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer

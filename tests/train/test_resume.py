@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from polar_mitm.cli import app
 from polar_mitm.engine.model_zoo import resolve_model
-from polar_mitm.train.cli import grpo_config, training_data
 from polar_mitm.train.data import load_sequences
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+from polar_mitm.train.run import grpo_config, training_data
 from tests.train.scored_rows import task_groups, write_merged
 
 pytestmark = pytest.mark.slow

@@ -36,13 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.rollout.runner import Rollout, RolloutSummary, SessionRun
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.storage.run_layout import (
+    EVENTS_FILE,
+    RUN_RECORD,
+    SESSIONS_FILE,
+    STATE_FILE,
+    iteration_dir,
+)
+from polar_mitm.tasks.task_file import Task
 
-RUN_RECORD = "run.json"
-EVENTS_FILE = "events.jsonl"
-LOOP_FILE = "loop.json"
-STATE_FILE = "state.json"
-SESSIONS_FILE = "sessions.jsonl"
 # Options that may differ on --resume: they change what is kept, not what is trained (an engine restarted at another
 # address is given the last trained weights at start).
 RESUMABLE_CHANGES = ("resume", "yes", "keep_checkpoints", "engine_url", "gateways")
@@ -323,7 +325,7 @@ def prune_checkpoints(run_dir: Path, keep: int, last_trained: int) -> list[Path]
     removed: list[Path] = []
     kept = 0
     for k in range(last_trained, -1, -1):
-        train = run_dir / f"iter-{k}" / "train"
+        train = iteration_dir(run_dir, k) / "train"
         weights = [path for pattern in WEIGHT_PATTERNS for path in train.glob(pattern)]
         if not weights:
             continue

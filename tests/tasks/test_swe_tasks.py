@@ -26,10 +26,10 @@ from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, run_shell
-from polar_mitm.rollout.swe import InstanceError, SweOptions, load_instances, write_tasks
-from polar_mitm.rollout.swe_grading import GradingSpec, grade, suite_argv
-from polar_mitm.rollout.tasks import Task, load_tasks
 from polar_mitm.storage.records import read_all
+from polar_mitm.tasks.swe import InstanceError, SweOptions, load_instances, write_tasks
+from polar_mitm.tasks.swe_grading import GradingSpec, grade, suite_argv
+from polar_mitm.tasks.task_file import Task, load_tasks
 
 SET = Path(__file__).resolve().parents[2] / "examples" / "swe_tasks"
 INSTANCES = [json.loads(line) for line in (SET / "instances.jsonl").read_text().splitlines()]
@@ -473,7 +473,7 @@ def small_workspace(root: Path) -> tuple[Path, str]:
 
 
 def grade_with_the_grader(workspace: Path, base_commit: str, test_patch: str, root: Path) -> str:
-    """`python -m polar_mitm.rollout.swe_grading grade SPEC SHA256` in the workspace, as the eval command runs it."""
+    """`python -m polar_mitm.tasks.swe_grading grade SPEC SHA256` in the workspace, as the eval command runs it."""
     spec = GradingSpec(
         instance_id="hostile__x-1",
         base_commit=base_commit,
@@ -484,7 +484,7 @@ def grade_with_the_grader(workspace: Path, base_commit: str, test_patch: str, ro
     )
     digest = spec.save(root / "spec.json")
     done = subprocess.run(
-        [sys.executable, "-m", "polar_mitm.rollout.swe_grading", "grade", str(root / "spec.json"), digest],
+        [sys.executable, "-m", "polar_mitm.tasks.swe_grading", "grade", str(root / "spec.json"), digest],
         cwd=workspace,
         capture_output=True,
         text=True,

@@ -19,7 +19,7 @@ optimizer state unless it finished saving; the engine is brought back to the las
 The iterations share one optimizer: each training continues the AdamW state, the LR schedule (spanning all
 iterations) and the step count of the one before (`RUN/trainer-state`, see train/continuation.py), whether it runs
 in this process or as `--train-processes` processes, and the KL reference stays the run's initial model. Every
-`polar-mitm grpo` option is a loop option too (rollout/cli.py's `loop_trainer_options`), but for the few the loop
+`polar-mitm grpo` option is a loop option too (loop/cli.py's `loop_trainer_options`), but for the few the loop
 sets (`LOOP_SETS`).
 
 `--eval-tasks FILE` evaluates the policy on tasks it never trains on, every `--eval-every` iterations: N sessions per
@@ -30,37 +30,41 @@ metrics to one tracked run (trackers.py), and RUN/report.html is rewritten after
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from polar_mitm import engine_keys, engines, procs
-from polar_mitm.reconstruct.builders import BuilderName
-from polar_mitm.rollout.evaluation import EvalResult, check_held_out, eval_due, evaluation_result
-from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
-from polar_mitm.rollout.informative import (
+from polar_mitm import engines, procs
+from polar_mitm.loop.config import (
+    LOOP_TRAINER_DEFAULTS,
+    LoopConfig,
+)
+from polar_mitm.loop.evaluation import EvalResult, check_held_out, eval_due, evaluation_result
+from polar_mitm.loop.figures import (
+    IterationStats,
+    MergeFigures,
+    call_staleness,
+    eval_metrics,
+    iteration_stats,
+    stats_from_json,
+)
+from polar_mitm.loop.gateways import LoopGateways
+from polar_mitm.loop.informative import (
     GroupSampler,
     check_dynamic_sampling,
-    group_figures,
     group_sampler,
     sample_groups,
 )
-from polar_mitm.rollout.loop_gateways import LoopGateways
-from polar_mitm.rollout.progress import LoopProgress, NoProgress, trainer_progress_callback
-from polar_mitm.rollout.run_state import (
-    LOOP_FILE,
+from polar_mitm.loop.progress import LoopProgress, NoProgress, trainer_progress_callback
+from polar_mitm.loop.run_state import (
     IterationState,
     SessionJournal,
     append_event,
@@ -75,269 +79,33 @@ from polar_mitm.rollout.run_state import (
     stored_path,
     write_json_atomic,
 )
-from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
-from polar_mitm.rollout.tasks import Task, load_tasks, passed
-from polar_mitm.rollout.trackers import (
+from polar_mitm.loop.trackers import (
     TENSORBOARD_DIR,
     NoTracker,
     Tracker,
     check_tracker,
     log_training_metrics,
-    numeric_metrics,
     open_tracker,
 )
+from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.storage.location import private_dir
-from polar_mitm.train.cli import LORA_HELP
+from polar_mitm.storage.run_layout import (
+    ENGINE_WEIGHTS_DIR,
+    EVENTS_FILE,
+    LOOP_FILE,
+    RUN_STATE_DIR,
+    SKIPPED_TRAINING_FILE,
+    START_EVAL_DIR,
+    iteration_dir,
+)
+from polar_mitm.tasks.task_file import Task, load_tasks
+from polar_mitm.train.launch import train_in_processes
 
 if TYPE_CHECKING:
     from polar_mitm.rollout.ray_driver import RayPool
 
 logger = logging.getLogger(__name__)
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
-RUN_STATE_DIR = "trainer-state"  # under the run directory: the optimizer carried across iterations
-SKIPPED_TRAINING_FILE = "skipped.json"  # in RUN/iter-K/train: that training had nothing to learn
-START_EVAL_DIR = "eval-start"  # under the run directory: --eval-start's evaluation of the starting weights
-
-# PolarGRPOConfig fields the loop sets itself, so `polar-mitm loop` has no option of that name: the loop's own
-# option for the same setting (LoopConfig), or what each iteration's training must be told.
-LOOP_SETS: dict[str, str] = {
-    "learning_rate": "--learning-rate",
-    "per_device_train_batch_size": "--batch-size",
-    "num_train_epochs": "--epochs",
-    "temperature": "--temperature (the gateway samples at it)",
-    "seed": "the loop's seed",
-    "group_size": "--group-size",
-    "push_to_engine": "the loop's engine",
-    "policy_weight_version": "the version the engine serves",
-    "run_state_dir": f"RUN/{RUN_STATE_DIR}",
-    "lr_schedule_trainings": "--iterations",
-    "save_merged": "always, with --lora (the merged copy is pushed)",
-    "resume_from_checkpoint": "each iteration is a new training",
-}
-# Where a loop option's default differs from `polar-mitm grpo`'s: the loop's LR stays constant unless asked.
-LOOP_TRAINER_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
-
-
-@dataclass
-class LoopConfig:
-    """The RL loop's settings; each field with a `help` is a `polar-mitm loop` option (rollout/cli.py)."""
-
-    tasks: Path = field(metadata=_help("Task file (JSONL); not needed with --resume."))
-    run_dir: Path = field(metadata=_help("Everything of the run goes here."))
-    harness: str = field(
-        default="sdk:openai_chat", metadata=_help("sdk:PROVIDER | cmd:TEMPLATE | preset name.")
-    )
-    iterations: int = field(default=2, metadata=_help("RL iterations."))
-    group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
-    concurrency: int = field(default=4, metadata=_help("Harness sessions at once."))
-    gateways: int = field(
-        default=1,
-        metadata=_help(
-            "Gateway processes per rollout (sessions spread across them, records under iter-K/flows/gw-*): "
-            "for hundreds of sessions or long prompts, where one gateway's CPU is the bottleneck."
-        ),
-    )
-    model: str = field(default="tiny", metadata=_help("Starting model: tiny | smollm2 | PATH."))
-    script: Path | None = field(default=None, metadata=_help("Scripted policy for the embedded engine."))
-    engine_url: str | None = field(
-        default=None, metadata=_help("Attach to this engine (SGLang) instead of starting one.")
-    )
-    temperature: float = field(
-        default=1.0, metadata=_help("Sampling temperature (forced) = training temperature.")
-    )
-    max_tokens: int = field(default=256, metadata=_help("Completion budget per model call."))
-    learning_rate: float = field(default=5e-3, metadata=_help("Learning rate."))
-    per_device_batch_size: int = field(default=4, metadata=_help("Sequences per training micro-batch."))
-    epochs: float = field(default=1.0, metadata=_help("Passes over each iteration's sequences."))
-    lora: bool = field(
-        default=False,
-        metadata=_help(
-            "Train LoRA adapters on the initial model, carried across iterations (merged copy pushed to the "
-            "engine)."
-        ),
-    )
-    lora_r: int = field(default=16, metadata=_help(LORA_HELP["lora_r"]))
-    lora_alpha: int = field(default=32, metadata=_help(LORA_HELP["lora_alpha"]))
-    lora_target_modules: str = field(default="all-linear", metadata=_help(LORA_HELP["lora_target_modules"]))
-    # PolarGRPOConfig fields for every iteration's training, by name (`polar-mitm loop`'s generated trainer options,
-    # or set from Python); LOOP_TRAINER_DEFAULTS where absent; the loop's own settings (LOOP_SETS) win.
-    grpo: dict[str, Any] = field(default_factory=dict)
-    builder: BuilderName = field(
-        default=BuilderName.prefix_merging, metadata=_help(BuilderName.__doc__ or "")
-    )
-    overlap: int = field(
-        default=0,
-        metadata=_help(
-            "N: rollouts run up to N iterations ahead of the trainer (their data up to N weight versions old)."
-        ),
-    )
-    keep: int | None = field(
-        default=None, metadata=_help("Straggler cut: stop a group once K sessions are done.")
-    )
-    seed: int = 0  # the trainer's seed and, for `tiny`, the seed of its initial weights
-    ray_address: str | None = field(
-        default=None,
-        metadata=_help("Rollouts on this Ray cluster (auto | HOST:PORT | local), one gateway per node."),
-    )
-    # the same `polar-mitm grpo` command recipes/training.md describes, launched N times
-    train_processes: int = field(
-        default=1,
-        metadata=_help(
-            "GRPO step as N data-parallel processes (accelerate on GPUs, torchrun + gloo on CPU); same "
-            "global batch."
-        ),
-    )
-    final_rollout: bool = (
-        False  # after the last training, one more rollout (no training): the trained policy's reward
-    )
-    eval_tasks: Path | None = field(
-        default=None,
-        metadata=_help(
-            "Held-out task file (JSONL, no task id shared with TASKS): evaluated, never trained on."
-        ),
-    )
-    eval_every: int = field(default=1, metadata=_help("Evaluate after every K-th training (and the last)."))
-    eval_samples: int = field(default=4, metadata=_help("Sessions per held-out task (N of pass@k, k <= N)."))
-    eval_greedy: bool = field(
-        default=False, metadata=_help("Evaluate greedily (temperature 0) instead of at --temperature.")
-    )
-    eval_start: bool = field(
-        default=False,
-        metadata=_help(
-            "Also evaluate the starting weights on --eval-tasks, before the first rollout (RUN/eval-start): "
-            "the held-out baseline."
-        ),
-    )
-    resume: bool = field(
-        default=False,
-        metadata=_help(
-            "Carry on the run in RUN (killed or stopped) with its recorded command: `--resume -o RUN`."
-        ),
-    )
-    yes: bool = field(
-        default=False,
-        metadata=_help(
-            "With --resume: run the harness RUN/run.json records even where it is not this command line's "
-            "--harness (the command stops showing both otherwise)."
-        ),
-    )
-    keep_checkpoints: int | None = field(
-        default=None,
-        metadata=_help("Keep the weights of the last N trainings only (the newest is what --resume needs)."),
-    )
-    report_to: str = field(
-        default="none",
-        metadata=_help(
-            "tensorboard | mlflow | wandb | none, or a comma list: the loop's figures, evaluations and the "
-            "trainer's per-step metrics in one tracked run, continued by --resume; offline only (TensorBoard: "
-            "RUN/tensorboard, MLflow file store: RUN/mlruns, W&B offline: RUN/wandb)."
-        ),
-    )
-    min_informative_groups: int | None = field(
-        default=None,
-        metadata=_help(
-            "Dynamic sampling: each iteration starts with N task groups (a seeded cycle through TASKS); groups "
-            "whose rewards are all equal are replaced by groups of tasks not yet run in that iteration, until N "
-            "are informative or --resample-budget is spent; the flat ones are not trained on (rollout/"
-            "informative.py)."
-        ),
-    )
-    resample_budget: int | None = field(
-        default=None,
-        metadata=_help(
-            "With --min-informative-groups N: at most M replacement groups per iteration (default: N)."
-        ),
-    )
-
-
-@dataclass
-class IterationStats:
-    iteration: int
-    weight_version: str | None
-    sessions: int
-    reward_mean: float
-    reward_std: float
-    pass_rate: float
-    sequences: int
-    requests: int
-    trainable_tokens: int
-    total_tokens: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    # --keep: sessions stopped once K of their group were done; no reward, so left out of the group (and of training)
-    cut_sessions: int = 0
-    # --eval-tasks: the held-out evaluation of the weights this iteration's training produced, when one was due
-    eval: EvalResult | None = None
-    # task groups rolled out, those with zero advantage (all rewards equal: not trained on), and the groups drawn to
-    # replace them (--min-informative-groups; 0 without it)
-    groups: int = 0
-    uninformative_groups: int = 0
-    replaced_groups: int = 0
-    # the trained calls by staleness: weight updates between the weights that sampled the call (its record's
-    # weight_version) and those the training started from — per call, so a session spanning a push counts in two
-    call_staleness: dict[str, int] = field(default_factory=dict)
-    # every group was flat: no optimizer step, the weights stayed (Loop._skipped_training)
-    train_skipped: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
-
-    def tracked_metrics(self) -> dict[str, float]:
-        """The figures a tracker gets for this iteration (`loop/…`, `eval/…`)."""
-        figures = {
-            key: value
-            for key, value in self.__dict__.items()
-            if key not in ("iteration", "weight_version", "eval")
-        }
-        metrics = numeric_metrics(figures, "loop")
-        if self.eval is not None:
-            metrics.update(eval_metrics(self.eval))
-        return metrics
-
-
-def eval_metrics(result: EvalResult) -> dict[str, float]:
-    """A held-out evaluation's figures for a tracker (`eval/pass@k`, `eval/reward_mean`)."""
-    return {**numeric_metrics(result.pass_at, "eval"), "eval/reward_mean": result.reward_mean}
-
-
-def cut_sessions(summary: RolloutSummary) -> int:
-    """Sessions the straggler cut (--keep) stopped: unevaluated, so without a reward."""
-    return sum(s.status == "cut" for s in summary.sessions)
-
-
-def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
-    rewards = [s.reward for s in summary.sessions if s.reward is not None]
-    if not rewards:
-        return 0.0, 0.0, 0.0
-    mean = sum(rewards) / len(rewards)
-    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-    return mean, std, sum(passed(r) for r in rewards) / len(rewards)
-
-
-def iteration_stats(
-    k: int, version: str | None, summary: RolloutSummary, merged: Any, seconds: dict[str, float]
-) -> IterationStats:
-    """Iteration k's figures from its rollout and merge summaries."""
-    mean, std, pass_rate = reward_stats(summary)
-    return IterationStats(
-        iteration=k,
-        weight_version=version,
-        sessions=len(summary.sessions),
-        reward_mean=mean,
-        reward_std=std,
-        pass_rate=pass_rate,
-        sequences=merged.sequences,
-        requests=merged.trainable_records,
-        trainable_tokens=merged.trainable_tokens,
-        total_tokens=merged.total_tokens,
-        seconds=seconds,
-        cut_sessions=cut_sessions(summary),
-        **group_figures(summary),
-    )
 
 
 class Loop:
@@ -410,7 +178,7 @@ class Loop:
         if self.cfg.ray_address is not None:
             return self._ray_rollout(k)  # one gateway per node, records under iter-K/flows/node-*/
         started = time.monotonic()
-        it = self.cfg.run_dir / f"iter-{k}"
+        it = iteration_dir(self.cfg.run_dir, k)
         # --min-informative-groups: N groups, flat ones replaced (informative.py); the final rollout measures all tasks
         sampler = group_sampler(self.cfg, self.tasks, k) if k < self.cfg.iterations else None
         tasks = self.tasks if sampler is None else sampler.first_wave()
@@ -488,7 +256,7 @@ class Loop:
         """`--ray`: iteration K's rollout on the cluster (the node actors live for the whole run)."""
         from polar_mitm.rollout.ray_driver import RayPool, write_report
 
-        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        cfg, it = self.cfg, iteration_dir(self.cfg.run_dir, k)
         started = time.monotonic()
         it.mkdir(parents=True, exist_ok=True)
         if self.ray_pool is None:
@@ -513,7 +281,7 @@ class Loop:
 
         started = time.monotonic()
         self.progress.stage(k, "merge")
-        merged = self.cfg.run_dir / f"iter-{k}" / "merged"
+        merged = iteration_dir(self.cfg.run_dir, k) / "merged"
         shutil.rmtree(merged, ignore_errors=True)  # what a merge a kill interrupted left
         summary = merge(
             [str(flows)],
@@ -562,18 +330,27 @@ class Loop:
     def _train(self, k: int) -> tuple[Path, str | None, float]:
         import torch
 
-        from polar_mitm.train.cli import lora_config, training_data
         from polar_mitm.train.data import load_sequences
         from polar_mitm.train.grpo_config import PolarGRPOConfig
         from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+        from polar_mitm.train.run import lora_config, training_data
         from polar_mitm.train.sync import attach_engine_push
 
-        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        cfg, it = self.cfg, iteration_dir(self.cfg.run_dir, k)
         started = time.monotonic()
         self.progress.stage(k, "train")
         fields = self.trainer_fields()
         if cfg.train_processes > 1:
-            saved_dir, version = train_in_processes(cfg, self._train_start(), it, fields)
+            lora_argv = ["--lora", "--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)]
+            lora_argv += ["--lora-target-modules", cfg.lora_target_modules]
+            saved_dir, version = train_in_processes(
+                cfg.train_processes,
+                cfg.per_device_batch_size,
+                self._train_start(),
+                it,
+                fields,
+                lora_argv if cfg.lora else None,
+            )
             log_training_metrics(self.tracker, it / "train" / "metrics.jsonl")
             return saved_dir, version, time.monotonic() - started
         data = training_data(load_sequences([it / "merged"]), fields)
@@ -630,13 +407,13 @@ class Loop:
     def _state(self, k: int) -> IterationState:
         with self._states_lock:
             if k not in self._states:
-                self._states[k] = IterationState(self.cfg.run_dir / f"iter-{k}", k)
+                self._states[k] = IterationState(iteration_dir(self.cfg.run_dir, k), k)
             return self._states[k]
 
     def _rollout_stage(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
         """Iteration k's rollout: done before (its rewards file), finished in part (the journalled sessions kept,
         the rest run now), or run whole."""
-        it, state = self.cfg.run_dir / f"iter-{k}", self._state(k)
+        it, state = iteration_dir(self.cfg.run_dir, k), self._state(k)
         if state.done("rollout"):
             summary = rewarded_summary(it / "rewards.parquet", self.tasks_by_id, state.info("rollout"))
             return summary, it / "flows", it / "rewards.parquet", state.info("rollout")["seconds"]
@@ -664,7 +441,7 @@ class Loop:
         """A rollout a kill interrupted: its finished sessions kept, each group's missing ones run under new ids
         (their records go beside the old ones; the killed sessions' records have no reward, so no merge uses them).
         Groups drawn to replace flat ones (--min-informative-groups) are completed, not drawn again."""
-        cfg, it = self.cfg, self.cfg.run_dir / f"iter-{k}"
+        cfg, it = self.cfg, iteration_dir(self.cfg.run_dir, k)
         started = time.monotonic()
         kept = [session_from_row(row, self.tasks_by_id) for row in finished]
         planned = self._planned_tasks(k, kept)
@@ -699,7 +476,7 @@ class Loop:
     def _train_stage(self, k: int) -> tuple[Path, str | None, float]:
         """Iteration k's training (unless done: its marker, or a training that saved all before a kill) and the push
         of its weights."""
-        it, state = self.cfg.run_dir / f"iter-{k}", self._state(k)
+        it, state = iteration_dir(self.cfg.run_dir, k), self._state(k)
         if not state.done("train"):
             state.begin("train")
             base = self.weight_version  # what the training starts from (staleness is measured against it)
@@ -727,12 +504,12 @@ class Loop:
         flat iterations were half its training time, and its KL rose on them). The weights, the optimizer and the
         LR schedule stay; the training still counts (RunState), and `RUN/iter-K/train/skipped.json` says why.
         --grpo keep_zero_advantage_groups=true trains on flat groups anyway."""
-        from polar_mitm.train.cli import training_data
         from polar_mitm.train.continuation import RunState, count_skipped_training, recover_run_state
         from polar_mitm.train.data import load_sequences
+        from polar_mitm.train.run import training_data
 
         started = time.monotonic()
-        it, directory = self.cfg.run_dir / f"iter-{k}", self.cfg.run_dir / RUN_STATE_DIR
+        it, directory = iteration_dir(self.cfg.run_dir, k), self.cfg.run_dir / RUN_STATE_DIR
         marker = it / "train" / SKIPPED_TRAINING_FILE
         if not marker.exists():
             fields = self.trainer_fields()
@@ -770,7 +547,7 @@ class Loop:
         None when it must run, with what an interrupted one left removed."""
         from polar_mitm.train.continuation import RunState, recover_run_state
 
-        it, directory = self.cfg.run_dir / f"iter-{k}", self.cfg.run_dir / RUN_STATE_DIR
+        it, directory = iteration_dir(self.cfg.run_dir, k), self.cfg.run_dir / RUN_STATE_DIR
         recover_run_state(directory)
         run_state = RunState.load(directory)
         if run_state.trainings == k + 1:
@@ -829,7 +606,7 @@ class Loop:
         self.weight_version = version or self.weight_version
         seconds = {"rollout": rollout_s, "merge": merge_s, "train": train_s}
         stats = iteration_stats(k, version, summary, figures, seconds)
-        stats.call_staleness = call_staleness(self.cfg.run_dir / f"iter-{k}", base)
+        stats.call_staleness = call_staleness(iteration_dir(self.cfg.run_dir, k), base)
         stats.train_skipped = bool(self._state(k).info("train").get("skipped"))
         stats.eval = self._eval_stage(k)
         return stats
@@ -911,7 +688,7 @@ class Loop:
             shutil.rmtree(cfg.run_dir / stale, ignore_errors=True)
         for marker in [*cfg.run_dir.glob("iter-*/state.json"), *cfg.run_dir.glob("iter-*/sessions.jsonl")]:
             marker.unlink()  # an earlier run's progress is not this one's
-        for name in (LOOP_FILE, "events.jsonl"):
+        for name in (LOOP_FILE, EVENTS_FILE):
             (cfg.run_dir / name).unlink(missing_ok=True)
         record_run(cfg.run_dir, cfg)
         append_event(cfg.run_dir, "start", 0, "rollout")
@@ -920,7 +697,7 @@ class Loop:
     def _resumed(self) -> list[IterationStats]:
         """--resume: the finished iterations (loop.json), and the weights to go on from (model_dir,
         weight_version) — the last training that finished, which may belong to the iteration resumed."""
-        from polar_mitm.rollout.saved_state import check_saved_run
+        from polar_mitm.loop.saved_state import check_saved_run
 
         cfg = self.cfg
         recorded = check_saved_run(cfg.run_dir)  # every file read below, checked before the engine starts
@@ -975,58 +752,11 @@ class Loop:
             self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
 
 
-ENGINE_WEIGHTS_DIR = "engine-weights"  # under iter-K/train: what the engine loads (train/sync.py's name)
-
-
-@dataclass
-class MergeFigures:
-    """What the loop keeps of a merge's summary (in iter-K/state.json, for a resumed run)."""
-
-    sequences: int
-    trainable_records: int
-    trainable_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, merged: Any) -> MergeFigures:
-        return cls(merged.sequences, merged.trainable_records, merged.trainable_tokens, merged.total_tokens)
-
-
-def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
-    """Iteration `it`'s trained calls (the records of the sessions in its training shards) counted by staleness
-    against `base_version`, the weights the training started from."""
-    import pyarrow.parquet as pq
-
-    from polar_mitm.storage.records import read_all
-    from polar_mitm.train.stats import version_distance
-
-    shards = sorted((it / "merged").rglob("*.parquet"))
-    trained = {
-        sid
-        for shard in shards
-        for sid in pq.read_table(shard, columns=["session_id"])["session_id"].to_pylist()
-    }
-    counts: Counter = Counter()
-    for row in read_all(it / "flows").select(["session_id", "weight_version"]).to_pylist():
-        if row["session_id"] in trained:
-            counts[str(version_distance(base_version, row["weight_version"]))] += 1
-    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
-
-
-def stats_from_json(row: dict[str, Any]) -> IterationStats:
-    """An iteration's figures back from loop.json."""
-    names = {f.name for f in IterationStats.__dataclass_fields__.values()}
-    values = {key: value for key, value in row.items() if key in names}
-    if values.get("eval") is not None:
-        values["eval"] = EvalResult(**values["eval"])
-    return IterationStats(**values)
-
-
 def rewarded_summary(path: Path, tasks: dict[str, Task], info: dict[str, Any]) -> RolloutSummary:
     """A finished rollout back from its rewards file (and its marker's figures)."""
     import pyarrow.parquet as pq
 
-    from polar_mitm.rollout.informative import SampledRolloutSummary
+    from polar_mitm.loop.informative import SampledRolloutSummary
 
     sessions = [session_from_row(row, tasks) for row in pq.read_table(path).to_pylist()]
     return SampledRolloutSummary(
@@ -1082,82 +812,3 @@ class RolloutsAhead:
 
     def trained(self) -> None:
         self.permits.release()
-
-
-def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
-    """How to start `processes` data-parallel trainer processes: accelerate on GPUs, torchrun + gloo on CPU.
-
-    (`accelerate launch --cpu --num_processes N` starts one process unless MPI is configured; torchrun with
-    ACCELERATE_USE_CPU is what works on CPU — see recipes/training.md.)
-    """
-    import sys
-
-    import torch
-
-    python = Path(sys.executable)
-    if torch.cuda.is_available():
-        return [str(python.with_name("accelerate")), "launch", "--num_processes", str(processes), "-m"], {}
-    return (
-        [str(python.with_name("torchrun")), "--standalone", "--nproc_per_node", str(processes), "-m"],
-        {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
-    )
-
-
-@contextlib.contextmanager
-def engine_key_file(engine_url: str | None, it: Path) -> Iterator[dict[str, str]]:
-    """The environment that lets trainer processes push to `engine_url`: its key in an owner-only file named by
-    $POLAR_ENGINE_KEY_FILE, removed when they are done (torchrun does not pass an inherited pipe on to its workers,
-    and a key in the environment would be readable in /proc)."""
-    key = engine_keys.key_for(engine_url) if engine_url else None
-    if key is None:
-        yield {}
-        return
-    fd, name = tempfile.mkstemp(prefix=".engine-key-", dir=private_dir(it))  # mkstemp: mode 600
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(key)
-        yield {engine_keys.KEY_FILE_ENV: name}
-    finally:
-        Path(name).unlink(missing_ok=True)
-
-
-def train_in_processes(
-    cfg: LoopConfig, start: Path, it: Path, fields: dict[str, Any]
-) -> tuple[Path, str | None]:
-    """One GRPO step as `cfg.train_processes` processes running `polar-mitm grpo` with the trainer `fields` as its
-    options (the same run state, so the optimizer continues as in-process); returns (weights, version)."""
-    import subprocess
-
-    from polar_mitm.train.cli import grpo_argv
-
-    n = cfg.train_processes
-    if cfg.per_device_batch_size % n:
-        raise ValueError(
-            f"--batch-size {cfg.per_device_batch_size} must be divisible by --train-processes {n} "
-            f"(the global batch stays the same)"
-        )
-    out = it / "train"
-    launcher, env = train_launcher(n)
-    per_process = {**fields, "per_device_train_batch_size": cfg.per_device_batch_size // n}
-    argv = [
-        *launcher,
-        "polar_mitm.cli",
-        "grpo",
-        *("--data", str(it / "merged"), "--model", str(start), "-o", str(out), "--report-to", "none"),
-        *grpo_argv(per_process),
-    ]
-    if cfg.lora:
-        argv += ["--lora", "--lora-r", str(cfg.lora_r), "--lora-alpha", str(cfg.lora_alpha)]
-        argv += ["--lora-target-modules", cfg.lora_target_modules]
-    log = it / "train.log"
-    with engine_key_file(fields.get("push_to_engine"), it) as key_env, open(log, "wb") as sink:
-        done = subprocess.run(
-            argv, env={**os.environ, **env, **key_env}, stdout=sink, stderr=subprocess.STDOUT
-        )
-    if done.returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the {n}-process GRPO step failed (exit {done.returncode}); log {log}:\n{tail}")
-    result = json.loads((out / "result.json").read_text())
-    (it / "data_stats.json").write_text((out / "data_stats.json").read_text())
-    saved = Path(result.get("merged") or result["model"])
-    return saved, result.get("weight_version")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.rollout.loop import Loop, LoopConfig
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.loop import Loop
 from polar_mitm.storage.records import read_all
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"

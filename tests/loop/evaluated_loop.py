@@ -44,7 +44,8 @@ def report_after(run_dir: Path, iteration: int) -> Path:
 
 def evaluated_loop_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared run's directory, running the loop if this session has not yet."""
-    from polar_mitm.rollout.loop import Loop, LoopConfig
+    from polar_mitm.loop.config import LoopConfig
+    from polar_mitm.loop.loop import Loop
 
     base = tmp_path_factory.getbasetemp() / "evaluated-loop"
     run_dir = base / "run"

@@ -15,26 +15,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
-from polar_mitm.rollout.evaluation import EvalResult
-from polar_mitm.rollout.loop import (
-    RUN_STATE_DIR,
-    SKIPPED_TRAINING_FILE,
-    START_EVAL_DIR,
-    IterationStats,
-    LoopConfig,
-    MergeFigures,
-)
-from polar_mitm.rollout.run_state import (
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.evaluation import EvalResult
+from polar_mitm.loop.figures import IterationStats, MergeFigures
+from polar_mitm.loop.run_state import RunRecordError, rebased_config_json
+from polar_mitm.storage.run_layout import (
+    ITERATION_GLOB,
     LOOP_FILE,
     RUN_RECORD,
+    RUN_STATE_DIR,
+    RUN_STATE_FILE,
     SESSIONS_FILE,
+    SKIPPED_TRAINING_FILE,
+    START_EVAL_DIR,
     STATE_FILE,
-    RunRecordError,
-    rebased_config_json,
 )
-from polar_mitm.rollout.tasks import TaskFileError, load_tasks
+from polar_mitm.tasks.task_file import TaskFileError, load_tasks
 
-RUN_STATE_FILE = "run_state.json"  # train/continuation.py's name (importing it takes torch: seconds)
 RESTORE = "restore it from a copy of the run, or start a new run directory"
 # LoopConfig's counts that no run can have fewer of (a tampered `group_size: 0` would train on empty groups).
 AT_LEAST = {
@@ -268,7 +265,7 @@ def check_saved_run(run_dir: Path) -> LoopConfig:
             validated(RunStateFile, state / RUN_STATE_FILE)
     if (run_dir / START_EVAL_DIR / "eval.json").exists():
         validated(SavedEval, run_dir / START_EVAL_DIR / "eval.json")
-    for it in sorted(run_dir.glob("iter-*")):
+    for it in sorted(run_dir.glob(ITERATION_GLOB)):
         if (it / STATE_FILE).exists():
             validated(IterationStateFile, it / STATE_FILE)
         if (it / SESSIONS_FILE).exists():

@@ -3,7 +3,7 @@ back with the tracker's own library — TensorBoard's EventAccumulator, MLflow's
 W&B's own record protobufs in its offline run files (W&B has no reader for offline runs but its sync).
 
 The tracker objects are driven directly for the resume semantics (seconds); the shared evaluated 2-iteration loop
-(tests/rollout/evaluated_loop.py, all three trackers at once) shows the loop's reward and evaluation and the
+(tests/loop/evaluated_loop.py, all three trackers at once) shows the loop's reward and evaluation and the
 trainer's loss for both iterations in each store; and test_loop_resume's one run, killed with SIGKILL at every
 stage and resumed each time, calls check_one_tracked_run_across_resumes: one tracked run per store across them.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.rollout.trackers import (
+from polar_mitm.loop.trackers import (
     MLFLOW_DIR,
     PROJECT,
     TENSORBOARD_DIR,
@@ -30,7 +30,7 @@ from polar_mitm.rollout.trackers import (
     offline_environment,
     open_tracker,
 )
-from tests.rollout.evaluated_loop import ITERATIONS, evaluated_loop_run
+from tests.loop.evaluated_loop import ITERATIONS, evaluated_loop_run
 
 ALL = "tensorboard,mlflow,wandb"
 Scalars = dict[str, dict[int, float]]  # tag → step → value

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.rollout.runner import run_shell
-from polar_mitm.rollout.swe import SweOptions, load_instances, write_tasks
-from polar_mitm.rollout.swe_grading import GradingSpec
-from polar_mitm.rollout.swe_workspace import is_steering
-from polar_mitm.rollout.tasks import Task, load_tasks
+from polar_mitm.tasks.swe import SweOptions, load_instances, write_tasks
+from polar_mitm.tasks.swe_grading import GradingSpec
+from polar_mitm.tasks.swe_workspace import is_steering
+from polar_mitm.tasks.task_file import Task, load_tasks
 
 SET = Path(__file__).resolve().parents[2] / "examples" / "swe_tasks"
 TASK_ID = "inflection__pluralize-sh"
@@ -261,7 +261,7 @@ def grade_calc(workspace: Path, base_commit: str, env_dir: str, root: Path) -> s
             sys.executable,
             "-P",
             "-m",
-            "polar_mitm.rollout.swe_grading",
+            "polar_mitm.tasks.swe_grading",
             "grade",
             str(root / "calc-spec.json"),
             digest,

@@ -1,4 +1,4 @@
-"""`polar-mitm agent`, also runnable as `python -m polar_mitm.agent_cli`: the reference SDK agent's command.
+"""`polar-mitm agent`, also runnable as `python -m polar_mitm.agent.cli`: the reference SDK agent's command.
 
 A module of its own so a rollout session starts it without importing the rest of the CLI (the loop, the trainer,
 pyarrow, pandas): that import was about a second of CPU per session, more than the demo model's compute.
@@ -30,7 +30,7 @@ def agent(
     stream: Annotated[bool, typer.Option(help="Ask for SSE streams.")] = True,
 ) -> None:
     """A minimal reference coding agent on the official SDKs: one `shell` tool, run for real in WORKDIR."""
-    from polar_mitm.sdk_agent import DRIVERS, shell_runner
+    from polar_mitm.agent.sdk_agent import DRIVERS, shell_runner
 
     result = DRIVERS[provider](
         prompt,

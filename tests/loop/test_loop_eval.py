@@ -16,11 +16,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.rollout.evaluation import check_held_out, eval_due, pass_at_k, reported_ks
-from polar_mitm.rollout.tasks import load_tasks
-from polar_mitm.rollout.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_tracker
+from polar_mitm.loop.evaluation import check_held_out, eval_due, pass_at_k, reported_ks
+from polar_mitm.loop.trackers import TENSORBOARD_DIR, TrackerUnavailable, check_tracker
 from polar_mitm.storage.records import read_all
-from tests.rollout.evaluated_loop import EVAL_SAMPLES, EXAMPLES, HELD_OUT, ITERATIONS, evaluated_loop_run
+from polar_mitm.tasks.task_file import load_tasks
+from tests.loop.evaluated_loop import EVAL_SAMPLES, EXAMPLES, HELD_OUT, ITERATIONS, evaluated_loop_run
 
 
 def pass_at_k_by_enumeration(samples: int, correct: int, k: int) -> float:

@@ -12,7 +12,7 @@ from math import comb
 from typing import Any
 
 from polar_mitm.rollout.runner import RolloutSummary
-from polar_mitm.rollout.tasks import Task, passed
+from polar_mitm.tasks.task_file import Task, passed
 
 
 def pass_at_k(samples: int, correct: int, k: int) -> float:

@@ -22,7 +22,9 @@ from transformers import TrainerCallback
 
 from polar_mitm import engine_keys, procs
 from polar_mitm.engine.generation import Engine
-from polar_mitm.rollout.loop import RUN_STATE_DIR, Loop, LoopConfig
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.loop import Loop
+from polar_mitm.storage.run_layout import RUN_STATE_DIR
 from tests.train.scored_rows import task_groups, write_merged
 
 pytestmark = pytest.mark.slow
@@ -144,7 +146,7 @@ def test_an_iteration_whose_groups_are_all_flat_takes_no_optimizer_step(tmp_path
     """Equal rewards in every group: no policy gradient, so no training at all — AdamW's momentum alone would move
     the weights. The weights, the optimizer and the pushed version stay, the training still counts, and the next
     informative iteration continues the optimizer exactly where the last real training left it."""
-    from polar_mitm.rollout.loop import SKIPPED_TRAINING_FILE
+    from polar_mitm.storage.run_layout import SKIPPED_TRAINING_FILE
     from polar_mitm.train.continuation import RunState
 
     loop = make_loop(tmp_path / "run", tiny_model_dir)

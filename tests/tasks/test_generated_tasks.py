@@ -1,4 +1,4 @@
-"""`polar-mitm tasks generate` (rollout/generated_tasks.py) and the answer check (rollout/answer_check.py): a split
+"""`polar-mitm tasks generate` (tasks/generated.py) and the answer check (tasks/answer_check.py): a split
 whose held-out tasks no training prompt contains, the same files for the same seed, and a check that grades what
 the harness finally said — run by the real rollout runner, which names the harness's output for the evaluation."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.rollout.answer_check import grade
-from polar_mitm.rollout.generated_tasks import FAMILIES, TaskSplit, check_split, generate, write_split
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
-from polar_mitm.rollout.tasks import load_tasks, passed
+from polar_mitm.tasks.answer_check import grade
+from polar_mitm.tasks.generated import FAMILIES, TaskSplit, check_split, generate, write_split
+from polar_mitm.tasks.task_file import load_tasks, passed
 
 
 @pytest.mark.parametrize(

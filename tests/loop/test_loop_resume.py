@@ -26,8 +26,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.rollout.run_state import read_lines
-from polar_mitm.rollout.trackers import TRACKER_STATE
+from polar_mitm.loop.run_state import read_lines
+from polar_mitm.loop.trackers import TRACKER_STATE
 from polar_mitm.storage.records import read_all
 from polar_mitm.train.continuation import RunState
 
@@ -236,7 +236,7 @@ def test_one_run_killed_at_every_stage_and_resumed_each_time(task_file, tmp_path
     """One 2-iteration run killed with SIGKILL in iteration 0's rollout, merge, training and push, then in iteration
     1's rollout, resumed with `--resume -o RUN` alone after each kill; `--keep-checkpoints 1` kept what each resume
     needed and pruned iteration 0's weights once iteration 1 had trained; the three trackers hold one run."""
-    from tests.rollout.test_trackers import ALL, check_one_tracked_run_across_resumes, tracker_state
+    from tests.loop.test_trackers import ALL, check_one_tracked_run_across_resumes, tracker_state
 
     run_dir = tmp_path / "run"
     argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--keep-checkpoints", "1", "--report-to", ALL]
@@ -266,8 +266,8 @@ def test_one_run_killed_at_every_stage_and_resumed_each_time(task_file, tmp_path
 
 
 def test_resume_refuses_other_options_and_a_missing_record_in_one_line(task_file, tmp_path):
-    from polar_mitm.rollout.loop import LoopConfig
-    from polar_mitm.rollout.run_state import record_run
+    from polar_mitm.loop.config import LoopConfig
+    from polar_mitm.loop.run_state import record_run
 
     run_dir = tmp_path / "run"
     missing = subprocess.run(loop_argv("-o", str(run_dir), "--resume"), capture_output=True, text=True)
@@ -289,12 +289,8 @@ def test_resume_refuses_other_options_and_a_missing_record_in_one_line(task_file
 def test_a_save_killed_midway_leaves_the_previous_trainer_state(tmp_path):
     """continuation.py's swap: a staging copy without run_state.json (killed mid-save) is dropped; a complete one
     replaces the state, also when the kill came between the two renames."""
-    from polar_mitm.train.continuation import (
-        RUN_STATE_FILE,
-        publish_run_state,
-        recover_run_state,
-        staging_dir,
-    )
+    from polar_mitm.storage.run_layout import RUN_STATE_FILE
+    from polar_mitm.train.continuation import publish_run_state, recover_run_state, staging_dir
 
     def save(directory: Path, trainings: int, complete: bool = True) -> None:
         staged = staging_dir(directory)
@@ -321,7 +317,7 @@ def test_a_save_killed_midway_leaves_the_previous_trainer_state(tmp_path):
 def test_a_line_appended_after_a_torn_one_is_its_own_line(tmp_path):
     """A kill mid-append leaves a torn last line (sessions.jsonl, events.jsonl); what the resumed run appends next
     must not be glued to it and lost with it."""
-    from polar_mitm.rollout.run_state import append_line
+    from polar_mitm.loop.run_state import append_line
 
     path = tmp_path / "sessions.jsonl"
     path.write_text('{"session_id": "a"}\n{"session_id": "tor')
@@ -333,7 +329,7 @@ def test_a_line_appended_after_a_torn_one_is_its_own_line(tmp_path):
 def test_keep_checkpoints_never_prunes_the_weights_a_skipped_training_left_in_service(tmp_path):
     """An iteration with only flat groups trains nothing (no weights in its train/): `--keep-checkpoints 1` keeps the
     newest training that holds weights, which is what the engine serves and a resume starts from."""
-    from polar_mitm.rollout.run_state import prune_checkpoints
+    from polar_mitm.loop.run_state import prune_checkpoints
 
     for k in (0, 1):
         (tmp_path / f"iter-{k}" / "train" / "checkpoint-2").mkdir(parents=True)

@@ -19,8 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import typer
 
-from polar_mitm.rollout.cli import checked_loop, groups_cell
-from polar_mitm.rollout.informative import (
+from polar_mitm.loop.cli import checked_loop, groups_cell
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.figures import IterationStats
+from polar_mitm.loop.informative import (
     GroupSampler,
     SampledRolloutSummary,
     combined_summary,
@@ -33,11 +35,11 @@ from polar_mitm.rollout.informative import (
     sample_groups,
     uninformative_tasks,
 )
-from polar_mitm.rollout.loop import IterationStats, Loop, LoopConfig
+from polar_mitm.loop.loop import Loop
 from polar_mitm.rollout.runner import RolloutSummary, SessionRun
-from polar_mitm.rollout.tasks import Task
 from polar_mitm.storage.merged import read_merged
 from polar_mitm.storage.records import read_all
+from polar_mitm.tasks.task_file import Task
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
 

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from polar_mitm.rollout.swe import DEFAULT_PROMPT, InstanceError, SweOptions, load_instances, write_tasks
-from polar_mitm.rollout.tasks import TaskFileError, load_tasks
+from polar_mitm.tasks.swe import DEFAULT_PROMPT, InstanceError, SweOptions, load_instances, write_tasks
+from polar_mitm.tasks.task_file import TaskFileError, load_tasks
 
 tasks_app = typer.Typer(
     help="Make rollout task files (`tasks swe`: SWE-bench / SWE-Gym instances; `tasks generate`: small generated "
@@ -29,8 +29,8 @@ def generate_command(
     held_out: Annotated[int, typer.Option(help="Held-out tasks per family (never trained on).")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the split and the order.")] = 0,
 ) -> None:
-    """Generated tasks (polar_mitm/rollout/generated_tasks.py): disjoint training and held-out item pools."""
-    from polar_mitm.rollout.generated_tasks import generate, write_split
+    """Generated tasks (polar_mitm/tasks/generated.py): disjoint training and held-out item pools."""
+    from polar_mitm.tasks.generated import generate, write_split
 
     try:
         split = generate([f.strip() for f in family.split(",") if f.strip()], train, held_out, seed)

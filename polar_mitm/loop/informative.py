@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from polar_mitm.rollout.runner import RolloutSummary, SessionRun
-from polar_mitm.rollout.tasks import Task
+from polar_mitm.tasks.task_file import Task
 from polar_mitm.train.advantages import ZERO_VARIANCE_TOL
 
 if TYPE_CHECKING:
-    from polar_mitm.rollout.loop import LoopConfig
+    from polar_mitm.loop.config import LoopConfig
 
 
 def group_rewards(sessions: Sequence[SessionRun]) -> dict[str, list[float]]:

@@ -9,7 +9,7 @@
 `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A session *passes* (pass rates,
 pass@k) when its reward reaches full marks, 1.0 (`passed`): a graded check's partial credit is reward, not a pass.
 The evaluation runs in the session's workspace with `$POLAR_HARNESS_OUTPUT` naming the harness's output (its log),
-for checks that grade the agent's final answer (`python -P -m polar_mitm.rollout.answer_check`). A relative `workspace.dir`
+for checks that grade the agent's final answer (`python -P -m polar_mitm.tasks.answer_check`). A relative `workspace.dir`
 is resolved against the task file's folder; `workspace.git` clones a repository (local path, scp-like address, or a
 file/http(s)/ssh/git URL; transport helpers such as `ext::` are refused) instead — git gets it as one argument,
 never through a shell.

@@ -1,5 +1,5 @@
 """`polar-mitm loop --resume` on a tampered run directory (issue 36 item 13): every file a resume reads is checked
-before anything starts (rollout/saved_state.py); a bad one is one line naming it (and the line of a JSON-lines file),
+before anything starts (loop/saved_state.py); a bad one is one line naming it (and the line of a JSON-lines file),
 a non-zero exit, and no engine or gateway started. The run directory is written directly (the check needs no run),
 as the loop writes it after iteration 0 trained."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.rollout.loop import LoopConfig
-from polar_mitm.rollout.run_state import record_run
+from polar_mitm.loop.config import LoopConfig
+from polar_mitm.loop.run_state import record_run
 from polar_mitm.train.continuation import RunState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
@@ -172,7 +172,7 @@ def assert_nothing_started(run: Path) -> None:
 
 
 def test_the_untampered_run_passes_the_check(run_dir):
-    from polar_mitm.rollout.saved_state import check_saved_run
+    from polar_mitm.loop.saved_state import check_saved_run
 
     cfg = check_saved_run(run_dir)
     assert cfg.run_dir == run_dir.resolve() and cfg.group_size == 2
@@ -207,6 +207,6 @@ def test_a_recorded_harness_other_than_the_command_line_s_needs_yes(run_dir, tmp
 def test_the_run_state_check_has_the_trainer_s_fields():
     from dataclasses import fields
 
-    from polar_mitm.rollout.saved_state import RunStateFile
+    from polar_mitm.loop.saved_state import RunStateFile
 
     assert set(RunStateFile.model_fields) == {f.name for f in fields(RunState)}

@@ -8,7 +8,7 @@ gives it nothing to learn from; it does answer small sums, mostly wordily ("3 + 
 Families (each task's own check grades it):
 
 - `add`: "What is A + B? Reply with the number only." — graded on the harness's final answer by
-  `polar_mitm.rollout.answer_check`, run from the installed package (1.0 the number alone, 0.5 a short reply
+  `polar_mitm.tasks.answer_check`, run from the installed package (1.0 the number alone, 0.5 a short reply
   whose only number it is, 0.0 otherwise, negations and lists of candidates included); A, B in 0..ADD_MAX.
   Nothing in the task folder is run: a check script there was one an agent could replace for every later run.
 - `write`: "Create a file NAME that contains the single line: WORD" — checked in the workspace (exit code), with
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.rollout import answer_check
+from polar_mitm.tasks import answer_check
 
 FAMILIES = ("add", "write")
 ADD_MAX = 9

@@ -2,13 +2,13 @@
 
 One instance (a row of a SWE-bench-format JSONL or Parquet file: `instance_id`, `repo`, `base_commit`,
 `problem_statement`, `test_patch`, `FAIL_TO_PASS`, `PASS_TO_PASS`, optional `patch`, `version`, `hints_text`, …)
-becomes one task of the rollout's task file (polar_mitm/rollout/tasks.py):
+becomes one task of the rollout's task file (polar_mitm/tasks/task_file.py):
 
     workspace  the repository cloned from a mirror directory or a git URL, checked out at `base_commit`, its other
                refs and history beyond `base_commit` removed (a later commit would hold the fix)
     prompt     the problem statement in a template the user can change ({problem_statement}, {repo}, …)
     setup      INIT prepares the task's test environment once (a venv per task, or pulls the image) and reuses it
-    eval       `python -m polar_mitm.rollout.swe_grading grade SPEC`: restores the test files, applies
+    eval       `python -m polar_mitm.tasks.swe_grading grade SPEC`: restores the test files, applies
                `test_patch`, runs the tests, grades them with swebench's parser and grading rules → reward
 
 What grading needs but the agent must not see (test_patch, the test lists) goes to one JSON spec per task in
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.harness.base import id_problem
-from polar_mitm.rollout.swe_grading import GradingSpec, patched_files
+from polar_mitm.tasks.swe_grading import GradingSpec, patched_files
 
 REQUIRED_TEXT = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch")
 OPTIONAL_TEXT = ("patch", "version", "hints_text", "environment_setup_commit", "created_at")
@@ -208,7 +208,7 @@ class SweOptions:
         _check_template(self.prompt_template, PROMPT_FIELDS, "prompt template")
         if self.image:
             _check_template(self.image, IMAGE_FIELDS, "--image")
-        from polar_mitm.rollout.swe_grading import log_parser
+        from polar_mitm.tasks.swe_grading import log_parser
 
         log_parser(self.log_parser)
 
@@ -311,7 +311,7 @@ def instance_task(
 ) -> dict[str, Any]:
     """The task-file object of one instance (tasks.py format); its commands pin the spec by its sha256."""
     # -P: the workspace (the command's cwd) is not on sys.path, so a polar_mitm/ or swebench/ there is not imported.
-    grader = f"{shlex.quote(sys.executable)} -P -m polar_mitm.rollout.swe_grading"
+    grader = f"{shlex.quote(sys.executable)} -P -m polar_mitm.tasks.swe_grading"
     spec_arguments = f"{shlex.quote(str(spec_path))} {spec_sha256}"
     org, name = instance.repo.split("/")
     fields = {

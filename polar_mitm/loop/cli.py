@@ -1,0 +1,267 @@
+"""`polar-mitm loop`: the RL loop, whose options are LoopConfig's fields plus every `polar-mitm grpo` option
+(`LoopCommand`: generated from PolarGRPOConfig like grpo's, but for the fields the loop sets itself, `LOOP_SETS`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
+from polar_mitm.reconstruct.builders import BuilderName
+from polar_mitm.rollout.cli import fail, help_of, load_inputs
+from polar_mitm.train.config_options import (
+    CONFIG_FIELDS,
+    RENAMED_OPTIONS,
+    TRL_OPTIONS,
+    ConfigOptionsCommand,
+    config_options,
+)
+
+console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
+
+
+def loop_trainer_options() -> list:
+    """`polar-mitm loop`'s trainer options: `polar-mitm grpo`'s, generated from the same PolarGRPOConfig, without the
+    fields the loop sets (LOOP_SETS) and with the loop's defaults where they differ (LOOP_TRAINER_DEFAULTS)."""
+    from polar_mitm.train.grpo_config import PolarGRPOConfig
+
+    trl = {
+        name: dataclasses.replace(option, default=LOOP_TRAINER_DEFAULTS[name])
+        if name in LOOP_TRAINER_DEFAULTS
+        else option
+        for name, option in TRL_OPTIONS.items()
+    }
+    return config_options(PolarGRPOConfig, trl, RENAMED_OPTIONS, exclude=LOOP_SETS)
+
+
+class LoopCommand(ConfigOptionsCommand):
+    """`polar-mitm loop`: LoopConfig's options and `loop_trainer_options()`, whose values become `LoopConfig.grpo`."""
+
+    def config_options(self) -> list:
+        return loop_trainer_options()
+
+
+def iteration_table(results):
+    from rich.table import Table
+
+    evaluated = [r.eval for r in results if r.eval is not None]
+    caption = (
+        "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); "
+        "groups: informative / all (+ drawn to replace flat ones)"
+    )
+    if evaluated:
+        caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
+    table = Table(title="polar-mitm loop", caption=caption)
+    columns = [
+        "it",
+        "weights",
+        "sessions",
+        "reward",
+        "±",
+        "pass",
+        "groups",
+        "calls",
+        "seqs",
+        "sampled/total tok",
+        "seconds",
+    ]
+    for col in [*columns, *(["held-out"] if evaluated else [])]:
+        table.add_column(col, justify="right")
+    for r in results:
+        s = r.seconds
+        held_out = [eval_cell(r.eval)] if evaluated else []
+        table.add_row(
+            str(r.iteration),
+            str(r.weight_version),
+            f"{r.sessions} ({r.cut_sessions} cut)" if r.cut_sessions else str(r.sessions),
+            f"{r.reward_mean:.3f}",
+            f"{r.reward_std:.2f}",
+            f"{r.pass_rate:.0%}",
+            groups_cell(r),
+            str(r.requests),
+            str(r.sequences),
+            f"{r.trainable_tokens}/{r.total_tokens}",
+            f"{s['rollout']:.0f}/{s['merge']:.0f}/" + ("skip" if r.train_skipped else f"{s['train']:.0f}"),
+            *held_out,
+        )
+    return table
+
+
+def groups_cell(stats) -> str:
+    """An iteration's task groups: informative / all, and `+N` when N of them replaced flat ones."""
+    cell = f"{stats.groups - stats.uninformative_groups}/{stats.groups}"
+    return f"{cell} +{stats.replaced_groups}" if stats.replaced_groups else cell
+
+
+def eval_cell(result) -> str:
+    """An iteration's held-out figures: pass@1 / pass@N (blank where no evaluation was due)."""
+    if result is None:
+        return ""
+    top = max(result.pass_at, key=lambda name: int(name.split("@")[1]), default=None)
+    if top is None:
+        return "no attempts"
+    return f"{result.pass_at['pass@1']:.2f} / {result.pass_at[top]:.2f}"
+
+
+# `polar-mitm loop` options spelt otherwise than their LoopConfig field.
+LOOP_OPTION_FIELDS = {"engine": "engine_url", "batch_size": "per_device_batch_size", "ray": "ray_address"}
+
+
+def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
+    """The LoopConfig of `polar-mitm loop`'s parsed options: its own by option name, the trainer's (the generated
+    `loop_trainer_options`) by PolarGRPOConfig field name."""
+    return LoopConfig(**{LOOP_OPTION_FIELDS.get(k, k): v for k, v in options.items()}, grpo=dict(grpo))
+
+
+def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopConfig:
+    """The options as given; with --resume, the run's recorded config (RUN/run.json, every saved file checked first:
+    saved_state.py) for the folder given, any option given again checked against it (a different value ends the
+    command with one line), and a recorded harness other than this command line's run only with --yes."""
+    from polar_mitm.loop.run_state import RunRecordError, resumed_config
+    from polar_mitm.loop.saved_state import check_saved_run
+
+    grpo = ctx.meta[CONFIG_FIELDS]
+    if not given["resume"]:
+        if given["tasks"] is None:
+            raise fail("missing TASKS (the task file), or --resume -o RUN to carry on a run")
+        return loop_config(given, grpo)
+    # (typer vendors its own click: the source is compared by name, not with click's enum)
+    typed = {
+        name
+        for name in [*given, *grpo]
+        if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+    }
+    explicit = {LOOP_OPTION_FIELDS.get(k, k): v for k, v in given.items() if k in typed and k != "run_dir"}
+    explicit["grpo"] = {k: v for k, v in grpo.items() if k in typed}
+    try:
+        cfg = resumed_config(given["run_dir"], check_saved_run(given["run_dir"]), explicit)
+    except RunRecordError as exc:
+        raise fail(str(exc)) from None
+    # run.json says what command the sessions run: one edited by anyone else must not run unseen.
+    if cfg.harness != given["harness"] and not given["yes"]:
+        raise fail(
+            f"--resume: {cfg.run_dir / 'run.json'} runs the harness {cfg.harness!r}, this command line's --harness "
+            f"is {given['harness']!r}: add --yes to run the recorded one, or start a new run directory"
+        )
+    return cfg
+
+
+def loop_command(
+    ctx: typer.Context,
+    tasks: Annotated[Path | None, typer.Argument(help=help_of(LoopConfig, "tasks"))] = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
+        "runs/loop"
+    ),
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help=help_of(LoopConfig, "iterations"))] = (
+        LoopConfig.iterations
+    ),
+    harness: Annotated[str, typer.Option(help=help_of(LoopConfig, "harness"))] = LoopConfig.harness,
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help=help_of(LoopConfig, "group_size"))] = (
+        LoopConfig.group_size
+    ),
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))
+    ] = (LoopConfig.concurrency),
+    gateways: Annotated[int, typer.Option(help=help_of(LoopConfig, "gateways"))] = LoopConfig.gateways,
+    model: Annotated[str, typer.Option(help=help_of(LoopConfig, "model"))] = LoopConfig.model,
+    script: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "script"))] = LoopConfig.script,
+    engine: Annotated[
+        str | None, typer.Option(help=help_of(LoopConfig, "engine_url"))
+    ] = LoopConfig.engine_url,
+    temperature: Annotated[
+        float, typer.Option(help=help_of(LoopConfig, "temperature"))
+    ] = LoopConfig.temperature,
+    max_tokens: Annotated[int, typer.Option(help=help_of(LoopConfig, "max_tokens"))] = LoopConfig.max_tokens,
+    learning_rate: Annotated[float, typer.Option(help=help_of(LoopConfig, "learning_rate"))] = (
+        LoopConfig.learning_rate
+    ),
+    batch_size: Annotated[int, typer.Option(help=help_of(LoopConfig, "per_device_batch_size"))] = (
+        LoopConfig.per_device_batch_size
+    ),
+    epochs: Annotated[float, typer.Option(help=help_of(LoopConfig, "epochs"))] = LoopConfig.epochs,
+    lora: Annotated[bool, typer.Option(help=help_of(LoopConfig, "lora"))] = LoopConfig.lora,
+    lora_r: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_r"))] = LoopConfig.lora_r,
+    lora_alpha: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_alpha"))] = LoopConfig.lora_alpha,
+    lora_target_modules: Annotated[str, typer.Option(help=help_of(LoopConfig, "lora_target_modules"))] = (
+        LoopConfig.lora_target_modules
+    ),
+    builder: Annotated[BuilderName, typer.Option(help=help_of(LoopConfig, "builder"))] = LoopConfig.builder,
+    overlap: Annotated[int, typer.Option(help=help_of(LoopConfig, "overlap"))] = LoopConfig.overlap,
+    keep: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "keep"))] = LoopConfig.keep,
+    ray: Annotated[str | None, typer.Option("--ray", help=help_of(LoopConfig, "ray_address"))] = (
+        LoopConfig.ray_address
+    ),
+    train_processes: Annotated[int, typer.Option(help=help_of(LoopConfig, "train_processes"))] = (
+        LoopConfig.train_processes
+    ),
+    eval_tasks: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "eval_tasks"))] = (
+        LoopConfig.eval_tasks
+    ),
+    eval_every: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_every"))] = LoopConfig.eval_every,
+    eval_samples: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_samples"))] = (
+        LoopConfig.eval_samples
+    ),
+    eval_greedy: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_greedy"))] = (
+        LoopConfig.eval_greedy
+    ),
+    eval_start: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_start"))] = LoopConfig.eval_start,
+    report_to: Annotated[str, typer.Option(help=help_of(LoopConfig, "report_to"))] = LoopConfig.report_to,
+    min_informative_groups: Annotated[
+        int | None, typer.Option(help=help_of(LoopConfig, "min_informative_groups"))
+    ] = LoopConfig.min_informative_groups,
+    resample_budget: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "resample_budget"))] = (
+        LoopConfig.resample_budget
+    ),
+    resume: Annotated[bool, typer.Option("--resume", help=help_of(LoopConfig, "resume"))] = LoopConfig.resume,
+    keep_checkpoints: Annotated[
+        int | None, typer.Option(help=help_of(LoopConfig, "keep_checkpoints"))
+    ] = LoopConfig.keep_checkpoints,
+    yes: Annotated[bool, typer.Option("--yes", help=help_of(LoopConfig, "yes"))] = LoopConfig.yes,
+) -> None:
+    """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
+    schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
+    iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
+    given = {name: value for name, value in locals().items() if name != "ctx"}  # the loop's own options
+    loop = checked_loop(given_or_resumed_config(ctx, given))
+    from polar_mitm.loop.progress import RichLoopProgress, quiet_libraries
+
+    quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
+    with RichLoopProgress(console, loop.cfg.iterations) as progress:
+        loop.progress = progress
+        results = loop.run()
+    if loop.start_eval is not None:
+        console.print(f"held-out at the start (pass@1 / pass@N): {eval_cell(loop.start_eval)}")
+    console.print(f"run → {loop.cfg.run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
+    if len(results) > 1:
+        first, last = results[0], results[-1]
+        console.print(
+            f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations"
+        )
+
+
+def checked_loop(cfg: LoopConfig):
+    """The Loop of `cfg`, printing a table after each iteration; a bad task file, harness, shared eval task id or
+    unavailable tracker ends the command with one line, before the engine starts."""
+    from polar_mitm.loop.informative import check_dynamic_sampling
+    from polar_mitm.loop.loop import Loop
+    from polar_mitm.loop.trackers import TrackerUnavailable
+
+    done = []
+
+    def show(stats) -> None:
+        done.append(stats)
+        console.print(iteration_table(done))
+
+    load_inputs(cfg.tasks, cfg.harness)
+    if cfg.eval_tasks is not None:
+        load_inputs(cfg.eval_tasks, cfg.harness)
+    try:
+        check_dynamic_sampling(cfg)
+        return Loop(cfg, on_iteration=show)
+    except (ValueError, TrackerUnavailable) as exc:
+        raise fail(str(exc)) from None

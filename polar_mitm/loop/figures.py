@@ -1,0 +1,146 @@
+"""An iteration's figures: what `loop.json` holds per iteration (`IterationStats`), how they are made from a rollout,
+a merge and an evaluation, and read back. Apart from the loop so that the resume checks (saved_state.py) and the
+report read them without the loop.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polar_mitm.loop.evaluation import EvalResult
+from polar_mitm.loop.informative import group_figures
+from polar_mitm.loop.trackers import numeric_metrics
+from polar_mitm.rollout.runner import RolloutSummary
+from polar_mitm.tasks.task_file import passed
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    weight_version: str | None
+    sessions: int
+    reward_mean: float
+    reward_std: float
+    pass_rate: float
+    sequences: int
+    requests: int
+    trainable_tokens: int
+    total_tokens: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    # --keep: sessions stopped once K of their group were done; no reward, so left out of the group (and of training)
+    cut_sessions: int = 0
+    # --eval-tasks: the held-out evaluation of the weights this iteration's training produced, when one was due
+    eval: EvalResult | None = None
+    # task groups rolled out, those with zero advantage (all rewards equal: not trained on), and the groups drawn to
+    # replace them (--min-informative-groups; 0 without it)
+    groups: int = 0
+    uninformative_groups: int = 0
+    replaced_groups: int = 0
+    # the trained calls by staleness: weight updates between the weights that sampled the call (its record's
+    # weight_version) and those the training started from — per call, so a session spanning a push counts in two
+    call_staleness: dict[str, int] = field(default_factory=dict)
+    # every group was flat: no optimizer step, the weights stayed (Loop._skipped_training)
+    train_skipped: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
+
+    def tracked_metrics(self) -> dict[str, float]:
+        """The figures a tracker gets for this iteration (`loop/…`, `eval/…`)."""
+        figures = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("iteration", "weight_version", "eval")
+        }
+        metrics = numeric_metrics(figures, "loop")
+        if self.eval is not None:
+            metrics.update(eval_metrics(self.eval))
+        return metrics
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """A held-out evaluation's figures for a tracker (`eval/pass@k`, `eval/reward_mean`)."""
+    return {**numeric_metrics(result.pass_at, "eval"), "eval/reward_mean": result.reward_mean}
+
+
+def cut_sessions(summary: RolloutSummary) -> int:
+    """Sessions the straggler cut (--keep) stopped: unevaluated, so without a reward."""
+    return sum(s.status == "cut" for s in summary.sessions)
+
+
+def reward_stats(summary: RolloutSummary) -> tuple[float, float, float]:
+    rewards = [s.reward for s in summary.sessions if s.reward is not None]
+    if not rewards:
+        return 0.0, 0.0, 0.0
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    return mean, std, sum(passed(r) for r in rewards) / len(rewards)
+
+
+def iteration_stats(
+    k: int, version: str | None, summary: RolloutSummary, merged: Any, seconds: dict[str, float]
+) -> IterationStats:
+    """Iteration k's figures from its rollout and merge summaries."""
+    mean, std, pass_rate = reward_stats(summary)
+    return IterationStats(
+        iteration=k,
+        weight_version=version,
+        sessions=len(summary.sessions),
+        reward_mean=mean,
+        reward_std=std,
+        pass_rate=pass_rate,
+        sequences=merged.sequences,
+        requests=merged.trainable_records,
+        trainable_tokens=merged.trainable_tokens,
+        total_tokens=merged.total_tokens,
+        seconds=seconds,
+        cut_sessions=cut_sessions(summary),
+        **group_figures(summary),
+    )
+
+
+@dataclass
+class MergeFigures:
+    """What the loop keeps of a merge's summary (in iter-K/state.json, for a resumed run)."""
+
+    sequences: int
+    trainable_records: int
+    trainable_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, merged: Any) -> MergeFigures:
+        return cls(merged.sequences, merged.trainable_records, merged.trainable_tokens, merged.total_tokens)
+
+
+def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
+    """Iteration `it`'s trained calls (the records of the sessions in its training shards) counted by staleness
+    against `base_version`, the weights the training started from."""
+    import pyarrow.parquet as pq
+
+    from polar_mitm.storage.records import read_all
+    from polar_mitm.train.stats import version_distance
+
+    shards = sorted((it / "merged").rglob("*.parquet"))
+    trained = {
+        sid
+        for shard in shards
+        for sid in pq.read_table(shard, columns=["session_id"])["session_id"].to_pylist()
+    }
+    counts: Counter = Counter()
+    for row in read_all(it / "flows").select(["session_id", "weight_version"]).to_pylist():
+        if row["session_id"] in trained:
+            counts[str(version_distance(base_version, row["weight_version"]))] += 1
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+def stats_from_json(row: dict[str, Any]) -> IterationStats:
+    """An iteration's figures back from loop.json."""
+    names = {f.name for f in IterationStats.__dataclass_fields__.values()}
+    values = {key: value for key, value in row.items() if key in names}
+    if values.get("eval") is not None:
+        values["eval"] = EvalResult(**values["eval"])
+    return IterationStats(**values)
