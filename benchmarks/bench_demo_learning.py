@@ -24,6 +24,7 @@ from polar_mitm.demo import DEMO_LEARNING_RATE, demo_loop_config, right_choice_p
 from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.loop.loop import Loop
 from polar_mitm.loop.progress import quiet_libraries
+from polar_mitm.loop.run_state import in_run_dir
 
 
 def run_seed(seed: int, iterations: int, learning_rate: float, root: Path) -> dict:
@@ -41,7 +42,10 @@ def run_seed(seed: int, iterations: int, learning_rate: float, root: Path) -> di
     # The last training's weights: an iteration whose groups were all flat trains nothing (its train/ holds only
     # skipped.json) and keeps the weights before it, which its train marker names.
     last = json.loads((run_dir / f"iter-{iterations - 1}" / "state.json").read_text())
-    after = right_choice_probabilities(Path(last["stages"]["train"]["model_dir"]), flows)
+    # Stored relative to the run directory since runs can be moved (loop/run_state.py's stored_path).
+    after = right_choice_probabilities(
+        in_run_dir(last["stages"]["train"]["model_dir"], run_dir, run_dir), flows
+    )
     return {
         "seed": seed,
         "rewards": [r.reward_mean for r in results],
