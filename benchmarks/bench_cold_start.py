@@ -4,7 +4,7 @@ Every test, every rollout and every loop iteration starts a gateway, so what a f
 is paid again and again. One engine (`polar-mitm serve --model tiny`) stays up; for each prompt mode a fresh
 gateway is started `--starts` times, and the clock runs from `Popen` to
 
-  listening: both listeners accept connections (what `procs.start_gateway` used to wait for);
+  listening: both listeners accept connections (what `gateway_processes.start_gateway` used to wait for);
   ready:     the gateway's readiness answer says its hot path is loaded (`/_polar/ready`; absent before it existed);
   answered:  a first non-streamed OpenAI chat call, sent as soon as the listener accepts it, has its answer.
 
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
 
 READY_PATH = "/_polar/ready"
@@ -67,14 +69,14 @@ def wait_until(check, proc: subprocess.Popen, timeout: float = 120.0) -> float:
 
 def one_start(engine_url: str, root: Path, mode: str) -> dict[str, float]:
     """Start a gateway in `mode`, time listening / ready / first answer, stop it."""
-    port = procs.free_port()
+    port = ports.free_port()
     cmd = [
         sys.executable,
         "-m",
-        "polar_mitm.gateway.launch",  # as procs.start_gateway starts it (mitmdump on uvloop)
+        "polar_mitm.gateway.launch",  # as gateway_processes.start_gateway starts it (mitmdump on uvloop)
         "-q",
         "-s",
-        str(procs.addon_path()),
+        str(gateway_processes.addon_path()),
         "--mode",
         f"reverse:http://127.0.0.1:9@{port}",
         "--set",
@@ -96,7 +98,7 @@ def one_start(engine_url: str, root: Path, mode: str) -> dict[str, float]:
         first_call(SessionId(f"cold-{uuid.uuid4().hex[:8]}").base_url(base, "/v1"))
         answered = time.perf_counter()
     finally:
-        procs.stop(proc)
+        children.stop(proc)
         log.close()
     return {"listening": listening - started, "ready": ready - started, "answered": answered - started}
 
@@ -109,7 +111,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        procs.engine_running(model="tiny", log=Path(tmp) / "engine.log") as url,
+        engine_processes.engine_running(model="tiny", log=Path(tmp) / "engine.log") as url,
     ):
         for start in range(args.starts):
             for mode in modes:

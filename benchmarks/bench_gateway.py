@@ -46,8 +46,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from polar_mitm import procs
 from polar_mitm.engine.model_zoo import resolve_model
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children, ports
 
 CALLS_PER_SESSION = 10
 TURN_WORDS = 50  # " word" is one token in Qwen's BPE
@@ -76,7 +77,7 @@ class ReplayEngine:
         )
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
         threading.Thread(target=self.server.run, daemon=True).start()
-        procs.wait_port(port)
+        ports.wait_port(port)
 
     async def model_info(self, request: Request) -> Response:
         info = {
@@ -163,7 +164,7 @@ def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Pope
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    procs.wait_port(port, proc=proc)
+    ports.wait_port(port, proc=proc)
     return proc
 
 
@@ -245,13 +246,15 @@ def main() -> None:
     os.environ["POLAR_EVENT_LOOP"] = args.event_loop  # the proxies started below inherit it
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        engine_port, bare_port = procs.free_port(), procs.free_port()
+        engine_port, bare_port = ports.free_port(), ports.free_port()
         ReplayEngine(engine_port)
         engine = f"http://127.0.0.1:{engine_port}"
         bare = bare_mitmdump(engine_port, bare_port, root / "conf-bare")
         options = dict(item.split("=", 1) for item in args.set)
-        gw_tokens = procs.start_gateway(engine, root / "flows", confdir=root / "conf", options=options)
-        gw_messages = procs.start_gateway(
+        gw_tokens = gateway_processes.start_gateway(
+            engine, root / "flows", confdir=root / "conf", options=options
+        )
+        gw_messages = gateway_processes.start_gateway(
             engine,
             root / "flows-messages",
             confdir=root / "conf",
@@ -280,7 +283,7 @@ def main() -> None:
         finally:
             gw_tokens.stop()
             gw_messages.stop()
-            procs.stop(bare)
+            children.stop(bare)
 
 
 def concurrent_cases(args, engine: str, bare_port: int, root: Path, options: dict[str, str]) -> None:
@@ -303,7 +306,7 @@ def concurrent_cases(args, engine: str, bare_port: int, root: Path, options: dic
             f"{f'{sessions} × 5, {tokens} tokens, bare':<34}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
         )
     for n in (int(x) for x in args.processes.split(",")):
-        with procs.gateways_running(
+        with gateway_processes.gateways_running(
             [engine] * n, root / f"flows-{n}", confdir=root / "conf", options=options
         ) as gateways:
             for sessions, tokens in cases:

@@ -116,18 +116,20 @@ def record(
     seed: int,
 ) -> Rollouts:
     """Run `sessions` agent sessions through the real gateway; write a rewards JSONL next to the records."""
-    from polar_mitm import procs
     from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
+    from polar_mitm.engines import processes as engine_processes
+    from polar_mitm.gateway import processes as gateway_processes
+    from polar_mitm.processes import children
 
     started = time.perf_counter()
     script = workdir / "script.json"
     script.write_text(json.dumps(agent_script(turns)))
     flows = workdir / "flows"
-    engine, engine_url = procs.start_engine(
+    engine, engine_url = engine_processes.start_engine(
         "tiny", log=workdir / "engine.log", extra_args=["--script", str(script)]
     )
     try:
-        gateway = procs.start_gateway(
+        gateway = gateway_processes.start_gateway(
             engine_url, flows, confdir=workdir / "gateway-conf", log=workdir / "gateway.log"
         )
         try:
@@ -151,7 +153,7 @@ def record(
         finally:
             gateway.stop()
     finally:
-        procs.stop(engine)
+        children.stop(engine)
     rewards_file = workdir / "rewards.jsonl"
     rewards_file.write_text("".join(json.dumps(r) + "\n" for r in rewards))
     return Rollouts(

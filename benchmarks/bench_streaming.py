@@ -21,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm import procs
 from polar_mitm.engine.model_zoo import resolve_model
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children
 
 
 def texts(prompt_tokens: int, sampled: int) -> tuple[str, str]:
@@ -66,11 +68,13 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     script = root / "script.json"
     script.write_text(json.dumps({"turns": [answer], "side": answer}))
-    engine, engine_url = procs.start_engine(
+    engine, engine_url = engine_processes.start_engine(
         "tiny", log=root / "engine.log", extra_args=["--script", str(script)]
     )
-    live = procs.start_gateway(engine_url, root / "live", confdir=root / "conf", log=root / "live.log")
-    replay = procs.start_gateway(
+    live = gateway_processes.start_gateway(
+        engine_url, root / "live", confdir=root / "conf", log=root / "live.log"
+    )
+    replay = gateway_processes.start_gateway(
         engine_url,
         root / "replay",
         confdir=root / "conf",
@@ -116,7 +120,7 @@ def main() -> None:
     finally:
         live.stop()
         replay.stop()
-        procs.stop(engine)
+        children.stop(engine)
     print(
         f"{args.prompt_tokens}-token prompt, {args.sampled} sampled tokens, {args.calls} calls each (median):\n"
     )

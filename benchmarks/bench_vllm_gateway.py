@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
 
@@ -45,7 +46,7 @@ def measure(engine_url: str, served: str, root: Path, calls: int) -> dict[str, f
     interleaved call by call, so load from elsewhere on the machine falls on all of them alike."""
     first_turn = [{"role": "user", "content": PROMPT}]
     times: dict[str, list[float]] = {"direct": [], "gateway": [], "gateway_turn2": []}
-    with procs.gateway_running(engine_url, root / "flows", confdir=root / "conf") as gateway:
+    with gateway_processes.gateway_running(engine_url, root / "flows", confdir=root / "conf") as gateway:
 
         def direct() -> None:
             post(f"{engine_url}/v1/chat/completions", {"model": served, "messages": first_turn, **SAMPLING})
@@ -90,7 +91,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        with procs.engine_running(model=str(model_dir), log=root / "embedded.log") as url:
+        with engine_processes.engine_running(model=str(model_dir), log=root / "embedded.log") as url:
             results["embedded"] = measure(url, "tiny", root / "embedded", args.calls)
         with vllm_running(model_dir, log=root / "vllm.log") as url:
             served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]

@@ -422,9 +422,11 @@ def main() -> None:
     import torch
     import transformers
 
-    from polar_mitm import procs
     from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.engines import engine_weight_version
+    from polar_mitm.engines import processes as engine_processes
+    from polar_mitm.engines.weights import engine_weight_version
+    from polar_mitm.gateway import processes as gateway_processes
+    from polar_mitm.processes import children
     from polar_mitm.reconstruct.merge import merge
 
     torch.set_num_threads(args.train_threads)
@@ -444,19 +446,19 @@ def main() -> None:
         flush=True,
     )
 
-    engine, engine_url = procs.start_engine(
+    engine, engine_url = engine_processes.start_engine(
         "smollm2", log=work / "engine.log", extra_args=["--threads", str(args.engine_threads)]
     )
     sampling = evaluation = None
     try:
-        sampling = procs.start_gateway(
+        sampling = gateway_processes.start_gateway(
             engine_url,
             work / "records",
             confdir=work / "mitmproxy",
             log=work / "gateway.log",
             options={"polar_temperature": str(args.temperature)},
         )
-        evaluation = procs.start_gateway(
+        evaluation = gateway_processes.start_gateway(
             engine_url,
             work / "eval-records",
             confdir=work / "mitmproxy",
@@ -524,7 +526,7 @@ def main() -> None:
         for gateway in (sampling, evaluation):
             if gateway is not None:
                 gateway.stop()
-        procs.stop(engine)
+        children.stop(engine)
 
     wall = time.perf_counter() - started
     print("\nheld-out (greedy)      before  after")

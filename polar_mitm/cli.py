@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from polar_mitm import engine_keys
 from polar_mitm.agent.cli import agent
+from polar_mitm.engines import keys as engine_keys
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -67,7 +67,7 @@ def serve(
     """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
     import os
 
-    from polar_mitm import engine_keys
+    from polar_mitm.engines import keys as engine_keys
 
     try:  # before the model loads: a bad key file is said at once
         api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()

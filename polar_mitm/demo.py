@@ -9,7 +9,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.processes import children
 from polar_mitm.storage.run_layout import iteration_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cpu_tasks"
@@ -88,14 +89,14 @@ def run_demo(
     Step 2: the RL loop on the CPU demo tasks — rollout through the gateway → merge → GRPO → weights pushed."""
     console.rule(f"1 · the engine: {model} on CPU, SGLang's HTTP contract")
     with console.status(f"starting the embedded engine with {model} (first run converts the model once)…"):
-        proc, url = procs.start_engine(model, port=port or None)
+        proc, url = engine_processes.start_engine(model, port=port or None)
     try:
         console.print(
             f"[green]engine up[/] at {url} — {httpx.get(f'{url}/model_info').json()['served_model_name']}"
         )
         print_chat(url, prompt, max_tokens=48, temperature=0.0, console=console)
     finally:
-        procs.stop(proc)
+        children.stop(proc)
     if iterations <= 0:
         return None
     console.rule(

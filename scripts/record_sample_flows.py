@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from polar_mitm import procs
 from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def main() -> None:
         tmp_path = Path(tmp)
         (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
         flow_file = tmp_path / "sdk_sessions.flow"
-        with procs.engine_and_gateway(
+        with gateway_processes.engine_and_gateway(
             tmp_path / "flows",
             confdir=tmp_path / "conf",
             engine_args=["--script", str(tmp_path / "script.json")],

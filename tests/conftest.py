@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import procs
 from polar_mitm.engine.model_zoo import resolve_model
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from tests.summary_tables import print_worker_tables
 
@@ -23,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # fixture: those go together so that it starts once in the run. vLLM files share one tiny vLLM server (4 GB, about a
 # minute to start); the capstone starts a second vLLM, which must not pin the same core at the same time.
 SHARED_GROUPS = {
-    "vllm": ("tests/engine/test_vllm", "tests/engine/test_real_harness_learning.py"),
+    "vllm": ("tests/vllm/", "tests/engine/test_real_harness_learning.py"),
     "demo-run": ("tests/loop/test_demo_learning.py", "tests/report/"),
 }
 
@@ -93,7 +94,9 @@ def tiny_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def engine_url(tiny_model_dir, tmp_path_factory):
     """`polar-mitm serve --model tiny` in a child process."""
-    with procs.engine_running(model="tiny", log=tmp_path_factory.mktemp("engine") / "engine.log") as url:
+    with engine_processes.engine_running(
+        model="tiny", log=tmp_path_factory.mktemp("engine") / "engine.log"
+    ) as url:
         yield url
 
 
@@ -107,7 +110,7 @@ def script_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
     """The tiny engine playing TOOL_SCRIPT: turn 1 a shell tool call, turn 2 a final answer."""
-    with procs.engine_running(
+    with engine_processes.engine_running(
         model="tiny",
         log=tmp_path_factory.mktemp("engine-scripted") / "engine.log",
         extra_args=["--script", str(script_file)],
@@ -119,7 +122,7 @@ def scripted_engine_url(tiny_model_dir, script_file, tmp_path_factory):
 def gateway(scripted_engine_url, tmp_path_factory):
     """mitmdump + addon/polar.py (regular and reverse listeners) in front of the scripted tiny engine."""
     root = tmp_path_factory.mktemp("gateway")
-    with procs.gateway_running(
+    with gateway_processes.gateway_running(
         scripted_engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log"
     ) as gw:
         gw.log = root / "gateway.log"

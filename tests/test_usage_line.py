@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import engine_keys, procs
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.exposure import exposure_warning
+from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.engine_info import ENGINE_FILE
 from polar_mitm.storage.records import read_all
@@ -34,7 +36,7 @@ def start_mitmdump(cwd: Path, engine_url: str, port: int, *extra: str) -> subpro
     cmd = [
         str(BIN / "mitmdump"),
         "-s",
-        str(procs.addon_path()),
+        str(gateway_processes.addon_path()),
         *extra,
         "--listen-port",
         str(port),
@@ -45,7 +47,7 @@ def start_mitmdump(cwd: Path, engine_url: str, port: int, *extra: str) -> subpro
         "--set",
         f"confdir={cwd / 'conf'}",
     ]
-    # A gateway started by hand finds the engine's key in $POLAR_ENGINE_KEY (polar_mitm/engine_keys.py).
+    # A gateway started by hand finds the engine's key in $POLAR_ENGINE_KEY (polar_mitm/engines/keys.py).
     env = {**os.environ, engine_keys.KEY_ENV: engine_keys.key_for(engine_url) or ""}
     return subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -92,12 +94,12 @@ def polar(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
 
 @pytest.mark.slow
 def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
-    port = procs.free_port()
+    port = ports.free_port()
     gateway = start_mitmdump(tmp_path, engine_url, port, "--listen-host", "127.0.0.1")
     try:
-        procs.wait_port(port, timeout=60, proc=gateway)
+        ports.wait_port(port, timeout=60, proc=gateway)
         wait_for(lambda: (tmp_path / "conf" / "mitmproxy-ca-cert.pem").exists(), 30, "mitmproxy CA")
-        bundle = procs.write_ca_bundle(
+        bundle = gateway_processes.write_ca_bundle(
             tmp_path / "conf" / "mitmproxy-ca-cert.pem", tmp_path / "ca-bundle.pem"
         )
         for session in ("s-1", "s-2"):
@@ -108,7 +110,7 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
             "the gateway's engine description",
         )
     finally:
-        procs.stop(gateway, timeout=30)
+        children.stop(gateway, timeout=30)
         output = gateway.stdout.read() if gateway.stdout else ""
     assert WARNING not in output  # bound to loopback: no exposure warning
     rows = read_all(tmp_path / "flows").to_pylist()
@@ -167,12 +169,12 @@ def test_exposure_warning_names_listeners_beyond_loopback(modes, host, proxyauth
 
 
 def test_mitmdump_warns_at_start_when_listening_on_all_interfaces(tmp_path):
-    port = procs.free_port()
+    port = ports.free_port()
     # No engine behind it: the warning is about the listener, printed before any call.
-    gateway = start_mitmdump(tmp_path, f"http://127.0.0.1:{procs.free_port()}", port)
+    gateway = start_mitmdump(tmp_path, f"http://127.0.0.1:{ports.free_port()}", port)
     lines: list[str] = []
     try:
-        procs.wait_port(port, timeout=60, proc=gateway)
+        ports.wait_port(port, timeout=60, proc=gateway)
         assert gateway.stdout is not None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(WARNING in line for line in lines):

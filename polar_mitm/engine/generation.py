@@ -22,7 +22,7 @@ import torch
 from polar_mitm.engine.constraints import ConstraintSpec, GrammarCompiler, spec_from_params
 from polar_mitm.engine.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
 from polar_mitm.engine.sampling import SamplingParams
-from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
+from polar_mitm.engines.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
 
 PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from polar_mitm.greedy import is_greedy
+from polar_mitm.engines.greedy import is_greedy
 
 # Every key SGLang's `sampling_params` accepts; anything else is a 400, as on SGLang.
 SGLANG_SAMPLING_KEYS = frozenset(

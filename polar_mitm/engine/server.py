@@ -33,7 +33,7 @@ from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, To
 from polar_mitm.engine.parsers import StreamingSplitter
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
 from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText, ParsedStream
-from polar_mitm.engine_keys import KeyGuard
+from polar_mitm.engines.keys import KeyGuard
 
 BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
 

@@ -10,7 +10,8 @@
 - `main`: everything else (the agent loop, a subagent's loop).
 
 After a compaction, the next `main` call that opens a new chain gets the reason "compaction", in merge and in the
-gateway's token-exact chains alike (`polar_mitm/compaction_label.py`); side calls and further compaction calls do not.
+gateway's token-exact chains alike (`polar_mitm/reconstruct/compaction_label.py`); side calls and further
+compaction calls do not.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from polar_mitm.conversation import Completion, Conversation
-from polar_mitm.gateway.engine_client import EngineClient
+from polar_mitm.engines.client import EngineClient
+from polar_mitm.engines.greedy import GREEDY_TEMPERATURE
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
-from polar_mitm.greedy import GREEDY_TEMPERATURE
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import Record
 

@@ -3,9 +3,10 @@ next records folder and sampling options with `POST /_polar/control`, instead of
 tokenizer loaded again) for each.
 
 Only the process that started the gateway can make it: the gateway reads a token from the pipe it inherited as it
-starts (`polar_mitm.secret_handover`: never in its environment or command line, which any process of the same user
-can read), and the call must carry it in `x-polar-control-token`. Without a token the path is nothing special (answered as any request that is not a
-model call). A control call is never forwarded upstream nor recorded, and changes only `polar_` options.
+starts (`polar_mitm.processes.secret_handover`: never in its environment or command line, which any process of
+the same user can read), and the call must carry it in `x-polar-control-token`. Without a token the path is
+nothing special (answered as any request that is not a model call). A control call is never forwarded upstream
+nor recorded, and changes only `polar_` options.
 
 Even with the token, a call that would weaken the gateway (open passthrough, turn fsync off) or move its records
 folder is refused unless the gateway was started allowing it (`polar_control_may_weaken`,
@@ -20,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from polar_mitm import secret_handover
 from polar_mitm.gateway.options import PREFIX, STARTUP_ONLY, GatewayOptions
+from polar_mitm.processes import secret_handover
 
 CONTROL_PATH = "/_polar/control"
 TOKEN_HEADER = "x-polar-control-token"

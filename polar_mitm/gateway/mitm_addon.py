@@ -19,14 +19,14 @@ from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
-from polar_mitm import engine_keys, secret_handover
 from polar_mitm.codecs import DEFAULT_CODEC, by_path
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines.client import EngineClient
+from polar_mitm.engines.description import record_engine
 from polar_mitm.gateway import control, log_redaction, request_head
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.cancel import SHUTDOWN, CallCancel
-from polar_mitm.gateway.engine_client import EngineClient
-from polar_mitm.gateway.engine_info import record_engine
 from polar_mitm.gateway.exposure import exposure_warning
 from polar_mitm.gateway.live import ABORT_DRAIN_SECONDS, LiveAnswer, Responder
 from polar_mitm.gateway.live_server import PATH_PREFIX, LiveServer
@@ -40,6 +40,7 @@ from polar_mitm.gateway.options import (
 )
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.service import Gateway, GatewayRequest
+from polar_mitm.processes import secret_handover
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import last_seq_by_session
 

@@ -115,7 +115,7 @@ class PromptBuilder:
         """Decide the prompt of one call; returns the step and the engine request body (JSON bytes).
 
         `call_kind` (the record's): a compaction's commit marks the session; the next main call that opens a chain
-        is recorded as its consequence (compaction_label.py).
+        is recorded as its consequence (reconstruct/compaction_label.py).
         """
         if self.mode == "messages":
             return PromptStep(mode="messages"), await _dumps(request)

@@ -26,12 +26,12 @@ from polar_mitm.codecs import DEFAULT_CODEC, by_path, detect, provider_for, webs
 from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
 from polar_mitm.codecs.common import parse_body
 from polar_mitm.conversation import Completion, Conversation, harness_safe
+from polar_mitm.engines.client import EngineClient
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.gateway.calls import CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.content import decode_content, too_large
-from polar_mitm.gateway.engine_client import EngineClient
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
 from polar_mitm.gateway.options import GatewayOptions
 from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
@@ -40,7 +40,7 @@ from polar_mitm.storage.records import Record
 
 log = logging.getLogger(__name__)
 
-READY_PATH = "/_polar/ready"  # the readiness answer (`procs.start_gateway` waits on it)
+READY_PATH = "/_polar/ready"  # the readiness answer (`gateway.processes.start_gateway` waits on it)
 
 
 @dataclass

@@ -31,9 +31,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from polar_mitm import compaction_label
 from polar_mitm.conversation import Completion, Message, ToolCall
 from polar_mitm.gateway.incremental_render import RenderedTip
+from polar_mitm.reconstruct import compaction_label
 
 # Why a call did not extend a chain (recorded as `splice_reason`).
 NO_CHAIN = "no chain for this session yet"  # first call, or the gateway restarted / evicted the session
@@ -88,7 +88,7 @@ class Plan:
     spliced_turns: int | None = 0
     reason: str | None = None  # why no splice (None: extended a chain)
     call_kind: str | None = (
-        None  # the record's call_kind: who takes a compaction's label (compaction_label.py)
+        None  # the record's call_kind: who takes a compaction's label (reconstruct/compaction_label.py)
     )
     rendered: RenderedTip | None = None  # what `text` was rendered from (the chain it commits to keeps it)
 

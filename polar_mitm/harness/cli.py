@@ -55,7 +55,7 @@ def prepare(
     home.mkdir(parents=True, exist_ok=True)
     bundle = None
     if mode == "proxy":
-        from polar_mitm.procs import write_ca_bundle
+        from polar_mitm.gateway.processes import write_ca_bundle
 
         ca_cert = confdir.expanduser() / "mitmproxy-ca-cert.pem"
         if not ca_cert.exists():

@@ -1,6 +1,6 @@
 """A scripted engine and a gateway (inside a private network namespace when possible) that real harnesses run
 against: used by tests/harness/test_harnesses.py and scripts/record_harness_flows.py. Given an engine URL (a
-scripted vLLM: tests/engine/test_vllm_harnesses.py) only the gateway is started, outside any namespace, since the
+scripted vLLM: tests/vllm/test_vllm_harnesses.py) only the gateway is started, outside any namespace, since the
 engine listens on this host's loopback.
 """
 
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.harness.base import REPO_ROOT, Harness, Hookup, Mode, base_environment
 from polar_mitm.harness.netns import LoopbackNamespace, try_namespace
+from polar_mitm.processes import children
 
 
 @dataclass
@@ -47,7 +48,7 @@ class HarnessStack:
     root: Path
     netns: LoopbackNamespace | None
     isolation: str  # how harnesses are kept offline, in words
-    gateway: procs.GatewayProcess
+    gateway: gateway_processes.GatewayProcess
     running: ExitStack  # what `stop` takes down: gateway, engine, namespace
     bin_dir: Path = field(default_factory=lambda: REPO_ROOT / "node_modules" / ".bin")
 
@@ -77,7 +78,7 @@ class HarnessStack:
             )
             extra += engine_args or []
             _, gateway = running.enter_context(
-                procs.engine_and_gateway(
+                gateway_processes.engine_and_gateway(
                     root / "flows",
                     confdir=root / "conf",
                     engine=engine_url,
@@ -124,8 +125,12 @@ class HarnessStack:
         workspace.mkdir(parents=True, exist_ok=True)
         prepared = harness.prepare(self.hookup(mode, session, task), home)
         argv = [*harness.command(prompt, bin_dir=self.bin_dir), *(args or [])]
-        marker = uuid.uuid4().hex  # every process of this run carries it (procs.kill_marked)
-        env = {**base_environment(extra_path=[self.bin_dir]), **prepared.env, procs.HARNESS_RUN_ENV: marker}
+        marker = uuid.uuid4().hex  # every process of this run carries it (children.kill_marked)
+        env = {
+            **base_environment(extra_path=[self.bin_dir]),
+            **prepared.env,
+            children.HARNESS_RUN_ENV: marker,
+        }
         started = time.monotonic()
         # Its own process group: on a timeout the harness's helpers (Codex's native binary under its Node
         # launcher, Gemini's relaunched child) go down with it and cannot hold our pipes open.
@@ -143,13 +148,13 @@ class HarnessStack:
             out, err = proc.communicate(timeout=timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
-            procs.kill_group(proc.pid)
+            children.kill_group(proc.pid)
             out, err = proc.communicate()
             code, err = -9, err + f"\n[timed out after {timeout:.0f}s]"
-        procs.kill_group(
+        children.kill_group(
             proc.pid
         )  # helpers it left behind (a one-shot run owns nothing that should outlive it)
-        procs.kill_marked(marker)  # and those that left its process group (Cline's hub daemon)
+        children.kill_marked(marker)  # and those that left its process group (Cline's hub daemon)
         return HarnessRun(
             argv=argv,
             returncode=code,

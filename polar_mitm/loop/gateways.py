@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +31,20 @@ class LoopGateways:
 
     def __init__(self, backends: list[str], run_dir: Path, *, confdir: Path) -> None:
         self.backends, self.run_dir, self.confdir = backends, run_dir, confdir
-        self._gateways: list[procs.GatewayProcess] = []
+        self._gateways: list[gateway_processes.GatewayProcess] = []
         self._lock = threading.Lock()
         self.started = 0  # gateway processes started, for the figures (and the test that counts them)
         # The run's sessions' calls carry credentials under it (session_ids.py): no session writes into another.
         self.session_key = secrets.token_urlsafe(32)
 
     @contextmanager
-    def serving(self, out_dir: Path, options: dict[str, str]) -> Iterator[list[procs.GatewayProcess]]:
+    def serving(
+        self, out_dir: Path, options: dict[str, str]
+    ) -> Iterator[list[gateway_processes.GatewayProcess]]:
         """The gateways writing to `out_dir` (gateway K of several to `out_dir/gw-K`) with `options`; when the block
         ends, `out_dir` holds the rollout's records as shards."""
         if not self._lock.acquire(blocking=False):  # another rollout holds them: gateways of its own
-            with procs.gateways_running(
+            with gateway_processes.gateways_running(
                 self.backends,
                 out_dir,
                 confdir=self.confdir,
@@ -62,11 +64,11 @@ class LoopGateways:
         finally:
             self._lock.release()
 
-    def _pointed_at(self, out_dir: Path, options: dict[str, str]) -> list[procs.GatewayProcess]:
+    def _pointed_at(self, out_dir: Path, options: dict[str, str]) -> list[gateway_processes.GatewayProcess]:
         if self._gateways and self._point_all(out_dir, options):
             return self._gateways
         self.close()
-        self._gateways = procs.start_gateways(
+        self._gateways = gateway_processes.start_gateways(
             self.backends,
             out_dir,
             confdir=self.confdir,
@@ -84,7 +86,7 @@ class LoopGateways:
             for k, gateway in enumerate(self._gateways):
                 if gateway.proc.poll() is not None:
                     raise RuntimeError(f"gateway {k} exited with {gateway.proc.returncode}")
-                gateway.switch(procs.gateway_folder(out_dir, k, n), options)
+                gateway.switch(gateway_processes.gateway_folder(out_dir, k, n), options)
             return True
         except RuntimeError as exc:
             log.warning("restarting the loop's gateways: %s", exc)

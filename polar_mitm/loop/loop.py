@@ -42,7 +42,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from polar_mitm import engines, procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.engines import router, weights
 from polar_mitm.loop.config import (
     LOOP_TRAINER_DEFAULTS,
     LoopConfig,
@@ -154,7 +155,7 @@ class Loop:
     def _gateways(self) -> LoopGateways:
         if self.loop_gateways is None:
             self.loop_gateways = LoopGateways(
-                engines.gateway_backends(self.engine_url, self.cfg.gateways),
+                router.gateway_backends(self.engine_url, self.cfg.gateways),
                 self.cfg.run_dir,
                 confdir=self.cfg.run_dir / "mitmproxy",
             )
@@ -170,7 +171,7 @@ class Loop:
         return {
             "polar_temperature": str(self.cfg.temperature if temperature is None else temperature),
             "polar_max_tokens": str(self.cfg.max_tokens),
-            **engines.gateway_options(self.engine_url),
+            **router.gateway_options(self.engine_url),
         }
 
     def _rollout(self, k: int) -> tuple[RolloutSummary, Path, Path, float]:
@@ -565,9 +566,9 @@ class Loop:
         """The engine serves `version` (the trained weights of `it`) after this: pushed unless it already does."""
         if version is None or self.engine_url is None:  # no engine: a training driven alone (tests)
             return
-        if engines.common_weight_version(self.engine_url) == version:
+        if weights.common_weight_version(self.engine_url) == version:
             return
-        engines.push_weights(self.engine_url, it / "train" / ENGINE_WEIGHTS_DIR, weight_version=version)
+        weights.push_weights(self.engine_url, it / "train" / ENGINE_WEIGHTS_DIR, weight_version=version)
 
     def _eval_stage(self, k: int) -> EvalResult | None:
         cfg, state = self.cfg, self._state(k)
@@ -641,7 +642,7 @@ class Loop:
             # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
             # the router).
             engine_url = running.enter_context(
-                procs.engine_running(
+                engine_processes.engine_running(
                     self.engine_url,
                     model=str(self.model_dir),
                     log=cfg.run_dir / "engine.log",
@@ -649,13 +650,13 @@ class Loop:
                 )
             )
             self.engine_url = running.enter_context(
-                engines.attached(engine_url, log=cfg.run_dir / "router.log")
+                router.attached(engine_url, log=cfg.run_dir / "router.log")
             ).url
             running.callback(
                 self._close_gateways
             )  # before the engine goes: the gateways compact their journals
             if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
-                self.weight_version = engines.common_weight_version(self.engine_url) or "0"
+                self.weight_version = weights.common_weight_version(self.engine_url) or "0"
             self._restore_engine()
             self.start_eval = self._start_eval_stage()
             running.callback(self._close_ray_pool)  # first: the node actors stop their gateways

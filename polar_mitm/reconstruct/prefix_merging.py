@@ -19,7 +19,8 @@ there (tokens mode, `spliced_turns == 0`: the harness's history did not continue
 one too, so merge and gateway agree on every sequence. After a compaction call (record `call_kind ==
 "compaction"`: the harness summarised its history to go on from the summary), the next *main* call that starts a
 sequence (not a retry) counts under the reason "compaction", in merge and in the gateway's `splice_reason` alike;
-side calls and further compaction calls in between keep their own reasons (one rule: `compaction_label.py`).
+side calls and further compaction calls in between keep their own reasons (one rule:
+`reconstruct/compaction_label.py`).
 
 Routing cost: one vectorised pass over each prompt (prefix hashes), an O(1) hash check per open chain (no
 token comparison except with the chosen chain), and a search for the end-of-turn token in the new tail only —
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from polar_mitm.compaction_label import COMPACTION, new_chain_reason, pending_after
+from polar_mitm.reconstruct.compaction_label import COMPACTION, new_chain_reason, pending_after
 from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, weight_version_range
 from polar_mitm.storage.merged import MergedSequence
 
@@ -45,7 +46,7 @@ BREAK_NO_PREFIX = "no prefix match"  # history rewritten (compaction, stripped t
 BREAK_SAME_PROMPT = "same prompt as a chain tip"  # a retry or resample of a prompt already answered
 BREAK_NO_EOT = "no end-of-turn after tip"  # the prompt grew, but not by a closed assistant turn
 BREAK_GATEWAY = "gateway opened a new chain"  # tokens mode: the harness's history did not continue a stream
-BREAK_COMPACTION = COMPACTION  # the history was replaced by a compaction summary (see compaction_label.py)
+BREAK_COMPACTION = COMPACTION  # the history was replaced by a compaction summary (rule: compaction_label)
 
 # End-of-turn tokens of common chat templates, by token text (ChatML first: the gateway's engines use it).
 KNOWN_EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")

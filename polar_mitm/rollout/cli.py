@@ -18,7 +18,9 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from polar_mitm import engines, procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.engines import router
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.view import render, summary_table
@@ -65,14 +67,14 @@ def capture_stack(
         yield [GatewayEndpoints(gateway_url, gateway_proxy, ca_bundle)], engine
         return
     with (
-        procs.engine_running(
+        engine_processes.engine_running(
             engine,
             model=model,
             log=work / "engine.log",
             extra_args=["--script", str(script)] if script else [],
         ) as engine_url,
-        procs.gateways_running(
-            engines.gateway_backends(engine_url, gateways),
+        gateway_processes.gateways_running(
+            router.gateway_backends(engine_url, gateways),
             out,
             confdir=work / "mitmproxy",
             log=work / "gateway.log",

@@ -29,7 +29,7 @@ from polar_mitm.session_ids import SessionId
 from polar_mitm.tasks.task_file import Task
 
 if TYPE_CHECKING:
-    from polar_mitm.procs import GatewayProcess
+    from polar_mitm.gateway.processes import GatewayProcess
 
 SDK_PROVIDERS = ("openai_chat", "openai_responses", "anthropic", "google")
 

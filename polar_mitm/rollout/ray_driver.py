@@ -250,11 +250,12 @@ class RayRollout:
     def _begin(self) -> None:
         import ray
 
-        from polar_mitm import engine_keys, engines
+        from polar_mitm.engines import keys as engine_keys
+        from polar_mitm.engines import router
 
         refs = []
         live = self.pool.live()
-        for node, backend in zip(live, engines.gateway_backends(self.engine_url, len(live)), strict=True):
+        for node, backend in zip(live, router.gateway_backends(self.engine_url, len(live)), strict=True):
             node.load = node.finished = 0
             config = replace(
                 self.config,

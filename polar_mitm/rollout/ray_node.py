@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, SessionRun
 from polar_mitm.tasks.task_file import Task
@@ -117,7 +118,7 @@ class StreamingRollout(Rollout):
             if other.stage != "done" and not other.cut:
                 other.cut = True
                 if other.proc is not None and other.stage == "run":
-                    await procs.stop_group(other.proc)
+                    await children.stop_group(other.proc)
 
     async def close(self) -> None:
         """Drain the pools in stage order (each worker ends on a None), as the local runner does at its end."""
@@ -165,7 +166,7 @@ class NodeRollout:
 
     def __init__(self, name: str, harness: str) -> None:
         self.name, self.harness = name, HarnessSpec(harness)
-        self.gateway: procs.GatewayProcess | None = None
+        self.gateway: gateway_processes.GatewayProcess | None = None
         self.rollout: StreamingRollout | None = None
 
     def ping(self) -> str:
@@ -189,7 +190,7 @@ class NodeRollout:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         # Started from the actor's event-loop thread, which lives as long as the actor: the gateway is tied to it,
         # so a killed worker process (its node died, Ctrl-C) takes its gateway down with it.
-        self.gateway = procs.start_gateway(
+        self.gateway = gateway_processes.start_gateway(
             engine_url,
             Path(out_dir),
             confdir=Path(confdir),

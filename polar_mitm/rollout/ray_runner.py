@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
 from polar_mitm.rollout.ray_driver import RayPool, RayRolloutResult, write_report
 from polar_mitm.rollout.runner import RolloutConfig
 from polar_mitm.tasks.task_file import Task
@@ -39,19 +39,19 @@ def ray_rollout_command(
     """Start (or attach to) the engines, run the rollout on the cluster, write rewards + `ray_report.json`."""
     from contextlib import ExitStack
 
-    from polar_mitm import engines
+    from polar_mitm.engines import router
     from polar_mitm.rollout.runner import write_rewards
 
     with ExitStack() as stack:
         engine = stack.enter_context(
-            procs.engine_running(
+            engine_processes.engine_running(
                 engine,
                 model=model,
                 log=work_dir / "engine.log",
                 extra_args=["--script", str(script)] if script else [],
             )
         )
-        engine_set = stack.enter_context(engines.attached(engine, log=work_dir / "router.log"))
+        engine_set = stack.enter_context(router.attached(engine, log=work_dir / "router.log"))
         pool = RayPool(address, harness)
         stack.callback(pool.close)
         result = pool.rollout(
@@ -60,7 +60,7 @@ def ray_rollout_command(
             out_dir=out,
             work_dir=work_dir,
             engine_url=engine_set.url,
-            gateway_options=engines.gateway_options(engine_set.url),
+            gateway_options=router.gateway_options(engine_set.url),
             max_attempts=max_attempts,
         )
     write_rewards(result.summary, rewards)

@@ -28,7 +28,7 @@ from typing import Literal
 
 import pyarrow as pa
 
-from polar_mitm import procs
+from polar_mitm.processes import children
 from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
@@ -143,7 +143,7 @@ async def run_argv(
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except (TimeoutError, asyncio.CancelledError):
-        await procs.stop_group(proc)
+        await children.stop_group(proc)
         raise
     return proc.returncode or 0, out.decode("utf-8", "replace")
 
@@ -275,7 +275,7 @@ class Rollout:
             s.proc = await asyncio.create_subprocess_exec(
                 *launch.argv,
                 cwd=launch.cwd,
-                env={**launch.env, procs.HARNESS_RUN_ENV: s.session_id},
+                env={**launch.env, children.HARNESS_RUN_ENV: s.session_id},
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log or asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.STDOUT,
@@ -286,10 +286,11 @@ class Rollout:
                 s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
                 s.status = "crashed" if s.exit_code else "ok"
             except TimeoutError:
-                await procs.stop_group(s.proc)
+                await children.stop_group(s.proc)
                 s.status = "timeout"
             except asyncio.CancelledError:
-                await procs.stop_group(s.proc)  # the rollout is interrupted: the harness must not outlive it
+                # The rollout is interrupted: the harness must not outlive it.
+                await children.stop_group(s.proc)
                 raise
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
@@ -298,7 +299,7 @@ class Rollout:
                 group is not None
             ):  # what it left running, wherever it moved (Cline's hub daemon, `setsid` escapes)
                 await asyncio.to_thread(group.stop)
-            procs.kill_marked(s.session_id)  # without a cgroup: daemons that kept the marker
+            children.kill_marked(s.session_id)  # without a cgroup: daemons that kept the marker
             s.spans["run"] = (start, time.monotonic())
             if log:
                 log.close()
@@ -346,7 +347,7 @@ class Rollout:
     async def _fail(self, s: SessionRun, exc: Exception) -> None:
         """An unexpected error in one session: that session fails (failure reward, reason kept), the rest go on."""
         if s.proc is not None:
-            await procs.stop_group(s.proc)
+            await children.stop_group(s.proc)
         s.status, s.reward = "error", self.config.failure_reward
         s.eval_output = f"{s.stage}: {type(exc).__name__}: {exc}"
         await self._teardown(s)
@@ -389,7 +390,7 @@ class Rollout:
             if other.stage != "done" and not other.cut:
                 other.cut = True
                 if other.proc is not None and other.stage == "run":
-                    await procs.stop_group(other.proc)
+                    await children.stop_group(other.proc)
 
     # -- workers -------------------------------------------------------------------------------------------------
 

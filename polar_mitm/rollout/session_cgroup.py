@@ -1,10 +1,11 @@
 """A control group per harness session: every process the session starts is found and stopped with it.
 
-Why: the environment marker (`procs.HARNESS_RUN_ENV`) is the agent's to remove, and a process group is left with
-`setsid` — `env -u POLAR_HARNESS_RUN setsid daemon &` outlived its rollout (issue 36). A process cannot leave its
-cgroup by forking, re-grouping or clearing its environment; the harness joins its session's group before it execs
-(`preexec`), so everything it starts is born inside. At the end `stop` kills the whole group: cgroup v2's
-`cgroup.kill` (one write, atomic against forks), else v1's `pids` controller with new forks refused first.
+Why: the environment marker (`processes.children.HARNESS_RUN_ENV`) is the agent's to remove, and a process
+group is left with `setsid` — `env -u POLAR_HARNESS_RUN setsid daemon &` outlived its rollout (issue 36). A
+process cannot leave its cgroup by forking, re-grouping or clearing its environment; the harness joins its
+session's group before it execs (`preexec`), so everything it starts is born inside. At the end `stop` kills
+the whole group: cgroup v2's `cgroup.kill` (one write, atomic against forks), else v1's `pids` controller with
+new forks refused first.
 
 Where no cgroup file system is writable (a container without it, not root) `SessionCgroups.open` says so once and
 sessions fall back to the process group and the marker. What stays open without a sandbox: a process running as

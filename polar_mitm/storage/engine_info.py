@@ -8,7 +8,7 @@ flags still override). A sidecar file rather than a record column: it describes 
 record schema stays as it is. The leading underscore keeps Parquet dataset readers from looking at it.
 
 Here: its name, its content (`engine_description`), the atomic write and the reader (merge, the report).
-Asking the engine and deciding when to write is the gateway's (`gateway/engine_info.py`).
+Asking the engine and deciding when to write is the gateway's (`engines/description.py`).
 """
 
 from __future__ import annotations

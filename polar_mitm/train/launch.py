@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polar_mitm import engine_keys
+from polar_mitm.engines import keys as engine_keys
 from polar_mitm.storage.location import private_dir
 
 

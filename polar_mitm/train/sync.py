@@ -1,5 +1,5 @@
 """New weights back to the engine during training: `EnginePushCallback` saves the policy and pushes it
-(`polar_mitm.engines.push_weights`) every `push_every_steps` steps and when training ends.
+(`polar_mitm.engines.weights.push_weights`) every `push_every_steps` steps and when training ends.
 
 The trainer does not attach it itself: whoever builds a `PolarGRPOTrainer` with `push_to_engine` set calls
 `attach_engine_push(trainer)`.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import TrainerCallback
 
-from polar_mitm.engines import push_weights
+from polar_mitm.engines.weights import push_weights
 from polar_mitm.storage.run_layout import ENGINE_WEIGHTS_DIR
 
 if TYPE_CHECKING:

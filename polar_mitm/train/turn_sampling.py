@@ -3,7 +3,7 @@
 MERGED_SCHEMA v2 keeps the sampling parameters of every turn. The trainer scores a turn's tokens at its own
 temperature, and by default leaves greedy, top-p/top-k/min-p-truncated and grammar-constrained turns out of the loss:
 their recorded logprobs are not the probabilities of the distribution the trainer compares them with. What counts as
-greedy is declared once, in polar_mitm/greedy.py.
+greedy is declared once, in polar_mitm/engines/greedy.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polar_mitm.greedy import GREEDY_SCORING_TEMPERATURE, is_greedy
+from polar_mitm.engines.greedy import GREEDY_SCORING_TEMPERATURE, is_greedy
 from polar_mitm.storage.merged import MergedSequence
 
 EXCLUDED_GREEDY = "greedy"

@@ -32,7 +32,7 @@ def serve_command(
     ] = None,
 ) -> None:
     """Run vLLM in the foreground; arguments after the options go to `vllm serve` unchanged."""
-    from polar_mitm import engine_keys
+    from polar_mitm.engines import keys as engine_keys
     from polar_mitm.vllm.server import VllmNotInstalled, exec_vllm
 
     if device not in ("cpu", "gpu"):

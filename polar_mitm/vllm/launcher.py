@@ -6,7 +6,7 @@ Why: the `vllm` console script asks `importlib.metadata.version("vllm")`, but th
 platform detection on the CPU path (without "cpu" in the version it loads the AVX512 extension and dies with
 "Illegal instruction" on an AVX2 machine). A regular vLLM install (GPU) is left as it is. Standard library only at
 import: this module is the main module of vLLM's spawned processes too, so the fix is installed in each of them.
-`main` also takes the engine's API key from its inherited pipe (polar_mitm/engine_keys.py) before vLLM starts.
+`main` also takes the engine's API key from its inherited pipe (polar_mitm/engines/keys.py) before vLLM starts.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--check"]:
         return check()
     # The engine's key, read before vLLM starts anything (its engine core must not inherit the pipe); the API
-    # server's `--middleware polar_mitm.engine_keys.ProcessKeyGuard` asks for it again (server.py adds the flag).
-    from polar_mitm import engine_keys
+    # server's `--middleware polar_mitm.engines.keys.ProcessKeyGuard` asks for it again (server.py adds the flag).
+    from polar_mitm.engines import keys as engine_keys
 
     engine_keys.process_key()
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -5,7 +5,7 @@ own log-probability of that token — so real harness sessions run through vLLM 
 Why not a plain forcing processor: vLLM (0.32, `v1/sample/sampler.py`) computes the logprobs it reports from the
 logits *after* the logits processors (`processed_logprobs`, ours; the grammar bitmask of structured output is even
 applied before the sampler, so it reaches `raw_logprobs` too). A processor that forces a token by masking the
-others reports log p = 0 for it (measured: tests/engine/test_vllm_scripted.py). So `ScriptedPolicy`, loaded with
+others reports log p = 0 for it (measured: tests/vllm/test_vllm_scripted.py). So `ScriptedPolicy`, loaded with
 vLLM's documented `--logits-processors`, leaves the logits untouched: it only tracks, per request of the batch,
 which scripted token comes next. The forcing happens one step later, on the sampled ids: a wrapper around
 `Sampler.sample` (installed when vLLM builds the processor, in its engine process) replaces the sampled id of each

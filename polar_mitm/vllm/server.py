@@ -25,14 +25,15 @@ from typing import Literal
 
 import httpx
 
-from polar_mitm import engine_keys, procs, secret_handover
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.processes import children, ports, secret_handover
 from polar_mitm.vllm import SCRIPT_ENV, SCRIPTED_POLICY
 
 Device = Literal["cpu", "gpu"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = REPO_ROOT / ".venv-vllm"
 WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
-KEY_GUARD = "polar_mitm.engine_keys.ProcessKeyGuard"  # the key check on every route but /health
+KEY_GUARD = "polar_mitm.engines.keys.ProcessKeyGuard"  # the key check on every route but /health
 STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
 
 # Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).
@@ -156,7 +157,7 @@ def start_vllm(
     policy from the start (it implies `scripted_policy`). Its API key (`api_key`, else a new one) is handed over
     through a pipe and remembered for its URL (`engine_keys.key_for`)."""
     model_dir = resolve_vllm_model(str(model)) if not Path(model).is_dir() else Path(model)
-    port = port or procs.free_port()
+    port = port or ports.free_port()
     cmd = vllm_command(
         model_dir,
         port=port,
@@ -181,7 +182,7 @@ def start_vllm(
     url = f"http://127.0.0.1:{port}"
     engine_keys.remember(url, key)
     try:
-        procs.wait_http(f"{url}/health", timeout=timeout, proc=proc)
+        ports.wait_http(f"{url}/health", timeout=timeout, proc=proc)
     except BaseException:
         stop_vllm(proc)
         raise
@@ -191,12 +192,12 @@ def start_vllm(
 def stop_vllm(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """SIGTERM vLLM's process group, then SIGKILL what is left after `grace` seconds."""
     if proc.poll() is None:
-        procs.kill_group(proc.pid, signal.SIGTERM)
+        children.kill_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-    procs.kill_group(proc.pid, signal.SIGKILL)  # the engine core, if it outlived the API server
+    children.kill_group(proc.pid, signal.SIGKILL)  # the engine core, if it outlived the API server
     if proc.poll() is None:
         proc.wait()
 

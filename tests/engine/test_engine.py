@@ -8,8 +8,8 @@ import time
 import pytest
 from openai import BadRequestError, OpenAI
 
-from polar_mitm import engine_keys
-from tests.engine import keyed
+from polar_mitm.engines import keys as engine_keys
+from tests.engines import keyed
 
 TOOLS = [
     {

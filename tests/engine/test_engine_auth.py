@@ -1,7 +1,8 @@
 """The embedded engine's API key (issue 36 item 2) and the weight version of a call a push overtakes (item 11).
 
-Real processes only: `polar-mitm serve` started by `procs.start_engine` (which hands it a key through a pipe), a
-real gateway in front of it, and `/proc` read as any process of the same user would read it.
+Real processes only: `polar-mitm serve` started by `engine_processes.start_engine` (which hands it a key
+through a pipe), a real gateway in front of it, and `/proc` read as any process of the same user would read
+it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm import engine_keys, engines, procs
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.engines import weights
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -51,15 +56,17 @@ def paced_engine(tmp_path_factory):
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
     extra = ["--script", str(script), "--token-delay", "0.3", "--no-stream-weight-version"]
-    proc, url = procs.start_engine("tiny", log=root / "engine.log", extra_args=extra)
+    proc, url = engine_processes.start_engine("tiny", log=root / "engine.log", extra_args=extra)
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 @pytest.fixture(scope="module")
 def gateway(paced_engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("auth-gateway")
-    gw = procs.start_gateway(paced_engine, root / "flows", confdir=root / "conf", log=root / "gateway.log")
+    gw = gateway_processes.start_gateway(
+        paced_engine, root / "flows", confdir=root / "conf", log=root / "gateway.log"
+    )
     yield gw
     gw.stop()
 
@@ -119,10 +126,10 @@ def test_a_push_under_a_version_the_engine_served_is_refused(paced_engine, tiny_
     same = {"model_path": str(tiny_model_dir), "weight_version": served}
     refused = _call(paced_engine, "POST", "/update_weights_from_disk", same, headers)
     assert refused.status_code == 400 and "new label" in refused.json()["message"]
-    with pytest.raises(engines.EngineSyncError):
-        engines.push_weights(paced_engine, tiny_model_dir, weight_version=served)
+    with pytest.raises(weights.EngineSyncError):
+        weights.push_weights(paced_engine, tiny_model_dir, weight_version=served)
     new = f"auth-{uuid.uuid4().hex[:6]}"
-    assert engines.push_weights(paced_engine, tiny_model_dir, weight_version=new) == new
+    assert weights.push_weights(paced_engine, tiny_model_dir, weight_version=new) == new
     back = {"model_path": str(tiny_model_dir), "weight_version": served}  # an earlier label, reused
     assert _call(paced_engine, "POST", "/update_weights_from_disk", back, headers).status_code == 400
     assert _served_version(paced_engine) == new
@@ -154,7 +161,7 @@ def test_a_push_landing_during_a_streamed_call_keeps_the_old_version_on_its_reco
                 and '"content":""' not in line.replace(" ", "")
             ):
                 push = threading.Thread(
-                    target=engines.push_weights,
+                    target=weights.push_weights,
                     args=(paced_engine, tiny_model_dir),
                     kwargs={"weight_version": pushed},
                 )
@@ -177,8 +184,9 @@ def test_a_push_landing_during_a_streamed_call_keeps_the_old_version_on_its_reco
 
 
 def test_a_version_read_before_and_after_a_call_says_a_change_only_when_there_was_one():
-    """What the record says when the two reads differ (vllm/dialect.py's `version_change`, used by both paths)."""
-    from polar_mitm.vllm.dialect import version_change
+    """What the record says when the two reads differ (`version_change` of engines/dialects/vllm.py, used by both
+    paths)."""
+    from polar_mitm.engines.dialects.vllm import version_change
 
     assert version_change("3", "4") == {"weight_version_after": "4", "weight_version_changed": True}
     assert (
@@ -189,20 +197,20 @@ def test_a_version_read_before_and_after_a_call_says_a_change_only_when_there_wa
 
 
 def test_an_engine_without_a_key_samples_but_takes_no_push(tmp_path, tiny_model_dir):
-    port = procs.free_port()
+    port = ports.free_port()
     env = {k: v for k, v in os.environ.items() if k not in (engine_keys.KEY_ENV, "POLAR_SECRETS_FD")}
     cmd = [sys.executable, "-m", "polar_mitm.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        procs.wait_http(f"{url}/health", proc=proc)
+        ports.wait_http(f"{url}/health", proc=proc)
         assert _call(url, "POST", "/tokenize", {"prompt": "hi"}).is_success
         for method, path, body in EVERY_ROUTE:
             if path in ("/update_weights_from_disk", "/abort_request", "/engine_stats"):
                 answer = _call(url, method, path, body)
                 assert answer.status_code == 403 and "--api-key-file" in answer.json()["message"]
     finally:
-        procs.stop(proc)
+        children.stop(proc)
 
 
 def test_serve_refuses_a_key_file_others_can_read_in_one_line(tmp_path):

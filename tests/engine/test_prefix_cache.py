@@ -6,10 +6,10 @@ import random
 
 from openai import OpenAI
 
-from polar_mitm import engine_keys
 from polar_mitm.engine.generation import Engine
 from polar_mitm.engine.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
 from polar_mitm.engine.sampling import SamplingParams
+from polar_mitm.engines import keys as engine_keys
 
 
 def test_extending_calls_reuse_the_cache_and_sample_the_same_ids_and_logprobs(tiny_model_dir, tiny_engine):

@@ -11,7 +11,7 @@ import json
 import re
 
 from polar_mitm.codecs import CODECS
-from polar_mitm.gateway.engine_client import status_error
+from polar_mitm.engines.client import status_error
 
 ENGINE_SAYS = json.dumps(
     {

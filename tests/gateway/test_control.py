@@ -8,7 +8,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.control import CONTROL_PATH, TOKEN_HEADER
 from polar_mitm.storage.engine_info import ENGINE_FILE
 from polar_mitm.storage.journal_format import JOURNAL_DIR
@@ -17,19 +17,19 @@ from polar_mitm.storage.records import read_all
 
 @pytest.fixture
 def gateway(engine_url, tmp_path):
-    gw = procs.start_gateway(
+    gw = gateway_processes.start_gateway(
         engine_url, tmp_path / "a", confdir=tmp_path / "conf", log=tmp_path / "gateway.log"
     )
     yield gw
     gw.stop()
 
 
-def chat(gw: procs.GatewayProcess, session: str) -> None:
+def chat(gw: gateway_processes.GatewayProcess, session: str) -> None:
     client = OpenAI(base_url=f"{gw.reverse_url}/s/{session}/v1", api_key="x", max_retries=0)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
 
 
-def control(gw: procs.GatewayProcess, body: dict, token: str | None) -> httpx.Response:
+def control(gw: gateway_processes.GatewayProcess, body: dict, token: str | None) -> httpx.Response:
     headers = {TOKEN_HEADER: token} if token is not None else {}
     return httpx.post(f"{gw.reverse_url}{CONTROL_PATH}", json=body, headers=headers, trust_env=False)
 

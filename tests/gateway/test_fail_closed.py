@@ -32,9 +32,11 @@ import pytest
 from mitmproxy import io as mitm_io
 from mitmproxy.test import taddons, tflow
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.content import decode_content
 from polar_mitm.gateway.mitm_addon import PolarGateway
+from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -63,9 +65,9 @@ def wait_rows(out_dir: Path, session: str, count: int, timeout: float = 30) -> l
     return rows
 
 
-def gateway(backend: str, root: Path, **options: str) -> procs.GatewayProcess:
+def gateway(backend: str, root: Path, **options: str) -> gateway_processes.GatewayProcess:
     options = {"save_stream_file": str(root / "flows.mitm"), **options}
-    return procs.start_gateway(
+    return gateway_processes.start_gateway(
         backend, root / "flows", confdir=root / "conf", log=root / "gw.log", options=options
     )
 
@@ -82,9 +84,11 @@ def vm_hwm_mb(pid: int) -> float:
 def slow_engine(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
     """The free-running tiny engine (it samples until max_tokens), 20 ms per token: calls last seconds."""
     root = tmp_path_factory.mktemp("slow-engine")
-    proc, url = procs.start_engine("tiny", log=root / "engine.log", extra_args=["--token-delay", "0.02"])
+    proc, url = engine_processes.start_engine(
+        "tiny", log=root / "engine.log", extra_args=["--token-delay", "0.02"]
+    )
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 # ---- 1: the addon fails closed -----------------------------------------------------------------------------
@@ -102,12 +106,12 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize(("settings", "name"), BAD_OPTIONS)
 def test_an_option_the_addon_cannot_apply_stops_mitmdump_with_one_line(tmp_path, settings, name):
     """Before: mitmdump started and listened with the addon inert, and forwarded a call to the real provider."""
-    port = procs.free_port()
+    port = ports.free_port()
     cmd = [
         MITMDUMP,
         "-q",
         "-s",
-        str(procs.addon_path()),
+        str(gateway_processes.addon_path()),
         "--listen-host",
         "127.0.0.1",
         "-p",
@@ -164,12 +168,12 @@ def raw_exchange(port: int, data: bytes, *, close_after: float = 0.5) -> bytes:
 def test_secrets_of_requests_that_never_complete_stay_out_of_flow_files_and_logs(tmp_path):
     """Before: a body cut short (Content-Length 1000, 17 bytes, close) or a Content-Length of `abc` left
     Authorization and x-api-key in the `-w` file; mitmproxy's log showed `user:SECRET@` of a bad request line."""
-    port, proxy_port = procs.free_port(), procs.free_port()
+    port, proxy_port = ports.free_port(), ports.free_port()
     log = tmp_path / "gw.log"
     cmd = [
         MITMDUMP,
         "-s",
-        str(procs.addon_path()),
+        str(gateway_processes.addon_path()),
         "--mode",
         f"reverse:http://127.0.0.1:9@{port}",
         "--mode",
@@ -188,8 +192,8 @@ def test_secrets_of_requests_that_never_complete_stay_out_of_flow_files_and_logs
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        procs.wait_port(port, proc=proc)
-        procs.wait_port(proxy_port, proc=proc)
+        ports.wait_port(port, proc=proc)
+        ports.wait_port(proxy_port, proc=proc)
         secrets = f"Authorization: Bearer {SECRET}\r\nx-api-key: {SECRET}\r\nx-goog-api-key: {SECRET}\r\n"
         raw_exchange(
             port,
@@ -208,7 +212,7 @@ def test_secrets_of_requests_that_never_complete_stay_out_of_flow_files_and_logs
         raw_exchange(proxy_port, f"CONNECT user:{SECRET}@api.openai.com:443 HTTP/1.1\r\n\r\n".encode())
         time.sleep(0.5)
     finally:
-        procs.stop(proc)
+        children.stop(proc)
     with open(tmp_path / "flows.mitm", "rb") as f:
         flows = list(mitm_io.FlowReader(f).stream())
     assert len(flows) >= 2  # the cut bodies were saved (with an error), without their credentials
@@ -284,7 +288,7 @@ def test_sigterm_records_every_call_in_flight_as_abort_with_what_was_sampled(slo
 class H2Client:
     """HTTP/2 over TLS through the gateway's HTTPS_PROXY listener, with control over each stream."""
 
-    def __init__(self, gw: procs.GatewayProcess, host: str = "api.openai.com") -> None:
+    def __init__(self, gw: gateway_processes.GatewayProcess, host: str = "api.openai.com") -> None:
         raw = socket.create_connection(("127.0.0.1", gw.proxy_port))
         raw.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n".encode())
         assert raw.recv(4096).startswith(b"HTTP/1.1 200")

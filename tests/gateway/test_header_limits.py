@@ -2,8 +2,8 @@
 once, and the gateway stays responsive. Before, 100k small headers held the gateway at 100% CPU for minutes (its
 header mapping looked every name up over every line) and 8k took 4 s.
 
-A real gateway (`procs.start_gateway`) on the embedded engine; heads are written on a raw socket, since an HTTP
-client takes as long to build 100k headers as the old gateway did to read them.
+A real gateway (`gateway_processes.start_gateway`) on the embedded engine; heads are written on a raw socket,
+since an HTTP client takes as long to build 100k headers as the old gateway did to read them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from openai import OpenAI
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 
 CHAT = "/s/hdr/v1/chat/completions"
 MESSAGES = "/s/hdr/v1/messages"
@@ -29,15 +29,17 @@ MESSAGES_BODY = json.dumps(
 
 
 @pytest.fixture(scope="module")
-def gateway(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
+def gateway(engine_url, tmp_path_factory) -> Iterator[gateway_processes.GatewayProcess]:
     root = tmp_path_factory.mktemp("header-limits")
-    gw = procs.start_gateway(engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log")
+    gw = gateway_processes.start_gateway(
+        engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log"
+    )
     yield gw
     gw.stop()
 
 
 def send(
-    gw: procs.GatewayProcess, path: str, body: bytes, extra: list[bytes], timeout: float = 60
+    gw: gateway_processes.GatewayProcess, path: str, body: bytes, extra: list[bytes], timeout: float = 60
 ) -> tuple[int, dict]:
     """POST `body` with the extra header lines over one raw HTTP/1.1 connection: (status, JSON answer)."""
     head = [
@@ -63,7 +65,7 @@ def many(n: int) -> list[bytes]:
     return [f"x-h{i}: v".encode() for i in range(n)]
 
 
-def chat_works(gw: procs.GatewayProcess) -> None:
+def chat_works(gw: gateway_processes.GatewayProcess) -> None:
     client = OpenAI(base_url=f"{gw.reverse_url}/s/after/v1", api_key="x", max_retries=0, timeout=60)
     answer = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4

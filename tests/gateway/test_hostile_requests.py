@@ -25,8 +25,8 @@ from google import genai
 from google.genai import types as gtypes
 from mitmproxy import io as mitm_io
 
-from polar_mitm import procs
 from polar_mitm.gateway import identity as ident
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -161,16 +161,16 @@ def fake_engine_url() -> Iterator[str]:
     server.shutdown()
 
 
-def start_gateway(backend: str, root: Path, **options: str) -> procs.GatewayProcess:
+def start_gateway(backend: str, root: Path, **options: str) -> gateway_processes.GatewayProcess:
     """A real mitmdump gateway writing records under root/flows and every flow to root/flows.mitm (`-w`)."""
     options = {"save_stream_file": str(root / "flows.mitm"), **options}
-    return procs.start_gateway(
+    return gateway_processes.start_gateway(
         backend, root / "flows", confdir=root / "conf", log=root / "gw.log", options=options
     )
 
 
 @pytest.fixture(scope="module")
-def fake_gw(fake_engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
+def fake_gw(fake_engine_url, tmp_path_factory) -> Iterator[gateway_processes.GatewayProcess]:
     gw = start_gateway(fake_engine_url, tmp_path_factory.mktemp("fake-gw"))
     yield gw
     gw.stop()
@@ -306,7 +306,7 @@ def test_secrets_never_reach_the_flow_file_and_odd_failures_are_provider_shaped(
 
 
 @pytest.fixture(scope="module")
-def engine_gw(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
+def engine_gw(engine_url, tmp_path_factory) -> Iterator[gateway_processes.GatewayProcess]:
     """A gateway in front of the free-running tiny engine (it samples until max_tokens)."""
     gw = start_gateway(engine_url, tmp_path_factory.mktemp("engine-gw"))
     yield gw

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from polar_mitm import procs
 from polar_mitm.agent.sdk_agent import DRIVERS, base_url_for
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -50,7 +50,7 @@ def malformed_gateway(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("malformed")
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    with procs.engine_and_gateway(
+    with gateway_processes.engine_and_gateway(
         root / "flows",
         confdir=root / "conf",
         engine_args=["--script", str(script)],

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.control import CONTROL_PATH, TOKEN_HEADER
+from polar_mitm.processes import ports
 from polar_mitm.storage.records import read_all
 
 MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
@@ -45,8 +46,17 @@ IDS = [f"{name}={value!r}" for name, value in BAD_VALUES]
 
 @pytest.mark.parametrize(("name", "value"), BAD_VALUES, ids=IDS)
 def test_a_bad_value_at_start_stops_the_gateway_with_one_line_naming_it(tmp_path, name, value):
-    port = procs.free_port()
-    cmd = [MITMDUMP, "-q", "-s", str(procs.addon_path()), "--listen-host", "127.0.0.1", "-p", str(port)]
+    port = ports.free_port()
+    cmd = [
+        MITMDUMP,
+        "-q",
+        "-s",
+        str(gateway_processes.addon_path()),
+        "--listen-host",
+        "127.0.0.1",
+        "-p",
+        str(port),
+    ]
     settings = {
         "confdir": tmp_path / "conf",
         "polar_backend": "http://127.0.0.1:9",
@@ -64,21 +74,21 @@ def test_a_bad_value_at_start_stops_the_gateway_with_one_line_naming_it(tmp_path
 # ---- through control calls, on a real gateway ---------------------------------------------------------------
 
 
-def start(engine_url: str, root: Path, **options: str) -> procs.GatewayProcess:
+def start(engine_url: str, root: Path, **options: str) -> gateway_processes.GatewayProcess:
     root.mkdir(parents=True, exist_ok=True)
-    return procs.start_gateway(
+    return gateway_processes.start_gateway(
         engine_url, root / "a", confdir=root / "conf", log=root / "gateway.log", options=options
     )
 
 
 @pytest.fixture(scope="module")
-def gateway(engine_url, tmp_path_factory) -> Iterator[procs.GatewayProcess]:
+def gateway(engine_url, tmp_path_factory) -> Iterator[gateway_processes.GatewayProcess]:
     gw = start(engine_url, tmp_path_factory.mktemp("ranges"), polar_max_body_mb="1")
     yield gw
     gw.stop()
 
 
-def control(gw: procs.GatewayProcess, body: dict | bytes) -> httpx.Response:
+def control(gw: gateway_processes.GatewayProcess, body: dict | bytes) -> httpx.Response:
     content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
     return httpx.post(
         f"{gw.reverse_url}{CONTROL_PATH}",
@@ -89,12 +99,12 @@ def control(gw: procs.GatewayProcess, body: dict | bytes) -> httpx.Response:
     )
 
 
-def chat(gw: procs.GatewayProcess, session: str) -> None:
+def chat(gw: gateway_processes.GatewayProcess, session: str) -> None:
     client = OpenAI(base_url=f"{gw.reverse_url}/s/{session}/v1", api_key="x", max_retries=0, timeout=60)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
 
 
-def temperatures(gw: procs.GatewayProcess, session: str) -> list[float]:
+def temperatures(gw: gateway_processes.GatewayProcess, session: str) -> list[float]:
     rows = read_all(gw.out_dir).to_pylist()
     return [r["temperature"] for r in sorted(rows, key=lambda r: r["seq"]) if r["session_id"] == session]
 

@@ -1,6 +1,6 @@
 """A fresh gateway loads what its hot path needs while it starts, and says when it is ready (`GET /_polar/ready`,
-what `procs.start_gateway` waits on) — instead of holding the first model calls while tokens mode loads the engine's
-tokenizer and chat template."""
+what `gateway_processes.start_gateway` waits on) — instead of holding the first model calls while tokens mode
+loads the engine's tokenizer and chat template."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 
 import httpx
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.prompts import PromptBuilder
 from polar_mitm.gateway.token_chains import NO_CHAIN
 from polar_mitm.session_ids import SessionId
@@ -42,11 +42,11 @@ def test_nothing_to_wait_for_is_ready_at_once(tmp_path):
 
 
 def test_start_gateway_returns_a_ready_gateway_whose_first_call_needs_no_load(engine_url, tmp_path):
-    gateway = procs.start_gateway(
+    gateway = gateway_processes.start_gateway(
         engine_url, tmp_path / "flows", confdir=tmp_path / "conf", log=tmp_path / "gw.log"
     )
     try:
-        answer = httpx.get(gateway.reverse_url + procs.GATEWAY_READY_PATH, timeout=10)
+        answer = httpx.get(gateway.reverse_url + gateway_processes.GATEWAY_READY_PATH, timeout=10)
         assert answer.status_code == 200, answer.text
         assert answer.json()["ready"] is True and answer.json()["prompt_mode"] == "tokens"
         assert answer.json()["detail"].startswith("tokens mode, renderer from ")

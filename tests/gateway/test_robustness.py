@@ -17,7 +17,8 @@ from google.genai import types as gtypes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -34,8 +35,8 @@ MODEL_PATHS = {
 def dead_gateway(tmp_path_factory):
     """A gateway whose engine does not exist."""
     root = tmp_path_factory.mktemp("dead")
-    gw = procs.start_gateway(
-        f"http://127.0.0.1:{procs.free_port()}", root / "flows", confdir=root / "conf", log=root / "gw.log"
+    gw = gateway_processes.start_gateway(
+        f"http://127.0.0.1:{ports.free_port()}", root / "flows", confdir=root / "conf", log=root / "gw.log"
     )
     yield gw
     gw.stop()
@@ -45,7 +46,7 @@ def dead_gateway(tmp_path_factory):
 def small_context_gateway(tmp_path_factory):
     """A gateway in front of an engine whose context is only 64 tokens."""
     root = tmp_path_factory.mktemp("small")
-    with procs.engine_and_gateway(
+    with gateway_processes.engine_and_gateway(
         root / "flows",
         confdir=root / "conf",
         engine_args=["--context-length", "64"],
@@ -114,7 +115,7 @@ def test_kill_9_amid_concurrent_closes_loses_no_acknowledged_record(scripted_eng
     from concurrent.futures import ThreadPoolExecutor
 
     out = tmp_path / "flows"
-    gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
+    gw = gateway_processes.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
     acknowledged: set[str] = set()
     enough = threading.Event()
     lock = threading.Lock()
@@ -150,7 +151,7 @@ def test_kill_9_amid_concurrent_closes_loses_no_acknowledged_record(scripted_eng
 @pytest.mark.slow
 def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_engine_url, tmp_path):
     out = tmp_path / "flows"
-    gw = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
+    gw = gateway_processes.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
     client = openai.OpenAI(
         api_key=KEY, base_url=SessionId("durable").base_url(gw.reverse_url, "/v1"), max_retries=0
     )
@@ -161,7 +162,7 @@ def test_acknowledged_records_survive_kill_9_and_numbering_continues(scripted_en
     # Nothing was compacted yet: the five answered calls live in the fsynced journal.
     assert not list(out.glob("records-*.parquet"))
     assert len(read_all(out)) == 5
-    gw2 = procs.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
+    gw2 = gateway_processes.start_gateway(scripted_engine_url, out, confdir=tmp_path / "conf")
     try:
         # The restart compacted the journal into a readable shard, and seq goes on from 5.
         shards = list(out.glob("records-*.parquet"))

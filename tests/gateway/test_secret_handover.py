@@ -1,9 +1,10 @@
 """The gateway's secrets stay in the gateway (issue 36 item 1).
 
 Its control token, the engine's API key and the session key reach it through an inherited pipe
-(polar_mitm/secret_handover.py). Read as any process of the same user reads them: no `/proc/PID/environ` or
-`/proc/PID/cmdline` on the host holds one, the pipe is closed once read, and the token still works. Before, a `cmd:`
-agent read `POLAR_CONTROL_TOKEN` from the gateway's exec-time environment and moved every record to its folder.
+(polar_mitm/processes/secret_handover.py). Read as any process of the same user reads them: no
+`/proc/PID/environ` or `/proc/PID/cmdline` on the host holds one, the pipe is closed once read, and the token
+still works. Before, a `cmd:` agent read `POLAR_CONTROL_TOKEN` from the gateway's exec-time environment and
+moved every record to its folder.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm import engine_keys, procs, secret_handover
+from polar_mitm.engines import keys as engine_keys
 from polar_mitm.gateway import control
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import secret_handover
 
 
 def _readable_process_files() -> list[bytes]:
@@ -34,7 +37,7 @@ def _readable_process_files() -> list[bytes]:
 
 def test_no_process_file_holds_a_gateway_secret_and_the_token_still_switches(scripted_engine_url, tmp_path):
     session_key = secrets.token_urlsafe(32)
-    gw = procs.start_gateway(
+    gw = gateway_processes.start_gateway(
         scripted_engine_url, tmp_path / "a", confdir=tmp_path / "conf", session_key=session_key
     )
     try:
@@ -68,9 +71,9 @@ def test_a_secret_taken_once_is_not_handed_on_to_what_the_child_starts(tmp_path)
     """The child reads the pipe whole at its first `take` and closes it: its own children inherit nothing."""
     child = (
         "import os, subprocess, sys\n"
-        "from polar_mitm import secret_handover\n"
+        "from polar_mitm.processes import secret_handover\n"
         "print(secret_handover.take('control_token'))\n"
-        "grandchild = 'from polar_mitm import secret_handover; print(secret_handover.take(\"control_token\"))'\n"
+        "grandchild = 'from polar_mitm.processes import secret_handover; print(secret_handover.take(\"control_token\"))'\n"
         "sys.stdout.flush()\n"
         "subprocess.run([sys.executable, '-c', grandchild], close_fds=False)\n"
     )

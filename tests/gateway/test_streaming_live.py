@@ -17,8 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from polar_mitm import engine_keys, procs
 from polar_mitm.agent.sdk_agent import join_chat_stream
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -44,12 +47,14 @@ def _engine(tmp_path_factory, name: str, extra: list[str]):
     root = tmp_path_factory.mktemp(name)
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    return procs.start_engine("tiny", log=root / "engine.log", extra_args=["--script", str(script), *extra])
+    return engine_processes.start_engine(
+        "tiny", log=root / "engine.log", extra_args=["--script", str(script), *extra]
+    )
 
 
 def _gateway(tmp_path_factory, name: str, engine: str, options: dict[str, str] | None = None):
     root = tmp_path_factory.mktemp(name)
-    gw = procs.start_gateway(
+    gw = gateway_processes.start_gateway(
         engine, root / "flows", confdir=root / "conf", log=root / "gateway.log", options=options
     )
     gw.log = root / "gateway.log"
@@ -60,7 +65,7 @@ def _gateway(tmp_path_factory, name: str, engine: str, options: dict[str, str] |
 def live_engine(tmp_path_factory):
     proc, url = _engine(tmp_path_factory, "live-engine", [])
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def slow_engine(tmp_path_factory):
     """Each token waits 0.15 s: a generation of ~40 tokens takes seconds, so ordering and aborts are visible."""
     proc, url = _engine(tmp_path_factory, "slow-engine", ["--token-delay", "0.15"])
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,7 @@ def prefill_engine(tmp_path_factory):
     """The first token comes after 1.5 s (a long prefill); the rest at full speed."""
     proc, url = _engine(tmp_path_factory, "prefill-engine", ["--first-token-delay", "1.5"])
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import uuid
 import jsonschema
 import pytest
 
-from polar_mitm import procs
 from polar_mitm.agent.sdk_agent import base_url_for
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
 
@@ -36,7 +36,7 @@ PROMPT = "Who speaks next? Answer in JSON."
 def free_gateway(engine_url, tmp_path_factory):
     """The gateway in front of the unscripted tiny engine; budgets capped so a runaway answer stays short."""
     root = tmp_path_factory.mktemp("structured")
-    gw = procs.start_gateway(
+    gw = gateway_processes.start_gateway(
         engine_url,
         root / "flows",
         confdir=root / "conf",

@@ -18,8 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from polar_mitm import procs
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.gateway.token_chains import ANSWER_DIFFERS, NO_CHAIN, NO_PREFIX, RENDERER_MISMATCH, RETRY
+from polar_mitm.processes import children
 from polar_mitm.reconstruct.fidelity import sequence_fidelity
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.turns import sequences_from_table
@@ -66,14 +68,16 @@ def exact_engine_url(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("token-exact-engine")
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    proc, url = procs.start_engine("tiny", log=root / "engine.log", extra_args=["--script", str(script)])
+    proc, url = engine_processes.start_engine(
+        "tiny", log=root / "engine.log", extra_args=["--script", str(script)]
+    )
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
-def start_gateway(engine_url: str, root: Path, **options: str) -> procs.GatewayProcess:
+def start_gateway(engine_url: str, root: Path, **options: str) -> gateway_processes.GatewayProcess:
     root.mkdir(parents=True, exist_ok=True)
-    return procs.start_gateway(
+    return gateway_processes.start_gateway(
         engine_url, root / "flows", confdir=root / "conf", log=root / "gateway.log", options=options
     )
 
@@ -94,7 +98,7 @@ def gateways(exact_engine_url, tmp_path_factory):
 # -- an SDK agent that rewrites its history the way several harnesses do --------------------------------------------
 
 
-def client_for(gw: procs.GatewayProcess, session: str):
+def client_for(gw: gateway_processes.GatewayProcess, session: str):
     from openai import OpenAI
 
     return OpenAI(
@@ -139,7 +143,7 @@ def run_agent(
     return messages
 
 
-def session_records(gw: procs.GatewayProcess, session: str) -> pa.Table:
+def session_records(gw: gateway_processes.GatewayProcess, session: str) -> pa.Table:
     rows = [r for r in read_all(gw.out_dir).to_pylist() if r["session_id"] == session]
     return pa.Table.from_pylist(sorted(rows, key=lambda r: r["seq"]), schema=RECORD_SCHEMA)
 

@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
-from polar_mitm import engine_keys, procs
 from polar_mitm.engine.generation import Engine
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
 from polar_mitm.loop.config import LoopConfig
 from polar_mitm.loop.loop import Loop
 from polar_mitm.storage.run_layout import RUN_STATE_DIR
@@ -230,7 +231,7 @@ def dtypes_of(directory: Path) -> set[torch.dtype]:
 
 
 def test_torch_dtype_bf16_trains_writes_and_pushes_bf16_weights_the_engine_reloads(tmp_path, tiny_model_dir):
-    with procs.engine_running(model="tiny", log=tmp_path / "engine.log") as url:
+    with engine_processes.engine_running(model="tiny", log=tmp_path / "engine.log") as url:
         loop = make_loop(tmp_path / "run", tiny_model_dir, torch_dtype="bf16")
         loop.engine_url = url
         train_iteration(loop, 0)

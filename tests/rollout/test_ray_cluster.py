@@ -14,7 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import engine_keys, engines, procs
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.engines import weights
+from polar_mitm.processes import children
 from polar_mitm.storage.records import read_all
 
 pytestmark = pytest.mark.slow
@@ -49,7 +52,7 @@ def engine_key_file(tmp_path_factory) -> Path:
 def scripted_engines(tmp_path_factory, engine_key_file):
     """Two embedded engines playing the CPU demo's scripted choice policy (as `polar-mitm loop` starts one)."""
     started = [
-        procs.start_engine(
+        engine_processes.start_engine(
             "tiny",
             log=tmp_path_factory.mktemp(f"engine{k}") / "engine.log",
             extra_args=["--threads", "1", "--script", str(EXAMPLES / "policy.json")],
@@ -61,7 +64,7 @@ def scripted_engines(tmp_path_factory, engine_key_file):
     yield [url for _, url in started]
     os.environ.pop(engine_keys.KEY_FILE_ENV, None)
     for proc, _ in started:
-        procs.stop(proc)
+        children.stop(proc)
 
 
 def node_name(node) -> str:
@@ -74,7 +77,7 @@ def cli(*args: str) -> list[str]:
 
 def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_engines, tmp_path):
     ray_cluster, _ = cluster
-    before = engines.worker_versions(scripted_engines)
+    before = weights.worker_versions(scripted_engines)
     run = tmp_path / "run"
     done = subprocess.run(
         cli(
@@ -114,7 +117,7 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
     report = json.loads((it / "ray_report.json").read_text())
     assert len(report["per_node"]) == 2 and not report["dead_nodes"]
     # The weights were pushed to both engines (the router does not forward the push): same new version.
-    after = engines.worker_versions(scripted_engines)
+    after = weights.worker_versions(scripted_engines)
     assert len(set(after.values())) == 1 and int(next(iter(after.values()))) > max(
         int(v) for v in before.values()
     )

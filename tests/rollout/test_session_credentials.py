@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
 from polar_mitm.storage.records import read_all
@@ -62,7 +62,7 @@ def test_a_session_cannot_be_another_session_in_any_form_the_gateway_reads(scrip
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
     results = tmp_path / "results.json"
-    gw = procs.start_gateway(
+    gw = gateway_processes.start_gateway(
         scripted_engine_url,
         tmp_path / "flows",
         confdir=tmp_path / "conf",

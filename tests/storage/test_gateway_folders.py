@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.journal_format import JOURNAL_DIR, JOURNAL_SUFFIX
 from polar_mitm.storage.records import read_all
@@ -43,7 +43,7 @@ def polar(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def call(gateway: procs.GatewayProcess, session: str, n: int) -> list[str]:
+def call(gateway: gateway_processes.GatewayProcess, session: str, n: int) -> list[str]:
     """`n` acknowledged chat calls of `session` through `gateway`; their answers' ids."""
     client = openai.OpenAI(
         api_key="k", base_url=SessionId(session).base_url(gateway.reverse_url, "/v1"), max_retries=0
@@ -63,7 +63,7 @@ def recorded_calls(out: Path) -> list[tuple[str, int]]:
 
 def test_every_reader_sees_a_killed_gateways_records_once(engine_url, tmp_path):
     out = tmp_path / "flows"
-    gateways = procs.start_gateways(
+    gateways = gateway_processes.start_gateways(
         [engine_url, engine_url], out, confdir=tmp_path / "conf", log=tmp_path / "gw.log"
     )
     try:
@@ -90,7 +90,7 @@ def test_every_reader_sees_a_killed_gateways_records_once(engine_url, tmp_path):
     assert summary["records"] == 7 and summary["sessions"] == 2, summary
 
     # The folder's next gateway recovers the dead one's journal into a shard: still each record once.
-    with procs.gateway_running(engine_url, out / "gw-1", confdir=tmp_path / "conf"):
+    with gateway_processes.gateway_running(engine_url, out / "gw-1", confdir=tmp_path / "conf"):
         pass
     assert not list((out / "gw-1" / JOURNAL_DIR).glob(f"*{JOURNAL_SUFFIX}"))
     assert recorded_calls(out) == expected
@@ -98,11 +98,11 @@ def test_every_reader_sees_a_killed_gateways_records_once(engine_url, tmp_path):
 
 def test_a_second_gateway_on_a_live_gateways_folder_refuses_and_loses_nothing(engine_url, tmp_path):
     out, conf = tmp_path / "flows", tmp_path / "conf"
-    first = procs.start_gateway(engine_url, out, confdir=conf, log=tmp_path / "first.log")
+    first = gateway_processes.start_gateway(engine_url, out, confdir=conf, log=tmp_path / "first.log")
     try:
         call(first, "first", 5)
         with pytest.raises(RuntimeError):
-            procs.start_gateway(engine_url, out, confdir=conf, log=tmp_path / "second.log")
+            gateway_processes.start_gateway(engine_url, out, confdir=conf, log=tmp_path / "second.log")
         refusal = [line for line in (tmp_path / "second.log").read_text().splitlines() if line.strip()]
         assert len(refusal) == 1 and str(out) in refusal[0] and "in use by another" in refusal[0], refusal
         assert "Traceback" not in refusal[0]
@@ -111,22 +111,22 @@ def test_a_second_gateway_on_a_live_gateways_folder_refuses_and_loses_nothing(en
         first.stop()
     assert recorded_calls(out) == [("first", i) for i in range(7)]
     # Stopped, it released the folder: the next gateway takes it and its numbering goes on.
-    with procs.gateway_running(engine_url, out, confdir=conf) as third:
+    with gateway_processes.gateway_running(engine_url, out, confdir=conf) as third:
         call(third, "first", 1)
     assert recorded_calls(out) == [("first", i) for i in range(8)]
 
 
 def test_the_folder_lock_moves_with_a_switch(engine_url, tmp_path):
     before, after, conf = tmp_path / "before", tmp_path / "after", tmp_path / "conf"
-    gateway = procs.start_gateway(engine_url, before, confdir=conf)
+    gateway = gateway_processes.start_gateway(engine_url, before, confdir=conf)
     try:
         call(gateway, "moved", 2)
         gateway.switch(after)  # the old folder's journal is compacted, its lock released, the new one's taken
         call(gateway, "moved", 1)
         with pytest.raises(RuntimeError):
-            procs.start_gateway(engine_url, after, confdir=conf, log=tmp_path / "refused.log")
+            gateway_processes.start_gateway(engine_url, after, confdir=conf, log=tmp_path / "refused.log")
         assert "in use by another" in (tmp_path / "refused.log").read_text()
-        with procs.gateway_running(engine_url, before, confdir=conf) as successor:
+        with gateway_processes.gateway_running(engine_url, before, confdir=conf) as successor:
             call(successor, "successor", 1)
     finally:
         gateway.stop()

@@ -14,7 +14,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 
 POLAR = str(Path(sys.executable).with_name("polar-mitm"))
@@ -26,7 +26,7 @@ def flow_file(engine_url, tmp_path_factory) -> Path:
     """Three chat calls through the gateway, saved by mitmproxy as `mitmdump -w FILE` saves them."""
     root = tmp_path_factory.mktemp("recorded")
     saved = root / "calls.flow"
-    with procs.gateway_running(
+    with gateway_processes.gateway_running(
         engine_url,
         root / "flows",
         confdir=root / "conf",

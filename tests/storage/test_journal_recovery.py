@@ -23,7 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import engine_keys, procs, secret_handover
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import children, ports, secret_handover
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.journal import QUARANTINE_DIR, RecordWriter
 from polar_mitm.storage.journal_format import (
@@ -213,8 +215,8 @@ def test_gateway_starts_despite_a_truncated_shard_and_a_bad_journal_row(tmp_path
             orjson.dumps(record(5, "old")),
         ],
     )
-    gw = procs.start_gateway(
-        f"http://127.0.0.1:{procs.free_port()}", out, confdir=tmp_path / "conf", log=tmp_path / "gw.log"
+    gw = gateway_processes.start_gateway(
+        f"http://127.0.0.1:{ports.free_port()}", out, confdir=tmp_path / "conf", log=tmp_path / "gw.log"
     )
     try:
         client = openai.OpenAI(
@@ -242,7 +244,7 @@ def framed_journal(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def chat(gw: procs.GatewayProcess, session: str) -> str:
+def chat(gw: gateway_processes.GatewayProcess, session: str) -> str:
     """One chat call through the gateway's reverse listener; the sampled text."""
     client = openai.OpenAI(
         api_key="k", base_url=SessionId(session).base_url(gw.reverse_url, "/v1"), max_retries=0
@@ -262,7 +264,7 @@ def test_gateway_starts_and_quarantines_journal_rows_missing_required_fields(tmp
     )
     log = tmp_path / "gw.log"
     for _ in range(2):  # and again: a bad row once kept every later start from serving
-        with procs.gateway_running(engine_url, out, confdir=tmp_path / "conf", log=log) as gw:
+        with gateway_processes.gateway_running(engine_url, out, confdir=tmp_path / "conf", log=log) as gw:
             chat(gw, "old")
             assert gw.proc.poll() is None
     rows = read_all(out, include_journal=False).to_pylist()
@@ -280,14 +282,14 @@ def test_gateway_starts_and_quarantines_journal_rows_missing_required_fields(tmp
 
 def start_gateway_with_file_size_limit(
     backend: str, out: Path, tmp_path: Path, limit: int, rotate_seconds: int
-) -> procs.GatewayProcess:
+) -> gateway_processes.GatewayProcess:
     """The gateway (reverse listener only) in a process that cannot write a file past `limit` bytes: EFBIG,
     what a full disk is to the writer (CPython ignores SIGXFSZ, so the write fails instead of killing it)."""
-    port = procs.free_port()
+    port = ports.free_port()
     cmd = [
         str(Path(sys.executable).with_name("mitmdump")),
         "-s",
-        str(procs.addon_path()),
+        str(gateway_processes.addon_path()),
         "--mode",
         f"reverse:http://127.0.0.1:9@{port}",
         "--set",
@@ -314,11 +316,11 @@ def start_gateway_with_file_size_limit(
         )
     handover.close()
     try:
-        procs.wait_port(port, proc=proc)
+        ports.wait_port(port, proc=proc)
     except BaseException:
-        procs.stop(proc)
+        children.stop(proc)
         raise
-    return procs.GatewayProcess(proc, port, port, tmp_path / "conf", out)
+    return gateway_processes.GatewayProcess(proc, port, port, tmp_path / "conf", out)
 
 
 def test_a_failed_compaction_at_startup_does_not_stop_serving_and_is_retried(tmp_path, engine_url):

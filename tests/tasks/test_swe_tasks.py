@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from polar_mitm import procs
 from polar_mitm.cli import app
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
@@ -361,7 +361,7 @@ def codex_or_skip() -> None:
         pytest.skip(f"codex CLI not installed: {exc}")
 
 
-def rollout_through(gateway: procs.GatewayProcess, task: Task, tmp_path: Path):
+def rollout_through(gateway: gateway_processes.GatewayProcess, task: Task, tmp_path: Path):
     endpoints = GatewayEndpoints(gateway.reverse_url, gateway.proxy_url, gateway.ca_bundle())
     config = RolloutConfig(
         group_size=1, concurrency=1, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"
@@ -406,7 +406,7 @@ def test_the_unscripted_tiny_model_scores_zero_and_its_run_is_recorded(swe_tasks
     codex_or_skip()
     task = swe_tasks["inflection__ordinal-teens"]
     # A short answer budget: the untrained model's text is noise, and a long one only costs time.
-    with procs.engine_and_gateway(
+    with gateway_processes.engine_and_gateway(
         tmp_path / "flows",
         confdir=tmp_path / "conf",
         engine_args=["--threads", "1"],

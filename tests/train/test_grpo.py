@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from polar_mitm import engine_keys, procs
 from polar_mitm.cli import app
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.processes import children
 from polar_mitm.storage.merged import MERGED_SCHEMA, MergedSequence
 from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import PolarGRPOConfig
@@ -334,9 +336,9 @@ def test_lora_writes_adapters_and_a_merged_model_the_engine_loads(rollouts, tiny
 @pytest.fixture
 def own_engine(tmp_path):
     """An engine of our own: this test changes its weights, the session's shared engine must keep its own."""
-    proc, url = procs.start_engine("tiny", log=tmp_path / "engine.log")
+    proc, url = engine_processes.start_engine("tiny", log=tmp_path / "engine.log")
     yield url
-    procs.stop(proc)
+    children.stop(proc)
 
 
 def test_push_to_engine_changes_its_weight_version_and_outputs(

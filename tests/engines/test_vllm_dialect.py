@@ -10,9 +10,9 @@ import pytest
 
 from polar_mitm.conversation import Completion
 from polar_mitm.engine.parsers import parse_output
-from polar_mitm.gateway.engine_client import with_logprobs_meta
-from polar_mitm.gateway.engine_stream import StreamAssembler
-from polar_mitm.vllm.dialect import VllmStream, engine_kind, sglang_answer, to_vllm, vllm_model_info
+from polar_mitm.engines.client import with_logprobs_meta
+from polar_mitm.engines.dialects.vllm import VllmStream, engine_kind, sglang_answer, to_vllm, vllm_model_info
+from polar_mitm.engines.stream import StreamAssembler
 
 MODEL_INFO = vllm_model_info(
     {"data": [{"id": "tiny-hd32", "root": "/models/tiny-hd32", "max_model_len": 8192}]},

@@ -4,7 +4,7 @@ sampled token is trained in the context vLLM sampled it in, each main thread mer
 trainer's step-0 logprobs (PolarGRPOTrainer on the vLLM checkpoint, fp32 CPU) equal vLLM's recorded ones — at T=1
 for all six, at T=0.7 for three (AT_T07). A closing table gives the per-harness figures.
 
-The session's one vLLM server plays the script for this module only (tests/engine/conftest.py); the gateway runs
+The session's one vLLM server plays the script for this module only (tests/vllm/conftest.py); the gateway runs
 outside a network namespace, because vLLM listens on this host's loopback.
 """
 

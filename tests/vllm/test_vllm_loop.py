@@ -16,12 +16,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm import engines
 from polar_mitm.demo import DEMO_LEARNING_RATE
+from polar_mitm.engines import weights
 from polar_mitm.loop.config import LoopConfig
 from polar_mitm.loop.loop import Loop
 from polar_mitm.storage.records import read_all
-from tests.engine import keyed
+from tests.engines import keyed
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_one_loop_iteration_on_vllm_trains_pushes_and_vllm_serves_the_new_weight
     vllm_url, vllm_model_dir, vllm_reference, vllm_script, tmp_path
 ):
     assert json.loads((vllm_model_dir / "config.json").read_text())["tie_word_embeddings"] is True
-    before = engines.engine_weight_version(vllm_url)
+    before = weights.engine_weight_version(vllm_url)
     cfg = LoopConfig(
         tasks=EXAMPLES / "tasks.jsonl",
         run_dir=tmp_path / "run",
@@ -78,7 +78,7 @@ def test_one_loop_iteration_on_vllm_trains_pushes_and_vllm_serves_the_new_weight
             rewards.setdefault(row["task_id"], set()).add(row["reward"])
         assert any(len(seen) > 1 for seen in rewards.values()), rewards  # a group with advantages to follow
         assert stats.weight_version is not None and stats.weight_version != before
-        assert engines.engine_weight_version(vllm_url) == stats.weight_version
+        assert weights.engine_weight_version(vllm_url) == stats.weight_version
 
         trained = loop.model_dir
         prompt = records[0]["prompt_ids"]
@@ -92,4 +92,4 @@ def test_one_loop_iteration_on_vllm_trains_pushes_and_vllm_serves_the_new_weight
         assert gap <= LOGPROB_TOLERANCE
         assert moved > 1e-3  # the weights did change, and vLLM serves the changed ones
     finally:
-        engines.push_weights(vllm_url, vllm_model_dir)  # the session's other tests score the original weights
+        weights.push_weights(vllm_url, vllm_model_dir)  # the session's other tests score the original weights

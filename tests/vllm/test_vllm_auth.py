@@ -2,7 +2,7 @@
 vLLM's own `--api-key` leaves open included (issue 36 item 2) — the key is on no command line or environment, a
 reload must bring a new label, and a version change during a call leaves the old label on it (item 11).
 
-Shares the session's vLLM server (tests/engine/conftest.py).
+Shares the session's vLLM server (tests/vllm/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm import engine_keys
-from tests.engine import keyed
+from polar_mitm.engines import keys as engine_keys
+from tests.engines import keyed
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """httpx calls that carry the engine's API key: for tests that talk to an engine we started directly (every route
-but /health needs it, polar_mitm/engine_keys.py)."""
+but /health needs it, polar_mitm/engines/keys.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from polar_mitm import engine_keys
+from polar_mitm.engines import keys as engine_keys
 
 
 def headers_for(url: str, given: dict[str, str] | None = None) -> dict[str, str]:

@@ -13,9 +13,9 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pyarrow as pa
 
-from polar_mitm.compaction_label import new_chain_reason, pending_after
 from polar_mitm.conversation import Completion, Message
 from polar_mitm.gateway.token_chains import COMPACTION, NO_CHAIN, NO_PREFIX, RETRY, TokenChains
+from polar_mitm.reconstruct.compaction_label import new_chain_reason, pending_after
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.reconstruct.prefix_merging import (
     BREAK_COMPACTION,

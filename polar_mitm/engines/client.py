@@ -2,11 +2,12 @@
 SSE chunks with per-chunk logprobs and the final sglext chunk with the ids).
 
 Three engines, two dialects: SGLang and the embedded engine speak SGLang's API, which is what the gateway speaks;
-vLLM's calls and answers are translated both ways by `polar_mitm/vllm/dialect.py`, so the rest of the gateway
-never knows which engine answered. The kind is asked of the engine at the first call (`polar_engine=auto`: SGLang
-and `polar-mitm serve` answer `/model_info`, vLLM `/version`) or set (`sglang|vllm|embedded`), and written into
-the model info (`engine_kind`, in `_engine.json`). Every answer's meta info says whether its logprobs are
-temperature-scaled (`logprobs_temperature_scaled`): SGLang's always are; vLLM's per its `--logprobs-mode`.
+vLLM's calls and answers are translated both ways by `polar_mitm/engines/dialects/vllm.py`, so the rest of the
+gateway never knows which engine answered. The kind is asked of the engine at the first call
+(`polar_engine=auto`: SGLang and `polar-mitm serve` answer `/model_info`, vLLM `/version`) or set
+(`sglang|vllm|embedded`), and written into the model info (`engine_kind`, in `_engine.json`). Every answer's
+meta info says whether its logprobs are temperature-scaled (`logprobs_temperature_scaled`): SGLang's always
+are; vLLM's per its `--logprobs-mode`.
 
 Every request carries the engine's API key (`engine_keys.key_for`: handed to the gateway through a pipe, or
 `$POLAR_ENGINE_KEY` for a gateway started by hand). A vLLM answer is labelled with the weight version read *before*
@@ -28,11 +29,18 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polar_mitm import engine_keys
 from polar_mitm.codecs.base import GatewayError
-from polar_mitm.engines import weight_version_of
-from polar_mitm.vllm.dialect import ENGINE_KINDS, VllmCall, VllmStream, engine_kind, sglang_answer, to_vllm
-from polar_mitm.vllm.dialect import vllm_model_info as describe_vllm
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines.dialects.vllm import (
+    ENGINE_KINDS,
+    VllmCall,
+    VllmStream,
+    engine_kind,
+    sglang_answer,
+    to_vllm,
+)
+from polar_mitm.engines.dialects.vllm import vllm_model_info as describe_vllm
+from polar_mitm.engines.weights import weight_version_of
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,16 @@
-"""Start and stop our own server processes (engine, gateway) for the demo, tests and rollouts.
+"""Start and stop our gateways (`mitmdump -s addon/polar.py`) as child processes, for the demo, tests and rollouts.
 
 `engine_and_gateway` is the usual way in: the engine up (started, or one given by URL) and healthy, then the
-gateway in front of it, both down again when the block ends. `engine_running` and `gateway_running` are its two
-halves, for callers that keep one engine across several gateways (the RL loop). `kill_group`/`stop_group` end the
-process groups of the children we start in their own session (harnesses, setup and evaluation commands).
+gateway in front of it, both down again when the block ends. `engines/processes.py`'s `engine_running` and
+`gateway_running` here are its two halves, for callers that keep one engine across several gateways (the RL loop);
+`gateways_running` starts several. A `GatewayProcess` is the handle: its URLs, its CA, and `switch` (the control
+call that points it at the next records folder).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,157 +22,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from polar_mitm import engine_keys, secret_handover
+from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import control
+from polar_mitm.processes import children, ports, secret_handover
 
 if TYPE_CHECKING:
     from polar_mitm.harness.netns import LoopbackNamespace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, *, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers 2xx; fail fast if `proc` dies."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:  # one client per wait: see wait_gateway_ready
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before {url} came up")
-            try:
-                if client.get(url).is_success:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{url} did not come up in {timeout:.0f}s")
-
-
-def start_engine(
-    model: str = "tiny",
-    *,
-    port: int | None = None,
-    log: Path | None = None,
-    extra_args: list[str] | None = None,
-    timeout: float = 300.0,
-    netns: LoopbackNamespace | None = None,
-    api_key: str | None = None,
-) -> tuple[subprocess.Popen, str]:
-    """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers.
-
-    It gets an API key (`api_key`, else a new one) through an inherited pipe, remembered for its URL in this process
-    (`engine_keys.key_for`): our gateways and weight pushes send it, nothing else can. With `netns` it runs inside
-    that network namespace (its URL is only reachable from there).
-    """
-    port = port or free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "polar_mitm.cli",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        *(extra_args or []),
-    ]
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    key = api_key or engine_keys.new_key()
-    handover = secret_handover.Handover({engine_keys.HANDOVER_NAME: key})
-    env = {k: v for k, v in os.environ.items() if k != engine_keys.KEY_ENV}  # the pipe's key, not a user's
-    try:
-        proc = subprocess.Popen(
-            netns.wrap(cmd) if netns else cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            **handover.popen_kwargs({**env, "HF_HUB_OFFLINE": "1"}),
-        )
-    finally:
-        handover.close()
-    url = f"http://127.0.0.1:{port}"
-    engine_keys.remember(url, key)
-    try:
-        if netns is not None:  # uvicorn listens only once the model is loaded
-            netns.wait_port(port, timeout=timeout, proc=proc)
-        else:
-            wait_http(f"{url}/health", timeout=timeout, proc=proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url
-
-
-def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    """Send `sig` (SIGKILL by default) to a process group we started, if anything of it is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-HARNESS_RUN_ENV = "POLAR_HARNESS_RUN"  # marks a harness run's processes, inherited by all it spawns
-
-
-def kill_marked(marker: str) -> int:
-    """SIGKILL every process whose environment holds `POLAR_HARNESS_RUN=marker`; how many there were.
-
-    What a harness left running outside its process group: Cline's hub daemon starts a session of its own and
-    outlives every one-shot run (~240 MB each; a rollout of hundreds of sessions would pile them up). Children
-    inherit the variable, so the sweep finds them wherever they moved; processes we cannot read are not ours.
-    """
-    needle = f"{HARNESS_RUN_ENV}={marker}".encode()
-    proc_dir = Path("/proc")
-    if not proc_dir.is_dir():  # not Linux: the process group is all we can stop
-        return 0
-    killed = 0
-    for entry in proc_dir.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:  # gone, or not ours to read
-            continue
-        if needle in environ.split(b"\0"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    return killed
-
-
-async def stop_group(proc: asyncio.subprocess.Process, grace: float = 2.0) -> None:
-    """SIGTERM the whole process group of `proc` (harnesses spawn children), then SIGKILL after a grace period."""
-    if proc.returncode is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        kill_group(proc.pid, sig)
-        try:
-            await asyncio.wait_for(proc.wait(), grace)
-            return
-        except TimeoutError:
-            continue
-
-
-def wait_port(port: int, *, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} did not open in {timeout:.0f}s")
 
 
 @dataclass
@@ -230,7 +83,7 @@ class GatewayProcess:
         self.out_dir = Path(out_dir)
 
     def stop(self) -> None:
-        stop(self.proc, timeout=20)
+        children.stop(self.proc, timeout=20)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -248,16 +101,7 @@ def write_ca_bundle(ca_cert: Path, bundle: Path) -> Path:
 
 
 def addon_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "addon" / "polar.py"
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM it when its parent dies (Linux), so a killed Ray worker leaves no gateway."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return Path(__file__).resolve().parents[2] / "addon" / "polar.py"
 
 
 def start_gateway(
@@ -280,7 +124,7 @@ def start_gateway(
     Its control token, `engine_key` (the engine's API key) and `session_key` (what signs session credentials)
     reach it through an inherited pipe (`secret_handover`), never its environment or command line.
     """
-    proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
+    proxy_port, reverse_port = proxy_port or ports.free_port(), reverse_port or ports.free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -314,12 +158,12 @@ def start_gateway(
             netns.wrap(cmd) if netns else cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if tie_to_parent else None,
+            preexec_fn=children.die_with_parent if tie_to_parent else None,
             **handover.popen_kwargs(dict(os.environ)),
         )
     finally:
         handover.close()
-    wait = netns.wait_port if netns is not None else wait_port
+    wait = netns.wait_port if netns is not None else ports.wait_port
     try:
         wait(proxy_port, proc=proc)
         wait(reverse_port, proc=proc)
@@ -328,7 +172,7 @@ def start_gateway(
         if netns is None and "save_stream_file" not in (options or {}):
             wait_gateway_ready(f"http://127.0.0.1:{reverse_port}", proc=proc)
     except BaseException:
-        stop(proc)
+        children.stop(proc)
         raise
     return GatewayProcess(proc, proxy_port, reverse_port, Path(confdir), Path(out_dir), token, session_key)
 
@@ -356,28 +200,6 @@ def wait_gateway_ready(
                 pass
             time.sleep(0.02)
     raise TimeoutError(f"the gateway at {base_url} was not ready in {timeout:.0f}s")
-
-
-@contextmanager
-def engine_running(
-    engine: str | None = None,
-    *,
-    model: str = "tiny",
-    log: Path | None = None,
-    extra_args: list[str] | None = None,
-    netns: LoopbackNamespace | None = None,
-) -> Iterator[str]:
-    """The engine's base URL for the duration of a block: `engine` when given (not ours: left running), else
-    `polar-mitm serve --model MODEL EXTRA_ARGS` started for the block, healthy before it runs, stopped after."""
-    if engine is not None:
-        yield engine
-        return
-    proc, url = start_engine(model, log=log, extra_args=extra_args, netns=netns)
-    try:
-        yield url
-    finally:
-        stop(proc)
-        engine_keys.forget(url)
 
 
 @contextmanager
@@ -489,7 +311,7 @@ def engine_and_gateway(
     Everything runs inside `netns` when given (then its URLs are only reachable from there).
     """
     with (
-        engine_running(
+        engine_processes.engine_running(
             engine, model=model, log=engine_log, extra_args=engine_args, netns=netns
         ) as engine_url,
         gateway_running(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import procs
+from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed, vllm_playing, vllm_running
 
 # Every sampled call at T=1 (so a recorded logprob is directly the model's log-probability) and short.
@@ -52,7 +52,7 @@ def vllm_url(vllm_model_dir, tmp_path_factory):
 def vllm_gateway(vllm_url, tmp_path_factory):
     """mitmdump + addon/polar.py in front of vLLM (regular and reverse listeners), tokens mode."""
     root = tmp_path_factory.mktemp("vllm-gateway")
-    with procs.gateway_running(
+    with gateway_processes.gateway_running(
         vllm_url,
         root / "flows",
         confdir=root / "conf",

@@ -1,7 +1,7 @@
 """A LoRA adapter pushed to vLLM without a restart (`POST /v1/load_lora_adapter`): calls that name it are answered
 by the base weights plus the adapter, exactly as transformers runs the merged model.
 
-The session's vLLM is started with `--enable-lora` (tests/engine/conftest.py); the adapter is PEFT's, on every
+The session's vLLM is started with `--enable-lora` (tests/vllm/conftest.py); the adapter is PEFT's, on every
 linear layer of the tiny model (head_dim 32, tied head), with random non-zero weights so that it changes every
 answer.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine import keyed
+from tests.engines import keyed
 
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU
 ADAPTER_NAME = "polar-lora-test"

@@ -12,7 +12,7 @@ import asyncio
 import orjson
 import pytest
 
-from polar_mitm.gateway.engine_client import EngineClient
+from polar_mitm.engines.client import EngineClient
 
 ANSWER = orjson.dumps({"ok": True})
 

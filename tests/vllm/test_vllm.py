@@ -1,7 +1,7 @@
 """A real vLLM (CPU build) behind the real gateway: what the records hold is what vLLM sampled and what the model
 says, in both prompt modes, streamed and not; weight pushes reach a tied head; vLLM down is a provider error.
 
-One vLLM server and one gateway for the whole session (tests/engine/conftest.py). Each call is checked against two
+One vLLM server and one gateway for the whole session (tests/vllm/conftest.py). Each call is checked against two
 independent references: vLLM itself scoring the recorded tokens (`prompt_logprobs` of prompt + sampled ids) and
 transformers on the same checkpoint.
 """
@@ -16,15 +16,17 @@ import uuid
 import orjson
 import pytest
 
-from polar_mitm import engines, procs
 from polar_mitm.agent.sdk_agent import DRIVERS
-from polar_mitm.gateway.engine_client import EngineClient, sse_frames
-from polar_mitm.gateway.engine_stream import StreamAssembler
+from polar_mitm.engines import weights
+from polar_mitm.engines.client import EngineClient, sse_frames
+from polar_mitm.engines.stream import StreamAssembler
+from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.processes import ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.engine_info import read_engine_file
 from polar_mitm.storage.records import read_all
 from polar_mitm.vllm.server import resolve_vllm_model
-from tests.engine import keyed
+from tests.engines import keyed
 
 API_KEY = "sk-polar-vllm-SECRET-51c2"
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU: vLLM and transformers agree far closer than this (measured 0.0 here)
@@ -220,7 +222,7 @@ def test_weight_push_reaches_the_tied_head(vllm_url, vllm_reference, vllm_model_
     served = keyed.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
     prompt = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
     probe = [9707, 11, 1879, 0]
-    before = engines.engine_weight_version(vllm_url)
+    before = weights.engine_weight_version(vllm_url)
     try:
         keyed.post(
             f"{vllm_url}/collective_rpc",
@@ -232,15 +234,15 @@ def test_weight_push_reaches_the_tied_head(vllm_url, vllm_reference, vllm_model_
             "vLLM's own reload is right now?"
         )
 
-        version = engines.push_weights(vllm_url, new_dir)
-        assert engines.engine_weight_version(vllm_url) == version != before
+        version = weights.push_weights(vllm_url, new_dir)
+        assert weights.engine_weight_version(vllm_url) == version != before
         pushed = vllm_scores(vllm_url, served, prompt, probe)
         gap = max_gap(pushed, vllm_reference(prompt, probe, new_dir))
         print(f"after the push: max |Δ logprob| vs transformers with the new weights {gap:.2e}")
         assert gap <= LOGPROB_TOLERANCE
         assert max_gap(pushed, vllm_reference(prompt, probe, vllm_model_dir)) > 1e-2
     finally:
-        engines.push_weights(vllm_url, vllm_model_dir)  # the session's other tests score the original weights
+        weights.push_weights(vllm_url, vllm_model_dir)  # the session's other tests score the original weights
     assert (
         max_gap(vllm_scores(vllm_url, served, prompt, probe), vllm_reference(prompt, probe))
         <= LOGPROB_TOLERANCE
@@ -277,8 +279,8 @@ def test_context_overflow_on_vllm_is_the_providers_400(vllm_gateway, vllm_url):
 
 def test_vllm_down_is_a_provider_shaped_error(tmp_path):
     """polar_engine=vllm with nothing listening: OpenAI's 503 and Anthropic's 529, recorded — no vLLM needed."""
-    dead = f"http://127.0.0.1:{procs.free_port()}"
-    with procs.gateway_running(
+    dead = f"http://127.0.0.1:{ports.free_port()}"
+    with gateway_processes.gateway_running(
         dead, tmp_path / "flows", confdir=tmp_path / "conf", options={"polar_engine": "vllm"}
     ) as gateway:
         base = f"{gateway.reverse_url}/t/down/s/vllm-down"

@@ -3,8 +3,9 @@
 Why: an unauthenticated engine lets any process of the host sample unrecorded, abort other sessions' calls, or push
 its own weights under the served version label (issue 36 item 2). Where a key lives:
 
-- the process that started an engine (`procs.start_engine`, `vllm.server.start_vllm`) remembers it per engine URL
-  (`remember`, `key_for`), so the loop's pushes and the gateways it starts find it without passing it around;
+- the process that started an engine (`engines.processes.start_engine`, `vllm.server.start_vllm`) remembers it
+  per engine URL (`remember`, `key_for`), so the loop's pushes and the gateways it starts find it without
+  passing it around;
 - a child that needs it (the engine itself, a gateway, a trainer process) gets it through an inherited pipe
   (`secret_handover`, name `engine_key`), never its command line or environment: `process_key` reads it;
 - a user who runs a gateway, `grpo --push-to-engine` or `polar-mitm sync` by hand against an engine with a key
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from polar_mitm import secret_handover
+from polar_mitm.processes import secret_handover
 
 log = logging.getLogger(__name__)
 

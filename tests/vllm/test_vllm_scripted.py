@@ -2,7 +2,7 @@
 logprob it reports stays the model's own — where vLLM's own forcing (`allowed_token_ids`, like any logits processor
 or grammar) reports log p = 0 for the forced token.
 
-The session's vLLM server plays a script only inside `vllm_script` blocks (tests/engine/conftest.py); each call is
+The session's vLLM server plays a script only inside `vllm_script` blocks (tests/vllm/conftest.py); each call is
 checked against transformers on the same checkpoint at the call's temperature.
 """
 
@@ -13,7 +13,7 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from tests.engine import keyed
+from tests.engines import keyed
 
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU (measured ≤ 1e-6)
 TOOL = {
