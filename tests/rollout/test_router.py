@@ -8,7 +8,8 @@ import pytest
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router as engine_router
 from polar_mitm.engines import weights
-from polar_mitm.engines.weights import EngineSyncError, push_weights
+from polar_mitm.engines.dialects.base import EngineSyncError
+from polar_mitm.engines.weights import push_weights
 from polar_mitm.processes import children, ports
 
 pytestmark = pytest.mark.slow

