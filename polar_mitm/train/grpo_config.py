@@ -29,6 +29,7 @@ TORCH_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "
 FRESH_RATIO_CAP = 2.0  # default `delta`: the same bound as the stale rows' TIS cap (`stale_is_clip_max`)
 CISPO_EPSILON_HIGH = 5.0  # CISPO's IS-weight cap (ScaleRL's ε_max; TRL's docs recommend it too)
 REFERENCE_AT_START = "start"
+PER_SEQUENCE_LOSSES = ("grpo", "sapo")  # TRL averages each sequence's tokens, then the sequences
 
 _SAMPLING = (
     "the engine behind the gateway sampled the completions: set sampling on the gateway (polar_top_p, …)"

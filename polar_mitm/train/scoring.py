@@ -9,16 +9,36 @@ the window (it scores only the labelled ones on Triton devices; elsewhere it kee
 such as Neuron's, which eager CPU does not need). Here the labels are -100 outside the positions asked for, and the
 head scores only labelled positions on CPU too. Values at the scored positions are unchanged; elsewhere the
 logprob (and entropy) is 0, which nothing reads: TRL's loss and metrics mask with `completion_mask * tool_mask`.
+
+The scoring passes outside the loss (the behaviour check, stale rows' current logprobs, the KL reference) need no
+gradient, so they run with gradient checkpointing off (`disable_gradient_checkpointing`).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 IGNORE = -100  # the label of a position the head skips
+
+
+@contextmanager
+def disable_gradient_checkpointing(
+    model, gradient_checkpointing_kwargs: dict | None = None
+) -> Iterator[None]:
+    """TRL's helper of the same name, reading transformers 5's `is_activation_checkpointing` (TRL 1.16 reads the
+    deprecated `is_gradient_checkpointing`, which warns on every training step)."""
+    was_enabled = model.is_activation_checkpointing
+    if was_enabled:
+        model.gradient_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
 
 
 def completion_labels(

@@ -1,0 +1,105 @@
+"""Rollouts older than the policy being trained: weight versions, and the decoupled correction of stale rows.
+
+The loop trains on rollouts sampled while earlier weights were served, and every optimizer step moves the weights
+one version on, so a row's recorded behaviour logprobs may come from a policy some updates old. `StaleRolloutMixin`
+counts the versions (`policy_weight_version`, `staleness`) and, with `stale_correction`, anchors TRL's clipped ratio
+of a stale row on the current weights' logprobs instead, weighting each of its tokens (or its sequence) by
+pi_current / pi_behaviour, truncated (TIS) or masked at `stale_is_clip_max`. Fresh rows keep the recorded logprobs
+as the anchor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polar_mitm.train.batching import MicroBatchPlan
+from polar_mitm.train.stats import version_distance
+
+LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps sequence-level weights finite
+
+
+class StaleRolloutMixin:
+    """`PolarGRPOTrainer`'s weight versions (from `base_weight_version`, set at init) and stale-row correction."""
+
+    base_weight_version: str | None
+
+    def policy_weight_version(self) -> str:
+        """The version of the weights being trained: the starting version plus one per optimizer step."""
+        base, steps = self.base_weight_version, self.state.global_step
+        if base is None:
+            return str(steps)
+        return str(int(base) + steps) if base.isdigit() else f"{base}+{steps}"
+
+    def staleness(self, recorded_version: str | None) -> int:
+        """Weight updates between the weights that sampled a rollout and the weights now being trained."""
+        return version_distance(self.base_weight_version, recorded_version) + self.state.global_step
+
+    def _row_staleness(self, inputs: list[dict[str, Any]], device) -> torch.Tensor:
+        """Per row of a generation batch: its staleness (0: sampled by the weights being trained)."""
+        return torch.tensor([self.staleness(row.get("weight_version")) for row in inputs], device=device)
+
+    def _correct_stale_rows(
+        self,
+        batch: dict[str, Any],
+        plan: MicroBatchPlan,
+        prompt_lens: list[int],
+        loss_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        staleness: torch.Tensor,
+        mode: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ratio anchor and the advantages of a generation batch (inside `torch.no_grad`): fresh rows keep the
+        recorded behaviour logprobs; with `stale_correction`, stale rows are anchored on the current weights'
+        logprobs and their advantages weighted by the truncated (or masked) pi_current / pi_behaviour."""
+        behaviour_logps = batch["behaviour_logps"]
+        stale = staleness > 0
+        # Decided across processes: a forward pass under ZeRO-3/FSDP is collective, so all ranks run it or none does.
+        any_stale = self.accelerator.gather(stale.any().float().reshape(1)).max().item() > 0
+        if self.args.stale_correction == "none" or not any_stale:
+            return behaviour_logps, advantages
+        current_logps = self._planned_logps(batch, plan, prompt_lens, self._policy_forward)
+        weights = self._stale_importance_weights(current_logps, behaviour_logps, loss_mask, stale, mode)
+        anchor_current = stale.unsqueeze(1) & loss_mask.bool()
+        old_per_token_logps = torch.where(anchor_current, current_logps, behaviour_logps)
+        # A non-negative weight on the advantage is the weight on the token's loss: TRL's clipped objective is linear
+        # in A, and the sign (which the clip metrics read) is kept.
+        advantages = advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
+        return old_per_token_logps, advantages
+
+    def _stale_importance_weights(
+        self,
+        current: torch.Tensor,
+        behaviour: torch.Tensor,
+        mask: torch.Tensor,
+        stale: torch.Tensor,
+        mode: str,
+    ) -> torch.Tensor:
+        """pi_current / pi_behaviour per token (or per sequence), truncated or masked; 1 for fresh rollouts."""
+        correction = self.args.stale_correction
+        log_ratio = ((current - behaviour) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if correction.startswith("sequence"):
+            log_ratio = (log_ratio.sum(-1, keepdim=True)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        low = self.args.stale_is_clip_min if self.args.stale_is_clip_min is not None else 0.0
+        high = self.args.stale_is_clip_max
+        if correction.endswith("truncate"):
+            weights = ratio.clamp(min=low, max=high)
+        else:
+            weights = torch.where((ratio > high) | (ratio < low), torch.zeros_like(ratio), ratio)
+        weights = (
+            torch.where(stale.unsqueeze(1), weights, torch.ones_like(weights)).expand_as(mask).contiguous()
+        )
+
+        token_mask = (mask.bool() & stale.unsqueeze(1)) if ratio.size(1) > 1 else stale.unsqueeze(1)
+        raw = self._gather_values(ratio[token_mask])
+        used = self._gather_values((weights if ratio.size(1) > 1 else weights[:, :1])[token_mask])
+        if raw.numel():
+            metrics = self._metrics[mode]
+            metrics["importance_ratio/mean"].append(raw.mean().item())
+            metrics["importance_ratio/min"].append(raw.min().item())
+            metrics["importance_ratio/max"].append(raw.max().item())
+            metrics["importance_weight/mean"].append(used.mean().item())
+            metrics["importance_weight/frac_corrected"].append((used != raw).float().mean().item())
+        return weights
