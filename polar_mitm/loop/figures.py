@@ -42,7 +42,7 @@ class IterationStats:
     # the trained calls by staleness: weight updates between the weights that sampled the call (its record's
     # weight_version) and those the training started from — per call, so a session spanning a push counts in two
     call_staleness: dict[str, int] = field(default_factory=dict)
-    # every group was flat: no optimizer step, the weights stayed (Loop._skipped_training)
+    # every group was flat: no optimizer step, the weights stayed (training.py's IterationTraining.skipped)
     train_skipped: bool = False
 
     def to_json(self) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def test_two_gateways_share_one_iteration_without_losing_or_splitting_a_session(
     assert logs == ["gateway-0.log", "gateway-1.log"]
     # Started once for the run: the final rollout went through the same two processes, and each rollout's
     # records were complete shards when it ended (the switch compacts the journal into the folder it leaves).
-    assert loop.loop_gateways is not None and loop.loop_gateways.started == 2
+    assert loop.rollouts.gateways is not None and loop.rollouts.gateways.started == 2
     final = read_all(cfg.run_dir / "iter-1" / "flows", include_journal=False).to_pylist()
     assert len({r["session_id"] for r in final}) == 6
     assert not list(flows.rglob("*.polarj"))

@@ -3,8 +3,8 @@ continue, the LR schedule (with warmup) runs once over all of them, and with β 
 policy; with LoRA the adapter continues on the initial model; `--torch-dtype bf16` trains, writes and pushes bf16
 weights the engine reloads.
 
-The loop's own training stage (`Loop._train`, exactly what `Loop.run` calls between merge and the next rollout) is
-driven directly on recorded-style data scored by the current weights, so no harness has to run.
+The loop's own training stage (`Loop._train_stage`, exactly what `Loop.run` calls between merge and the next rollout)
+is driven directly on recorded-style data scored by the current weights, so no harness has to run.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def train_iteration(loop: Loop, k: int) -> None:
     """Iteration k's training on two task groups sampled (scored) by the weights the loop serves now."""
     sequences = task_groups(Engine(loop.model_dir), 2, prefix=f"it{k}-", weight_version=loop.weight_version)
     write_merged(sequences, loop.cfg.run_dir / f"iter-{k}" / "merged")
-    loop.model_dir, version, _ = loop._train_stage(k)  # the training, then the push of its weights
-    loop.weight_version = version or loop.weight_version
+    trained = loop._train_stage(k)  # the training, then the push of its weights
+    loop.model_dir = trained.model_dir
+    loop.weight_version = trained.weight_version or loop.weight_version
 
 
 def metrics(loop: Loop, k: int) -> list[dict]:
@@ -164,13 +165,14 @@ def test_an_iteration_whose_groups_are_all_flat_takes_no_optimizer_step(tmp_path
         for s in task_groups(Engine(loop.model_dir), 2, prefix="it1-", weight_version=version)
     ]
     write_merged(flat, loop.cfg.run_dir / "iter-1" / "merged")
-    assert loop._train_stage(1)[:2] == (trained_dir, version)
+    trained = loop._train_stage(1)
+    assert (trained.model_dir, trained.weight_version, trained.skipped) == (trained_dir, version, True)
     observer, train = loop.trainer_callbacks[0], loop.cfg.run_dir / "iter-1" / "train"
     assert len(observer.begin) == 1 and not (train / "metrics.jsonl").exists()  # no trainer was even built
     assert json.loads((train / SKIPPED_TRAINING_FILE).read_text())["sequences"] == 4
     assert (state_dir / "optimizer.pt").read_bytes() == optimizer_bytes
     assert (RunState.load(state_dir).trainings, RunState.load(state_dir).optimizer_steps) == (2, steps)
-    assert loop._skipped_training(1) is not None and RunState.load(state_dir).trainings == 2  # counted once
+    assert loop._training(1).skipped() is not None and RunState.load(state_dir).trainings == 2  # counted once
     train_iteration(loop, 2)
     assert len(observer.begin) == 2 and metrics(loop, 2)
     for index, moments in observer.begin[1].items():
@@ -182,8 +184,8 @@ def test_keep_zero_advantage_groups_trains_a_flat_iteration_anyway(tmp_path, tin
     loop = make_loop(tmp_path / "run", tiny_model_dir, keep_zero_advantage_groups=True)
     flat = [dataclasses.replace(s, reward=0.0) for s in task_groups(Engine(loop.model_dir), 2, prefix="it0-")]
     write_merged(flat, loop.cfg.run_dir / "iter-0" / "merged")
-    loop.model_dir, version, _ = loop._train_stage(0)
-    assert metrics(loop, 0) and version != "0"
+    trained = loop._train_stage(0)
+    assert metrics(loop, 0) and trained.weight_version != "0" and not trained.skipped
 
 
 class AdapterObserver(TrainerCallback):
