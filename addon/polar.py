@@ -1,8 +1,8 @@
 """mitmproxy entry point: `mitmdump -s addon/polar.py [--set polar_backend=URL --set polar_out=DIR ...]`.
 
-Thin on purpose: the logic lives in the `polar_mitm` package (`polar_mitm/gateway/`).
+Thin on purpose: the addons live in the `polar_mitm` package (`polar_mitm/gateway/addons/`, one concern each).
 """
 
-from polar_mitm.gateway.mitm_addon import PolarGateway
+from polar_mitm.gateway.addons import gateway_addons
 
-addons = [PolarGateway()]
+addons = gateway_addons()

@@ -59,7 +59,7 @@ class GoneResponder:
 
 
 class Hosted(Protocol):
-    """What the live server runs: a live answer, or a whole call deferred to it (`mitm_addon.DeferredCall`)."""
+    """What the live server runs: a live answer, or a whole call deferred to it (`addons/deferred_call.py`)."""
 
     async def run(self, out: Responder) -> None: ...
 

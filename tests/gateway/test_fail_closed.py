@@ -30,12 +30,13 @@ import h2.events
 import httpx
 import pytest
 from mitmproxy import io as mitm_io
+from mitmproxy.proxy.layers.http import HttpRequestHeadersHook, HttpRequestHook
 from mitmproxy.test import taddons, tflow
 
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.gateway.addons import gateway_addons
 from polar_mitm.gateway.content import decode_content
-from polar_mitm.gateway.mitm_addon import PolarGateway
 from polar_mitm.processes import children, ports
 from polar_mitm.session_ids import SessionId
 from polar_mitm.storage.records import read_all
@@ -133,14 +134,16 @@ def test_an_option_the_addon_cannot_apply_stops_mitmdump_with_one_line(tmp_path,
 
 
 def test_an_unconfigured_addon_answers_and_forwards_nothing():
-    """The addon in any state short of configured answers an error: the flow never goes upstream."""
-    addon = PolarGateway()
+    """The addons in any state short of configured answer an error: the flow never goes upstream.
 
-    async def hooks(flow: Any) -> None:
-        await addon.requestheaders(flow)
-        await addon.request(flow)
+    The hooks run through mitmproxy's own dispatch, on each addon in the order `addon/polar.py` composes them."""
 
-    with taddons.context(addon):
+    with taddons.context(*gateway_addons()) as tctx:
+
+        async def hooks(flow: Any) -> None:
+            await tctx.master.addons.handle_lifecycle(HttpRequestHeadersHook(flow))
+            await tctx.master.addons.handle_lifecycle(HttpRequestHook(flow))
+
         flow = tflow.tflow()
         flow.request.headers["authorization"] = f"Bearer {SECRET}"
         asyncio.run(hooks(flow))

@@ -1,9 +1,9 @@
-"""The gateway's options are declared once (`GatewayOptions`) and the addon keeps mitmproxy's option contract.
+"""The gateway's options are declared once (`GatewayOptions`) and the addons keep mitmproxy's option contract.
 
 mitmproxy's contract (`mitmproxy/addons/blocklist.py`): `configure` parses and checks every value first and raises
 `OptionsError`, and mitmproxy then rolls the change back. Here each bad value is set the way mitmproxy's `set`
-command sets it (`options.set("name=value")`, on a running addon inside `taddons.context`): it must be refused, the
-old value must stay, and nothing the addon built from the options may be rebuilt.
+command sets it (`options.set("name=value")`, on the running addons inside `taddons.context`): it must be refused,
+the old value must stay, and nothing built from the options (the addons' shared core) may be rebuilt.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 from mitmproxy.exceptions import OptionsError
 from mitmproxy.test import taddons
 
-from polar_mitm.gateway.mitm_addon import PolarGateway
+from polar_mitm.gateway.addons import gateway_addons
+from polar_mitm.gateway.addons.core import GatewayCore
 from polar_mitm.gateway.options import PREFIX, GatewayOptions, PromptMode, mitmproxy_options
 from polar_mitm.gateway.prompts import PROMPT_MODES
 
@@ -61,8 +62,7 @@ def test_every_option_has_help_and_the_fixed_sets_are_the_prompt_builders():
 
 
 def test_load_declares_each_field_as_a_mitmproxy_option():
-    addon = PolarGateway()
-    with taddons.context(addon) as tctx:
+    with taddons.context(*gateway_addons()) as tctx:
         for option in mitmproxy_options():
             assert tctx.options.default(option.name) == option.default
     assert {option.name for option in mitmproxy_options()} == {
@@ -71,17 +71,19 @@ def test_load_declares_each_field_as_a_mitmproxy_option():
 
 
 @pytest.fixture
-def running(tmp_path) -> Iterator[tuple[PolarGateway, Any]]:
-    """A configured addon past startup (where a bad option is refused, not fatal), in mitmproxy's test context."""
-    addon = PolarGateway()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, polar_out=str(tmp_path / "flows"), polar_backend="http://127.0.0.1:9")
-        addon.is_running = True  # what the `running` hook sets
+def running(tmp_path) -> Iterator[tuple[GatewayCore, Any]]:
+    """The configured addons past startup (where a bad option is refused, not fatal), in mitmproxy's test context;
+    their shared core is what the options build."""
+    core = GatewayCore()
+    addons = gateway_addons(core)
+    with taddons.context(*addons) as tctx:
+        tctx.configure(addons[0], polar_out=str(tmp_path / "flows"), polar_backend="http://127.0.0.1:9")
+        core.is_running = True  # what the `running` hook sets
         try:
-            yield addon, tctx
+            yield core, tctx
         finally:
-            if addon.writer is not None:
-                addon.writer.close()
+            if core.writer is not None:
+                core.writer.close()
 
 
 BAD_VALUES = [
@@ -117,42 +119,43 @@ PARSED_BY_MITMPROXY = {"polar_max_tokens=many", "polar_fsync=maybe"}  # its mess
 
 @pytest.mark.parametrize("spec", BAD_VALUES)
 def test_a_bad_value_set_at_run_time_is_refused_and_changes_nothing(running, tmp_path, spec):
-    addon, tctx = running
+    core, tctx = running
     name = spec.split("=", 1)[0]
     (tmp_path / "FILE").write_text("not a folder")
     old_value = getattr(tctx.options, name)
-    built = (addon.options, addon.writer, addon.engine, addon.prompts, addon.gateway)
+    built = (core.options, core.writer, core.engine, core.prompts, core.gateway)
     with pytest.raises(OptionsError, match=None if spec in PARSED_BY_MITMPROXY else name):
         tctx.options.set(spec.replace("=FILE", f"={tmp_path / 'FILE'}"))
     assert getattr(tctx.options, name) == old_value
-    assert (addon.options, addon.writer, addon.engine, addon.prompts, addon.gateway) == built
+    assert (core.options, core.writer, core.engine, core.prompts, core.gateway) == built
     assert all(
         new is old
         for new, old in zip(
-            (addon.options, addon.writer, addon.engine, addon.prompts, addon.gateway), built, strict=True
+            (core.options, core.writer, core.engine, core.prompts, core.gateway), built, strict=True
         )
     )
 
 
 def test_a_good_value_rebuilds_only_what_it_concerns_and_numbering_goes_on(running):
-    addon, tctx = running
-    writer, engine, prompts, gateway = addon.writer, addon.engine, addon.prompts, addon.gateway
+    core, tctx = running
+    writer, engine, prompts, gateway = core.writer, core.engine, core.prompts, core.gateway
     gateway.seed_sequences({"s1": 4})
     tctx.options.set("polar_max_tokens=100")
-    assert addon.options.max_tokens == 100 and addon.gateway.config.completion_cap == 100
-    assert addon.gateway is not gateway
-    assert (addon.writer, addon.engine, addon.prompts) == (writer, engine, prompts)
-    assert next(addon.gateway._seq["s1"]) == 5
+    assert core.options.max_tokens == 100 and core.gateway.config.completion_cap == 100
+    assert core.gateway is not gateway
+    assert (core.writer, core.engine, core.prompts) == (writer, engine, prompts)
+    assert next(core.gateway._seq["s1"]) == 5
     tctx.options.set("polar_engine_timeout=30")
-    assert addon.engine is not engine and addon.writer is writer
-    before = addon.gateway
+    assert core.engine is not engine and core.writer is writer
+    before = core.gateway
     tctx.options.update(showhost=True)  # not ours: nothing rebuilt
-    assert addon.gateway is before
+    assert core.gateway is before
 
 
 def test_a_bad_value_before_startup_stops_the_process(tmp_path, capsys):
-    addon = PolarGateway()
-    with taddons.context(addon) as tctx, pytest.raises(SystemExit):
-        tctx.configure(addon, polar_out=str(tmp_path / "flows"), polar_max_tokens=-1)
+    core = GatewayCore()
+    addons = gateway_addons(core)
+    with taddons.context(*addons) as tctx, pytest.raises(SystemExit):
+        tctx.configure(addons[0], polar_out=str(tmp_path / "flows"), polar_max_tokens=-1)
     assert "polar-mitm: polar_max_tokens must be ≥ 0, got -1" in capsys.readouterr().err
-    assert addon.writer is None and addon.gateway is None
+    assert core.writer is None and core.gateway is None
