@@ -84,7 +84,9 @@ class GatewayCore:
         self.hop = LoopbackHop()  # sends live-streamed answers, which mitmproxy streams on (live_server.py)
         self.credentials: dict[str, ident.Credentials] = {}  # flow id → what requestheaders took off it
         self.proxy_users: dict[str, str] = {}  # client connection id → its proxy user (regular mode)
-        self.engine_task: asyncio.Task | None = None  # writes <polar_out>/_engine.json (engines/description.py)
+        self.engine_task: asyncio.Task | None = (
+            None  # writes <polar_out>/_engine.json (engines/description.py)
+        )
         self.control_token = control.take_token()  # None: no control call (gateway/control.py)
         # Set by a rollout that starts us: only calls with a valid session credential (session_ids.py).
         self.session_key = secret_handover.take("session_key")
