@@ -247,9 +247,9 @@ def records_command(
 
 def _register_subcommands() -> None:
     from polar_mitm.loop.cli import LoopCommand, loop_command
-    from polar_mitm.rollout.cli import rollout_command
+    from polar_mitm.rollout.cli import RolloutCommand, rollout_command
 
-    app.command("rollout")(rollout_command)
+    app.command("rollout", cls=RolloutCommand)(rollout_command)  # options generated from its configs
     app.command("loop", cls=LoopCommand)(loop_command)  # + every `grpo` option (generated on first use)
 
 

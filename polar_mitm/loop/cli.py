@@ -1,26 +1,22 @@
-"""`polar-mitm loop`: the RL loop, whose options are LoopConfig's fields plus every `polar-mitm grpo` option
-(`LoopCommand`: generated from PolarGRPOConfig like grpo's, but for the fields the loop sets itself, `LOOP_SETS`)."""
+"""`polar-mitm loop`: the RL loop, whose options are generated (polar_mitm/config_options.py): LoopConfig's fields plus
+every `polar-mitm grpo` option (`LoopCommand`: from PolarGRPOConfig like grpo's, but for the fields the loop sets
+itself, `LOOP_SETS`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
 
+from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
-from polar_mitm.reconstruct.builders import BuilderName
-from polar_mitm.rollout.cli import fail, help_of, load_inputs
-from polar_mitm.train.config_options import (
-    CONFIG_FIELDS,
-    RENAMED_OPTIONS,
-    TRL_OPTIONS,
-    ConfigOptionsCommand,
-    config_options,
-)
+from polar_mitm.rollout.cli import fail, load_inputs
+from polar_mitm.train.config_options import GRPO_OPTIONS, TRL_OPTIONS, grpo_options
+
+LOOP_OPTIONS = "loop"  # the group of `loop`'s generated options that are LoopConfig fields (`option_values`)
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
@@ -36,14 +32,14 @@ def loop_trainer_options() -> list:
         else option
         for name, option in TRL_OPTIONS.items()
     }
-    return config_options(PolarGRPOConfig, trl, RENAMED_OPTIONS, exclude=LOOP_SETS)
+    return grpo_options(PolarGRPOConfig, trl, exclude=LOOP_SETS)
 
 
 class LoopCommand(ConfigOptionsCommand):
     """`polar-mitm loop`: LoopConfig's options and `loop_trainer_options()`, whose values become `LoopConfig.grpo`."""
 
-    def config_options(self) -> list:
-        return loop_trainer_options()
+    def generated_options(self) -> dict[str, list]:
+        return {LOOP_OPTIONS: field_options(LoopConfig), GRPO_OPTIONS: loop_trainer_options()}
 
 
 def iteration_table(results):
@@ -108,35 +104,25 @@ def eval_cell(result) -> str:
     return f"{result.pass_at['pass@1']:.2f} / {result.pass_at[top]:.2f}"
 
 
-# `polar-mitm loop` options spelt otherwise than their LoopConfig field.
-LOOP_OPTION_FIELDS = {"engine": "engine_url", "batch_size": "per_device_batch_size", "ray": "ray_address"}
-
-
-def loop_config(options: dict[str, Any], grpo: dict[str, Any]) -> LoopConfig:
-    """The LoopConfig of `polar-mitm loop`'s parsed options: its own by option name, the trainer's (the generated
-    `loop_trainer_options`) by PolarGRPOConfig field name."""
-    return LoopConfig(**{LOOP_OPTION_FIELDS.get(k, k): v for k, v in options.items()}, grpo=dict(grpo))
-
-
-def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopConfig:
+def given_or_resumed_config(ctx: typer.Context) -> LoopConfig:
     """The options as given; with --resume, the run's recorded config (RUN/run.json, every saved file checked first:
     saved_state.py) for the folder given, any option given again checked against it (a different value ends the
     command with one line), and a recorded harness other than this command line's run only with --yes."""
     from polar_mitm.loop.run_state import RunRecordError, resumed_config
     from polar_mitm.loop.saved_state import check_saved_run
 
-    grpo = ctx.meta[CONFIG_FIELDS]
+    given, grpo = option_values(ctx, LOOP_OPTIONS), option_values(ctx, GRPO_OPTIONS)
     if not given["resume"]:
         if given["tasks"] is None:
             raise fail("missing TASKS (the task file), or --resume -o RUN to carry on a run")
-        return loop_config(given, grpo)
+        return LoopConfig(**given, grpo=dict(grpo))
     # (typer vendors its own click: the source is compared by name, not with click's enum)
     typed = {
         name
         for name in [*given, *grpo]
         if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
     }
-    explicit = {LOOP_OPTION_FIELDS.get(k, k): v for k, v in given.items() if k in typed and k != "run_dir"}
+    explicit: dict[str, Any] = {k: v for k, v in given.items() if k in typed and k != "run_dir"}
     explicit["grpo"] = {k: v for k, v in grpo.items() if k in typed}
     try:
         cfg = resumed_config(given["run_dir"], check_saved_run(given["run_dir"]), explicit)
@@ -151,83 +137,11 @@ def given_or_resumed_config(ctx: typer.Context, given: dict[str, Any]) -> LoopCo
     return cfg
 
 
-def loop_command(
-    ctx: typer.Context,
-    tasks: Annotated[Path | None, typer.Argument(help=help_of(LoopConfig, "tasks"))] = None,
-    run_dir: Annotated[Path, typer.Option("--run-dir", "-o", help=help_of(LoopConfig, "run_dir"))] = Path(
-        "runs/loop"
-    ),
-    iterations: Annotated[int, typer.Option("--iterations", "-n", help=help_of(LoopConfig, "iterations"))] = (
-        LoopConfig.iterations
-    ),
-    harness: Annotated[str, typer.Option(help=help_of(LoopConfig, "harness"))] = LoopConfig.harness,
-    group_size: Annotated[int, typer.Option("--group-size", "-g", help=help_of(LoopConfig, "group_size"))] = (
-        LoopConfig.group_size
-    ),
-    concurrency: Annotated[
-        int, typer.Option("--concurrency", "-c", help=help_of(LoopConfig, "concurrency"))
-    ] = (LoopConfig.concurrency),
-    gateways: Annotated[int, typer.Option(help=help_of(LoopConfig, "gateways"))] = LoopConfig.gateways,
-    model: Annotated[str, typer.Option(help=help_of(LoopConfig, "model"))] = LoopConfig.model,
-    script: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "script"))] = LoopConfig.script,
-    engine: Annotated[
-        str | None, typer.Option(help=help_of(LoopConfig, "engine_url"))
-    ] = LoopConfig.engine_url,
-    temperature: Annotated[
-        float, typer.Option(help=help_of(LoopConfig, "temperature"))
-    ] = LoopConfig.temperature,
-    max_tokens: Annotated[int, typer.Option(help=help_of(LoopConfig, "max_tokens"))] = LoopConfig.max_tokens,
-    learning_rate: Annotated[float, typer.Option(help=help_of(LoopConfig, "learning_rate"))] = (
-        LoopConfig.learning_rate
-    ),
-    batch_size: Annotated[int, typer.Option(help=help_of(LoopConfig, "per_device_batch_size"))] = (
-        LoopConfig.per_device_batch_size
-    ),
-    epochs: Annotated[float, typer.Option(help=help_of(LoopConfig, "epochs"))] = LoopConfig.epochs,
-    lora: Annotated[bool, typer.Option(help=help_of(LoopConfig, "lora"))] = LoopConfig.lora,
-    lora_r: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_r"))] = LoopConfig.lora_r,
-    lora_alpha: Annotated[int, typer.Option(help=help_of(LoopConfig, "lora_alpha"))] = LoopConfig.lora_alpha,
-    lora_target_modules: Annotated[str, typer.Option(help=help_of(LoopConfig, "lora_target_modules"))] = (
-        LoopConfig.lora_target_modules
-    ),
-    builder: Annotated[BuilderName, typer.Option(help=help_of(LoopConfig, "builder"))] = LoopConfig.builder,
-    overlap: Annotated[int, typer.Option(help=help_of(LoopConfig, "overlap"))] = LoopConfig.overlap,
-    keep: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "keep"))] = LoopConfig.keep,
-    ray: Annotated[str | None, typer.Option("--ray", help=help_of(LoopConfig, "ray_address"))] = (
-        LoopConfig.ray_address
-    ),
-    train_processes: Annotated[int, typer.Option(help=help_of(LoopConfig, "train_processes"))] = (
-        LoopConfig.train_processes
-    ),
-    eval_tasks: Annotated[Path | None, typer.Option(help=help_of(LoopConfig, "eval_tasks"))] = (
-        LoopConfig.eval_tasks
-    ),
-    eval_every: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_every"))] = LoopConfig.eval_every,
-    eval_samples: Annotated[int, typer.Option(help=help_of(LoopConfig, "eval_samples"))] = (
-        LoopConfig.eval_samples
-    ),
-    eval_greedy: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_greedy"))] = (
-        LoopConfig.eval_greedy
-    ),
-    eval_start: Annotated[bool, typer.Option(help=help_of(LoopConfig, "eval_start"))] = LoopConfig.eval_start,
-    report_to: Annotated[str, typer.Option(help=help_of(LoopConfig, "report_to"))] = LoopConfig.report_to,
-    min_informative_groups: Annotated[
-        int | None, typer.Option(help=help_of(LoopConfig, "min_informative_groups"))
-    ] = LoopConfig.min_informative_groups,
-    resample_budget: Annotated[int | None, typer.Option(help=help_of(LoopConfig, "resample_budget"))] = (
-        LoopConfig.resample_budget
-    ),
-    resume: Annotated[bool, typer.Option("--resume", help=help_of(LoopConfig, "resume"))] = LoopConfig.resume,
-    keep_checkpoints: Annotated[
-        int | None, typer.Option(help=help_of(LoopConfig, "keep_checkpoints"))
-    ] = LoopConfig.keep_checkpoints,
-    yes: Annotated[bool, typer.Option("--yes", help=help_of(LoopConfig, "yes"))] = LoopConfig.yes,
-) -> None:
+def loop_command(ctx: typer.Context) -> None:
     """The RL loop: rollout → merge → GRPO → push weights → repeat, with a table per iteration. One optimizer, LR
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
     iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
-    given = {name: value for name, value in locals().items() if name != "ctx"}  # the loop's own options
-    loop = checked_loop(given_or_resumed_config(ctx, given))
+    loop = checked_loop(given_or_resumed_config(ctx))
     from polar_mitm.loop.progress import RichLoopProgress, quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up

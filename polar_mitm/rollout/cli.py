@@ -1,23 +1,26 @@
 """`polar-mitm rollout`: run G harness sessions per task through the gateway and write rewards (the loop's command,
-which shares `capture_stack`, `load_inputs` and `fail`, is polar_mitm/loop/cli.py)."""
+which shares `capture_stack`, `load_inputs`, `fail` and the harness option, is polar_mitm/loop/cli.py).
+
+Its options are generated (polar_mitm/config_options.py) from `RolloutCommandOptions` (the inputs, outputs and stack)
+and `RolloutConfig` (how the sessions run, rollout/runner.py), each field declared once with its help."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import secrets
 import signal
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.live import Live
 
+from polar_mitm.config_options import ConfigOptionsCommand, field_options, option, option_values
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
@@ -29,22 +32,80 @@ from polar_mitm.tasks.task_file import Task, TaskFileError, load_tasks
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
-# `rollout`'s options that are RolloutConfig fields (their defaults are the config's; a test checks the rest).
-ROLLOUT_FIELDS = (
-    "group_size",
-    "concurrency",
-    "keep",
-    "ready_buffer",
-    "init_workers",
-    "post_workers",
-    "failure_reward",
-    "keep_workspaces",
-)
+# The groups of `rollout`'s generated options (`option_values`): RolloutCommandOptions' and RolloutConfig's fields.
+ROLLOUT_OPTIONS, SESSION_OPTIONS = "rollout", "sessions"
+SESSIONS_PANEL = "Sessions (RolloutConfig)"
 
 
-def help_of(config: type, name: str) -> str:
-    """A config field's help (`metadata["help"]`), for the command-line option that sets it."""
-    return {f.name: f for f in dataclasses.fields(config)}[name].metadata["help"]
+@dataclass(frozen=True)
+class RolloutCommandOptions:
+    """What `polar-mitm rollout` is told beside its RolloutConfig: the tasks and harness, where records and rewards
+    go, and the engine and gateways the sessions run against. Each field is an option of its help."""
+
+    tasks: Path = field(metadata=option("Task file (JSONL).", argument=True))
+    harness: str = field(
+        default="sdk:openai_chat", metadata=option("sdk:PROVIDER | cmd:TEMPLATE | preset name.")
+    )
+    out: Path = field(default=Path("flows"), metadata=option("Record directory (the gateway's polar_out)."))
+    gateways: int = field(
+        default=1,
+        metadata=option("Gateway processes started (sessions spread across them, records under OUT/gw-*)."),
+    )
+    rewards: Path = field(
+        default=Path("rewards.parquet"), metadata=option("Rewards file (.parquet or .jsonl).")
+    )
+    engine_url: str | None = field(
+        default=None, metadata=option("Engine URL to use (default: start one).", "--engine")
+    )
+    model: str = field(default="tiny", metadata=option("Model for a started engine."))
+    script: Path | None = field(
+        default=None, metadata=option("Scripted policy for a started engine (tests/demo).")
+    )
+    gateway_url: str | None = field(
+        default=None, metadata=option("Attach to a running gateway (reverse URL).")
+    )
+    gateway_proxy: str | None = field(default=None, metadata=option("… and its HTTPS_PROXY listener."))
+    work_dir: Path = field(
+        default=Path("runs/rollout"), metadata=option("Workspaces, logs, mitmproxy confdir.")
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=option(
+            "Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
+            "OUT/node-NAME/.",
+            "--ray",
+        ),
+    )
+    max_attempts: int = field(default=2, metadata=option("--ray: runs of a session whose node died."))
+
+    def check(self) -> None:
+        """A gateway count the command cannot start ends it with one line."""
+        if self.gateways < 1 or (self.gateways > 1 and (self.ray_address is not None or self.gateway_url)):
+            raise fail(
+                "--gateways must be at least 1, and is 1 with --ray (one gateway per node) or --gateway-url"
+            )
+
+
+class RolloutCommand(ConfigOptionsCommand):
+    """`polar-mitm rollout`: RolloutCommandOptions' fields, then RolloutConfig's (`rollout_settings`)."""
+
+    def generated_options(self) -> dict[str, list]:
+        return {
+            ROLLOUT_OPTIONS: field_options(RolloutCommandOptions),
+            SESSION_OPTIONS: field_options(RolloutConfig, panel=SESSIONS_PANEL),
+        }
+
+
+def rollout_settings(ctx: typer.Context) -> tuple[RolloutCommandOptions, RolloutConfig]:
+    """`polar-mitm rollout`'s parsed options: the command's own, and the RolloutConfig of the rest (its workspaces
+    and logs under --work-dir)."""
+    given = RolloutCommandOptions(**option_values(ctx, ROLLOUT_OPTIONS))
+    config = RolloutConfig(
+        **option_values(ctx, SESSION_OPTIONS),
+        workspace_root=given.work_dir / "workspaces",
+        log_dir=given.work_dir / "logs",
+    )
+    return given, config
 
 
 @contextmanager
@@ -151,117 +212,60 @@ def run_rollout(
         raise Interrupted(received[0] if received else signal.SIGINT, rollout.finished()) from None
 
 
-def rollout_command(
-    tasks: Annotated[Path, typer.Argument(help="Task file (JSONL).")],
-    harness: Annotated[
-        str, typer.Option(help="sdk:PROVIDER | cmd:TEMPLATE | preset name.")
-    ] = "sdk:openai_chat",
-    group_size: Annotated[
-        int, typer.Option("--group-size", "-g", help=help_of(RolloutConfig, "group_size"))
-    ] = (RolloutConfig.group_size),
-    concurrency: Annotated[
-        int, typer.Option("--concurrency", "-c", help=help_of(RolloutConfig, "concurrency"))
-    ] = (RolloutConfig.concurrency),
-    out: Annotated[Path, typer.Option(help="Record directory (the gateway's polar_out).")] = Path("flows"),
-    gateways: Annotated[
-        int,
-        typer.Option(help="Gateway processes started (sessions spread across them, records under OUT/gw-*)."),
-    ] = 1,
-    rewards: Annotated[Path, typer.Option(help="Rewards file (.parquet or .jsonl).")] = Path(
-        "rewards.parquet"
-    ),
-    keep: Annotated[int | None, typer.Option(help=help_of(RolloutConfig, "keep"))] = (RolloutConfig.keep),
-    ready_buffer: Annotated[
-        int, typer.Option(help=help_of(RolloutConfig, "ready_buffer"))
-    ] = RolloutConfig.ready_buffer,
-    init_workers: Annotated[
-        int, typer.Option(help=help_of(RolloutConfig, "init_workers"))
-    ] = RolloutConfig.init_workers,
-    post_workers: Annotated[
-        int, typer.Option(help=help_of(RolloutConfig, "post_workers"))
-    ] = RolloutConfig.post_workers,
-    failure_reward: Annotated[float, typer.Option(help=help_of(RolloutConfig, "failure_reward"))] = (
-        RolloutConfig.failure_reward
-    ),
-    engine: Annotated[str | None, typer.Option(help="Engine URL to use (default: start one).")] = None,
-    model: Annotated[str, typer.Option(help="Model for a started engine.")] = "tiny",
-    script: Annotated[
-        Path | None, typer.Option(help="Scripted policy for a started engine (tests/demo).")
-    ] = None,
-    gateway_url: Annotated[
-        str | None, typer.Option(help="Attach to a running gateway (reverse URL).")
-    ] = None,
-    gateway_proxy: Annotated[str | None, typer.Option(help="… and its HTTPS_PROXY listener.")] = None,
-    work_dir: Annotated[Path, typer.Option(help="Workspaces, logs, mitmproxy confdir.")] = Path(
-        "runs/rollout"
-    ),
-    keep_workspaces: Annotated[bool, typer.Option(help=help_of(RolloutConfig, "keep_workspaces"))] = (
-        RolloutConfig.keep_workspaces
-    ),
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            help="Run on this Ray cluster (auto | HOST:PORT | local): one gateway per node, records under "
-            "OUT/node-NAME/.",
-        ),
-    ] = None,
-    max_attempts: Annotated[int, typer.Option(help="--ray: runs of a session whose node died.")] = 2,
-) -> None:
+def rollout_command(ctx: typer.Context) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
-    given = locals()  # the options, by name (before any other local)
-    task_list, harness_spec = load_inputs(tasks, harness)
-    private_dir(work_dir)  # owner-only: logs, workspaces, grading state
-    config = RolloutConfig(
-        **{name: given[name] for name in ROLLOUT_FIELDS},
-        workspace_root=work_dir / "workspaces",
-        log_dir=work_dir / "logs",
-    )
-    if gateways < 1 or (gateways > 1 and (ray is not None or gateway_url)):
-        raise fail(
-            "--gateways must be at least 1, and is 1 with --ray (one gateway per node) or --gateway-url"
-        )
-    if ray is not None:
+    given, config = rollout_settings(ctx)
+    task_list, harness_spec = load_inputs(given.tasks, given.harness)
+    private_dir(given.work_dir)  # owner-only: logs, workspaces, grading state
+    given.check()
+    if given.ray_address is not None:
         ray_rollout(
             task_list,
-            harness,
+            given.harness,
             config,
-            ray,
-            out=out,
-            rewards=rewards,
-            engine=engine,
-            model=model,
-            script=script,
-            work_dir=work_dir,
-            max_attempts=max_attempts,
+            given.ray_address,
+            out=given.out,
+            rewards=given.rewards,
+            engine=given.engine_url,
+            model=given.model,
+            script=given.script,
+            work_dir=given.work_dir,
+            max_attempts=given.max_attempts,
         )
-        return
+    else:
+        local_rollout(task_list, harness_spec, config, given)
+
+
+def local_rollout(
+    task_list: list[Task], harness: HarnessSpec, config: RolloutConfig, given: RolloutCommandOptions
+) -> None:
+    """The sessions on this machine, against the gateways started (or attached to) for them."""
     try:
         with capture_stack(
-            out,
-            engine=engine,
-            model=model,
-            script=script,
-            gateway_url=gateway_url,
-            gateway_proxy=gateway_proxy,
+            given.out,
+            engine=given.engine_url,
+            model=given.model,
+            script=given.script,
+            gateway_url=given.gateway_url,
+            gateway_proxy=given.gateway_proxy,
             ca_bundle=None,
-            work=work_dir,
-            gateways=gateways,
+            work=given.work_dir,
+            gateways=given.gateways,
         ) as (endpoints, _):
-            summary = run_rollout(task_list, harness_spec, config, endpoints)
+            summary = run_rollout(task_list, harness, config, endpoints)
     except Interrupted as stop:
         # Finished sessions keep their rewards; the interrupted ones get none (merge drops their records).
-        write_rewards(stop.summary, rewards)
+        write_rewards(stop.summary, given.rewards)
         typer.echo(
-            f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {rewards}",
+            f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {given.rewards}",
             err=True,
         )
         raise typer.Exit(128 + stop.signum) from None
-    write_rewards(summary, rewards)
+    write_rewards(summary, given.rewards)
     console.print(summary_table(summary.sessions))
     console.print(
         f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
-        f"{summary.run_utilisation:.0%} → rewards {rewards}, records {out}"
+        f"{summary.run_utilisation:.0%} → rewards {given.rewards}, records {given.out}"
     )
 
 

@@ -28,6 +28,7 @@ from typing import Literal
 
 import pyarrow as pa
 
+from polar_mitm.config_options import option, python_only
 from polar_mitm.processes import children
 from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
@@ -42,34 +43,38 @@ NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 SessionStage = Literal["pending", "init", "ready", "run", "post", "done"]
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass
 class RolloutConfig:
-    """How a rollout runs its sessions; each field with a `help` is a `polar-mitm rollout` option of that help (and
-    `loop` takes the ones it shares from here too)."""
+    """How a rollout runs its sessions; each field is a `polar-mitm rollout` option with its help but the two the
+    command sets from --work-dir (`python_only`), and `loop` takes the ones it shares from here too."""
 
-    group_size: int = field(default=4, metadata=_help("Sessions per task (G)."))
-    concurrency: int = field(default=4, metadata=_help("Harness sessions at once (RUN workers)."))
-    init_workers: int = field(default=2, metadata=_help("INIT workers (workspace preparation)."))
-    post_workers: int = field(default=2, metadata=_help("POST-RUN (evaluation) workers."))
+    group_size: int = field(default=4, metadata=option("Sessions per task (G).", "--group-size", "-g"))
+    concurrency: int = field(
+        default=4, metadata=option("Harness sessions at once (RUN workers).", "--concurrency", "-c")
+    )
+    init_workers: int = field(default=2, metadata=option("INIT workers (workspace preparation)."))
+    post_workers: int = field(default=2, metadata=option("POST-RUN (evaluation) workers."))
     ready_buffer: int = field(
         default=4,
-        metadata=_help(
+        metadata=option(
             "Prewarmed workspaces waiting for a RUN worker (0 = none: RUN workers prepare inline)."
         ),
     )
     keep: int | None = field(
-        default=None, metadata=_help("Straggler cut: stop a group once K sessions are done.")
+        default=None, metadata=option("Straggler cut: stop a group once K sessions are done.")
     )
     failure_reward: float = field(
-        default=0.0, metadata=_help("Reward of timed-out, crashed and failed-setup sessions.")
+        default=0.0, metadata=option("Reward of timed-out, crashed and failed-setup sessions.")
     )
-    workspace_root: Path = Path("/tmp/polar-workspaces")
-    keep_workspaces: bool = field(default=False, metadata=_help("Keep workspaces after evaluation."))
-    log_dir: Path | None = None  # harness stdout/stderr per session
+    workspace_root: Path = field(
+        default=Path("/tmp/polar-workspaces"),
+        metadata=python_only("Where each session's workspace is made (`rollout`: WORK_DIR/workspaces)."),
+    )
+    keep_workspaces: bool = field(default=False, metadata=option("Keep workspaces after evaluation."))
+    log_dir: Path | None = field(
+        default=None,
+        metadata=python_only("Harness stdout/stderr per session (`rollout`: WORK_DIR/logs; None: not kept)."),
+    )
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The training commands: `polar-mitm grpo`, `sync`, `plot`, `sft` (registered on the app in polar_mitm/cli.py).
 
-`polar-mitm grpo`'s options are generated from `PolarGRPOConfig` (`GrpoCommand`, train/config_options.py); only what
-is not a config field (the data, the model, LoRA, how to spell checkpointing and logging) is declared here. What a
+`polar-mitm grpo`'s options are generated from `PolarGRPOConfig` (`GrpoCommand`, train/config_options.py); only
+what is not a config field (the data, the model, LoRA, how to spell checkpointing and logging) is declared here. What a
 GRPO run is built from (its rows, LoRA and config) is train/run.py's, which the loop uses too.
 """
 
@@ -21,11 +21,8 @@ from rich.table import Table
 if typing.TYPE_CHECKING:
     pass
 
-from polar_mitm.train.config_options import (
-    CONFIG_FIELDS,
-    LORA_HELP,
-    TRL_PANEL,
-)
+from polar_mitm.config_options import option_values
+from polar_mitm.train.config_options import GRPO_OPTIONS, LORA_HELP, TRL_PANEL
 from polar_mitm.train.run import grpo_config, lora_config, training_data
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -60,7 +57,7 @@ def grpo_command(
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
     from polar_mitm.train.sync import attach_engine_push
 
-    fields = ctx.meta[CONFIG_FIELDS]
+    fields = option_values(ctx, GRPO_OPTIONS)
     model_dir = resolve_model(model)
     train_data = training_data(load_sequences(data), fields)
     if is_main_process():

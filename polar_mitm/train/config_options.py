@@ -1,50 +1,31 @@
-"""Command-line options generated from config dataclasses: every field of `PolarGRPOConfig` (and the TRL fields in
-`TRL_OPTIONS`) is an option with the field's own help text. `polar-mitm grpo` (`GrpoCommand`) and `polar-mitm loop`
-(`ConfigOptionsCommand`, loop/cli.py) take them; `grpo_argv` turns config values back into `grpo` options for the
-loop's `--train-processes` launches.
+"""`polar-mitm grpo`'s generated options: every field `PolarGRPOConfig` adds to TRL's, and the TRL fields of
+`TRL_OPTIONS`, each with the field's own help (`grpo_options`, built by polar_mitm/config_options.py). `polar-mitm grpo`
+(`GrpoCommand`) and `polar-mitm loop` (loop/cli.py, but for the fields the loop sets itself) take them; `grpo_argv`
+turns config values back into `grpo` options for the loop's `--train-processes` launches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-from typer.core import TyperCommand
-
-if typing.TYPE_CHECKING:
-    pass
-
-
-FIELD_DEFAULT: Any = object()  # a `FieldOption.default` that keeps the field's own
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldOption:
-    """How a config field reads on the command line where that differs from the field: flag, default, help, type."""
-
-    flag: str | None = None  # default: --field-name
-    default: Any = FIELD_DEFAULT
-    help: str | None = None  # default: the field's `metadata["help"]`
-    type: Any = None  # default: the field's annotation
-
+from polar_mitm.config_options import ConfigOptionsCommand, FieldOption, field_options
 
 # TRL's fields that `polar-mitm grpo` exposes, spelt and defaulted as the command always had them (TRL's own help is
 # written for sampling trainers). TRL's other ~150 fields keep PolarGRPOConfig's defaults: set them from Python.
 TRL_OPTIONS: dict[str, FieldOption] = {
     "max_steps": FieldOption(help="Optimizer steps (-1: --epochs over the data)."),
     "num_train_epochs": FieldOption(
-        "--epochs", default=1.0, help="Passes over the data when --max-steps is -1."
+        ("--epochs",), default=1.0, help="Passes over the data when --max-steps is -1."
     ),
     "learning_rate": FieldOption(help="AdamW learning rate."),
     "lr_scheduler_type": FieldOption(
-        "--lr-scheduler", type=str, help="transformers scheduler name (linear, constant, cosine, …)."
+        ("--lr-scheduler",), type=str, help="transformers scheduler name (linear, constant, cosine, …)."
     ),
     "warmup_steps": FieldOption(type=int, help="Linear warm-up steps."),
     "per_device_train_batch_size": FieldOption(
-        "--per-device-batch-size", help="Sequences per device per micro-step."
+        ("--per-device-batch-size",), help="Sequences per device per micro-step."
     ),
     "gradient_accumulation_steps": FieldOption(help="Micro-steps per optimizer step."),
     "temperature": FieldOption(),  # PolarGRPOConfig redefines it (default and help)
@@ -78,8 +59,8 @@ LORA_HELP = {
 
 # Polar's own fields are all options; these keep the names the command gave them before they were config fields.
 RENAMED_OPTIONS: dict[str, FieldOption] = {
-    "group_size": FieldOption("--num-generations"),
-    "advantage_estimator": FieldOption("--advantage"),
+    "group_size": FieldOption(("--num-generations",)),
+    "advantage_estimator": FieldOption(("--advantage",)),
 }
 
 
@@ -89,7 +70,9 @@ TRL_PANEL = "Training (TRL's GRPOConfig)"
 POLAR_PANEL = "Recorded rollouts (PolarGRPOConfig)"
 
 
-CONFIG_FIELDS = "polar_config_fields"  # ctx.meta key: the parsed config options, by field name
+GRPO_OPTIONS = (
+    "grpo"  # the group of a command's generated options that are PolarGRPOConfig fields (`option_values`)
+)
 
 
 def polar_fields(config_class: type) -> list[dataclasses.Field]:
@@ -100,97 +83,30 @@ def polar_fields(config_class: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(config_class) if f.name not in inherited]
 
 
-def config_options(
+def grpo_options(
     config_class: type,
     trl_options: dict[str, FieldOption] | None = None,
-    renamed: dict[str, FieldOption] | None = None,
     exclude: typing.Collection[str] = (),
 ) -> list:
-    """The command-line options (click parameters, built by Typer) of a GRPO config dataclass: the TRL fields of
-    `trl_options`, then every field the class adds to TRL's, with the field's default and `metadata["help"]` —
-    but those in `exclude` (fields a command sets itself)."""
+    """The command-line options of a GRPO config dataclass: the TRL fields of `trl_options` (spelt as it says), then
+    every field the class adds to TRL's (spelt as `RENAMED_OPTIONS` says), with the field's default and
+    `metadata["help"]` — but those in `exclude` (fields a command sets itself)."""
     trl_options = TRL_OPTIONS if trl_options is None else trl_options
-    renamed = RENAMED_OPTIONS if renamed is None else renamed
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
-    types = typing.get_type_hints(config_class)
-    chosen = [(name, option, TRL_PANEL) for name, option in trl_options.items()]
-    chosen += [(f.name, renamed.get(f.name, FieldOption()), POLAR_PANEL) for f in polar_fields(config_class)]
-    chosen = [entry for entry in chosen if entry[0] not in exclude]
-    parameters = []
-    for name, option, panel in chosen:
-        field = fields[name]
-        help_text = option.help or field.metadata.get("help")
-        if not help_text:
-            raise ValueError(
-                f"{config_class.__name__}.{name} has no metadata['help'] for its command-line option"
-            )
-        default = option.default
-        if default is FIELD_DEFAULT:
-            default = (
-                field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-            )
-        annotation = option.type or types[name]
-        if default is not None:  # `bool | None = False` is a plain --flag/--no-flag
-            annotation = _without_none(annotation)
-        flags = [option.flag] if option.flag else []
-        if flags and annotation is bool:
-            flags = [f"{option.flag}/--no-{option.flag.removeprefix('--')}"]
-        parameters.append(
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=default,
-                annotation=Annotated[annotation, typer.Option(*flags, help=help_text, rich_help_panel=panel)],
-            )
-        )
-
-    def fields_only(**values: Any) -> None:
-        """Never called: Typer reads its signature."""
-
-    fields_only.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    builder = typer.Typer(add_completion=False)
-    builder.command()(fields_only)
-    return list(typer.main.get_command(builder).params)
-
-
-def _without_none(annotation: Any) -> Any:
-    args = typing.get_args(annotation)
-    if type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]  # noqa: UP007
-    return annotation
-
-
-class ConfigOptionsCommand(TyperCommand):
-    """A command with generated config options (`config_options()` of a subclass): they are added when the command
-    is first parsed or helped, not when the app is built — importing TRL takes seconds that the other commands
-    should not pay. Their values reach the command in `ctx.meta[CONFIG_FIELDS]`."""
-
-    config_params: list | None = None
-
-    def config_options(self) -> list:
-        raise NotImplementedError
-
-    def get_params(self, ctx: typer.Context) -> list:
-        if self.config_params is None:
-            self.config_params = self.config_options()
-            self.params.extend(self.config_params)
-        return super().get_params(ctx)
-
-    def invoke(self, ctx: typer.Context) -> Any:
-        ctx.meta[CONFIG_FIELDS] = {
-            param.name: ctx.params.pop(param.name) for param in self.config_params or []
-        }
-        return super().invoke(ctx)
+    trl_names = [name for name in trl_options if name not in exclude]
+    added = [f.name for f in polar_fields(config_class) if f.name not in exclude]
+    return [
+        *field_options(config_class, trl_names, overrides=trl_options, panel=TRL_PANEL),
+        *field_options(config_class, added, overrides=RENAMED_OPTIONS, panel=POLAR_PANEL),
+    ]
 
 
 class GrpoCommand(ConfigOptionsCommand):
-    """`polar-mitm grpo`: the options of `config_options(PolarGRPOConfig)`."""
+    """`polar-mitm grpo`: the options of `grpo_options(PolarGRPOConfig)`, as `option_values(ctx, GRPO_OPTIONS)`."""
 
-    def config_options(self) -> list:
+    def generated_options(self) -> dict[str, list]:
         from polar_mitm.train.grpo_config import PolarGRPOConfig
 
-        return config_options(PolarGRPOConfig)
+        return {GRPO_OPTIONS: grpo_options(PolarGRPOConfig)}
 
 
 def grpo_argv(fields: dict[str, Any]) -> list[str]:
@@ -198,7 +114,7 @@ def grpo_argv(fields: dict[str, Any]) -> list[str]:
     left out); a field that is no `grpo` option is refused."""
     from polar_mitm.train.grpo_config import PolarGRPOConfig
 
-    params = {param.name: param for param in config_options(PolarGRPOConfig)}
+    params = {param.name: param for param in grpo_options(PolarGRPOConfig)}
     argv: list[str] = []
     for name, value in fields.items():
         param = params.get(name)

@@ -15,7 +15,8 @@ from typer.core import TyperCommand
 from typer.testing import CliRunner
 
 from polar_mitm.cli import app
-from polar_mitm.train.config_options import CONFIG_FIELDS, GrpoCommand, config_options, polar_fields
+from polar_mitm.config_options import option_values
+from polar_mitm.train.config_options import GRPO_OPTIONS, GrpoCommand, grpo_options, polar_fields
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.run import grpo_config
 
@@ -78,7 +79,7 @@ def test_a_field_declared_later_appears_in_the_command_with_its_help():
         )
         shuffle_groups: bool = dataclasses.field(default=True, metadata={"help": "Shuffle whole groups."})
 
-    params = {param.name: param for param in config_options(LaterConfig)}
+    params = {param.name: param for param in grpo_options(LaterConfig)}
     assert params["reward_clip"].opts == ["--reward-clip"]
     assert params["reward_clip"].help == "Clip rewards to [-c, c] before the group statistics."
     assert params["shuffle_groups"].opts == ["--shuffle-groups"]
@@ -98,7 +99,7 @@ def test_a_field_without_help_is_refused():
         knob: int = 3
 
     with pytest.raises(ValueError, match="Undocumented.knob has no metadata"):
-        config_options(Undocumented)
+        grpo_options(Undocumented)
 
 
 # Every option `polar-mitm grpo --help` listed before its options were generated, with a value other than its default.
@@ -279,7 +280,7 @@ def test_grpo_command_gets_the_config_options_apart_from_its_own():
     seen: dict = {}
 
     def command(ctx: typer.Context, data: Annotated[list[Path], typer.Option("--data")]) -> None:
-        seen.update(own={"data": data}, config=ctx.meta[CONFIG_FIELDS])
+        seen.update(own={"data": data}, config=option_values(ctx, GRPO_OPTIONS))
 
     single = typer.Typer(add_completion=False)
     single.command("grpo", cls=GrpoCommand)(command)
