@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import aiohttp
@@ -117,7 +117,7 @@ class EngineClient:
     async def request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         """The engine's answer to one call, raw (GatewayError: `overloaded` when it is down or timed out, else what
         its error status says)."""
-        try:
+        with self._unreachable_as_overloaded():
             for attempt in (1, 2):
                 try:
                     async with self._client().request(
@@ -129,6 +129,15 @@ class EngineClient:
                 except aiohttp.ServerDisconnectedError:
                     if attempt == 2:
                         raise
+        if status >= 400:
+            raise status_error(status, raw)
+        return raw
+
+    @contextmanager
+    def _unreachable_as_overloaded(self) -> Iterator[None]:
+        """A timeout or a refused/broken connection is the gateway's `overloaded` (the caller may retry elsewhere)."""
+        try:
+            yield
         except TimeoutError as exc:
             raise GatewayError(
                 "overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s"
@@ -137,9 +146,6 @@ class EngineClient:
             raise GatewayError(
                 "overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}"
             ) from exc
-        if status >= 400:
-            raise status_error(status, raw)
-        return raw
 
     async def get_json(self, path: str) -> Any:
         raw = await self.request("GET", path)
@@ -190,21 +196,13 @@ class EngineClient:
         Leaving the context early closes the connection, which SGLang, vLLM and `polar-mitm serve` take as an abort.
         """
         path, body, translator = await (await self.dialect()).stream_call(self, body)
-        try:
+        with self._unreachable_as_overloaded():
             try:
                 resp = await self._client().post(self.base_url + path, data=body, headers=self._headers)
             except (
                 aiohttp.ServerDisconnectedError
             ):  # a closing keep-alive connection: once more on a fresh one
                 resp = await self._client().post(self.base_url + path, data=body, headers=self._headers)
-        except TimeoutError as exc:
-            raise GatewayError(
-                "overloaded", f"the engine at {self.base_url} timed out after {self.timeout}s"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise GatewayError(
-                "overloaded", f"the engine at {self.base_url} is unreachable: {exc!r}"
-            ) from exc
         try:
             if resp.status >= 400:
                 raise status_error(resp.status, await resp.read())

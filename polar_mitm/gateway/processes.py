@@ -104,27 +104,15 @@ def addon_path() -> Path:
     return Path(__file__).resolve().parents[2] / "addon" / "polar.py"
 
 
-def start_gateway(
+def mitmdump_command(
     backend: str,
     out_dir: Path,
-    *,
     confdir: Path,
-    log: Path | None = None,
-    options: dict[str, str] | None = None,
-    proxy_port: int | None = None,
-    reverse_port: int | None = None,
-    netns: LoopbackNamespace | None = None,
-    tie_to_parent: bool = False,
-    engine_key: str | None = None,
-    session_key: str | None = None,
-) -> GatewayProcess:
-    """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given).
-
-    `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
-    Its control token, `engine_key` (the engine's API key) and `session_key` (what signs session credentials)
-    reach it through an inherited pipe (`secret_handover`), never its environment or command line.
-    """
-    proxy_port, reverse_port = proxy_port or ports.free_port(), reverse_port or ports.free_port()
+    proxy_port: int,
+    reverse_port: int,
+    options: dict[str, str] | None,
+) -> list[str]:
+    """The gateway's command line: the polar addon on mitmdump, both modes, `options` as `--set key=value`."""
     cmd = [
         sys.executable,
         "-m",
@@ -147,6 +135,31 @@ def start_gateway(
     ]
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
+    return cmd
+
+
+def start_gateway(
+    backend: str,
+    out_dir: Path,
+    *,
+    confdir: Path,
+    log: Path | None = None,
+    options: dict[str, str] | None = None,
+    proxy_port: int | None = None,
+    reverse_port: int | None = None,
+    netns: LoopbackNamespace | None = None,
+    tie_to_parent: bool = False,
+    engine_key: str | None = None,
+    session_key: str | None = None,
+) -> GatewayProcess:
+    """mitmdump with the polar addon in regular and reverse mode at once (inside `netns` when given).
+
+    `tie_to_parent`: the gateway gets SIGTERM (and compacts its journal) when the process that started it dies.
+    Its control token, `engine_key` (the engine's API key) and `session_key` (what signs session credentials)
+    reach it through an inherited pipe (`secret_handover`), never its environment or command line.
+    """
+    proxy_port, reverse_port = proxy_port or ports.free_port(), reverse_port or ports.free_port()
+    cmd = mitmdump_command(backend, out_dir, confdir, proxy_port, reverse_port, options)
     out = open(log, "ab") if log else subprocess.DEVNULL
     token = secrets.token_urlsafe(24)
     engine_key = engine_key or engine_keys.key_for(backend)  # the key of an engine this process started
