@@ -14,44 +14,24 @@ from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
+from tests.suite_timing import SuiteTiming, longest_first_scheduling
 from tests.summary_tables import print_worker_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# -- pytest-xdist (scripts/test.sh runs the suite on 2 workers) --------------------------------------
-# A test file runs whole on one worker (its module fixtures start once), except where files share a costly session
-# fixture: those go together so that it starts once in the run. vLLM files share one tiny vLLM server (4 GB, about a
-# minute to start); the capstone starts a second vLLM, which must not pin the same core at the same time.
-SHARED_GROUPS = {
-    "vllm": ("tests/vllm/", "tests/engine/test_real_harness_learning.py"),
-    "demo-run": ("tests/loop/test_demo_learning.py", "tests/report/"),
-}
-
-
-def xdist_group_of(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
-    for group, prefixes in SHARED_GROUPS.items():
-        if path.startswith(prefixes):
-            return group
-    return path
+# -- pytest-xdist (scripts/test.sh runs the suite on 2 workers): groups longest first (tests/suite_timing.py) ---------
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Whole groups to a worker (xdist's own `xdist_group` marks do not group under pytest 9.2)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_group_of(nodeid)
-
-    return GroupScheduling(config, log)
+    return longest_first_scheduling(config, log)
 
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.polar_tables = Path(tempfile.mkdtemp(prefix="polar-test-tables-"))
+        config.pluginmanager.register(SuiteTiming(), "polar-suite-timing")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,8 +1,8 @@
 """Structured output from all four APIs reaches the engine, which decodes under the grammar (llguidance, on CPU).
 
 The engine here is the *unscripted* tiny model: random weights, so without the constraint it writes token soup;
-with it every answer must validate against the request's schema. Schemas use enums, booleans and integers —
-a random model never closes a free string, so a free-text field would only end at the token budget (a real
+with it every answer must validate against the request's schema. Schemas use enums, booleans and bounded integers —
+a random model never closes a free string (nor an unbounded number), so a free-text field would only end at the token budget (a real
 model does close them; the grammar is the same). The record says the call was constrained.
 """
 
@@ -24,7 +24,11 @@ SCHEMA = {
     "properties": {
         "next_speaker": {"type": "string", "enum": ["user", "model"]},
         "done": {"type": "boolean"},
-        "steps": {"type": "integer"},
+        "steps": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 99,
+        },  # unbounded, digits could run to the budget
     },
     "required": ["next_speaker", "done", "steps"],
     "additionalProperties": False,
@@ -88,7 +92,7 @@ def ask_google(base: str, field: str) -> str:
             "properties": {
                 "next_speaker": {"type": "STRING", "enum": ["user", "model"]},
                 "done": {"type": "BOOLEAN"},
-                "steps": {"type": "INTEGER"},
+                "steps": {"type": "INTEGER", "minimum": 0, "maximum": 99},
             },
             "required": ["next_speaker", "done", "steps"],
         }

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from polar_mitm.cli import app
 from polar_mitm.engine.model_zoo import resolve_model
+from polar_mitm.train.config_options import GRPO_OPTIONS
 from polar_mitm.train.data import load_sequences
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
 from polar_mitm.train.run import grpo_config, training_data
@@ -59,7 +60,7 @@ def stopped_run(argv: list[str], at_step: int) -> None:
     """What `polar-mitm grpo ARGV` runs (same config and data), stopped after step `at_step` was logged."""
     command = typer.main.get_command(app).commands["grpo"]
     params = command.make_context("grpo", argv).params
-    fields = {param.name: params[param.name] for param in command.config_params}
+    fields = {param.name: params[param.name] for param in command.generated[GRPO_OPTIONS]}
     config = grpo_config(
         fields, output_dir=params["output_dir"], save_steps=params["save_steps"], report_to="none"
     )

@@ -1,0 +1,116 @@
+"""How the suite's two workers share the work, and what it cost: the scheduler and the slowest-files table.
+
+CI gives the suite 90 minutes on 2 cores, so the wall time is the busier worker's. pytest-xdist's `loadfile`
+hands out files in collection order, which can leave the heaviest group (one vLLM server shared by all vLLM files)
+to start last while the other worker idles. `LongestFirstScheduling` hands out the groups longest first, from the
+seconds a previous full run recorded (`tests/scope_seconds.json`; longest-processing-time first keeps the two
+workers within one short file of each other). A group the file does not know counts as its tests × a typical test.
+
+Refresh the file after a change that moves a group's cost by minutes:
+`POLAR_WRITE_SCOPE_SECONDS=1 bash scripts/test.sh` (a full run rewrites it at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+SCOPE_SECONDS = Path(__file__).with_name("scope_seconds.json")
+SECONDS_PER_UNKNOWN_TEST = 2.0
+SLOWEST_FILES_SHOWN = 15
+
+# A test file runs whole on one worker (its module fixtures start once), except where files share a costly session
+# fixture: those go together so that it starts once in the run. vLLM files share one tiny vLLM server (4 GB, about a
+# minute to start); the capstone starts a second vLLM, which must not pin the same core at the same time.
+SHARED_GROUPS = {
+    "vllm": ("tests/vllm/", "tests/engine/test_real_harness_learning.py"),
+    "demo-run": ("tests/loop/test_demo_learning.py", "tests/report/"),
+}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    for group, prefixes in SHARED_GROUPS.items():
+        if path.startswith(prefixes):
+            return group
+    return path
+
+
+def recorded_scope_seconds() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(SCOPE_SECONDS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no record yet (or a broken one): the order falls back to test counts
+
+
+def longest_first_scheduling(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    recorded = recorded_scope_seconds()
+
+    class LongestFirstScheduling(LoadScopeScheduling):
+        """Whole groups to a worker (xdist's own `xdist_group` marks do not group under pytest 9.2), longest first."""
+
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first assignment: the queue holds every group now
+                self.ordered = True
+
+                def expected(item: tuple[str, dict]) -> float:
+                    scope, tests = item
+                    return recorded.get(scope, len(tests) * SECONDS_PER_UNKNOWN_TEST)
+
+                for scope, _tests in sorted(self.workqueue.items(), key=expected, reverse=True):
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
+
+    return LongestFirstScheduling(config, log)
+
+
+class SuiteTiming:
+    """The controller's tally: seconds per file and per worker (setup + call + teardown), shown at the end."""
+
+    def __init__(self) -> None:
+        self.file_seconds: Counter[str] = Counter()
+        self.worker_seconds: Counter[str] = Counter()
+        self.file_tests: defaultdict[str, set[str]] = defaultdict(set)
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report) -> None:
+        path = report.nodeid.split("::", 1)[0]
+        self.file_seconds[path] += report.duration
+        self.file_tests[path].add(report.nodeid)
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        self.worker_seconds[worker.id if worker is not None else "main"] += report.duration
+
+    def scope_seconds(self) -> dict[str, float]:
+        scopes: Counter[str] = Counter()
+        for path, seconds in self.file_seconds.items():
+            scopes[xdist_group_of(path)] += seconds
+        return {scope: round(seconds, 1) for scope, seconds in sorted(scopes.items())}
+
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.file_seconds:
+            return
+        write = terminalreporter.write_line
+        write(f"\nslowest {SLOWEST_FILES_SHOWN} test files (setup + call + teardown):")
+        for path, seconds in self.file_seconds.most_common(SLOWEST_FILES_SHOWN):
+            write(f"{seconds:8.1f} s  {len(self.file_tests[path]):4} tests  {path}")
+        busy = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(self.worker_seconds.items()))
+        write(f"busy per worker: {busy}; in all {sum(self.file_seconds.values()):.0f} s")
+        if os.environ.get("POLAR_WRITE_SCOPE_SECONDS") == "1":
+            merged = {
+                **recorded_scope_seconds(),
+                **self.scope_seconds(),
+            }  # a partial run keeps the other groups
+            SCOPE_SECONDS.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+            write(f"wrote {SCOPE_SECONDS}")
