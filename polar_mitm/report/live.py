@@ -13,6 +13,7 @@ from typing import Any
 
 from polar_mitm.report.collect import RunData, collect_run
 from polar_mitm.report.render import render_html, write_atomically
+from polar_mitm.storage.run_layout import iteration_index
 
 REPORT_FILE = "report.html"  # under the run directory
 
@@ -31,5 +32,5 @@ def refresh_report(run_dir: str | Path, latest: dict[str, Any] | None = None, *,
 def with_iteration(run: RunData, row: dict[str, Any]) -> None:
     """Give the stage of `row`'s iteration (`iter-K`) its loop.json row, unless loop.json had it already."""
     for stage in run.stages:
-        if stage.root.name == f"iter-{row['iteration']}" and stage.stats is None:
+        if iteration_index(stage.root) == row["iteration"] and stage.stats is None:
             stage.stats = row

@@ -1,12 +1,26 @@
 """The real agent CLIs (six npm CLIs, mini-swe-agent, Aider, Cline, Kilo, Hermes, OpenClaw, OpenHands),
-unmodified, end to end through the gateway, in both hook-up modes.
+unmodified, end to end through the gateway: both hook-up modes, both prompt modes, one session per harness per
+(hook-up, prompt mode) — every property below is checked on the session that pays for it.
 
-Each run is a one-shot prompt against the scripted tiny engine (polar_mitm/harness/policy.py): turn 1 thinks and
-calls the harness's own shell tool with `echo hello > out.txt`, turn 2 answers. The harness must parse our tool
-call, run it in its workspace, send the result back and finish with exit code 0; the gateway must record every
-call with ids and true logprobs, and its side traffic (title generation, routing classifiers, settings probes,
-model lists, WebSocket attempts) must not break it. Engine, gateway and harnesses share a private,
-loopback-only network namespace where this machine allows one (polar_mitm/harness/netns.py).
+Each session is a scripted multi-turn shell session against the tiny engine (polar_mitm/harness/policy.py): turn 1
+thinks and calls the harness's own shell tool (`ls`), two more shell calls follow (`echo hello > out.txt`,
+`cat out.txt`), then a final answer. Aider, which has no tools, answers with the file in its edit format instead,
+and its test command fails once so that it calls again.
+
+- Every hook-up, tokens mode (the default): the harness parses our tool calls, runs them in its workspace, sends
+  the results back and finishes with exit code 0; the gateway records every call with ids and true logprobs, and
+  its side traffic (title generation, routing classifiers, settings probes, model lists, WebSocket attempts) does
+  not break it; each harness's own quirks (billing lines, deferred tools, reasoning round trips…) are checked.
+- Proxy mode, tokens mode: every sampled token is trained in the exact context the engine sampled it in (100%
+  context-exact) and the harness's main thread (the calls that offer tools) merges into one sequence (Aider and
+  OpenClaw, whose calls never extend the last one: one per call); the trainer's step-0 logprobs equal the recorded
+  ones.
+- Proxy mode, messages mode: the harnesses that rewrite their history — Gemini CLI drops thought parts, Pi, Qwen
+  Code, Cline and Hermes re-serialise tool arguments compactly, OpenHands drops our reasoning_content — drift below
+  100%, with the wrong importance ratios that causes.
+
+Engine, gateway and harnesses share a private, loopback-only network namespace where this machine allows one
+(polar_mitm/harness/netns.py). Two closing tables: the runs, and context-exact sampled tokens per prompt mode.
 """
 
 from __future__ import annotations
@@ -15,45 +29,89 @@ import json
 import shutil
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from polar_mitm.harness import HARNESSES, MODES
+from polar_mitm.harness.aider import FAIL_ONCE_ARGS
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 from polar_mitm.harness.openhands import DEFAULT_TOOLS
-from polar_mitm.harness.policy import AIDER_EDIT, HELLO_SCRIPT, THINKING
+from polar_mitm.harness.policy import AIDER_EDIT, THINKING, shell_script
 from polar_mitm.harness.stack import HarnessRun, HarnessStack
+from polar_mitm.reconstruct.fidelity import sequence_fidelity
+from polar_mitm.reconstruct.merge import merge_table
+from polar_mitm.reconstruct.turns import sequences_from_table
+from polar_mitm.storage.records import RECORD_SCHEMA
 from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
 
+COMMANDS = ["ls", "echo hello > out.txt", "cat out.txt"]
+FINAL = "Done: out.txt says hello."
+SCRIPT = shell_script(COMMANDS, FINAL)
 PROMPT = "Write hello into out.txt"
-FINAL = HELLO_SCRIPT["turns"][-1]
-RESULTS: list[dict[str, Any]] = []
+TIMEOUT_S = 300
+# Harnesses whose resent history differs from the sampled tokens (messages mode drifts).
+REWRITING = {"gemini", "pi", "qwen", "cline", "hermes", "openhands"}
+# Aider rebuilds every prompt: the files it added to the chat go before the conversation, its format reminder
+# after it, and an applied edit is followed by its canned "I updated the files." — no call extends the last one.
+# OpenClaw ends every request with a user message of runtime facts that the next request leaves out of its
+# history, so no call extends the last one either (tests/harness/test_quirks.py).
+REBUILDING = {"aider", "openclaw"}
+# Run in tokens mode only, to keep the suite short: the messages-mode run would assert nothing more than opencode's.
+TOKENS_MODE_ONLY = {"kilo"}
+# Aider has no tools: its loop is edit → its test command → a fix when the test fails (the test fails once).
+EXTRA_ARGS = {"aider": FAIL_ONCE_ARGS}
 # Harnesses that end only by a tool call (mini-swe-agent's submit command): their last turn is FINAL + that call.
 FINISHES_BY_TOOL = {"mini-swe-agent": SUBMIT_COMMAND}
 # Harnesses that end every request with a message the next one leaves out of its history (OpenClaw's runtime
 # facts): the follow-up re-sends everything before it, then the answer and the tool result, then fresh facts.
 DROPS_LAST_MESSAGE = {"openclaw"}
+RUNS: list[dict[str, Any]] = []
+FIDELITY: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def start_stack(tmp_path_factory, prompt_mode: str) -> HarnessStack:
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the harness CLIs need it")
+    return HarnessStack.start(
+        tmp_path_factory.mktemp(f"harness-{prompt_mode}"),
+        SCRIPT,
+        gateway_options={"polar_prompt_mode": prompt_mode},
+    )
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, request):
-    if shutil.which("node") is None:
-        pytest.skip("Node.js is not installed: the harness CLIs need it")
-    stack = HarnessStack.start(tmp_path_factory.mktemp("harness-stack"), HELLO_SCRIPT)
+def tokens_stack(tmp_path_factory, request):
+    stack = start_stack(tmp_path_factory, "tokens")
     yield stack
     stack.stop()
-    report(request.config, stack.isolation)
+    report_runs(request.config, stack.isolation)
 
 
-def report(config: pytest.Config, isolation: str) -> None:
-    """The closing table (harness, version, mode, turns, records, pass, wall time), shown even with -q."""
-    if not RESULTS:
+@pytest.fixture(scope="module")
+def messages_stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory, "messages")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fidelity_table(request):
+    yield
+    report_fidelity(request.config)
+
+
+def report_runs(config: pytest.Config, isolation: str) -> None:
+    """The runs table (harness, version, mode, turns, records, pass, wall time), shown even with -q."""
+    if not RUNS:
         return
     lines = [f"{'harness':15} {'version':9} {'mode':9} turns records pass  wall"]
-    for r in RESULTS:
+    for r in RUNS:
         lines.append(
             f"{r['harness']:15} {r['version']:9} {r['mode']:9} {r['turns']:5} {r['records']:7} "
             f"{'yes' if r['passed'] else 'NO':5} {r['wall_s']:5.1f}s"
@@ -61,8 +119,46 @@ def report(config: pytest.Config, isolation: str) -> None:
     show_table(config, f"real harnesses through the gateway ({isolation}):", lines)
 
 
+def report_fidelity(config: pytest.Config) -> None:
+    if not FIDELITY:
+        return
+    lines = [f"{'harness':15} {'tokens mode':>30} {'messages mode':>30}"]
+    for name in HARNESSES:
+        cells = []
+        for mode in ("tokens", "messages"):
+            r = FIDELITY.get((name, mode))
+            cells.append(
+                f"{r['share']:6.1%} ({r['exact']}/{r['sampled']}) Δlp {r['logprob_gap']:.0e}" if r else "–"
+            )
+        lines.append(f"{name:15} {cells[0]:>30} {cells[1]:>30}")
+    show_table(config, "context-exact sampled tokens per harness (proxy mode):", lines)
+
+
 def messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     return json.loads(row["messages_json"])
+
+
+def run_session(
+    stack: HarnessStack, name: str, mode: str, tmp_path: Path
+) -> tuple[HarnessRun, list[dict[str, Any]], str]:
+    """One scripted session of harness `name`: its run, its records in call order, and context for a failure."""
+    run = stack.run(
+        HARNESSES[name],
+        PROMPT,
+        mode=mode,
+        session=f"{name}-{mode}-{uuid.uuid4().hex[:8]}",
+        task="hello-task",
+        workspace=tmp_path / "work",
+        home=tmp_path / "home",
+        timeout=TIMEOUT_S,
+        args=EXTRA_ARGS.get(name),
+    )
+    return run, stack.records(run.session), run.describe() + f"\nengine and gateway logs: {stack.root}"
+
+
+def main_thread(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The agent loop: the calls that offer tools (all calls for Aider, which has none); the rest is side traffic."""
+    return [r for r in rows if r["tools_json"] != "[]"] or rows
 
 
 # -- per-harness checks of the quirks the gateway handles, on what the real CLI sent ------------------------------
@@ -138,7 +234,7 @@ def openhands_checks(rows: list[dict[str, Any]], mode: str) -> None:
         assert [t["function"]["name"] for t in request["tools"]] == DEFAULT_TOOLS
     assert len({r["prompt_cache_key"] for r in requests}) == 1
     call = next(m for m in requests[1]["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
-    assert json.loads(call["arguments"]) == {"command": "echo hello > out.txt", "security_risk": "LOW"}
+    assert json.loads(call["arguments"]) == {"command": COMMANDS[0], "security_risk": "LOW"}
     result = next(m for m in requests[1]["messages"] if m["role"] == "tool")
     assert "[The command completed with exit code 0.]" in result["content"][0]["text"], result
     if mode == "proxy":
@@ -156,16 +252,15 @@ CHECKS: dict[str, Callable[[list[dict[str, Any]], str], None]] = {
 }
 
 
-# -- the test ------------------------------------------------------------------------------------------------------
+# -- the tests -----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(HARNESSES))
-def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
-    stack, tiny_engine, tmp_path, name, mode
+def test_real_harness_session_through_the_gateway_in_tokens_mode(
+    tokens_stack, tiny_engine, tmp_path, name, mode
 ):
     harness = HARNESSES[name]
-    session, task = f"{name}-{mode}-{uuid.uuid4().hex[:8]}", "hello-task"
     result = {
         "harness": name,
         "version": harness.installed_version() or "?",
@@ -175,36 +270,58 @@ def test_real_harness_makes_a_tool_call_and_finishes_through_the_gateway(
         "passed": False,
         "wall_s": 0.0,
     }
-    RESULTS.append(result)
-    run = stack.run(
-        harness,
-        PROMPT,
-        mode=mode,
-        session=session,
-        task=task,
-        workspace=tmp_path / "work",
-        home=tmp_path / "home",
-        timeout=240,
-    )
-    rows = stack.records(session)
-    loop = [r for r in rows if r["tools_json"] != "[]"] if harness.shell_tools else rows  # Aider: no tools
-    result.update(records=len(rows), wall_s=run.wall_s, turns=len(loop))
+    RUNS.append(result)
+    run, rows, context = run_session(tokens_stack, name, mode, tmp_path)
+    main = main_thread(rows)
+    result.update(records=len(rows), wall_s=run.wall_s, turns=len(main))
     api = (harness.base_url_api or harness.api) if mode != "proxy" else harness.api
-    assert {r["provider"] for r in loop} == {api}, (
+    assert {r["provider"] for r in main} == {api}, (
         name,
         mode,
     )  # what `polar-mitm harness list` says it speaks
     if harness.shell_tools:
-        check_run(run, rows, stack, name, mode, task, tiny_engine)
+        check_run(run, rows, context, name, mode, tiny_engine)
     else:
-        check_edit_run(run, rows, stack, mode, task, tiny_engine)
+        check_edit_run(run, rows, context, mode, tiny_engine)
+    if mode == "proxy":
+        check_context_exact(rows, name, tiny_engine)
     result["passed"] = True
 
 
-def check_record(row: dict[str, Any], mode: str, task: str) -> None:
+@pytest.mark.parametrize("name", list(HARNESSES))
+def test_messages_mode_drifts_where_the_harness_rewrites_its_history(
+    messages_stack, tiny_engine, tmp_path, name
+):
+    if name in TOKENS_MODE_ONLY:
+        pytest.skip(f"{name}: tokens mode only (an opencode fork that does not rewrite history; ~26 s a run)")
+    run, rows, context = run_session(messages_stack, name, "proxy", tmp_path)
+    check_finished(run, rows, context, name)
+    result = fidelity(rows, tiny_engine)
+    FIDELITY[(name, "messages")] = result
+    if name in REWRITING:
+        assert result["share"] < 1.0, result  # the drift that tokens mode removes
+        assert result["logprob_gap"] > 1e-4, result  # ... and the wrong importance ratios it causes
+
+
+# -- what every session shows ----------------------------------------------------------------------------------------
+
+
+def check_finished(run: HarnessRun, rows: list[dict[str, Any]], context: str, name: str) -> None:
+    """The harness ran the script to its end: exit 0, out.txt written, every command's call answered."""
+    assert run.returncode == 0, context
+    assert (run.workspace / "out.txt").read_text() == "hello\n", context  # our tool calls were parsed and run
+    assert all(r["status_code"] == 200 for r in rows), context
+    if name == "aider":  # the edit, then the same edit again after the failed test run
+        assert [r["finish_reason"] for r in rows] == ["stop", "stop"], context
+    else:
+        calls = sum(r["finish_reason"] == "tool_calls" for r in main_thread(rows))
+        assert calls == len(COMMANDS) + (name in FINISHES_BY_TOOL), context
+
+
+def check_record(row: dict[str, Any], mode: str) -> None:
     """Every call, side traffic included, was answered and recorded in full."""
     assert row["status_code"] == 200 and row["error"] is None, row["error"]
-    assert row["task_id"] == task and row["request_id"].startswith("req_")
+    assert row["task_id"] == "hello-task" and row["request_id"].startswith("req_")
     assert row["mode"] == ("regular" if mode == "proxy" else "reverse")
     assert row["session_source"] == ("proxy_auth" if mode == "proxy" else "path")
     assert row["prompt_ids"] and row["prompt_tokens"] == len(row["prompt_ids"])
@@ -212,67 +329,114 @@ def check_record(row: dict[str, Any], mode: str, task: str) -> None:
     assert all(lp <= 0.0 for lp in row["completion_logprobs"])
 
 
-def check_edit_run(
-    run: HarnessRun, rows: list[dict[str, Any]], stack: HarnessStack, mode: str, task: str, tiny_engine
-) -> None:
-    """A harness without tools (Aider): one call, answered with the file in its edit format, which it applies."""
-    context = run.describe() + f"\nengine and gateway logs: {stack.root}"
-    assert run.returncode == 0, context
-    assert (run.workspace / "out.txt").read_text() == "hello\n", context  # our edit was parsed and applied
-    assert len(rows) == 1, context
-    [row] = rows
-    check_record(row, mode, task)
-    assert row["provider"] == "openai_chat" and row["tools_json"] == "[]" and row["finish_reason"] == "stop"
-    assert tiny_engine.tokenizer.decode(row["completion_ids"], skip_special_tokens=True) == AIDER_EDIT["text"]
-    if mode == "proxy":
-        assert row["host"] == "api.openai.com"
+def check_true_logprobs(row: dict[str, Any], tiny_engine) -> None:
+    """Scripted tokens carry the model's true logprobs (a forward pass over the recorded ids agrees)."""
     scored = tiny_engine.score(row["prompt_ids"], row["completion_ids"])
     assert max(abs(a - b) for a, b in zip(scored, row["completion_logprobs"], strict=True)) < 1e-3
 
 
-def check_run(
-    run: HarnessRun,
-    rows: list[dict[str, Any]],
-    stack: HarnessStack,
-    name: str,
-    mode: str,
-    task: str,
-    tiny_engine,
-) -> None:
-    context = run.describe() + f"\nengine and gateway logs: {stack.root}"
-    assert run.returncode == 0, context
-    out = run.workspace / "out.txt"
-    assert out.exists() and out.read_text() == "hello\n", context  # our tool call was parsed and run
-    assert len(rows) >= 2, context
-
+def check_edit_run(run: HarnessRun, rows: list[dict[str, Any]], context: str, mode: str, tiny_engine) -> None:
+    """A harness without tools (Aider): each call is answered with the file in its edit format, which it applies;
+    its failing test command makes it call a second time."""
+    check_finished(run, rows, context, "aider")
     for row in rows:
-        check_record(row, mode, task)
+        check_record(row, mode)
+        assert row["provider"] == "openai_chat" and row["tools_json"] == "[]"
+        assert (
+            tiny_engine.tokenizer.decode(row["completion_ids"], skip_special_tokens=True)
+            == AIDER_EDIT["text"]
+        )
+        if mode == "proxy":
+            assert row["host"] == "api.openai.com"
+    check_true_logprobs(rows[0], tiny_engine)
 
-    main = [r for r in rows if r["tools_json"] != "[]"]  # the agent loop; the rest is side traffic
+
+def check_run(
+    run: HarnessRun, rows: list[dict[str, Any]], context: str, name: str, mode: str, tiny_engine
+) -> None:
+    check_finished(run, rows, context, name)
+    for row in rows:
+        check_record(row, mode)
+
+    main = main_thread(rows)
     calls = [r for r in main if r["finish_reason"] == "tool_calls"]
-    assert len(calls) == 1 + (name in FINISHES_BY_TOOL), [r["finish_reason"] for r in main]
     first = calls[0]
     shell_names = {t.name for t in HARNESSES[name].shell_tools}
     called = tiny_engine.tokenizer.decode(first["completion_ids"])
     assert any(f'"name": "{n}"' in called for n in shell_names), called
-    # The follow-up request carries the tool result, and the engine then answers with the final text.
+    # The follow-up request carries the tool result.
     follow = [r for r in main if r["seq"] > first["seq"] and any(m["role"] == "tool" for m in messages(r))]
     assert follow, [messages(r)[-1] for r in main]
-    answer = tiny_engine.tokenizer.decode(follow[0]["completion_ids"], skip_special_tokens=True)
-    if name in FINISHES_BY_TOOL:
+    if name in FINISHES_BY_TOOL:  # its last call is the final text with its submit command
+        answer = tiny_engine.tokenizer.decode(calls[-1]["completion_ids"], skip_special_tokens=True)
         assert answer.startswith(FINAL) and FINISHES_BY_TOOL[name] in answer, answer
-        assert follow[0]["finish_reason"] == "tool_calls" and len(rows) == 2, context
-    else:
-        assert answer == FINAL and follow[0]["finish_reason"] == "stop"
+        assert len(rows) == len(calls), context  # no side traffic
+    else:  # after the last tool call, the engine answers with the final text
+        after = [r for r in main if r["seq"] > calls[-1]["seq"]]
+        assert after, context
+        answer = tiny_engine.tokenizer.decode(after[0]["completion_ids"], skip_special_tokens=True)
+        assert answer == FINAL and after[0]["finish_reason"] == "stop", answer
     if name in DROPS_LAST_MESSAGE:
-        before, after = messages(first), messages(follow[0])
-        assert after[: len(before) - 1] == before[:-1] and after[-1] == before[-1], after
+        before, next_one = messages(first), messages(follow[0])
+        assert next_one[: len(before) - 1] == before[:-1] and next_one[-1] == before[-1], next_one
         assert follow[0]["splice_reason"] == "no prefix match"  # a chain of its own (recipes/openclaw.md)
     else:
         # The harness re-sent its history so that it renders to the very same tokens (what prefix merging needs).
         assert follow[0]["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]
-    # Scripted tokens carry the model's true logprobs (a forward pass over the recorded ids agrees).
-    scored = tiny_engine.score(first["prompt_ids"], first["completion_ids"])
-    assert max(abs(a - b) for a, b in zip(scored, first["completion_logprobs"], strict=True)) < 1e-3
+    check_true_logprobs(first, tiny_engine)
     if name in CHECKS:
         CHECKS[name]([first, follow[0]] if name != "gemini" else rows, mode)
+
+
+# -- context fidelity: is every sampled token trained in the context it was sampled in? -----------------------------
+
+
+def check_context_exact(rows: list[dict[str, Any]], name: str, tiny_engine) -> None:
+    """Tokens mode: 100% context-exact, the main thread one sequence (one per call where the harness rebuilds its
+    prompts), and the trainer's step-0 logprobs equal the behaviour logprobs."""
+    main = main_thread(rows)
+    result = fidelity(rows, tiny_engine)
+    FIDELITY[(name, "tokens")] = result
+    assert result["share"] == 1.0, result
+    assert result["logprob_gap"] <= 1e-4, result  # trainer logprobs at step 0 == behaviour logprobs
+    if name in REBUILDING:  # each call is its own chain ("no prefix match"), each exact
+        assert result["main_sequences"] == len(main), result
+        assert [r["splice_reason"] for r in main[1:]] == ["no prefix match"] * (len(main) - 1)
+    else:
+        assert result["main_sequences"] == 1, result
+        assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
+
+
+def max_logprob_gap(tiny_engine, sequences) -> float:
+    """Largest |forward-pass logprob − recorded logprob| over sampled tokens: the trainer's step 0 (same weights)."""
+    worst = 0.0
+    for seq in sequences:
+        ids = [int(t) for t in seq.input_ids]
+        scored = np.asarray(tiny_engine.score(ids[: seq.prompt_len], ids[seq.prompt_len :]))
+        mask = np.asarray(seq.loss_mask[seq.prompt_len :], dtype=bool)
+        worst = max(
+            worst, float(np.abs(scored[mask] - np.asarray(seq.logprobs[seq.prompt_len :])[mask]).max())
+        )
+    return worst
+
+
+def fidelity(rows: list[dict[str, Any]], tiny_engine) -> dict[str, Any]:
+    eot_id = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    records = pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
+    table, _ = merge_table(records, eot_token_id=eot_id)
+    prompts = {r["request_id"]: np.asarray(r["prompt_ids"], dtype=np.int32) for r in rows}
+    main_ids = {r["request_id"] for r in main_thread(rows)}
+    exact = sampled = 0
+    main_sequences = 0
+    sequences = sequences_from_table(table)
+    for seq in sequences:
+        f = sequence_fidelity(seq.input_ids, seq.loss_mask, seq.request_ids, prompts)
+        exact, sampled = exact + f.exact_tokens, sampled + f.sampled_tokens
+        main_sequences += bool(main_ids & set(seq.request_ids))
+    return {
+        "exact": exact,
+        "sampled": sampled,
+        "share": exact / sampled,
+        "main_sequences": main_sequences,
+        "logprob_gap": max_logprob_gap(tiny_engine, sequences),
+    }

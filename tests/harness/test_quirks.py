@@ -405,7 +405,7 @@ def test_aider_streams_without_tools_and_rebuilds_each_prompt_around_the_convers
 def test_cline_drops_reasoning_and_reserialises_arguments_on_the_responses_api():
     """openai-native (proxy mode): Responses with a system input item, no `store: false`, no encrypted reasoning —
     the reasoning item it got is not sent back, and tool arguments come back compact. Tokens mode keeps the
-    sampled tokens; messages mode drifts (test_token_exact_harnesses.py)."""
+    sampled tokens; messages mode drifts (test_harnesses.py)."""
     first, second = main_turns("cline")[:2]
     request = body(second)
     assert (
@@ -450,7 +450,7 @@ def test_hermes_sends_sealed_reasoning_back_but_reserialises_arguments_on_the_re
     """openai-api provider (proxy mode): streamed Responses with `store: false`, encrypted reasoning included and a
     stable `prompt_cache_key`; the reasoning item comes back with its sealed content and its summary, tool
     arguments come back compact and tool results are its JSON envelope. Tokens mode keeps the sampled tokens;
-    messages mode drifts (test_token_exact_harnesses.py)."""
+    messages mode drifts (test_harnesses.py)."""
     first, second, third = main_turns("hermes")
     requests = [body(first), body(second), body(third)]
     for request in requests:
@@ -505,7 +505,7 @@ def test_openclaw_appends_runtime_facts_that_it_drops_from_history_so_no_call_ex
     `context_management` (clear_tool_uses) and `output_config.effort`. Every call ends with a fresh user message of
     runtime facts (`<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>`: active exec sessions, subagents) that the next call
     leaves out of its history, so no call's prompt extends the last one's: each opens its own chain, exact on its
-    own (test_token_exact_harnesses.py: 100% context-exact, one sequence per call)."""
+    own (test_harnesses.py: 100% context-exact, one sequence per call)."""
     flows = main_turns("openclaw")
     requests = [body(f) for f in flows]
     assert len(flows) == len(model_flows("openclaw")) == 3  # no side calls
@@ -541,7 +541,7 @@ def test_openhands_sends_whole_chat_requests_drops_reasoning_and_keeps_arguments
     `max_completion_tokens: 32768`, no sampling settings, the conversation id as `prompt_cache_key`, six tools.
     History: our tool call comes back with the arguments as sampled (`security_risk` included), our
     `reasoning_content` is dropped, tool results are the terminal's observation as content parts. Tokens mode
-    splices every turn (test_token_exact_harnesses.py)."""
+    splices every turn (test_harnesses.py)."""
     flows = main_turns("openhands")
     assert len(flows) == len(model_flows("openhands")) == 3  # no side model calls
     requests = [body(f) for f in flows]

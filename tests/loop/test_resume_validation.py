@@ -1,7 +1,9 @@
 """`polar-mitm loop --resume` on a tampered run directory (issue 36 item 13): every file a resume reads is checked
 before anything starts (loop/saved_state.py); a bad one is one line naming it (and the line of a JSON-lines file),
 a non-zero exit, and no engine or gateway started. The run directory is written directly (the check needs no run),
-as the loop writes it after iteration 0 trained."""
+as the loop writes it after iteration 0 trained. The command runs in this process (`polar_mitm.cli.app` under
+Typer's CliRunner: the loop command's options import TRL, ~7 s a process), and once as its own process, where the
+exit code and the one line are what a shell sees."""
 
 from __future__ import annotations
 
@@ -150,8 +152,21 @@ TAMPERINGS = [
 
 
 def resume(run: Path, *args: str) -> tuple[int, list[str], float]:
-    """`polar-mitm loop -o RUN --resume ARGS`: exit code, the non-empty output lines, seconds (killed with all it
-    started after 120 s: a check that lets the run through starts an engine)."""
+    """`polar-mitm loop -o RUN --resume ARGS` in this process: exit code, the non-empty output lines (stdout and
+    stderr), seconds. An exception the command lets out fails the test (it would be a traceback)."""
+    from typer.testing import CliRunner
+
+    from polar_mitm.cli import app
+
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["loop", "-o", str(run), "--resume", *args], catch_exceptions=False)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    return result.exit_code, lines, time.monotonic() - started
+
+
+def resume_process(run: Path, *args: str) -> tuple[int, list[str], float]:
+    """The same as its own process (killed with all it started after 120 s: a check that lets the run through
+    starts an engine)."""
     command = [sys.executable, "-m", "polar_mitm.cli", "loop", "-o", str(run), "--resume", *args]
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -190,9 +205,10 @@ def test_a_tampered_run_directory_is_one_line_before_anything_starts(run_dir, na
 
 
 def test_a_recorded_harness_other_than_the_command_line_s_needs_yes(run_dir, tmp_path):
+    """Run as its own process: the shell sees exit code ≠ 0 and one line, and the harness never ran."""
     mark = tmp_path / "MARK"
     edit_json(run_dir / "run.json", lambda r: r["config"].update(harness=f"cmd:touch {mark}"))
-    code, lines, _ = resume(run_dir)
+    code, lines, _ = resume_process(run_dir)
     assert code != 0 and len(lines) == 1, (code, lines)
     assert f"cmd:touch {mark}" in lines[0] and "sdk:openai_chat" in lines[0] and "--yes" in lines[0]
     assert not mark.exists()

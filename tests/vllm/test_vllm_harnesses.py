@@ -1,5 +1,5 @@
 """The six real harness CLIs on vLLM: proxy mode, tokens mode, the scripted multi-turn shell session of
-tests/harness/test_token_exact_harnesses.py played by vLLM's scripted policy (polar_mitm/vllm/scripted.py). Every
+tests/harness/test_harnesses.py played by vLLM's scripted policy (polar_mitm/vllm/scripted.py). Every
 sampled token is trained in the context vLLM sampled it in, each main thread merges into one sequence, and the
 trainer's step-0 logprobs (PolarGRPOTrainer on the vLLM checkpoint, fp32 CPU) equal vLLM's recorded ones — at T=1
 for all six, at T=0.7 for three (AT_T07). A closing table gives the per-harness figures.
@@ -32,7 +32,7 @@ from polar_mitm.storage.records import RECORD_SCHEMA
 from polar_mitm.train.data import build_training_data
 from polar_mitm.train.grpo_config import PolarGRPOConfig
 from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
-from tests.harness.test_token_exact_harnesses import COMMANDS, PROMPT, REBUILDING, SCRIPT
+from tests.harness.test_harnesses import COMMANDS, PROMPT, REBUILDING, SCRIPT
 from tests.summary_tables import show_table
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def step0_gaps(
 
 
 @pytest.mark.parametrize("stack", [1.0], indirect=True, ids=["T1"])
-# Aider has no shell tool (an edit format, a test-command loop): tests/harness/test_token_exact_harnesses.py.
+# Aider has no shell tool (an edit format, a test-command loop): tests/harness/test_harnesses.py.
 @pytest.mark.parametrize("name", [name for name in HARNESSES if HARNESSES[name].shell_tools])
 def test_harness_session_on_vllm_is_context_exact_and_scored_alike(stack, vllm_model_dir, tmp_path, name):
     check_harness_session(stack, vllm_model_dir, tmp_path, name)
@@ -186,7 +186,7 @@ def check_harness_session(stack: HarnessStack, vllm_model_dir: Path, tmp_path: P
     assert sum(r["finish_reason"] == "tool_calls" for r in main) == len(COMMANDS) + submits, context
     if (
         name in REBUILDING
-    ):  # OpenClaw: no call extends the last (test_token_exact_harnesses), each its own chain
+    ):  # OpenClaw: no call extends the last (tests/harness/test_harnesses.py), each its own chain
         assert [r["splice_reason"] for r in main[1:]] == ["no prefix match"] * (len(main) - 1)
     else:
         assert {r["prompt_mode"] for r in main[1:]} == {"tokens"}, [r["splice_reason"] for r in main]
