@@ -6,7 +6,11 @@
      "eval": {"command": "grep -q hello out.txt", "reward": "exit"},      # exit: 1.0 if exit 0 else 0.0
      "timeouts": {"init": 60, "run": 300, "eval": 60}}                     # seconds
 
-`eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A session *passes* (pass rates,
+Every line is checked against a schema (`TaskLine`, pydantic) before anything runs: an unknown field — a misspelt
+`evaluation`, say — is refused with the likely one named, `eval` is required (there is no default check: one that
+passed everything would reward every session alike), a `workspace.dir` must be a folder. Your own data goes under
+`meta`; `family` and `swe` are what `polar-mitm tasks generate` / `tasks swe` write. `"eval": "COMMAND"` is short
+for `{"command": "COMMAND"}`. `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A session *passes* (pass rates,
 pass@k) when its reward reaches full marks, 1.0 (`passed`): a graded check's partial credit is reward, not a pass.
 The evaluation runs in the session's workspace with `$POLAR_HARNESS_OUTPUT` naming the harness's output (its log),
 for checks that grade the agent's final answer (`python -P -m polar_mitm.tasks.answer_check`). A relative `workspace.dir`
@@ -21,11 +25,23 @@ id reaches a shell quotes it. A bad line is rejected at load with its line numbe
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    StringConstraints,
+    ValidationError,
+)
 
 from polar_mitm.harness.base import id_problem
 
@@ -70,73 +86,12 @@ class Task:
     workspace_dir: Path | None = None
     workspace_git: str | None = None
     setup: list[str] = field(default_factory=list)
-    eval_command: str = "true"
+    eval_command: str = "true"  # a task file must say its check (TaskLine); Python callers may leave it out
     eval_reward: str = "exit"  # exit | stdout
     timeouts: Timeouts = field(default_factory=Timeouts)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_task(raw: dict[str, Any], base: Path) -> Task:
-    """One task from its JSON object; a ValueError names the field at fault."""
-    if not isinstance(raw, dict):
-        raise ValueError("a task must be a JSON object")
-    task_id = raw.get("task_id")
-    if (problem := id_problem(task_id)) is not None:
-        raise ValueError(f"task_id {problem}: {task_id!r}")
-    prompt = _text(raw.get("prompt"), "prompt")
-    ws = _object(raw.get("workspace"), "workspace")
-    ev = raw.get("eval") or {}
-    if isinstance(ev, str):
-        ev = {"command": ev}
-    ev = _object(ev, "eval")
-    reward_mode = ev.get("reward", "exit")
-    if reward_mode not in ("exit", "stdout"):
-        raise ValueError("eval.reward must be 'exit' or 'stdout'")
-    t = _object(raw.get("timeouts"), "timeouts")
-    ws_dir = _text(ws["dir"], "workspace.dir") if ws.get("dir") is not None else None
-    return Task(
-        task_id=task_id,
-        prompt=prompt,
-        workspace_dir=(base / ws_dir).resolve() if ws_dir else None,
-        workspace_git=_git_source(ws.get("git")),
-        setup=_commands(ws.get("setup"), "workspace.setup"),
-        eval_command=_text(ev.get("command", "true"), "eval.command"),
-        eval_reward=reward_mode,
-        timeouts=Timeouts(
-            init=_seconds(t, "init", 120), run=_seconds(t, "run", 600), eval=_seconds(t, "eval", 120)
-        ),
-        meta={
-            k: v for k, v in raw.items() if k not in ("task_id", "prompt", "workspace", "eval", "timeouts")
-        },
-    )
-
-
-def _text(value: Any, name: str) -> str:
-    """A non-empty string without NUL (argv, environments and paths cannot carry one)."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string")
-    if "\0" in value:
-        raise ValueError(f"{name} cannot contain a NUL character")
-    return value
-
-
-def _object(value: Any, name: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object")
-    return value
-
-
-def _commands(value: Any, name: str) -> list[str]:
-    """Shell commands: one string or a list of strings."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list):
-        raise ValueError(f"{name} must be a string or a list of strings")
-    return [_text(command, f"{name}[{i}]") for i, command in enumerate(value)]
+    meta: dict[str, Any] = field(
+        default_factory=dict
+    )  # family, swe, meta: what the line carries beside the task
 
 
 def _git_source(value: Any) -> str | None:
@@ -148,7 +103,7 @@ def _git_source(value: Any) -> str | None:
     """
     if value is None:
         return None
-    source = _text(value, "workspace.git")
+    source = value
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in source):
         raise ValueError(f"workspace.git cannot contain control characters: {source!r}")
     if (helper := GIT_HELPER.match(source)) is not None:
@@ -165,11 +120,120 @@ def _git_source(value: Any) -> str | None:
     return source
 
 
-def _seconds(timeouts: dict[str, Any], key: str, default: float) -> float:
-    value = timeouts.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
-        raise ValueError(f"timeouts.{key} must be a positive number of seconds, got {value!r}")
-    return float(value)
+# -- the schema of one line (pydantic: unknown fields refused, every field typed) --------------------------------
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("cannot contain a NUL character")
+    return value
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _as_check(value: Any) -> Any:
+    return {"command": value} if isinstance(value, str) else value
+
+
+def _task_id(value: Any) -> Any:
+    if (problem := id_problem(value)) is not None:
+        raise ValueError(f"{problem}: {value!r}")
+    return value
+
+
+Text = Annotated[StrictStr, StringConstraints(min_length=1), AfterValidator(_no_nul)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkspaceSpec(_Schema):
+    dir: Text | None = None  # copied per session; relative to the task file's folder
+    git: Annotated[Text, AfterValidator(_git_source)] | None = None  # cloned per session instead
+    setup: Annotated[list[Text], BeforeValidator(_as_list)] = []  # shell commands run in it first
+
+
+class CheckSpec(_Schema):
+    command: Text  # run in the session's workspace once the harness is done
+    reward: Literal["exit", "stdout"] = "exit"
+
+
+class TimeoutsSpec(_Schema):
+    init: Seconds = 120.0
+    run: Seconds = 600.0
+    eval: Seconds = 120.0
+
+
+class TaskLine(_Schema):
+    """One line of a task file. `eval` is required: a task without a check would reward every session alike."""
+
+    task_id: Annotated[str, BeforeValidator(_task_id)]
+    prompt: Text
+    eval: Annotated[CheckSpec, BeforeValidator(_as_check)]
+    workspace: WorkspaceSpec = WorkspaceSpec()
+    timeouts: TimeoutsSpec = TimeoutsSpec()
+    family: StrictStr | None = None  # written by `polar-mitm tasks generate`
+    swe: dict[str, Any] | None = None  # written by `polar-mitm tasks swe`: the instance and its grading spec
+    meta: dict[str, Any] | None = None  # your own data, kept with the task
+
+
+MISSING_HELP = {
+    "eval": "every task needs a check: a shell command run in the workspace after the session (its exit code is "
+    'the reward, or with "reward": "stdout" the last number it prints); write "eval": "true" to reward every '
+    "session 1.0 on purpose",
+    "command": 'eval.command is the shell command that checks the session (or write "eval": "COMMAND")',
+}
+
+
+def schema_problem(exc: ValidationError) -> str:
+    """A validation error's first problem as one line: where, what, and for an unknown field the likely one (a
+    misspelt field is reported before the missing one it explains)."""
+    error = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    names = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    if error["type"] == "extra_forbidden":
+        model = {"workspace": WorkspaceSpec, "eval": CheckSpec, "timeouts": TimeoutsSpec}.get(
+            names[0] if len(names) > 1 else "", TaskLine
+        )
+        known = list(model.model_fields)
+        given = names[-1].lower()
+        close = [k for k in known if given.startswith(k) or k.startswith(given)]  # `evaluation`, `timeout`
+        close = close or difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        own = '; put your own data under "meta"' if model is TaskLine else ""
+        return f"unknown field {where!r}: {hint}the fields are {', '.join(known)}{own}"
+    if error["type"] == "missing":
+        return f"{where} is missing: {MISSING_HELP.get(names[-1], 'it is required')}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return message if not where or message.startswith(where) else f"{where}: {message}"
+
+
+def parse_task(raw: dict[str, Any], base: Path) -> Task:
+    """One task from its JSON object; a ValueError names the field at fault."""
+    if not isinstance(raw, dict):
+        raise ValueError("a task must be a JSON object")
+    try:
+        line = TaskLine.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(schema_problem(exc)) from None
+    workspace_dir = (base / line.workspace.dir).resolve() if line.workspace.dir else None
+    if workspace_dir is not None and not workspace_dir.is_dir():
+        raise ValueError(f"workspace.dir {line.workspace.dir!r} is not a folder ({workspace_dir})")
+    return Task(
+        task_id=line.task_id,
+        prompt=line.prompt,
+        workspace_dir=workspace_dir,
+        workspace_git=line.workspace.git,
+        setup=list(line.workspace.setup),
+        eval_command=line.eval.command,
+        eval_reward=line.eval.reward,
+        timeouts=Timeouts(init=line.timeouts.init, run=line.timeouts.run, eval=line.timeouts.eval),
+        meta={k: raw[k] for k in ("family", "swe", "meta") if raw.get(k) is not None},
+    )
 
 
 def load_tasks(path: str | Path) -> list[Task]:
