@@ -50,6 +50,27 @@ def split_engine_list(spec: str) -> list[str] | None:
     return [part.strip().rstrip("/") for part in spec.split(",") if part.strip()]
 
 
+class EngineUnreachable(EngineSetError):
+    """A given engine URL where nothing answers: said before any session starts (every reward would be 0.0)."""
+
+
+def check_answering(spec: str, *, option: str = "--engine", timeout: float = 5.0) -> None:
+    """Each engine of `spec` (one URL, SGLang's router, or a comma list) answers `/health` (open without a key on
+    every engine kind); raises EngineUnreachable naming `option`, the URL and what to do."""
+    for url in split_engine_list(spec) or [spec.rstrip("/")]:
+        try:
+            status = httpx.get(f"{url}/health", timeout=timeout, headers=auth_headers(url)).status_code
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(
+                f"{option} {url}: nothing answers at {url}/health ({type(exc).__name__}); start the engine first "
+                f"(SGLang, vLLM or `polar-mitm serve`), or leave {option} out to start the embedded one"
+            ) from None
+        if status >= 500:
+            raise EngineUnreachable(
+                f"{option} {url}: /health answered HTTP {status}: the engine is not ready"
+            )
+
+
 def router_workers(url: str, *, timeout: float = 5.0) -> list[str] | None:
     """The worker URLs behind SGLang's router at `url` (GET /workers), or None when `url` is not a router."""
     try:

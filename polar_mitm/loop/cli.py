@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
+from polar_mitm.engines import router
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.cli import fail, load_inputs
 from polar_mitm.train.config_options import GRPO_OPTIONS, TRL_OPTIONS, grpo_options
@@ -174,6 +175,11 @@ def checked_loop(cfg: LoopConfig):
     load_inputs(cfg.tasks, cfg.harness)
     if cfg.eval_tasks is not None:
         load_inputs(cfg.eval_tasks, cfg.harness)
+    if cfg.engine_url is not None:  # before the run starts: every session would score 0.0
+        try:
+            router.check_answering(cfg.engine_url)
+        except router.EngineUnreachable as exc:
+            raise fail(str(exc)) from None
     try:
         check_dynamic_sampling(cfg)
         return Loop(cfg, on_iteration=show)

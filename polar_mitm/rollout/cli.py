@@ -216,8 +216,13 @@ def rollout_command(ctx: typer.Context) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
     given, config = rollout_settings(ctx)
     task_list, harness_spec = load_inputs(given.tasks, given.harness)
-    private_dir(given.work_dir)  # owner-only: logs, workspaces, grading state
     given.check()
+    if given.engine_url is not None and given.gateway_url is None:  # before any session: each would score 0.0
+        try:
+            router.check_answering(given.engine_url)
+        except router.EngineUnreachable as exc:
+            raise fail(str(exc)) from None
+    private_dir(given.work_dir)  # owner-only: logs, workspaces, grading state
     if given.ray_address is not None:
         ray_rollout(
             task_list,

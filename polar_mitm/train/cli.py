@@ -58,6 +58,14 @@ def grpo_command(
     from polar_mitm.train.sync import attach_engine_push
 
     fields = option_values(ctx, GRPO_OPTIONS)
+    if fields.get("push_to_engine"):  # before the training: a push target found dead after it loses the run
+        from polar_mitm.engines import router
+
+        try:
+            router.check_answering(fields["push_to_engine"], option="--push-to-engine")
+        except router.EngineUnreachable as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
     model_dir = resolve_model(model)
     train_data = training_data(load_sequences(data), fields)
     if is_main_process():
