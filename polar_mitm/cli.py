@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -10,10 +11,44 @@ import typer
 from rich.console import Console
 
 from polar_mitm.agent.cli import agent
-from polar_mitm.engines import keys as engine_keys
 
-app = typer.Typer(help=__doc__, no_args_is_help=True, pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    help=__doc__,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every subcommand
+)
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from polar_mitm import __version__
+
+        typer.echo(f"polar-mitm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="Show the traceback of a mistake in the input too (else one line; $POLAR_DEBUG=1).",
+        ),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """capture → reconstruct → train, one command per step."""
+    if debug:
+        from polar_mitm.user_errors import DEBUG_ENV
+
+        os.environ[DEBUG_ENV] = "1"  # children (the gateway, sessions' helpers) show theirs too
+
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")]
 
@@ -173,11 +208,9 @@ def report_command(
     """Write one self-contained HTML report (no server, no network): iterations, curves, merge, tasks, tokens."""
     from polar_mitm.report import write_report
 
-    try:
-        path = write_report(run_dir, out, tokenizer=tokenizer, sessions=sessions)
-    except FileNotFoundError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    path = write_report(
+        run_dir, out, tokenizer=tokenizer, sessions=sessions
+    )  # a bad RUN_DIR: one line (main)
     console.print(f"report → {path}")
 
 
@@ -219,9 +252,12 @@ def records_command(
     """List recorded model calls (compacted shards and the live journal)."""
     from rich.table import Table
 
+    from polar_mitm.storage.location import InputNotFound, Location
     from polar_mitm.storage.records import scan_records
     from polar_mitm.terminal import markup_safe, plain
 
+    if not Location.of(out).exists:  # an empty table and exit 0 would read as "the gateway recorded nothing"
+        raise InputNotFound(f"{out}: no such record folder (the gateway's `polar_out`)")
     found = scan_records(out)
     for problem in found.problems:  # skipped, one line each naming the file: the rest is still listed
         console.print(f"[yellow]{markup_safe(problem)}[/]", soft_wrap=True)
@@ -307,14 +343,17 @@ def _register_vllm() -> None:
 _register_vllm()
 
 
-def main() -> None:
-    """The `polar-mitm` command: `app`, with an unusable engine key file answered in one line (exit 2)."""
+def main(argv: list[str] | None = None) -> None:
+    """The `polar-mitm` command: `app`, with a mistake in the user's input said in one line and exit 2
+    (`polar_mitm.user_errors`); any other exception is ours and keeps its traceback."""
     try:
-        app()
-    except (
-        engine_keys.KeyFileError
-    ) as exc:  # $POLAR_ENGINE_KEY_FILE, read by whichever command talks to an engine
-        print(f"polar-mitm: {exc}", file=sys.stderr)
+        app(args=argv, prog_name="polar-mitm")
+    except Exception as exc:
+        from polar_mitm import user_errors
+
+        if user_errors.debugging() or not isinstance(exc, user_errors.user_error_types()):
+            raise
+        print(f"polar-mitm: {user_errors.one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

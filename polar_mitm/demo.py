@@ -32,6 +32,10 @@ def print_chat(
     """One chat request with SGLang's token-id extensions; prints text, ids and logprobs."""
     from openai import OpenAI
 
+    from polar_mitm.engines.router import check_answering
+
+    check_answering(engine_url, embedded=False)  # one line, not the SDK's retries and 350 lines of traceback
+
     client = OpenAI(base_url=f"{engine_url}/v1", api_key="polar-demo")
     started = time.perf_counter()
     completion = client.chat.completions.create(

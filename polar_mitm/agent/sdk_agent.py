@@ -17,6 +17,7 @@ from typing import Any
 
 from polar_mitm.codecs import sdk_base_url
 
+SHELL_TOOL_NAME = "shell"  # the one tool every provider's agent offers (scripted policies call it)
 SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 SYSTEM = "You are a coding agent."
 
@@ -57,7 +58,7 @@ def anthropic_session(
     import anthropic
 
     client = anthropic.Anthropic(api_key=api_key, base_url=base_url, max_retries=0)
-    tools = [{"name": "shell", "description": "Run a shell command", "input_schema": SHELL_SCHEMA}]
+    tools = [{"name": SHELL_TOOL_NAME, "description": "Run a shell command", "input_schema": SHELL_SCHEMA}]
     messages: list = [{"role": "user", "content": prompt}]
     commands: list[str] = []
     for turn in range(1, max_turns + 1):
@@ -115,7 +116,11 @@ def openai_chat_session(
     tools = [
         {
             "type": "function",
-            "function": {"name": "shell", "description": "Run a shell command", "parameters": SHELL_SCHEMA},
+            "function": {
+                "name": SHELL_TOOL_NAME,
+                "description": "Run a shell command",
+                "parameters": SHELL_SCHEMA,
+            },
         }
     ]
     messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
@@ -175,7 +180,7 @@ def openai_responses_session(
     tools = [
         {
             "type": "function",
-            "name": "shell",
+            "name": SHELL_TOOL_NAME,
             "description": "Run a shell command",
             "parameters": SHELL_SCHEMA,
             "strict": False,
@@ -223,7 +228,7 @@ def google_session(
     tool = types.Tool(
         function_declarations=[
             types.FunctionDeclaration(
-                name="shell", description="Run a shell command", parameters_json_schema=SHELL_SCHEMA
+                name=SHELL_TOOL_NAME, description="Run a shell command", parameters_json_schema=SHELL_SCHEMA
             )
         ]
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from polar_mitm.storage.location import InputNotFound
+
 BUILTIN_MODELS = ("tiny", "smollm2")
 
 
@@ -26,7 +28,7 @@ def resolve_model(spec: str, *, seed: int = 0) -> Path:
         return ensure_smollm2(cache_root() / "models" / "smollm2-135m-instruct")
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
+        raise InputNotFound(
             f"model {spec!r}: not a checkpoint directory (no config.json) and not one of {BUILTIN_MODELS}"
         )
     return path

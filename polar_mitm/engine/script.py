@@ -149,6 +149,29 @@ def turn_text(item: Any, offered: Sequence[str] | None = None) -> str:
     return turn.text if text is None else text
 
 
+def read_script_file(path: str | Path) -> Any:
+    """A script file's JSON; raises ScriptError naming the file when it is missing or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ScriptError(f"script {path}: {exc}") from None
+
+
+def called_tool_names(spec: list[Any] | dict[str, Any]) -> list[list[str]]:
+    """The candidate names of every tool call a script can make (its turns, choices and replies)."""
+    spec = {"turns": spec} if isinstance(spec, list) else spec
+    items = list(spec.get("turns") or []) if isinstance(spec, dict) else []
+    for reply in spec.get("replies") or [] if isinstance(spec, dict) else []:
+        if isinstance(reply, dict):
+            items.append({k: v for k, v in reply.items() if k not in ("when", "turn")})
+    names: list[list[str]] = []
+    for item in items:
+        turn = ScriptedTurn.parse(item)
+        for one in turn.alternatives if isinstance(turn, ScriptedChoice) else [turn]:
+            names.extend(call.names for call in one.calls)
+    return names
+
+
 class Script:
     """Maps a prompt (and the request's tool names) to the scripted token ids of its next assistant turn."""
 
@@ -185,7 +208,7 @@ class Script:
 
     @classmethod
     def load(cls, path: str | Path, tokenizer, eos_id: int) -> Script:
-        return cls(json.loads(Path(path).read_text()), tokenizer, eos_id)
+        return cls(read_script_file(path), tokenizer, eos_id)
 
     def turn_index(self, prompt_ids: list[int]) -> int:
         """Assistant turns already in the prompt (the generation prompt's own header is not counted)."""

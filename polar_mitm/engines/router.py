@@ -54,16 +54,20 @@ class EngineUnreachable(EngineSetError):
     """A given engine URL where nothing answers: said before any session starts (every reward would be 0.0)."""
 
 
-def check_answering(spec: str, *, option: str = "--engine", timeout: float = 5.0) -> None:
+def check_answering(
+    spec: str, *, option: str = "--engine", timeout: float = 5.0, embedded: bool = True
+) -> None:
     """Each engine of `spec` (one URL, SGLang's router, or a comma list) answers `/health` (open without a key on
-    every engine kind); raises EngineUnreachable naming `option`, the URL and what to do."""
+    every engine kind); raises EngineUnreachable naming `option`, the URL and what to do (`embedded`: leaving the
+    option out starts one)."""
     for url in split_engine_list(spec) or [spec.rstrip("/")]:
         try:
             status = httpx.get(f"{url}/health", timeout=timeout, headers=auth_headers(url)).status_code
         except httpx.HTTPError as exc:
+            fallback = f", or leave {option} out to start the embedded one" if embedded else ""
             raise EngineUnreachable(
                 f"{option} {url}: nothing answers at {url}/health ({type(exc).__name__}); start the engine first "
-                f"(SGLang, vLLM or `polar-mitm serve`), or leave {option} out to start the embedded one"
+                f"(SGLang, vLLM or `polar-mitm serve`){fallback}"
             ) from None
         if status >= 500:
             raise EngineUnreachable(

@@ -93,6 +93,11 @@ class PromptBuilder:
         """Load the engine's tokenizer now (tokens mode) instead of on the first call; None when not available."""
         return await self._renderer() if self.mode == "tokens" else None
 
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine's /model_info failed on the last try (None: it answered, or was not asked)."""
+        return self._engine_error
+
     def readiness(self) -> tuple[bool, str]:
         """(ready, why): ready once no call would wait for a load — the renderer loaded, known unavailable
         (messages mode), or the engine not answering yet (calls go in messages mode until it does)."""

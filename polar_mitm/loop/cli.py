@@ -172,7 +172,7 @@ def checked_loop(cfg: LoopConfig):
         done.append(stats)
         console.print(iteration_table(done))
 
-    load_inputs(cfg.tasks, cfg.harness)
+    load_inputs(cfg.tasks, cfg.harness, cfg.script)
     if cfg.eval_tasks is not None:
         load_inputs(cfg.eval_tasks, cfg.harness)
     if cfg.engine_url is not None:  # before the run starts: every session would score 0.0

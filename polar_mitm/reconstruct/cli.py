@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -18,8 +19,8 @@ from rich.text import Text
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.reconstruct.merge import MergeSummary, merge
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
-from polar_mitm.storage.location import StorageError
-from polar_mitm.storage.merged import SUMMARY_FILE, MergedSequence, read_merged
+from polar_mitm.storage.location import Location, StorageError
+from polar_mitm.storage.merged import SHARD_PREFIX, SUMMARY_FILE, MergedSequence, read_merged
 from polar_mitm.terminal import markup_safe, plain, printable
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -64,8 +65,18 @@ def merge_command(
     check: Annotated[
         bool, typer.Option(help="Check the token-faithfulness invariants on every session.")
     ] = True,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace the merged shards already at --output (else refused).")
+    ] = False,
 ) -> None:
     """Turn per-request records into training sequences (prefix_merging or per_request); nothing is dropped."""
+    if not overwrite and holds_merged_output(output):  # an earlier merge, replaced without a word before
+        typer.echo(
+            f"error: --output {printable(output)} already holds merged shards; pass --overwrite to replace "
+            "them, or choose another folder",
+            err=True,
+        )
+        raise typer.Exit(2)
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -103,7 +114,27 @@ def merge_command(
             raise typer.Exit(1) from exc
     for problem in summary.problems:  # one line each, naming the file (skipped, or how it was read)
         console.print(f"[yellow]{markup_safe(problem)}[/]", soft_wrap=True)
+    if summary.unknown_reward_sessions:  # dropped, but said: a rewards file of another rollout trains nothing
+        named = ", ".join(summary.unknown_reward_examples)
+        more = "…" if summary.unknown_reward_sessions > len(summary.unknown_reward_examples) else ""
+        console.print(
+            f"[yellow]warning: {summary.unknown_reward_sessions:,} reward row(s) name sessions in no record "
+            f"({markup_safe(named)}{more}): is --rewards the file of this rollout?[/]",
+            soft_wrap=True,
+        )
     console.print(summary_table(summary, output))
+
+
+def holds_merged_output(output: str) -> bool:
+    """Does `output` already hold a merge's shards or summary?"""
+    try:
+        where = Location.of(output)
+        if not where.exists or where.type != pafs.FileType.Directory:
+            return False
+        names = {f.base_name for f in where.filesystem.get_file_info(pafs.FileSelector(where.path))}
+    except (OSError, StorageError):
+        return False  # the writer says what is wrong with it
+    return SUMMARY_FILE in names or any(n.startswith(SHARD_PREFIX) and n.endswith(".parquet") for n in names)
 
 
 def _pct(part: int, whole: int) -> str:

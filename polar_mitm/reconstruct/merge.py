@@ -196,6 +196,9 @@ class MergeSummary:
     rewarded_sessions: int = 0
     unrewarded_sessions: int = 0
     dropped_unrewarded_sequences: int = 0
+    # Reward rows whose session is in no record (a rewards file of another rollout?): counted, the first few named.
+    unknown_reward_sessions: int = 0
+    unknown_reward_examples: list[str] = field(default_factory=list)
     invariants_checked: bool = True
     # Sampled tokens whose merged context equals their call's recorded prompt (reconstruct/fidelity.py).
     context_exact_tokens: int = 0
@@ -328,6 +331,13 @@ class _SessionMerger:
         self.breaks: Counter[str] = Counter()
         self.pending: list[MergedSequence] = []
         self.pending_tokens = 0
+        self.seen_sessions: set[str] = set()
+
+    def note_unknown_rewards(self) -> None:
+        """Count (and name a few of) the reward rows no session of the records matched."""
+        unknown = sorted(set(self.rewards or {}) - self.seen_sessions)
+        self.summary.unknown_reward_sessions = len(unknown)
+        self.summary.unknown_reward_examples = unknown[:5]
 
     def flush(self) -> None:
         if self.pending:
@@ -337,6 +347,8 @@ class _SessionMerger:
 
     def add(self, session_turns: list[TurnRecord]) -> None:
         summary = self.summary
+        if session_turns:
+            self.seen_sessions.add(session_turns[0].session_id)
         kept, left_out = prepare_session(session_turns)
         self.excluded.update(left_out)
         if not kept:
@@ -407,6 +419,7 @@ def merge_sources(
     for session_turns in complete_sessions(sources, index, batch_rows=batch_rows, on_progress=on_progress):
         merger.add(session_turns)
     merger.flush()
+    merger.note_unknown_rewards()
     summary.excluded = dict(sorted(merger.excluded.items()))
     summary.breaks = dict(sorted(merger.breaks.items()))
     summary.seconds = time.perf_counter() - started

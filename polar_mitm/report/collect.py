@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
+from polar_mitm.storage.location import InputNotFound
 from polar_mitm.storage.rewards import read_rewards_table
 from polar_mitm.storage.run_layout import EVENTS_FILE, ITERATION_GLOB, LOOP_FILE, iteration_index
 from polar_mitm.tasks.task_file import passed
@@ -57,7 +58,7 @@ def collect_run(root: str | Path) -> RunData:
     """Read `root` (see the module docstring); raises FileNotFoundError when it holds nothing a report can show."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory")
+        raise InputNotFound(f"{root} is not a directory")
     iteration_dirs = sorted(
         (p for p in root.glob(ITERATION_GLOB) if p.is_dir() and iteration_index(p) is not None),
         key=iteration_index,
@@ -72,7 +73,7 @@ def collect_run(root: str | Path) -> RunData:
     else:
         run = RunData(root=root, kind="stage", stages=[read_stage(root, root.name)])
     if not any(s.metrics or s.merge_summary or s.rewards or s.merged_dir or s.stats for s in run.stages):
-        raise FileNotFoundError(f"{root}: no loop.json, metrics.jsonl, merge summary or rewards found")
+        raise InputNotFound(f"{root}: no loop.json, metrics.jsonl, merge summary or rewards found")
     return run
 
 

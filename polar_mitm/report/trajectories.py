@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
-
 from polar_mitm.report.collect import RunData, engine_info
+from polar_mitm.storage.merged import MergedShards
 
 LOGPROB_FLOOR = 10.0  # nats: the red end of the viewer's logprob colours
 COLUMNS = (
@@ -109,9 +108,9 @@ def read_trajectories(
     merged_dir: Path, tokenizer, *, limit: int = 6, max_prompt_tokens: int = 1200
 ) -> list[Trajectory]:
     """Decode up to `limit` sequences of the merged shards under `merged_dir`."""
-    dataset = ds.dataset(str(merged_dir), format="parquet")
-    columns = [c for c in COLUMNS if c in dataset.schema.names]
-    rows = dataset.to_table(columns=columns).to_pylist()
+    shards = MergedShards.at(merged_dir)  # only the shards: the folder also holds stats.png, report.html…
+    columns = [c for c in COLUMNS if c in shards.dataset().schema.names]
+    rows = shards.table(columns=columns).to_pylist()
     return [to_trajectory(row, tokenizer, max_prompt_tokens) for row in pick_rows(rows, limit)]
 
 

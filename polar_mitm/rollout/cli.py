@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.live import Live
 
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option, option_values
+from polar_mitm.engine.script import ScriptError
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
@@ -77,13 +78,44 @@ class RolloutCommandOptions:
         ),
     )
     max_attempts: int = field(default=2, metadata=option("--ray: runs of a session whose node died."))
+    max_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            "Completion budget of every model call (the gateway's polar_max_tokens; default: the harness's own, "
+            "capped at 8192)."
+        ),
+    )
+    temperature: float | None = field(
+        default=None,
+        metadata=option(
+            "Sampling temperature forced on every call (polar_temperature; default: the harness's)."
+        ),
+    )
 
     def check(self) -> None:
-        """A gateway count the command cannot start ends it with one line."""
+        """A gateway count or sampling setting the command cannot apply ends it with one line."""
         if self.gateways < 1 or (self.gateways > 1 and (self.ray_address is not None or self.gateway_url)):
             raise fail(
                 "--gateways must be at least 1, and is 1 with --ray (one gateway per node) or --gateway-url"
             )
+        if self.gateway_url and self.sampling_options():
+            raise fail(
+                "--max-tokens/--temperature are set on the gateway this attaches to (--set polar_max_tokens=N "
+                "--set polar_temperature=T), not here"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise fail(f"--max-tokens {self.max_tokens}: must be at least 1")
+        if self.temperature is not None and not 0 <= self.temperature < float("inf"):
+            raise fail(f"--temperature {self.temperature}: must be a finite number ≥ 0")
+
+    def sampling_options(self) -> dict[str, str]:
+        """The gateway options that force this rollout's sampling settings on every call."""
+        options = {}
+        if self.max_tokens is not None:
+            options["polar_max_tokens"] = str(self.max_tokens)
+        if self.temperature is not None:
+            options["polar_temperature"] = str(self.temperature)
+        return options
 
 
 class RolloutCommand(ConfigOptionsCommand):
@@ -160,14 +192,20 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def load_inputs(tasks_file: Path, harness: str) -> tuple[list[Task], HarnessSpec]:
-    """The task file and the harness, checked before anything starts; bad ones end the command with one line."""
+def load_inputs(tasks_file: Path, harness: str, script: Path | None = None) -> tuple[list[Task], HarnessSpec]:
+    """The task file, the harness and the scripted policy it would meet, checked before anything starts; bad ones
+    end the command with one line."""
     try:
-        return load_tasks(tasks_file), HarnessSpec(harness)
+        tasks, spec = load_tasks(tasks_file), HarnessSpec(harness)
+        if script is not None:
+            spec.check_script(script)
+        return tasks, spec
     except TaskFileError as exc:
         raise fail(str(exc)) from None
     except HarnessSpecError as exc:
         raise fail(f"--harness: {exc}") from None
+    except ScriptError as exc:
+        raise fail(str(exc)) from None
 
 
 async def _until_signal(rollout: Rollout, received: list[int]) -> RolloutSummary:
@@ -215,7 +253,7 @@ def run_rollout(
 def rollout_command(ctx: typer.Context) -> None:
     """Run G sessions per task (INIT → READY → RUN → POST-RUN → teardown) and write their rewards."""
     given, config = rollout_settings(ctx)
-    task_list, harness_spec = load_inputs(given.tasks, given.harness)
+    task_list, harness_spec = load_inputs(given.tasks, given.harness, given.script)
     given.check()
     if given.engine_url is not None and given.gateway_url is None:  # before any session: each would score 0.0
         try:
@@ -236,6 +274,7 @@ def rollout_command(ctx: typer.Context) -> None:
             script=given.script,
             work_dir=given.work_dir,
             max_attempts=given.max_attempts,
+            gateway_options=given.sampling_options(),
         )
     else:
         local_rollout(task_list, harness_spec, config, given)
@@ -255,6 +294,7 @@ def local_rollout(
             gateway_proxy=given.gateway_proxy,
             ca_bundle=None,
             work=given.work_dir,
+            gateway_options=given.sampling_options(),
             gateways=given.gateways,
         ) as (endpoints, _):
             summary = run_rollout(task_list, harness, config, endpoints)

@@ -90,6 +90,26 @@ class HarnessSpec:
         except HarnessError as exc:
             raise HarnessSpecError(f"{exc} (or use sdk:PROVIDER, cmd:TEMPLATE)") from exc
 
+    def check_script(self, path: Path) -> None:
+        """A scripted policy (`--script`) whose shell calls name another harness's shell tool: every session of
+        this harness would score 0 without a word (the demo's policy calls `shell`; Claude Code offers `Bash`)."""
+        from polar_mitm.agent.sdk_agent import SHELL_TOOL_NAME
+        from polar_mitm.engine.script import ScriptError, called_tool_names, read_script_file
+        from polar_mitm.harness import HARNESSES, get_harness
+
+        called = called_tool_names(read_script_file(path))  # a missing or malformed file, said here too
+        if self.kind != "preset":  # an SDK agent or a template: its tools are not known here
+            return
+        offered = {tool.name for tool in get_harness(self.value).shell_tools}
+        shells = {tool.name for h in HARNESSES.values() for tool in h.shell_tools} | {SHELL_TOOL_NAME}
+        for names in called:
+            if offered and not offered & set(names) and set(names) <= shells:
+                raise ScriptError(
+                    f"--script {path}: it calls {' / '.join(names)}, a shell tool {self.value} does not offer "
+                    f"(it offers {', '.join(sorted(offered))}), so every session would score 0; name its tool, "
+                    f'or list candidates ("name": ["{names[0]}", "{sorted(offered)[0]}"])'
+                )
+
     def launch(
         self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0
     ) -> Launch:

@@ -35,6 +35,7 @@ def ray_rollout_command(
     script: Path | None,
     work_dir: Path,
     max_attempts: int = 2,
+    gateway_options: dict[str, str] | None = None,
 ) -> RayRolloutResult:
     """Start (or attach to) the engines, run the rollout on the cluster, write rewards + `ray_report.json`."""
     from contextlib import ExitStack
@@ -60,7 +61,7 @@ def ray_rollout_command(
             out_dir=out,
             work_dir=work_dir,
             engine_url=engine_set.url,
-            gateway_options=router.gateway_options(engine_set.url),
+            gateway_options={**router.gateway_options(engine_set.url), **(gateway_options or {})},
             max_attempts=max_attempts,
         )
     write_rewards(result.summary, rewards)

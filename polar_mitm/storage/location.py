@@ -34,6 +34,10 @@ class StorageError(ValueError):
     """A store that cannot be used as asked: not there, not listable, not a folder, an unreadable file."""
 
 
+class InputNotFound(FileNotFoundError):
+    """Nothing where the user pointed (no shards, no metrics, no model): a mistake of theirs, said in one line."""
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one short line (pyarrow's messages run over several)."""
     text = str(exc).strip().splitlines()

@@ -31,7 +31,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from polar_mitm.storage.location import Location, StorageError, one_line, resolve_path
+from polar_mitm.storage.location import InputNotFound, Location, StorageError, one_line, resolve_path
 
 # -- the contract ------------------------------------------------------------------------------------------------
 
@@ -239,19 +239,40 @@ class MergedShards:
         """Raises FileNotFoundError when nothing is at `location` or no shard is under it."""
         where = Location.of(location)
         if not where.exists:
-            raise FileNotFoundError(f"no merged shards at {location}")
+            raise InputNotFound(f"no merged shards at {location}")
         files = (
             where.parquet_files()
         )  # only the shards: the folder also holds _summary.json and, after `stats`, a PNG
         if not files:
-            raise FileNotFoundError(f"no merged shards under {location}")
+            raise InputNotFound(f"no merged shards under {location}")
         return cls(where.filesystem, files)
+
+    def dataset(self) -> ds.Dataset:
+        """The shards as one pyarrow dataset; a file that is not a readable Parquet shard (cut short, or not
+        ours) raises `MergedDataError` naming it, instead of pyarrow's error about the whole list."""
+        try:
+            return ds.dataset(self.files, format="parquet", filesystem=self.filesystem)
+        except (OSError, pa.ArrowException) as exc:
+            raise MergedDataError(self._unreadable(exc)) from exc
 
     def table(self, columns: list[str] | None = None, filter_expr: Any = None) -> pa.Table:
         """Every shard as one table (`columns` and `filter_expr` pushed down to the Parquet reader)."""
-        return ds.dataset(self.files, format="parquet", filesystem=self.filesystem).to_table(
-            columns=columns, filter=filter_expr
-        )
+        dataset = self.dataset()
+        try:
+            return dataset.to_table(columns=columns, filter=filter_expr)
+        except (OSError, pa.ArrowException) as exc:
+            raise MergedDataError(self._unreadable(exc)) from exc
+
+    def _unreadable(self, exc: BaseException) -> str:
+        for file in self.files:  # which one: pyarrow's message names the list's first failure, or none
+            try:
+                pq.read_metadata(file, filesystem=self.filesystem)
+            except (OSError, pa.ArrowException) as bad:
+                return (
+                    f"{file}: not a readable merged shard ({one_line(bad)}); "
+                    "remove it or run `polar-mitm merge` again"
+                )
+        return f"merged shards {self.files[0]}…: unreadable ({one_line(exc)})"
 
     def tables(self) -> Iterator[tuple[str, pa.Table]]:
         """Each shard whole, with its name (for errors that name the file)."""

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from polar_mitm.storage.location import InputNotFound
+
 # (panel title, metric keys) in display order; panels with no data are skipped.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss",)),
@@ -93,7 +95,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"no metrics at {path}")
+        raise InputNotFound(f"no metrics at {path}: not a `polar-mitm grpo` output folder")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -8,6 +8,7 @@ with `--set name=value`. A gateway that cannot run as configured stops before it
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import sys
 import time
@@ -67,12 +68,19 @@ def check_deferred_options(options: Any) -> None:
     twice, a value that is not an int) is lost: the addon is then registered but never called, and the proxy
     forwards everything upstream. Applying them here, with mitmproxy's own parser, turns that into a stop.
     """
-    ours = {name: value for name, value in options.deferred.items() if name.startswith(PREFIX)}
+    # `polar-out` too: mitmproxy would keep a dashed name deferred for ever and the gateway write to the default
+    ours = {
+        name: value
+        for name, value in options.deferred.items()
+        if name.replace("-", "_").lower().startswith(PREFIX)
+    }
     for name in ours:
         del options.deferred[name]
     for name, value in ours.items():
         if name not in options:
-            stop_process(f"unknown option {name} (see README's gateway options)")
+            stop_process(
+                f"unknown option {name}{_likely_option(name, options)} (see README's gateway options)"
+            )
         texts = deferred_texts(value)
         try:
             if texts is None:  # deferred as a value (an options file, Python), not as `--set` text
@@ -84,6 +92,12 @@ def check_deferred_options(options: Any) -> None:
                 stop_process(f"{name} is set {len(texts)} times ({', '.join(map(repr, texts))}); set it once")
             shown = value if texts is None else (texts[0] if texts else "")
             stop_process(f"cannot apply --set {name}={shown}: {exc}")
+
+
+def _likely_option(name: str, options: Any) -> str:
+    ours = [known for known in options.keys() if known.startswith(PREFIX)]
+    likely = difflib.get_close_matches(name.replace("-", "_").lower(), ours, n=1, cutoff=0.6)
+    return f": did you mean {likely[0]}?" if likely else ""
 
 
 def deferred_texts(value: Any) -> list[str] | None:
@@ -254,5 +268,13 @@ class Configuration:
     async def _warm_up(self, prompts: PromptBuilder) -> None:
         await prompts.warm()
         ready, detail = prompts.readiness()
-        if ready:  # the line runners and people wait for (also answered at GET /_polar/ready)
+        if ready and prompts.engine_error is not None and self.core.options is not None:
+            # Not "ready": a person reading this line would point a harness at a gateway whose every call fails.
+            log.warning(
+                "polar-mitm gateway up, but its engine %s does not answer (%s): every model call is refused "
+                "until it does; start the engine or fix polar_backend",
+                self.core.options.backend,
+                prompts.engine_error,
+            )
+        elif ready:  # the line runners and people wait for (also answered at GET /_polar/ready)
             log.info("polar-mitm gateway ready, %.1f s after start: %s", time.monotonic() - STARTED, detail)
