@@ -20,6 +20,7 @@ from polar_mitm.cli import main
 from polar_mitm.processes import ports
 from polar_mitm.reconstruct.merge import merge
 from polar_mitm.storage.records import read_all
+from polar_mitm.storage.run_layout import TRAINING_RESULT_FILE
 from polar_mitm.user_errors import DEBUG_ENV
 from tests.test_usage_line import start_mitmdump
 
@@ -73,10 +74,17 @@ def test_each_mistake_of_the_first_hour_is_one_line_and_exit_2(capsys, tmp_path,
     corrupt = cut_short(merged_dir, tmp_path / "corrupt")
     tasks = ROOT / "examples" / "cpu_tasks" / "tasks.jsonl"
     policy = ROOT / "examples" / "cpu_tasks" / "policy.json"
+    trained = tmp_path / "trained"  # what a finished `polar-mitm grpo` leaves, beside its checkpoint
+    trained.mkdir()
+    (trained / TRAINING_RESULT_FILE).write_text("{}")
     cases = [
         (["chat", "--engine", dead], f"--engine {dead}: nothing answers"),
         (["grpo", "--data", str(nothing), "-o", str(tmp_path / "g")], f"no merged shards at {nothing}"),
         (["grpo", "--data", str(corrupt), "-o", str(tmp_path / "g")], "not a readable merged shard"),
+        (
+            ["grpo", "--data", str(merged_dir), "-o", str(trained)],
+            f"--output-dir {trained} already holds a finished training; pass --overwrite",
+        ),
         (["stats", str(corrupt)], "not a readable merged shard"),
         (["show", "any-id", "--data", str(corrupt)], "not a readable merged shard"),
         (["sft", "--data", str(empty), "-o", str(tmp_path / "s")], f"no merged shards under {empty}"),

@@ -33,6 +33,7 @@ FLOWS_DIR = "flows"
 MERGED_DIR = "merged"
 REWARDS_FILE = "rewards.parquet"
 TRAIN_DIR = "train"
+TRAINING_RESULT_FILE = "result.json"  # in a `polar-mitm grpo` output: what it saved (its presence: finished)
 SKIPPED_TRAINING_FILE = "skipped.json"  # in iter-K/train: that training had nothing to learn
 ENGINE_WEIGHTS_DIR = (
     "engine-weights"  # in a training's output: the checkpoint the engine was last told to load

@@ -22,6 +22,7 @@ if typing.TYPE_CHECKING:
     pass
 
 from polar_mitm.config_options import option_values
+from polar_mitm.storage.run_layout import TRAINING_RESULT_FILE
 from polar_mitm.train.config_options import GRPO_OPTIONS, LORA_HELP, TRL_PANEL
 from polar_mitm.train.run import grpo_config, lora_config, training_data
 
@@ -49,6 +50,9 @@ def grpo_command(
     report_to: Annotated[
         str, typer.Option(help="tensorboard | none | wandb | … (comma list).", rich_help_panel=TRL_PANEL)
     ] = "tensorboard",
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace a finished training already at --output-dir (else refused).")
+    ] = False,
 ) -> None:
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
@@ -58,6 +62,13 @@ def grpo_command(
     from polar_mitm.train.sync import attach_engine_push
 
     fields = option_values(ctx, GRPO_OPTIONS)
+    if not overwrite and not fields.get("resume_from_checkpoint") and (output_dir / TRAINING_RESULT_FILE).exists():
+        typer.echo(  # a finished training (its checkpoint, metrics and logs) was replaced without a word before
+            f"error: --output-dir {output_dir} already holds a finished training; pass --overwrite to replace it, "
+            "or choose another folder",
+            err=True,
+        )
+        raise typer.Exit(2)
     if fields.get("push_to_engine"):  # before the training: a push target found dead after it loses the run
         from polar_mitm.engines import router
 
@@ -66,8 +77,8 @@ def grpo_command(
         except router.EngineUnreachable as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
+    train_data = training_data(load_sequences(data), fields)  # first: a bad --data is said before any model work
     model_dir = resolve_model(model)
-    train_data = training_data(load_sequences(data), fields)
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
     config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)
@@ -80,7 +91,7 @@ def grpo_command(
         (output_dir / "data_stats.json").write_text(json.dumps(train_data.stats.to_dict(), indent=2))
         (output_dir / "grpo_config.json").write_text(config.to_json_string())
         # What a caller that launched us as processes (the loop's --train-processes) needs to go on.
-        (output_dir / "result.json").write_text(
+        (output_dir / TRAINING_RESULT_FILE).write_text(
             json.dumps(
                 {
                     **{name: str(path) for name, path in saved.items()},

@@ -14,6 +14,7 @@ from typing import Any
 
 from polar_mitm.engines import keys as engine_keys
 from polar_mitm.storage.location import private_dir
+from polar_mitm.storage.run_layout import TRAINING_RESULT_FILE
 
 
 def train_launcher(processes: int) -> tuple[list[str], dict[str, str]]:
@@ -81,6 +82,7 @@ def train_in_processes(
         "polar_mitm.cli",
         "grpo",
         *("--data", str(it / "merged"), "--model", str(start), "-o", str(out), "--report-to", "none"),
+        "--overwrite",  # a resumed iteration trains again into its own folder
         *grpo_argv(per_process),
     ]
     argv += lora_argv or []
@@ -92,7 +94,7 @@ def train_in_processes(
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"the {n}-process GRPO step failed (exit {done.returncode}); log {log}:\n{tail}")
-    result = json.loads((out / "result.json").read_text())
+    result = json.loads((out / TRAINING_RESULT_FILE).read_text())
     (it / "data_stats.json").write_text((out / "data_stats.json").read_text())
     saved = Path(result.get("merged") or result["model"])
     return saved, result.get("weight_version")
