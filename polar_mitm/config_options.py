@@ -5,8 +5,9 @@ A field's help is `metadata["help"]` (as in TRL's configs); where the command li
 `--field-name` (short flags, a positional argument, another default or type), `option(...)` says so in the same
 metadata, and `python_only(...)` marks a field no command sets. `field_options` turns fields into click parameters
 (Typer builds them, so they parse and check values as hand-written `typer.Option`s do), and `ConfigOptionsCommand`
-adds them to a command the first time it is parsed or helped. `polar-mitm rollout` (rollout/cli.py), `loop`
-(loop/cli.py) and `grpo` (train/config_options.py) take their options from here.
+adds them to a command the first time it is parsed or helped, with `--config FILE` and `--show-config`
+(config_file.py). `polar-mitm rollout` (rollout/cli.py), `loop` (loop/cli.py) and `grpo` (train/config_options.py)
+take their options from here.
 """
 
 from __future__ import annotations
@@ -145,7 +146,10 @@ class ConfigOptionsCommand(TyperCommand):
     def get_params(self, ctx: typer.Context) -> list:
         if self.generated is None:
             self.generated = self.generated_options()
+            from polar_mitm.config_file import config_params
+
             added = [param for params in self.generated.values() for param in params]
+            added += config_params()  # --config FILE, --show-config
             names = [param.name for param in [*self.params, *added]]
             twice = sorted({name for name in names if names.count(name) > 1})
             if twice:
@@ -161,6 +165,11 @@ class ConfigOptionsCommand(TyperCommand):
         }
 
     def invoke(self, ctx: typer.Context) -> Any:
+        from polar_mitm.config_file import SHOW_CONFIG, show_config
+
+        if ctx.meta.get(SHOW_CONFIG):  # the resolved options, for --config; nothing runs
+            typer.echo(show_config(ctx), nl=False)
+            return None
         ctx.meta[CONFIG_FIELDS] = self.generated_values(ctx)
         return super().invoke(ctx)
 

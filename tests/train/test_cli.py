@@ -30,7 +30,10 @@ COMMAND_ONLY = {
     "lora_target_modules",
     "save_steps",
     "report_to",
+    "overwrite",
     "help",
+    "config",  # --config FILE and --show-config (config_file.py): every config-generated command has them
+    "show_config",
 }
 
 
