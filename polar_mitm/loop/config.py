@@ -24,7 +24,7 @@ LOOP_SETS: dict[str, str] = {
     "per_device_train_batch_size": "--batch-size",
     "num_train_epochs": "--epochs",
     "temperature": "--temperature (the gateway samples at it)",
-    "seed": "the loop's seed",
+    "seed": "--seed",
     "group_size": "--group-size",
     "push_to_engine": "the loop's engine",
     "policy_weight_version": "the version the engine serves",
@@ -109,7 +109,10 @@ class LoopConfig:
     keep: int | None = field(default=RolloutConfig.keep, metadata=field_metadata(RolloutConfig, "keep"))
     seed: int = field(
         default=0,
-        metadata=python_only("The trainer's seed and, for `tiny`, the seed of its initial weights."),
+        metadata=option(
+            "Seed of the trainer (data order, initialisation), of --min-informative-groups' task cycle and, "
+            "for --model tiny, of its initial weights."
+        ),
     )
     ray_address: str | None = field(
         default=None,

@@ -8,6 +8,13 @@ per-parameter step counts, `optimizer.pt`) and the LR scheduler (`scheduler.pt`)
 (`adapter/`; full weights travel as the checkpoint the next training starts from), and `run_state.json` (`RunState`):
 the trainings and optimizer steps so far and the LR schedule's horizon, fixed by the first training.
 
+The trainings of a run take different numbers of optimizer steps (dynamic sampling leaves 1 step in one iteration, 8
+in the next), so a horizon of "the first training's steps × the trainings" would end too early or too late. Unless
+`lr_schedule_steps` gives the horizon, each training re-plans where the schedule stands: from the position the run
+has reached, it spreads the rest of the schedule over this training's steps × the trainings left (`SchedulePlan`, on
+the scheduler, so `scheduler.pt` carries it and a resumed training continues its own plan). The LR is continuous
+across trainings, a decaying schedule decays monotonically, and it reaches its end after the run's last step.
+
 A kill in the middle of a save must leave the previous training's state usable (`polar-mitm loop --resume`), so a
 save writes a sibling `<dir>.new` (`run_state.json` last: its presence marks the copy complete) and then swaps it in
 with two renames; `recover_run_state` finishes or undoes a swap that a kill interrupted, and every reader calls it.
@@ -126,13 +133,62 @@ def holds_optimizer(directory: str | Path) -> bool:
     return (directory / OPTIMIZER_NAME).exists() and (directory / SCHEDULER_NAME).exists()
 
 
-def hold_after(scheduler: Any, horizon: int) -> None:
-    """Keep a LambdaLR's last value past `horizon` (linear would reach 0 there, cosine would rise again).
+SCHEDULE_PLAN = (
+    "polar_schedule_plan"  # the scheduler attribute holding this training's SchedulePlan (as a dict)
+)
 
-    Closures, so the scheduler's state_dict saves none of them (it saves only callable objects' attributes)."""
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """How this training's optimizer steps map onto the run's LR schedule: from `start_step` (the run's optimizer
+    steps before this training) at schedule position `start_position`, `rate` schedule steps per optimizer step.
+
+    Saved as a dict of numbers in the scheduler's own attributes (LambdaLR's state_dict saves them all), so
+    `scheduler.pt` in run_state_dir and in every checkpoint carries it; a scheduler saved without one maps 1:1."""
+
+    start_step: int = 0
+    start_position: float = 0.0
+    rate: float = 1.0
+
+    @classmethod
+    def of(cls, scheduler: Any) -> SchedulePlan:
+        saved = getattr(scheduler, SCHEDULE_PLAN, None)
+        return cls(**saved) if saved else cls()
+
+    def position(self, step: int) -> float:
+        """Where optimizer step `step` (counted over the run) stands in the schedule."""
+        return self.start_position + (step - self.start_step) * self.rate
+
+    def attach(self, scheduler: Any) -> None:
+        setattr(scheduler, SCHEDULE_PLAN, asdict(self))
+
+
+def follow_plan(scheduler: Any, horizon: int) -> None:
+    """Make a LambdaLR read its schedule at the position its `SchedulePlan` gives, held at `horizon` past it (linear
+    would stay at 0, cosine would rise again).
+
+    Closures, so the scheduler's state_dict saves none of them (it saves only callable objects' attributes); they
+    look the plan up at every step, so a plan loaded with `scheduler.pt` takes effect."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         return
-    scheduler.lr_lambdas = [lambda step, f=f: f(min(step, horizon)) for f in scheduler.lr_lambdas]
+
+    def position(step: int) -> float:
+        return min(SchedulePlan.of(scheduler).position(step), horizon)
+
+    scheduler.lr_lambdas = [lambda step, f=f: f(position(step)) for f in scheduler.lr_lambdas]
+
+
+def replanned(
+    current: SchedulePlan, steps_before: int, steps: int, trainings_left: int, horizon: int, fixed: bool
+) -> SchedulePlan:
+    """This training's plan: from where `current` left the run (after `steps_before` steps), the rest of the
+    schedule spread over `steps` steps × `trainings_left` trainings; one schedule step per step when the horizon is
+    `fixed` (`lr_schedule_steps`) or no training is left in the plan."""
+    start = current.position(steps_before)
+    rate = 1.0
+    if not fixed and trainings_left >= 1 and start < horizon:
+        rate = (horizon - start) / (steps * trainings_left)
+    return SchedulePlan(steps_before, start, rate)
 
 
 def checkpoint_weights(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -174,14 +230,19 @@ class ContinuationMixin:
     # -- one optimizer across trainings ------------------------------------------------------------------------------
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """The LR schedule over the whole run (`lr_schedule_trainings`, or the horizon the first training fixed),
-        and — the first point where optimizer and scheduler both exist — the carried state loaded into them."""
+        """The LR schedule over the whole run (`lr_schedule_steps`, or the horizon the first training fixed from
+        `lr_schedule_trainings`), re-planned for this training's steps, and — the first point where optimizer and
+        scheduler both exist — the carried state loaded into them."""
         created = self.lr_scheduler is None
-        horizon = self.run_state.schedule_steps or num_training_steps * self.args.lr_schedule_trainings
+        horizon = (
+            self.args.lr_schedule_steps
+            or self.run_state.schedule_steps
+            or num_training_steps * self.args.lr_schedule_trainings
+        )
         scheduler = super().create_scheduler(horizon, optimizer)
         if created:
             self.schedule_steps = horizon
-            hold_after(scheduler, horizon)
+            follow_plan(scheduler, horizon)
             directory = self.args.run_state_dir
             if directory and not self._resuming and holds_optimizer(directory):
                 self._load_optimizer_and_scheduler(str(directory))
@@ -191,7 +252,34 @@ class ContinuationMixin:
                     self.run_state.optimizer_steps,
                     directory,
                 )
+            # (a resumed training's own plan then comes back with its checkpoint's scheduler.pt)
+            self._plan_schedule(scheduler, num_training_steps, horizon)
         return scheduler
+
+    def _plan_schedule(self, scheduler: Any, steps: int, horizon: int) -> None:
+        """Attach this training's `SchedulePlan`; warn when its steps go past the schedule's end."""
+        before = self.run_state.optimizer_steps
+        plan = replanned(
+            SchedulePlan.of(scheduler),
+            before,
+            steps,
+            self.args.lr_schedule_trainings - self.run_state.trainings,
+            horizon,
+            fixed=self.args.lr_schedule_steps is not None,
+        )
+        plan.attach(scheduler)
+        past = sum(plan.position(step) >= horizon for step in range(before, before + steps))
+        if past:
+            logger.warning(
+                "the LR schedule ends after %d steps (%s): %d of this training's %d steps (run steps %d-%d) come "
+                "after its end and keep its last LR; raise lr_schedule_steps or lr_schedule_trainings",
+                horizon,
+                "lr_schedule_steps" if self.args.lr_schedule_steps else "planned over lr_schedule_trainings",
+                past,
+                steps,
+                before + 1,
+                before + steps,
+            )
 
     def save_run_state(self) -> Path:
         """Leave the optimizer, the scheduler, the LoRA adapter and the `RunState` in `run_state_dir`: written to

@@ -176,9 +176,19 @@ class PolarGRPOConfig(GRPOConfig):
     lr_schedule_trainings: int = field(
         default=1,
         metadata={
-            "help": "The LR schedule (warmup included) spans this many trainings of the first one's length: the "
-            "loop passes its --iterations, so warmup and decay run once over the whole run. Fixed by the "
-            "first training and kept in run_state_dir; past its end the LR stays at its last value."
+            "help": "The LR schedule (warmup included) runs once over this many trainings: the loop passes its "
+            "--iterations. The first training sets its length in steps (its own steps × this); each later "
+            "one re-plans the rest of it over its own steps × the trainings left, so however many steps "
+            "each training takes, the LR decays continuously to the schedule's end at the last step. Past "
+            "its end (more trainings than planned) the LR stays at its last value, with a warning."
+        },
+    )
+    lr_schedule_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "The LR schedule's length in optimizer steps over the whole run (warmup included), when "
+            "known: one schedule step per optimizer step, no re-planning (see lr_schedule_trainings). Steps "
+            "past it keep the last LR, with a warning."
         },
     )
 
@@ -348,6 +358,8 @@ class PolarGRPOConfig(GRPOConfig):
         self._set_model_loading()
         if self.lr_schedule_trainings < 1:
             raise ValueError("lr_schedule_trainings must be at least 1")
+        if self.lr_schedule_steps is not None and self.lr_schedule_steps < 1:
+            raise ValueError("lr_schedule_steps must be at least 1")
         # Every row carries its own columns to the trainer: TRL must not drop them.
         self.remove_unused_columns = False
         if self.max_length is not None:

@@ -2,7 +2,8 @@
 
 The two differ. The next training continues from the weights in the training dtype (or from the LoRA adapter);
 an engine needs a full Hugging Face checkpoint with any LoRA merged in, in the narrower of the training dtype and
-the starting checkpoint's (`sync.write_dtype`: a bf16 model stays bf16 even when trained in fp32), with
+the run's initial checkpoint's (`sync.write_dtype`: a bf16 model stays bf16 even when trained in fp32, in every
+training of a loop — each saved config.json records that dtype, `sync.record_source_dtype`), with
 polar-mitm's model metadata beside it (`polar_model.json`). `ModelSavingMixin.save_final` writes the first (plus `merged/` when asked, and the
 optimizer's state with `run_state_dir`), `save_for_engine` the second (what the weight push sends, train/sync.py).
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from accelerate.utils import is_peft_model
 
-from polar_mitm.train.sync import set_checkpoint_dtype, write_dtype
+from polar_mitm.train.sync import record_source_dtype, set_checkpoint_dtype, write_dtype
 
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
 
@@ -48,6 +49,7 @@ class ModelSavingMixin:
             self.accelerator.wait_for_everyone()
         if main:
             set_checkpoint_dtype(output_dir, dtype)
+            record_source_dtype(output_dir, self.model_source)
             self._copy_model_metadata(output_dir)
         return output_dir
 
@@ -58,6 +60,9 @@ class ModelSavingMixin:
         self.save_model(str(output_dir))
         saved = {"model": output_dir}
         if self.accelerator.is_main_process:
+            record_source_dtype(
+                output_dir, self.model_source
+            )  # a training started from it writes in that dtype
             self._copy_model_metadata(output_dir)
         if self.is_peft and self.args.save_merged:
             saved["merged"] = self.save_for_engine(output_dir / "merged")

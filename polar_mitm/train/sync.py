@@ -5,9 +5,11 @@ The trainer does not attach it itself: whoever builds a `PolarGRPOTrainer` with 
 `attach_engine_push(trainer)`.
 
 The weights an engine loads are written in the narrower of the dtype they were trained in and the dtype of the
-checkpoint they came from (`write_dtype`): a bf16 model trained in fp32 is pushed as bf16 (half the bytes of a push,
+run's initial checkpoint (`write_dtype`): a bf16 model trained in fp32 is pushed as bf16 (half the bytes of a push,
 and what the engine serves anyway), and `config.json` says so (`set_checkpoint_dtype`), since engines pick the dtype
-they load in from it.
+they load in from it. From a loop's second training on, the training starts from the one before's fp32 copy, whose
+`config.json` declares float32: so every checkpoint a training writes also records the initial checkpoint's dtype
+under `SOURCE_DTYPE_KEY` (`record_source_dtype`), and `source_dtype` reads that before the declared one.
 """
 
 from __future__ import annotations
@@ -80,23 +82,54 @@ def attach_engine_push(trainer: PolarGRPOTrainer) -> EnginePushCallback | None:
     return callback
 
 
-def checkpoint_dtype(directory: str | Path | None) -> torch.dtype | None:
-    """The dtype a Hugging Face checkpoint declares in its config.json (None: no directory, or not declared)."""
+SOURCE_DTYPE_KEY = "polar_source_dtype"  # config.json: the dtype of the checkpoint the run started from
+
+
+def _config(directory: str | Path | None) -> dict | None:
     config = Path(directory) / "config.json" if directory is not None else None
-    if config is None or not config.exists():
-        return None
-    settings = json.loads(config.read_text())
-    name = settings.get("dtype") or settings.get("torch_dtype")  # transformers 5 / 4 spelling
+    return json.loads(config.read_text()) if config is not None and config.exists() else None
+
+
+def _dtype_named(name: object) -> torch.dtype | None:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def checkpoint_dtype(directory: str | Path | None) -> torch.dtype | None:
+    """The dtype a Hugging Face checkpoint declares in its config.json (None: no directory, or not declared)."""
+    settings = _config(directory)
+    if settings is None:
+        return None
+    return _dtype_named(settings.get("dtype") or settings.get("torch_dtype"))  # transformers 5 / 4 spelling
+
+
+def source_dtype(directory: str | Path | None) -> torch.dtype | None:
+    """The dtype of the run's initial checkpoint: recorded by the training that wrote `directory`, else the one
+    `directory` declares (it is the initial checkpoint)."""
+    settings = _config(directory)
+    recorded = _dtype_named(settings.get(SOURCE_DTYPE_KEY)) if settings is not None else None
+    return recorded or checkpoint_dtype(directory)
+
+
 def write_dtype(trained: torch.dtype, source: str | Path | None) -> torch.dtype:
-    """The dtype to write a checkpoint in: the narrower of the training dtype and the source checkpoint's."""
-    declared = checkpoint_dtype(source)
+    """The dtype to write a checkpoint in: the narrower of the training dtype and the run's initial checkpoint's
+    (`source_dtype` of the checkpoint the training started from)."""
+    declared = source_dtype(source)
     if declared is None or not declared.is_floating_point:
         return trained
     return declared if torch.finfo(declared).bits < torch.finfo(trained).bits else trained
+
+
+def record_source_dtype(directory: str | Path, source: str | Path | None) -> None:
+    """Make the config.json in `directory` (when it has one) record the run's initial dtype, read from `source`,
+    the checkpoint its training started from, so a training started from `directory` writes in it too."""
+    config = Path(directory) / "config.json"
+    dtype = source_dtype(source)
+    if dtype is None or not config.exists():
+        return
+    settings = json.loads(config.read_text())
+    settings[SOURCE_DTYPE_KEY] = str(dtype).removeprefix("torch.")
+    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def set_checkpoint_dtype(directory: str | Path, dtype: torch.dtype) -> None:

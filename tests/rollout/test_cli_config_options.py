@@ -34,7 +34,7 @@ from polar_mitm.train.config_options import GRPO_OPTIONS
 
 CONFIGS = (LoopConfig, RolloutConfig, RolloutCommandOptions)
 PYTHON_ONLY = {  # set from Python (or by the command itself), never an option
-    LoopConfig: {"grpo", "seed", "final_rollout"},
+    LoopConfig: {"grpo", "final_rollout"},
     RolloutConfig: {"workspace_root", "log_dir"},
     RolloutCommandOptions: set(),
 }
