@@ -334,6 +334,15 @@ def _register_train() -> None:
 _register_train()
 
 
+def _register_config() -> None:
+    from polar_mitm.config_file import config_app
+
+    app.add_typer(config_app, name="config")
+
+
+_register_config()
+
+
 def _register_vllm() -> None:
     from polar_mitm.vllm.cli import vllm_app
 
@@ -341,6 +350,17 @@ def _register_vllm() -> None:
 
 
 _register_vllm()
+
+
+def _register_gateway_and_doctor() -> None:
+    from polar_mitm.doctor import doctor_command
+    from polar_mitm.gateway.foreground import gateway_command
+
+    app.command("gateway")(gateway_command)  # the gateway in the foreground, with the hook-ups printed
+    app.command("doctor")(doctor_command)  # what this machine has, and what fixes the rest
+
+
+_register_gateway_and_doctor()
 
 
 def main(argv: list[str] | None = None) -> None:
