@@ -135,6 +135,9 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert (tmp_path / "runs" / "grpo" / "model.safetensors").exists()
     assert "runs/grpo" in trained.stdout  # it says where the checkpoint went
+    # No --learning-rate: the tiny model's default, said (it was 1e-6 for every model, silently)
+    assert "learning rate 0.005, the default for the tiny model" in trained.stdout
+    assert json.loads((tmp_path / "runs" / "grpo" / "grpo_config.json").read_text())["learning_rate"] == 5e-3
 
 
 def test_merge_flags_still_override_the_recorded_engine(tmp_path):

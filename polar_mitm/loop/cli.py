@@ -143,20 +143,37 @@ def loop_command(ctx: typer.Context) -> None:
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
     iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
     loop = checked_loop(given_or_resumed_config(ctx))
-    from polar_mitm.loop.progress import RichLoopProgress, quiet_libraries
+    from polar_mitm.log_format import EventLog, LogFormat, resolved
+    from polar_mitm.loop.progress import LineLoopProgress, RichLoopProgress, quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
-    with RichLoopProgress(console, loop.cfg.iterations) as progress:
-        loop.progress = progress
+    shown = resolved(loop.cfg.log_format, console.is_terminal)
+    log = EventLog(shown)
+    if shown is LogFormat.json:  # stdout stays JSON lines: the tables and notes become events
+        loop.on_iteration = lambda stats: log.event("iteration", "", **stats.to_json())
+        loop.on_note = lambda line: log.event("note", line, text=line)
+    else:
+        loop.on_note = console.print
+    if shown is LogFormat.rich:
+        with RichLoopProgress(console, loop.cfg.iterations) as progress:
+            loop.progress = progress
+            results = loop.run()
+    else:
+        loop.progress = LineLoopProgress(log, loop.cfg.iterations)
         results = loop.run()
+    closing = [f"run → {loop.cfg.run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)"]
     if loop.start_eval is not None:
-        console.print(f"held-out at the start (pass@1 / pass@N): {eval_cell(loop.start_eval)}")
-    console.print(f"run → {loop.cfg.run_dir} (loop.json, iter-*/flows, merged, train, rewards.parquet)")
+        closing.insert(0, f"held-out at the start (pass@1 / pass@N): {eval_cell(loop.start_eval)}")
     if len(results) > 1:
         first, last = results[0], results[-1]
-        console.print(
+        closing.append(
             f"reward {first.reward_mean:.3f} → {last.reward_mean:.3f} over {len(results)} iterations"
         )
+    if shown is LogFormat.json:
+        log.event("finished", " · ".join(closing), run_dir=str(loop.cfg.run_dir), iterations=len(results))
+        return
+    for line in closing:
+        console.print(line)
 
 
 def checked_loop(cfg: LoopConfig):

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.config_options import field_metadata, option, python_only
+from polar_mitm.log_format import LogFormat
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.cli import RolloutCommandOptions
 from polar_mitm.rollout.runner import RolloutConfig
 from polar_mitm.storage.run_layout import RUN_STATE_DIR
 from polar_mitm.train.config_options import LORA_HELP
+from polar_mitm.train.learning_rate import LEARNING_RATE_HELP
 
 # PolarGRPOConfig fields the loop sets itself, so `polar-mitm loop` has no option of that name: the loop's own
 # option for the same setting (LoopConfig), or what each iteration's training must be told.
@@ -74,7 +76,9 @@ class LoopConfig:
         default=1.0, metadata=option("Sampling temperature (forced) = training temperature.")
     )
     max_tokens: int = field(default=256, metadata=option("Completion budget per model call."))
-    learning_rate: float = field(default=5e-3, metadata=option("Learning rate."))
+    learning_rate: float | None = field(
+        default=None, metadata=option(LEARNING_RATE_HELP)
+    )  # None: by model kind, fixed when the run starts (Loop.run) and recorded
     per_device_batch_size: int = field(
         default=4, metadata=option("Sequences per training micro-batch.", "--batch-size")
     )
@@ -159,6 +163,9 @@ class LoopConfig:
             "trainer's per-step metrics in one tracked run, continued by --resume; offline only (TensorBoard: "
             "RUN/tensorboard, MLflow file store: RUN/mlruns, W&B offline: RUN/wandb)."
         ),
+    )
+    log_format: LogFormat = field(
+        default=LogFormat.auto, metadata=field_metadata(RolloutCommandOptions, "log_format")
     )
     min_informative_groups: int | None = field(
         default=None,

@@ -88,6 +88,7 @@ from polar_mitm.storage.run_layout import (
     iteration_dir,
 )
 from polar_mitm.tasks.task_file import Task, load_tasks
+from polar_mitm.train.learning_rate import default_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class Loop:
         check_tracker(cfg.report_to)  # refused before the engine starts
         self.tracker: Tracker = NoTracker()  # run() opens the --report-to one
         self.on_iteration = on_iteration or (lambda stats: None)
+        self.on_note = logger.info  # a line worth saying (a default chosen for the user); the CLI prints it
         self.progress: LoopProgress = progress or NoProgress()
         self.trainer_callbacks = list(trainer_callbacks or [])
         self.initial_model_dir: Path | None = None  # the run's starting model: LoRA's base, the KL reference
@@ -141,6 +143,9 @@ class Loop:
         self.recorded_run_dir = cfg.run_dir
         private_dir(cfg.run_dir)  # owner-only: records, rewards, the run state (issue 36 item 2)
         self.model_dir = self.initial_model_dir = resolve_model(cfg.model, seed=cfg.seed)
+        if cfg.learning_rate is None:  # by model kind; recorded in run.json, so a resume keeps it
+            cfg.learning_rate, said = default_learning_rate(self.initial_model_dir)
+            self.on_note(said)
         results = self._resumed() if cfg.resume else self._started()
         with ExitStack() as running:
             # --resume continues the same tracked run (TensorBoard's directory, MLflow's and W&B's run ids in RUN/)

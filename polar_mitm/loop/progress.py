@@ -7,6 +7,7 @@ bars and warnings that would otherwise print between our lines — at their sour
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 from rich.console import Console
@@ -18,6 +19,8 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+
+from polar_mitm.log_format import EventLog
 
 # What each stage counts, for the progress line.
 STAGE_UNITS = {"rollout": "sessions", "merge": "", "train": "steps", "evaluate": "sessions"}
@@ -81,6 +84,44 @@ class RichLoopProgress:
         if total is not None:
             self.progress.update(self.task, total=total)
         self.progress.update(self.task, completed=completed)
+
+
+class LineLoopProgress:
+    """The same stages as events (`--log-format lines|json`, or output that is not a terminal): one when a stage
+    starts, then at most one per `every` seconds as it advances, and one at each 25% of its total."""
+
+    def __init__(self, log: EventLog, iterations: int, every: float = 30.0) -> None:
+        self.log, self.iterations, self.every = log, iterations, every
+        self.name, self.iteration, self.total = "", 0, None
+        self.last_said, self.last_quarter = 0.0, 0
+
+    def stage(self, iteration: int, name: str, total: int | None = None) -> None:
+        self.name, self.iteration, self.total = name, iteration, total
+        self.last_said, self.last_quarter = time.monotonic(), 0
+        of = f" ({' '.join(filter(None, [str(total), STAGE_UNITS.get(name, '')]))})" if total else ""
+        self.log.event("stage", f"{self._label()} · {name}{of}", iteration=iteration, stage=name, total=total)
+
+    def advance(self, completed: int, total: int | None = None) -> None:
+        self.total = total if total is not None else self.total
+        quarter = int(4 * completed / self.total) if self.total else 0
+        now = time.monotonic()
+        if quarter <= self.last_quarter and now - self.last_said < self.every:
+            return
+        self.last_said, self.last_quarter = now, max(quarter, self.last_quarter)
+        of = f"/{self.total}" if self.total else ""
+        self.log.event(
+            "progress",
+            f"{self._label()} · {self.name} {completed}{of} {STAGE_UNITS.get(self.name, '')}".rstrip(),
+            iteration=self.iteration,
+            stage=self.name,
+            completed=completed,
+            total=self.total,
+        )
+
+    def _label(self) -> str:
+        if self.iteration < self.iterations:
+            return f"iteration {self.iteration + 1}/{self.iterations}"
+        return "final rollout"
 
 
 def quiet_libraries() -> None:

@@ -47,7 +47,7 @@ from polar_mitm.tasks.task_file import Task
 
 # Options that may differ on --resume: they change what is kept, not what is trained (an engine restarted at another
 # address is given the last trained weights at start).
-RESUMABLE_CHANGES = ("resume", "yes", "keep_checkpoints", "engine_url", "gateways")
+RESUMABLE_CHANGES = ("resume", "yes", "keep_checkpoints", "engine_url", "gateways", "log_format")
 
 
 class RunRecordError(ValueError):

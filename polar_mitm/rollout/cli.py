@@ -25,9 +25,10 @@ from polar_mitm.engine.script import ScriptError
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.log_format import LOG_FORMAT_HELP, EventLog, LogFormat, resolved
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
-from polar_mitm.rollout.view import render, summary_table
+from polar_mitm.rollout.view import SessionEvents, render, summary_rows, summary_table
 from polar_mitm.storage.location import private_dir
 from polar_mitm.tasks.task_file import Task, TaskFileError, load_tasks
 
@@ -91,6 +92,8 @@ class RolloutCommandOptions:
             "Sampling temperature forced on every call (polar_temperature; default: the harness's)."
         ),
     )
+
+    log_format: LogFormat = field(default=LogFormat.auto, metadata=option(LOG_FORMAT_HELP))
 
     def check(self) -> None:
         """A gateway count or sampling setting the command cannot apply ends it with one line."""
@@ -235,16 +238,19 @@ def run_rollout(
     config: RolloutConfig,
     endpoints: GatewayEndpoints | list[GatewayEndpoints],
     *,
-    live: bool = True,
+    log_format: LogFormat | str = LogFormat.auto,
 ) -> RolloutSummary:
-    """Run the rollout; raises Interrupted (with the finished sessions) when a signal stops it."""
+    """Run the rollout, shown as `log_format` says (a live view on a terminal, else a line per finished session);
+    raises Interrupted (with the finished sessions) when a signal stops it."""
     started, received = time.monotonic(), []
     rollout = Rollout(tasks, harness, endpoints, config)
+    shown = resolved(log_format, console.is_terminal)
     try:
-        if live and console.is_terminal:
+        if shown is LogFormat.rich:
             with Live(render([], started), console=console, refresh_per_second=4) as view:
                 rollout.on_update = lambda sessions: view.update(render(sessions, started))
                 return asyncio.run(_until_signal(rollout, received))
+        rollout.on_update = SessionEvents(EventLog(shown, started=started), len(rollout.sessions)).update
         return asyncio.run(_until_signal(rollout, received))
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise Interrupted(received[0] if received else signal.SIGINT, rollout.finished()) from None
@@ -297,7 +303,7 @@ def local_rollout(
             gateway_options=given.sampling_options(),
             gateways=given.gateways,
         ) as (endpoints, _):
-            summary = run_rollout(task_list, harness, config, endpoints)
+            summary = run_rollout(task_list, harness, config, endpoints, log_format=given.log_format)
     except Interrupted as stop:
         # Finished sessions keep their rewards; the interrupted ones get none (merge drops their records).
         write_rewards(stop.summary, given.rewards)
@@ -307,11 +313,24 @@ def local_rollout(
         )
         raise typer.Exit(128 + stop.signum) from None
     write_rewards(summary, given.rewards)
-    console.print(summary_table(summary.sessions))
-    console.print(
+    closing = (
         f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
         f"{summary.run_utilisation:.0%} → rewards {given.rewards}, records {given.out}"
     )
+    if resolved(given.log_format, console.is_terminal) is LogFormat.json:  # stdout stays JSON lines
+        EventLog(LogFormat.json).event(
+            "finished",
+            closing,
+            sessions=len(summary.sessions),
+            wall_s=round(summary.wall_seconds, 1),
+            run_utilisation=summary.run_utilisation,
+            rewards=str(given.rewards),
+            records=str(given.out),
+            tasks=summary_rows(summary.sessions),
+        )
+        return
+    console.print(summary_table(summary.sessions))
+    console.print(closing)
 
 
 def ray_rollout(task_list: list[Task], harness: str, config: RolloutConfig, address: str, **options) -> None:

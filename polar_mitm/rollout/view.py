@@ -7,6 +7,7 @@ from collections import Counter
 
 from rich.table import Table
 
+from polar_mitm.log_format import EventLog
 from polar_mitm.rollout.runner import SessionRun
 from polar_mitm.terminal import plain
 
@@ -55,3 +56,53 @@ def summary_table(sessions: list[SessionRun]) -> Table:
             f"{sum(rewards) / len(rewards):.3f}" if rewards else "–",
         )
     return table
+
+
+class SessionEvents:
+    """The rollout as events (`--log-format lines|json`, or any output that is not a terminal): one when it starts
+    and one per finished session, with its outcome and reward."""
+
+    def __init__(self, log: EventLog, total: int) -> None:
+        self.log, self.total = log, total
+        self.reported: set[str] = set()
+        log.event("rollout", f"rollout: {total} sessions", sessions=total)
+
+    def update(self, sessions: list[SessionRun]) -> None:
+        for s in sessions:
+            if s.stage != "done" or s.session_id in self.reported:
+                continue
+            self.reported.add(s.session_id)
+            spans = list(s.spans.values())
+            seconds = round(max(e for _, e in spans) - min(b for b, _ in spans), 1) if spans else None
+            reward = "–" if s.reward is None else f"{s.reward:.3f}"
+            self.log.event(
+                "session",
+                f"{len(self.reported)}/{self.total} {plain(s.session_id)} {s.status} reward {reward}"
+                + (f" ({seconds:.1f}s)" if seconds is not None else ""),
+                session_id=s.session_id,
+                task_id=s.task.task_id,
+                status=s.status,
+                reward=s.reward,
+                seconds=seconds,
+                done=len(self.reported),
+                total=self.total,
+            )
+
+
+def summary_rows(sessions: list[SessionRun]) -> list[dict]:
+    """`summary_table`'s rows as data (the json log's last event)."""
+    by_task: dict[str, list[SessionRun]] = {}
+    for s in sessions:
+        by_task.setdefault(s.task.task_id, []).append(s)
+    rows = []
+    for task_id, group in by_task.items():
+        rewards = [s.reward for s in group if s.reward is not None]
+        rows.append(
+            {
+                "task_id": task_id,
+                "sessions": len(group),
+                "statuses": dict(Counter(s.status for s in group)),
+                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            }
+        )
+    return rows

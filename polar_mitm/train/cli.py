@@ -59,10 +59,15 @@ def grpo_command(
     from polar_mitm.engine.model_zoo import resolve_model
     from polar_mitm.train.data import load_sequences
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
+    from polar_mitm.train.learning_rate import default_learning_rate
     from polar_mitm.train.sync import attach_engine_push
 
     fields = option_values(ctx, GRPO_OPTIONS)
-    if not overwrite and not fields.get("resume_from_checkpoint") and (output_dir / TRAINING_RESULT_FILE).exists():
+    if (
+        not overwrite
+        and not fields.get("resume_from_checkpoint")
+        and (output_dir / TRAINING_RESULT_FILE).exists()
+    ):
         typer.echo(  # a finished training (its checkpoint, metrics and logs) was replaced without a word before
             f"error: --output-dir {output_dir} already holds a finished training; pass --overwrite to replace it, "
             "or choose another folder",
@@ -77,8 +82,14 @@ def grpo_command(
         except router.EngineUnreachable as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
-    train_data = training_data(load_sequences(data), fields)  # first: a bad --data is said before any model work
+    train_data = training_data(
+        load_sequences(data), fields
+    )  # first: a bad --data is said before any model work
     model_dir = resolve_model(model)
+    if fields.get("learning_rate") is None:
+        fields["learning_rate"], said = default_learning_rate(model_dir)
+        if is_main_process():
+            console.print(said)
     if is_main_process():
         print_data_stats(train_data.stats.to_dict())
     config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)

@@ -11,6 +11,7 @@ import typing
 from typing import Any
 
 from polar_mitm.config_options import ConfigOptionsCommand, FieldOption, field_options
+from polar_mitm.train.learning_rate import LEARNING_RATE_HELP
 
 # TRL's fields that `polar-mitm grpo` exposes, spelt and defaulted as the command always had them (TRL's own help is
 # written for sampling trainers). TRL's other ~150 fields keep PolarGRPOConfig's defaults: set them from Python.
@@ -19,7 +20,7 @@ TRL_OPTIONS: dict[str, FieldOption] = {
     "num_train_epochs": FieldOption(
         ("--epochs",), default=1.0, help="Passes over the data when --max-steps is -1."
     ),
-    "learning_rate": FieldOption(help="AdamW learning rate."),
+    "learning_rate": FieldOption(default=None, help=LEARNING_RATE_HELP),  # by model kind (learning_rate.py)
     "lr_scheduler_type": FieldOption(
         ("--lr-scheduler",), type=str, help="transformers scheduler name (linear, constant, cosine, …)."
     ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,13 +242,21 @@ def test_one_run_killed_at_every_stage_and_resumed_each_time(task_file, tmp_path
     run_dir = tmp_path / "run"
     argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--keep-checkpoints", "1", "--report-to", ALL]
     proc = start_loop(run_dir, *argv, *LOOP_ARGS)
+    first_log = proc.log  # type: ignore[attr-defined]
     kills, rollouts = [], {}
     for k, stage in KILLS:
         kills.append(kill_at(run_dir, proc, k, stage))
         if stage == "rollout":
             rollouts[k] = interrupted_rollout(run_dir, k)
-        proc = start_loop(run_dir, "-o", str(run_dir), "--resume")
+        # (the log format may change on a resume: it is how the run is shown, not what it does)
+        proc = start_loop(run_dir, "-o", str(run_dir), "--resume", "--log-format", "json")
     assert proc.wait(timeout=DEADLINE_S) == 0, proc.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    # Not a terminal: the first start said its stages as lines; the last one as JSON objects, ending on `finished`.
+    assert re.search(r"^\[\d:\d\d:\d\d\] iteration 1/2 · rollout", first_log.read_text(), re.M)
+    events = [json.loads(line) for line in proc.log.read_text().splitlines() if line.startswith("{")]  # type: ignore[attr-defined]
+    assert {"stage", "iteration", "finished"} <= {e["event"] for e in events}
+    assert [e["iteration"] for e in events if e["event"] == "iteration"][-1] == 1
+    assert events[-1]["event"] == "finished" and events[-1]["iterations"] == 2
     # Iteration 0's reward was logged before the last kill, and is in each store once after it.
     assert kills[-1]["trackers"]["last_steps"]["loop/reward_mean"] == 0
     assert tracker_state(run_dir)["last_steps"]["loop/reward_mean"] == 1

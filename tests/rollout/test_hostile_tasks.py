@@ -432,3 +432,34 @@ def test_local_paths_and_plain_urls_still_load_and_a_local_path_clones(tmp_path)
         clone.mkdir()
         subprocess.run(git_clone_argv(source), cwd=clone, check=True, capture_output=True, timeout=60)
         assert (clone / "README").read_text() == "hello\n"
+
+
+def test_a_rollout_into_a_log_says_each_finished_session_as_a_line(gateway, tmp_path):
+    """Not a terminal (a log file, Slurm): `auto` is a line per finished session (the live view drew nothing, so
+    nothing was said until the end)."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [task("writes"), task("idle")])
+    harness = "cmd:if [ {task} = writes ]; then echo hello > out.txt; fi"
+    done = rollout_cli(tasks, harness, gateway, tmp_path / "run", "-g", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert re.fullmatch(r"\[0:00:\d\d\] rollout: 4 sessions", lines[0]), lines[0]
+    finished = [line for line in lines if re.match(r"\[\d:\d\d:\d\d\] \d/4 ", line)]
+    assert [line.split("] ")[1].split()[0] for line in finished] == ["1/4", "2/4", "3/4", "4/4"]
+    outcomes = sorted(" ".join(line.split()[3:6]) for line in finished)
+    assert outcomes == ["failed reward 0.000"] * 2 + ["ok reward 1.000"] * 2, finished
+    assert "rewards by task" in done.stdout  # the closing table as before
+
+
+def test_log_format_json_is_one_object_per_line_and_nothing_else(gateway, tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [task("writes")])
+    harness = "cmd:echo hello > out.txt"
+    done = rollout_cli(tasks, harness, gateway, tmp_path / "run", "-g", "3", "--log-format", "json")
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]  # every line is JSON
+    assert [e["event"] for e in events] == ["rollout", "session", "session", "session", "finished"]
+    sessions = [e for e in events if e["event"] == "session"]
+    assert {(e["task_id"], e["status"], e["reward"]) for e in sessions} == {("writes", "ok", 1.0)}
+    assert [e["done"] for e in sessions] == [1, 2, 3] and all(e["seconds"] >= 0 for e in sessions)
+    closing = events[-1]
+    assert closing["sessions"] == 3 and closing["tasks"][0]["reward_mean"] == 1.0
+    assert closing["rewards"] == str(tmp_path / "run" / "rewards.jsonl")

@@ -236,6 +236,9 @@ def test_every_option_the_command_had_still_parses_into_the_same_config_field():
 def test_the_default_config_is_the_one_the_command_built_before():
     params = parse(["--data", "d"])
     assert params["output_dir"] == Path("runs/grpo") and params["model"] == "tiny" and params["lora"] is False
+    # One change since: no --learning-rate is the model kind's rate (train/learning_rate.py), 1e-6 for a checkpoint.
+    assert params.pop("learning_rate") is None
+    params["learning_rate"] = 1e-6
     assert (params["lora_r"], params["lora_alpha"], params["lora_target_modules"]) == (16, 32, "all-linear")
     # The command's hand-written constructor call with its defaults, as it was before the options were generated.
     before = PolarGRPOConfig(
