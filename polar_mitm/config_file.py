@@ -149,6 +149,5 @@ def config_show(
     The same as `polar-mitm COMMAND … --show-config`; save it and pass it back with --config."""
     if command not in CONFIG_COMMANDS:
         raise UserInputError(f"config show {command}: one of {', '.join(CONFIG_COMMANDS)}")
-    from polar_mitm.cli import app
-
-    app(args=[command, *ctx.args, "--show-config"], prog_name="polar-mitm", standalone_mode=False)
+    root = ctx.find_root().command  # the `polar-mitm` group this runs under
+    root.main(args=[command, *ctx.args, "--show-config"], prog_name="polar-mitm", standalone_mode=False)
