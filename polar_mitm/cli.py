@@ -191,11 +191,17 @@ def demo(
 
 @app.command("report")
 def report_command(
-    run_dir: Annotated[
-        Path, typer.Argument(help="A loop run (`runs/demo`), or a rollout, merge or grpo directory.")
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="A loop run (`runs/demo`), or a rollout, merge or grpo directory; or several folders of one "
+            "hand-run pipeline, in any order (`flows/ merged/ runs/grpo`: records, merged, grpo), for one report.",
+        ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN_DIR/report.html).")
+        Path | None,
+        typer.Option("--out", "-o", help="HTML file (default: report.html in the (first) RUN_DIR)."),
     ] = None,
     tokenizer: Annotated[
         str | None,
@@ -205,12 +211,14 @@ def report_command(
     ] = None,
     sessions: Annotated[int, typer.Option(help="Sessions shown in the token viewer.")] = 6,
 ) -> None:
-    """Write one self-contained HTML report (no server, no network): iterations, curves, merge, tasks, tokens."""
+    """Write one self-contained HTML report (no server, no network): iterations, curves, records, merge, tasks, tokens.
+
+    Several RUN_DIRs (a hand-run rollout → merge → grpo) make one report with the sections each folder gives.
+    """
     from polar_mitm.report import write_report
 
-    path = write_report(
-        run_dir, out, tokenizer=tokenizer, sessions=sessions
-    )  # a bad RUN_DIR: one line (main)
+    # A RUN_DIR of no kind (or two of one kind): one line and exit 2 (main).
+    path = write_report(run_dirs, out, tokenizer=tokenizer, sessions=sessions)
     console.print(f"report → {path}")
 
 

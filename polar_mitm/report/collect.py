@@ -5,7 +5,10 @@ Layouts understood (anything missing is simply absent from the report):
 - a loop run (`polar-mitm loop`, the demo): `loop.json` and `iter-K/{rewards.parquet, merged/, train/, flows/}`,
   and `events.jsonl` (start, resume, iteration_done, eval_done, finished) for the run's history and resume points;
 - a single stage directory: `metrics.jsonl` (a `grpo` output dir), `_summary.json` + shards (a `merge` output dir),
-  `rewards.parquet` (a rollout), or any of those in `merged/`, `train/` subfolders.
+  `rewards.parquet` (a rollout), record shards or the gateway's `_engine.json` (a records folder), or any of those
+  in `merged/`, `train/`, `flows/` subfolders.
+
+Several folders of one hand-run pipeline (records, merge, grpo) make one report: `report/inputs.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from typing import Any
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.location import InputNotFound
 from polar_mitm.storage.rewards import read_rewards_table
-from polar_mitm.storage.run_layout import EVENTS_FILE, ITERATION_GLOB, LOOP_FILE, iteration_index
+from polar_mitm.storage.run_layout import (
+    EVENTS_FILE,
+    FLOWS_DIR,
+    ITERATION_GLOB,
+    LOOP_FILE,
+    REWARDS_FILE,
+    iteration_index,
+)
 from polar_mitm.tasks.task_file import passed
 
 logger = logging.getLogger(__name__)
@@ -40,14 +50,23 @@ class Stage:
     flows_dir: Path | None = None
 
 
+@dataclass(frozen=True)
+class ReportInput:
+    """One folder given to a combined report, and what it was found to hold."""
+
+    path: Path
+    kinds: tuple[str, ...]  # records | rollout | merged | grpo (report/inputs.py)
+
+
 @dataclass
 class RunData:
-    """Everything the report shows, read from one directory."""
+    """Everything the report shows, read from one directory (or, combined, from several: `inputs`)."""
 
-    root: Path
-    kind: str  # loop | stage
+    root: Path  # the first input for a combined report
+    kind: str  # loop | stage | combined
     stages: list[Stage]
     events: list[dict[str, Any]] = field(default_factory=list)  # the loop's events.jsonl rows, in order
+    inputs: list[ReportInput] = field(default_factory=list)  # a combined report's folders, as given
 
     @property
     def has_iterations(self) -> bool:
@@ -72,8 +91,11 @@ def collect_run(root: str | Path) -> RunData:
         run = RunData(root=root, kind="loop", stages=stages, events=read_events(root / EVENTS_FILE))
     else:
         run = RunData(root=root, kind="stage", stages=[read_stage(root, root.name)])
-    if not any(s.metrics or s.merge_summary or s.rewards or s.merged_dir or s.stats for s in run.stages):
-        raise InputNotFound(f"{root}: no loop.json, metrics.jsonl, merge summary or rewards found")
+    if not any(
+        s.metrics or s.merge_summary or s.rewards or s.merged_dir or s.stats or s.flows_dir
+        for s in run.stages
+    ):
+        raise InputNotFound(f"{root}: no loop.json, metrics.jsonl, merge summary, rewards or records found")
     return run
 
 
@@ -117,14 +139,21 @@ def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> S
     stage.merged_dir = _first_dir(root, "merged", marker="_summary.json")
     if stage.merged_dir is not None:
         stage.merge_summary = json.loads((stage.merged_dir / "_summary.json").read_text())
-    rewards = root / "rewards.parquet"
+    rewards = root / REWARDS_FILE
     if rewards.exists():
         stage.rewards = read_rewards_table(rewards, ["session_id", "task_id", "reward", "status"]).to_pylist()
     elif stage.merged_dir is not None:  # a merge directory alone: the rewards joined into its sequences
         stage.rewards = merged_session_rewards(stage.merged_dir)
-    flows = root / "flows"
-    stage.flows_dir = flows if flows.is_dir() else (root if (root / ENGINE_FILE).exists() else None)
+    flows = root / FLOWS_DIR
+    stage.flows_dir = flows if flows.is_dir() else (root if holds_records(root) else None)
     return stage
+
+
+def holds_records(folder: Path) -> bool:
+    """Is `folder` a records folder: the gateway's `_engine.json`, or record shards or a live journal under it."""
+    from polar_mitm.storage.records import list_sources
+
+    return (folder / ENGINE_FILE).exists() or bool(list_sources([folder]).sources)
 
 
 def merged_session_rewards(merged_dir: Path) -> list[dict[str, Any]]:

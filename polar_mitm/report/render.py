@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from polar_mitm.report.charts import build_charts
-from polar_mitm.report.collect import RunData, collect_run, engine_info, pass_rates, reward_summary
+from polar_mitm.report.collect import RunData, engine_info, pass_rates, reward_summary
+from polar_mitm.report.inputs import INPUT_KINDS, collect_inputs
+from polar_mitm.report.sessions import records_context
 from polar_mitm.report.trajectories import load_report_tokenizer, read_trajectories
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
 def write_report(
-    run_dir: str | Path, out: str | Path | None = None, *, tokenizer: str | None = None, sessions: int = 6
+    run_dir: str | Path | Sequence[str | Path],
+    out: str | Path | None = None,
+    *,
+    tokenizer: str | None = None,
+    sessions: int = 6,
 ) -> Path:
-    """Write the report of `run_dir` to `out` (default `<run_dir>/report.html`); return its path."""
-    run = collect_run(run_dir)
+    """Write the report of `run_dir` — one folder, or several of one hand-run pipeline (`report/inputs.py`) — to
+    `out` (default `report.html` in the (first) folder); return its path."""
+    run = collect_inputs([run_dir] if isinstance(run_dir, str | Path) else run_dir)
     out = Path(out) if out is not None else run.root / "report.html"
     write_atomically(out, render_html(run, tokenizer=tokenizer, sessions=sessions))
     return out
@@ -59,15 +67,18 @@ def page_context(run: RunData, *, tokenizer: str | None, sessions: int) -> dict[
             f"{len(trajectories)} sessions from {viewer_stage.label} ({viewer_stage.merged_dir})"
             + ("" if tok is not None else " — no tokenizer found: token ids shown")
         )
+    sources = [i.path for i in run.inputs] or [run.root]
     return {
-        "title": f"polar-mitm report · {run.root.name}",
-        "root": str(run.root),
+        "title": "polar-mitm report · " + " + ".join(p.name for p in sources),
+        "root": " + ".join(str(p) for p in sources),
+        "inputs": [{"path": str(i.path), "kinds": ", ".join(i.kinds)} for i in run.inputs],
         "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "headline": headline(run),
         "status": run_status(run),
         "iterations": iteration_rows(run),
         "history": history_rows(run),
         "charts": build_charts(run),
+        "records": records_context(run),
         "merge_rows": merge_rows(run),
         "task_table": task_table(run),
         "engine": engine_info(run),
@@ -83,6 +94,8 @@ def headline(run: RunData) -> str:
         return f"reward {rewards[0][0]:.2f} → {rewards[-1][0]:.2f} in {len(rewards)} iterations"
     if rewards:
         return f"mean reward {rewards[0][0]:.2f}"
+    if run.inputs:
+        return " → ".join(k for k in INPUT_KINDS if any(k in i.kinds for i in run.inputs)) + " (no rewards)"
     return f"{run.kind} directory"
 
 

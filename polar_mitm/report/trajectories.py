@@ -2,7 +2,8 @@
 
 Each token keeps its id, loss mask and recorded logprob (0.0 on mask-0 tokens); each turn's first sampled token
 marks a turn boundary. Very long first prompts (a harness's system prompt) are shown head and tail only — every
-sampled token comes after the first prompt, so nothing trainable is ever cut.
+sampled token comes after the first prompt, so nothing trainable is ever cut. The page opens each session's box on
+its first sampled turn (`context_before` tokens in).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Trajectory:
     elided: tuple[int, int] | None = None  # (after token index, tokens left out) of the first prompt
     sampled: int = 0
     total: int = 0
+    context_before: int = 0  # tokens before the first sampled one (the viewer opens there)
 
 
 def load_report_tokenizer(run: RunData, spec: str | None):
@@ -124,6 +126,7 @@ def to_trajectory(row: dict[str, Any], tokenizer, max_prompt_tokens: int) -> Tra
         n_turns=row["n_turns"],
         sampled=sum(mask),
         total=len(ids),
+        context_before=next((i for i, m in enumerate(mask) if m == 1), 0),
     )
     keep = list(range(len(ids)))
     prompt_len = row["prompt_len"]

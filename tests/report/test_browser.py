@@ -1,20 +1,34 @@
 """The report in a real headless Chromium (Debian's package, scripts/setup-browser.sh; driven by Playwright): the
-page loads offline with no console error, the curves and the token viewer render, hover and colour modes work."""
+page loads offline with no console error, the curves and the token viewer render, hover and colour modes work, and
+each session's token box opens on its first sampled turn (the real harnesses' recorded sessions in sample_flows/,
+whose system prompts fill many screens, and the demo's)."""
 
 from __future__ import annotations
 
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
+from polar_mitm.reconstruct.merge import merge
 from polar_mitm.report import write_report
 from tests.loop.evaluated_loop import evaluated_loop_run
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HARNESS_RECORDS = Path(__file__).resolve().parents[2] / "sample_flows" / "harness"
+# Per token box: where its first sampled token lies in the box's visible area (px from its inner top edge).
+FIRST_SAMPLED = """() => Array.from(document.querySelectorAll("#viewer .traj .tokens")).map(box => {
+  const first = box.querySelector(".tk.m1");
+  const inner = box.getBoundingClientRect().top + box.clientTop;
+  const rect = first ? first.getBoundingClientRect() : null;
+  return {session: box.closest(".traj").dataset.session, sampled: first !== null,
+          top: rect && rect.top - inner, bottom: rect && rect.bottom - inner,
+          visible: box.clientHeight, scrolled: box.scrollTop};
+})"""
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +64,27 @@ def browser_context():
 
 
 @pytest.fixture(scope="module")
-def page_session(browser_context, demo_run, tmp_path_factory):
+def demo_report(demo_run, tmp_path_factory) -> Path:
+    run_dir, _ = demo_run
+    return write_report(run_dir, tmp_path_factory.mktemp("report") / "report.html")
+
+
+@pytest.fixture(scope="module")
+def page_session(browser_context, demo_report):
     """(page, console errors, requests that tried to leave the file) for the demo run's report."""
     new_page, errors, outside = browser_context
-    run_dir, _ = demo_run
-    report = write_report(run_dir, tmp_path_factory.mktemp("report") / "report.html")
     page = new_page()
-    page.goto(report.as_uri(), wait_until="load")
+    page.goto(demo_report.as_uri(), wait_until="load")
     return page, errors, outside
+
+
+@pytest.fixture(scope="module")
+def harness_report(tmp_path_factory, tiny_model_dir) -> Path:
+    """The report of the real harness CLIs' recorded sessions (sample_flows/harness), merged: 13 sessions whose
+    first prompts run to 500–17,000 tokens (decoded with the tiny model's tokenizer, which recorded them)."""
+    root = tmp_path_factory.mktemp("harness-report")
+    merge([str(HARNESS_RECORDS)], str(root / "merged"))
+    return write_report(root / "merged", root / "report.html", tokenizer=str(tiny_model_dir), sessions=13)
 
 
 def non_blank_fraction(png: bytes) -> float:
@@ -102,6 +129,29 @@ def test_token_viewer_renders_and_hover_shows_id_and_logprob(page_session):
     assert sampled.evaluate("el => getComputedStyle(el).backgroundColor") != mask_colour
     assert non_blank_fraction(page.locator("#viewer .traj").first.screenshot()) > 0.05
     assert errors == []
+
+
+def first_sampled_positions(new_page, report: Path) -> list[dict]:
+    """A freshly opened page's token boxes: where each one's first sampled token is, as the page opened."""
+    page = new_page()
+    page.goto(report.as_uri(), wait_until="load")
+    boxes = page.evaluate(FIRST_SAMPLED)
+    page.close()
+    return boxes
+
+
+def test_each_token_box_opens_on_its_first_sampled_turn(browser_context, harness_report, demo_report):
+    new_page, errors, outside = browser_context
+    harness = first_sampled_positions(new_page, harness_report)
+    demo = first_sampled_positions(new_page, demo_report)
+    assert len(harness) == 13 and len(demo) == 6
+    for box in harness + demo:
+        assert box["sampled"], box
+        assert 0 <= box["top"] and box["bottom"] <= box["visible"], box  # in view, no scrolling needed
+    # The harnesses' system prompts: opened at its top, no box would show its first sampled token (it lies more
+    # than a box's height down).
+    assert all(box["top"] + box["scrolled"] > box["visible"] for box in harness), harness
+    assert errors == [] and outside == []
 
 
 def test_full_page_screenshot_is_not_blank(page_session, tmp_path):
