@@ -135,15 +135,20 @@ def _plain(value: Any) -> Any:
 
 CONFIG_COMMANDS = ("rollout", "loop", "grpo")  # the commands whose options come from configs
 
-config_app = typer.Typer(help="Config files of rollout, loop and grpo (--config FILE.yaml).", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Config files of rollout, loop and grpo (--config FILE.yaml).", no_args_is_help=True
+)
 
 
 @config_app.command(
-    "show", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+    "show",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
 )
 def config_show(
     ctx: typer.Context,
-    command: Annotated[str, typer.Argument(help="rollout | loop | grpo, then its options (and --config FILE).")],
+    command: Annotated[
+        str, typer.Argument(help="rollout | loop | grpo, then its options (and --config FILE).")
+    ],
 ) -> None:
     """Print the options COMMAND would run with (a --config file, the flags, the defaults) as YAML; runs nothing.
     The same as `polar-mitm COMMAND … --show-config`; save it and pass it back with --config."""

@@ -83,7 +83,9 @@ def test_a_file_that_is_no_mapping_of_options_is_one_line(capsys, tmp_path, text
 def test_config_show_prints_what_the_command_would_run_with(capsys, tmp_path):
     config = write(tmp_path / "loop.yaml", "iterations: 4\nlearning-rate: 0.001\n")
     via_config = shown(capsys, "loop", "tasks.jsonl", "--config", str(config), "-g", "2")
-    code, out, err = run_cli(capsys, "config", "show", "loop", "tasks.jsonl", "--config", str(config), "-g", "2")
+    code, out, err = run_cli(
+        capsys, "config", "show", "loop", "tasks.jsonl", "--config", str(config), "-g", "2"
+    )
     assert code == 0, err
     assert yaml.safe_load(out) == via_config
     assert (via_config["iterations"], via_config["learning-rate"], via_config["group-size"]) == (4, 1e-3, 2)

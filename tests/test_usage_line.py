@@ -129,7 +129,9 @@ def test_capture_then_merge_and_grpo_work_as_written(tmp_path, engine_url):
     (tmp_path / "rewards.jsonl").write_text(
         '{"session_id": "s-1", "reward": 1}\n{"session_id": "s-2", "reward": 0}\n'
     )
-    rewarded = polar(tmp_path, "merge", "flows/", "--rewards", "rewards.jsonl", "--overwrite")  # (else refused)
+    rewarded = polar(
+        tmp_path, "merge", "flows/", "--rewards", "rewards.jsonl", "--overwrite"
+    )  # (else refused)
     assert rewarded.returncode == 0, rewarded.stdout + rewarded.stderr
     trained = polar(tmp_path, "grpo", "--data", "merged/")
     assert trained.returncode == 0, trained.stdout + trained.stderr
