@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import shutil
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
@@ -132,6 +133,9 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
+RICH_HELP_MIN_COLUMNS = 100  # narrower: the plain help layout (ConfigOptionsCommand.format_help)
+
+
 class ConfigOptionsCommand(TyperCommand):
     """A command with generated config options (`generated_options()` of a subclass, in named groups, each usually
     one config's fields): they are added after the command's own when it is first parsed or helped, not when the app
@@ -163,6 +167,17 @@ class ConfigOptionsCommand(TyperCommand):
             group: {param.name: ctx.params.pop(param.name) for param in params}
             for group, params in (self.generated or {}).items()
         }
+
+    def format_help(self, ctx: typer.Context, formatter) -> None:
+        """Rich's option table below 100 columns cuts long option names (`--gradient-accumula…`): there, click's
+        plain layout, which keeps every name whole and wraps the help beside it."""
+        if shutil.get_terminal_size((80, 24)).columns >= RICH_HELP_MIN_COLUMNS:
+            return super().format_help(ctx, formatter)
+        rich_mode, self.rich_markup_mode = self.rich_markup_mode, None
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = rich_mode
 
     def invoke(self, ctx: typer.Context) -> Any:
         from polar_mitm.config_file import SHOW_CONFIG, show_config

@@ -93,3 +93,18 @@ def test_two_groups_setting_one_name_are_refused():
     command = Twice("twice", callback=lambda: None)
     with pytest.raises(ValueError, match=r"two options set \['label'\]"):
         command.get_params(command.make_context("twice", ["in"], resilient_parsing=True))
+
+
+@pytest.mark.parametrize("command", ["rollout", "loop", "grpo"])
+def test_help_fits_80_columns_with_every_option_name_whole(command):
+    """Rich's table cut 19-20 long names at 80 columns (`--gradient-accumula…`); below 100 the help is plain."""
+    from polar_mitm.cli import app
+
+    result = CliRunner().invoke(app, [command, "-h"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    click_command = typer.main.get_command(app).commands[command]
+    ctx = click_command.make_context(command, ["-h"], resilient_parsing=True)
+    for param in click_command.get_params(ctx):
+        for flag in [opt for opt in getattr(param, "opts", []) if opt.startswith("--")]:
+            assert flag in result.output, flag
