@@ -48,7 +48,9 @@ class LoopConfig:
         metadata=option("Task file (JSONL); not needed with --resume.", argument=True, default=None)
     )
     run_dir: Path = field(
-        metadata=option("Everything of the run goes here.", "--run-dir", "-o", default=Path("runs/loop"))
+        metadata=option(
+            "Everything of the run goes here.", "--run-dir", "--out", "-o", default=Path("runs/loop")
+        )
     )
     iterations: int = field(default=2, metadata=option("RL iterations.", "--iterations", "-n"))
     harness: str = field(

@@ -41,7 +41,9 @@ def merge_command(
             show_default="flows/",
         ),
     ] = None,
-    output: Annotated[str, typer.Option("--output", "-o", help="Where to write merged shards.")] = "merged/",
+    output: Annotated[
+        str, typer.Option("--output", "--out", "-o", help="Where to write merged shards.")
+    ] = "merged/",
     builder: Annotated[BuilderName, typer.Option(help=BuilderName.__doc__)] = BuilderName.prefix_merging,
     rewards: Annotated[
         str | None, typer.Option(help="JSONL or Parquet with session_id, reward (optional task_id).")

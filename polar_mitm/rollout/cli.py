@@ -48,7 +48,9 @@ class RolloutCommandOptions:
     harness: str = field(
         default="sdk:openai_chat", metadata=option("sdk:PROVIDER | cmd:TEMPLATE | preset name.")
     )
-    out: Path = field(default=Path("flows"), metadata=option("Record directory (the gateway's polar_out)."))
+    out: Path = field(
+        default=Path("flows"), metadata=option("Record directory (the gateway's polar_out).", "--out", "-o")
+    )
     gateways: int = field(
         default=1,
         metadata=option("Gateway processes started (sessions spread across them, records under OUT/gw-*)."),

@@ -35,7 +35,7 @@ def grpo_command(
         list[Path], typer.Option("--data", help="Merged shards: a directory of *.parquet (repeatable).")
     ],
     output_dir: Annotated[
-        Path, typer.Option("--output-dir", "-o", help="Run directory (checkpoints, metrics).")
+        Path, typer.Option("--output-dir", "--out", "-o", help="Run directory (checkpoints, metrics).")
     ] = (Path("runs/grpo")),
     model: Annotated[
         str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")
@@ -158,7 +158,7 @@ def plot_command(
 
 def sft_command(
     data: Annotated[list[Path], typer.Option("--data", help="Merged shards (repeatable).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
+    output: Annotated[Path, typer.Option("--output", "--out", "-o", help="Output directory.")],
     min_reward: Annotated[float, typer.Option(help="Keep sessions whose reward is at least this.")] = 1.0,
     model: Annotated[
         str | None,
