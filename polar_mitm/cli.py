@@ -351,6 +351,15 @@ def _register_config() -> None:
 _register_config()
 
 
+def _register_service() -> None:
+    from polar_mitm.service.cli import serve_rollouts_command
+
+    app.command("serve-rollouts")(serve_rollouts_command)  # the rollout service (Polar's wire format)
+
+
+_register_service()
+
+
 def _register_vllm() -> None:
     from polar_mitm.vllm.cli import vllm_app
 

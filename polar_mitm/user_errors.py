@@ -29,6 +29,7 @@ USER_ERRORS = (
     ("polar_mitm.loop.run_state", "RunRecordError"),
     ("polar_mitm.gateway.import_flows", "FlowFileError"),
     ("polar_mitm.gateway.options", "OptionError"),
+    ("polar_mitm.service.task_requests", "RequestError"),
 )
 DEBUG_ENV = "POLAR_DEBUG"
 

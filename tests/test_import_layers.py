@@ -17,8 +17,15 @@ from tests.test_import_cycles import PACKAGE_ROOT, _write, import_graph
 FORBIDDEN = [
     *(
         (f"polar_mitm.{reader}", "polar_mitm.gateway", "records and the engine file are storage's")
-        for reader in ("reconstruct", "train", "rollout", "report", "tasks", "loop")
+        for reader in ("reconstruct", "train", "rollout", "report", "tasks", "loop", "service")
     ),
+    # The rollout service (issue 40) drives the runner, the merge and the engines; none of them knows it, and the
+    # loop is one of its clients, never the other way.
+    *(
+        (f"polar_mitm.{below}", "polar_mitm.service", "the service drives them; they know nothing of it")
+        for below in ("rollout", "tasks", "engines", "reconstruct", "train", "gateway", "storage")
+    ),
+    ("polar_mitm.service", "polar_mitm.loop", "the loop is a client of the service"),
     ("polar_mitm.train", "polar_mitm.reconstruct", "the merged-sequence schema is storage's"),
     # The rooms of issue 37: task files and graders below the runner, the runner below the loop that drives it.
     ("polar_mitm.tasks", "polar_mitm.rollout", "task files and graders know nothing of the runner"),
@@ -45,7 +52,13 @@ ALLOWED = [
         "polar_mitm.gateway.processes",
         "starting, switching and stopping a gateway process (the runner and the loop start theirs) is no record code",
     )
-    for starter in ("rollout", "loop")
+    for starter in ("rollout", "loop", "service")
+] + [
+    (
+        "polar_mitm.service",
+        "polar_mitm.gateway.exposure",
+        "whether a listen address is loopback (the service refuses to listen beyond it without a token)",
+    )
 ]
 
 

@@ -1,0 +1,11 @@
+"""The rollout service: trainers outside polar-mitm (verl, slime, NeMo-RL, SkyRL, a Polar client) submit tasks over
+HTTP in Polar's wire format and get token-exact trajectories back, captured from real harnesses by our gateways.
+
+    models.py         the wire format (TaskRequest, TaskStatus, SessionResult, Trajectory, Trace)
+    task_requests.py  a task-file line ↔ a TaskRequest
+    traces.py         a finished session's records → its traces (the merge's builders)
+    jobs.py           scheduling, the staged runner per task, durable results, events, callbacks
+    server.py         the HTTP routes (Starlette), bearer-token auth
+    client.py         `Client`: submit, status, wait, cancel, results, to_tensors
+    cli.py            `polar-mitm serve-rollouts`
+"""

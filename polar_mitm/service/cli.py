@@ -1,0 +1,133 @@
+"""`polar-mitm serve-rollouts`: the rollout service on one machine — an engine (given, or the embedded one started),
+gateways in front of it recording to OUT/flows, and the HTTP routes of server.py (uvicorn) that any trainer calls.
+
+The token comes from `POLAR_SERVICE_TOKEN` and is taken out of this process's environment before any session
+starts, so no harness inherits it. Without one the service listens on loopback only, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from polar_mitm.user_errors import UserInputError
+
+TOKEN_ENV = "POLAR_SERVICE_TOKEN"
+
+
+def serve_rollouts_command(
+    engine: Annotated[
+        str | None, typer.Option(help="Engine URL[,URL…] (default: start the embedded one).")
+    ] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="The embedded engine's model.")] = "tiny",
+    script: Annotated[
+        Path | None, typer.Option(help="Scripted policy for the embedded engine (tests).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Listen port.")] = 8700,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Records, task states, workspaces.")] = Path(
+        "runs/service"
+    ),
+    task_root: Annotated[
+        Path | None, typer.Option(help="Where a relative metadata.workspace.dir is found (default: cwd).")
+    ] = None,
+    max_sessions: Annotated[int, typer.Option(help="Harness sessions running at once.")] = 8,
+    queue_limit: Annotated[int, typer.Option(help="Tasks waiting before a submit gets 429.")] = 64,
+    gateways: Annotated[int, typer.Option(help="Gateway processes (sessions spread across them).")] = 1,
+    resume: Annotated[
+        bool, typer.Option(help="Carry on the tasks under --out: report what finished, re-run the rest.")
+    ] = False,
+) -> None:
+    """Serve rollouts in Polar's wire format: POST /rollout/task/submit, GET|DELETE /rollout/task/ID, /events."""
+    from polar_mitm.gateway.exposure import is_loopback
+    from polar_mitm.storage import service_layout as layout
+
+    token = os.environ.pop(TOKEN_ENV, None) or None  # out of the environment every session inherits
+    if token is None and not is_loopback(host):
+        raise UserInputError(f"--host {host}: beyond loopback the service needs a token; set {TOKEN_ENV}")
+    for flag, value in (
+        ("--max-sessions", max_sessions),
+        ("--queue-limit", queue_limit),
+        ("--gateways", gateways),
+    ):
+        if value < 1:
+            raise UserInputError(f"{flag} {value}: must be at least 1")
+    tasks_dir = out / layout.TASKS_DIR
+    if not resume and tasks_dir.exists() and any(tasks_dir.iterdir()):
+        raise UserInputError(
+            f"--out {out} holds an earlier service's tasks: pass --resume, or choose another folder"
+        )
+    if resume and not tasks_dir.exists():
+        raise UserInputError(f"--resume: {out} holds no service tasks ({tasks_dir} is missing)")
+    if engine is not None:
+        from polar_mitm.engines import router
+
+        router.check_answering(engine)
+    run_service(
+        out=out,
+        engine=engine,
+        model=model,
+        script=script,
+        host=host,
+        port=port,
+        token=token,
+        task_root=(task_root or Path.cwd()).resolve(),
+        max_sessions=max_sessions,
+        queue_limit=queue_limit,
+        gateways=gateways,
+        resume=resume,
+    )
+
+
+def run_service(*, out: Path, engine, model, script, host, port, token, task_root, **options) -> None:
+    import secrets as token_source
+
+    import uvicorn
+
+    from polar_mitm.engines import processes as engine_processes
+    from polar_mitm.engines import router
+    from polar_mitm.gateway import processes as gateway_processes
+    from polar_mitm.rollout.harness_spec import GatewayEndpoints
+    from polar_mitm.service.jobs import RolloutService
+    from polar_mitm.service.server import build_app
+    from polar_mitm.storage import service_layout as layout
+    from polar_mitm.storage.location import private_dir
+
+    private_dir(out)
+    work = out / layout.WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    with (
+        engine_processes.engine_running(
+            engine,
+            model=model,
+            log=work / "engine.log",
+            extra_args=["--script", str(script)] if script else [],
+        ) as engine_url,
+        router.attached(engine_url, log=work / "router.log") as attached,
+        gateway_processes.gateways_running(
+            router.gateway_backends(attached.url, options["gateways"]),
+            out / layout.FLOWS_DIR,
+            confdir=work / "mitmproxy",
+            log=work / "gateway.log",
+            session_key=token_source.token_urlsafe(32),
+        ) as started,
+    ):
+        service = RolloutService(
+            out,
+            [GatewayEndpoints.of(gw) for gw in started],
+            task_root=task_root,
+            max_sessions=options["max_sessions"],
+            queue_limit=options["queue_limit"],
+            engine_url=attached.url,
+        )
+        if options["resume"]:
+            rerun = service.resume()
+            typer.echo(f"resumed {len(service.jobs)} task(s) from {out}: {rerun} session(s) to run again")
+        auth = (
+            "bearer token required" if token else f"no token: loopback only (set {TOKEN_ENV} to require one)"
+        )
+        typer.echo(f"rollout service on http://{host}:{port} ({auth}); records → {out / layout.FLOWS_DIR}")
+        uvicorn.run(build_app(service, token), host=host, port=port, log_level="warning", access_log=False)

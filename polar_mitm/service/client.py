@@ -1,0 +1,188 @@
+"""`Client` and `AsyncClient`: what a trainer calls to get rollouts from the service (httpx; the wire models).
+
+    client = Client("http://127.0.0.1:8700", token=os.environ["POLAR_SERVICE_TOKEN"])
+    client.submit(request)                       # a TaskRequest (or its dict); 4xx raise ServiceError
+    status = client.wait(request.task_id)        # polls until completed or failed
+    batch = to_tensors([status])                 # ids, masks, old logprobs, rewards, group index
+
+`results(task_ids)` yields each task's status as it finishes (a GRPO group at a time), in finishing order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+
+from polar_mitm.service.models import SubmitAccepted, TaskRequest, TaskStatus
+
+
+class ServiceError(RuntimeError):
+    """A refusal of the service: its status code and what it said (the field at fault, for a 422)."""
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(f"{status_code}: {detail}")
+        self.status_code, self.detail = status_code, detail
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def _body(request: TaskRequest | dict) -> bytes:
+    model = request if isinstance(request, TaskRequest) else TaskRequest.model_validate(request)
+    return model.model_dump_json().encode()
+
+
+def _checked(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        raise ServiceError(response.status_code, detail)
+    return response.json()
+
+
+class Client:
+    """Blocking calls to a rollout service."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers=_headers(token), timeout=timeout, trust_env=False
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.http.close()
+
+    def submit(self, request: TaskRequest | dict) -> SubmitAccepted:
+        response = self.http.post("/rollout/task/submit", content=_body(request), headers=_JSON)
+        return SubmitAccepted.model_validate(_checked(response))
+
+    def status(self, task_id: str) -> TaskStatus:
+        return TaskStatus.model_validate(_checked(self.http.get(f"/rollout/task/{task_id}")))
+
+    def cancel(self, task_id: str) -> TaskStatus:
+        return TaskStatus.model_validate(_checked(self.http.delete(f"/rollout/task/{task_id}")))
+
+    def health(self) -> dict[str, Any]:
+        return _checked(self.http.get("/health"))
+
+    def push_weights(self, path: str, weight_version: str | None = None) -> str:
+        body = {"path": path, "weight_version": weight_version}
+        return _checked(self.http.post("/rollout/weights", json=body, timeout=600))["weight_version"]
+
+    def wait(self, task_id: str, *, timeout: float = 3600.0, poll: float = 0.5) -> TaskStatus:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(task_id)
+            if status.status != "running":
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"task {task_id!r} still running after {timeout:.0f} s")
+            time.sleep(poll)
+
+    def results(
+        self, task_ids: Iterable[str], *, timeout: float = 3600.0, poll: float = 0.5
+    ) -> Iterator[TaskStatus]:
+        """Each task's final status as it finishes (completed or failed), in finishing order."""
+        waiting, deadline = list(task_ids), time.monotonic() + timeout
+        while waiting:
+            for task_id in list(waiting):
+                status = self.status(task_id)
+                if status.status != "running":
+                    waiting.remove(task_id)
+                    yield status
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tasks still running after {timeout:.0f} s: {waiting}")
+                time.sleep(poll)
+
+
+class AsyncClient:
+    """The same calls for an asyncio trainer."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self.http = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=_headers(token), timeout=timeout, trust_env=False
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.http.aclose()
+
+    async def submit(self, request: TaskRequest | dict) -> SubmitAccepted:
+        response = await self.http.post("/rollout/task/submit", content=_body(request), headers=_JSON)
+        return SubmitAccepted.model_validate(_checked(response))
+
+    async def status(self, task_id: str) -> TaskStatus:
+        return TaskStatus.model_validate(_checked(await self.http.get(f"/rollout/task/{task_id}")))
+
+    async def cancel(self, task_id: str) -> TaskStatus:
+        return TaskStatus.model_validate(_checked(await self.http.delete(f"/rollout/task/{task_id}")))
+
+    async def wait(self, task_id: str, *, timeout: float = 3600.0, poll: float = 0.5) -> TaskStatus:
+        deadline = time.monotonic() + timeout
+        while (status := await self.status(task_id)).status == "running":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"task {task_id!r} still running after {timeout:.0f} s")
+            await asyncio.sleep(poll)
+        return status
+
+    async def results(self, task_ids: Iterable[str], *, poll: float = 0.5) -> AsyncIterator[TaskStatus]:
+        waiting = list(task_ids)
+        while waiting:
+            for task_id in list(waiting):
+                status = await self.status(task_id)
+                if status.status != "running":
+                    waiting.remove(task_id)
+                    yield status
+            if waiting:
+                await asyncio.sleep(poll)
+
+
+def to_tensors(statuses: Iterable[TaskStatus], pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Every trace of the finished sessions as a padded batch: `input_ids` (prompt + response), `loss_mask` and
+    `old_logprobs` (0 outside sampled tokens), `attention_mask`, `prompt_lengths`, `rewards` and `group_index`
+    (one per task: GRPO's groups). Sessions that ended in ERROR are left out."""
+    rows: list[tuple[list[int], list[int], list[float], int, float, int]] = []
+    for group, status in enumerate(statuses):
+        for result in status.results:
+            if result.status == "ERROR":
+                continue
+            for trace in result.trajectory.traces:
+                ids = trace.prompt_ids + trace.response_ids
+                mask = [0] * len(trace.prompt_ids) + (trace.loss_mask or [1] * len(trace.response_ids))
+                logprobs = [0.0] * len(trace.prompt_ids) + (
+                    trace.response_logprobs or [0.0] * len(trace.response_ids)
+                )
+                reward = trace.reward if trace.reward is not None else float("nan")
+                rows.append((ids, mask, logprobs, len(trace.prompt_ids), reward, group))
+    width = max((len(r[0]) for r in rows), default=0)
+    out = {
+        "input_ids": np.full((len(rows), width), pad_id, dtype=np.int64),
+        "attention_mask": np.zeros((len(rows), width), dtype=np.int64),
+        "loss_mask": np.zeros((len(rows), width), dtype=np.int64),
+        "old_logprobs": np.zeros((len(rows), width), dtype=np.float32),
+        "prompt_lengths": np.array([r[3] for r in rows], dtype=np.int64),
+        "rewards": np.array([r[4] for r in rows], dtype=np.float32),
+        "group_index": np.array([r[5] for r in rows], dtype=np.int64),
+    }
+    for k, (ids, mask, logprobs, _, _, _) in enumerate(rows):
+        out["input_ids"][k, : len(ids)] = ids
+        out["attention_mask"][k, : len(ids)] = 1
+        out["loss_mask"][k, : len(ids)] = mask
+        out["old_logprobs"][k, : len(ids)] = logprobs
+    return out
+
+
+_JSON = {"content-type": "application/json"}

@@ -1,0 +1,89 @@
+"""A task-file line and a `TaskRequest` are the same task: one converter each way, so a task file can be submitted
+to the service and a submitted task runs exactly as that line would under `polar-mitm rollout`.
+
+    line                          TaskRequest
+    task_id                       task_id
+    prompt                        instruction
+    eval {command, reward}        evaluator {strategy: command, config: {command, reward}}
+    workspace {dir, git, setup}   metadata.workspace
+    timeouts {init, run, eval}    metadata.timeouts (timeout_seconds: their sum)
+    family, swe, meta             metadata.family, metadata.swe, metadata.meta
+    (the command's --harness, -g) agent.harness, num_samples
+
+A request needs an evaluator, as a task line needs `eval`: a session nothing checks would be rewarded like any other.
+A relative `workspace.dir` is resolved against the service's task root (`--task-root`), never the caller's folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from polar_mitm.service.models import AgentSpec, BuilderSpec, EvaluatorSpec, TaskRequest
+from polar_mitm.tasks.task_file import Task, TaskLine, parse_task
+
+CARRIED = ("family", "swe", "meta")  # a line's own data, kept under the request's metadata
+
+
+class RequestError(ValueError):
+    """A TaskRequest that cannot run as a task (the message names the field)."""
+
+
+def line_to_request(
+    line: dict[str, Any], harness: str, num_samples: int = 1, builder: str = "prefix_merging"
+) -> TaskRequest:
+    """The TaskRequest of one task-file line (checked as the task file checks it)."""
+    checked = TaskLine.model_validate(line)
+    timeouts = checked.timeouts.model_dump()
+    metadata: dict[str, Any] = {
+        "workspace": checked.workspace.model_dump(exclude_defaults=True),
+        "timeouts": timeouts,
+    }
+    metadata.update({key: line[key] for key in CARRIED if line.get(key) is not None})
+    return TaskRequest(
+        task_id=checked.task_id,
+        instruction=checked.prompt,
+        num_samples=num_samples,
+        timeout_seconds=sum(timeouts.values()),
+        agent=AgentSpec(harness=harness),
+        builder=BuilderSpec(strategy=builder),
+        evaluator=EvaluatorSpec(config=checked.eval.model_dump()),
+        metadata=metadata,
+    )
+
+
+def request_to_line(request: TaskRequest) -> dict[str, Any]:
+    """The task-file line of a TaskRequest; a RequestError names what no task line can say."""
+    if request.evaluator is None:
+        raise RequestError(
+            "evaluator is required: {'strategy': 'command', 'config': {'command': CHECK}} (a session nothing "
+            "checks would be rewarded like every other)"
+        )
+    if request.evaluator.env:
+        raise RequestError("evaluator.env is not supported: put the variables in evaluator.config.command")
+    unknown = set(request.evaluator.config) - {"command", "reward"}
+    if unknown or "command" not in request.evaluator.config:
+        raise RequestError(
+            f"evaluator.config takes command (required) and reward (exit | stdout), not {sorted(unknown)}"
+        )
+    meta = request.metadata
+    line: dict[str, Any] = {
+        "task_id": request.task_id,
+        "prompt": request.instruction,
+        "eval": dict(request.evaluator.config),
+    }
+    if meta.get("workspace"):
+        line["workspace"] = meta["workspace"]
+    line["timeouts"] = meta.get("timeouts") or {"run": request.timeout_seconds}
+    line.update({key: meta[key] for key in CARRIED if meta.get(key) is not None})
+    return line
+
+
+def request_task(request: TaskRequest, task_root: Path) -> Task:
+    """The runnable Task of a request: its line, checked and resolved as a task file's would be."""
+    try:
+        return parse_task(request_to_line(request), task_root)
+    except RequestError:
+        raise
+    except ValueError as exc:  # the task file's own message, naming the field
+        raise RequestError(str(exc)) from None

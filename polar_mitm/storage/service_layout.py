@@ -1,0 +1,74 @@
+"""The rollout service's folder (`polar-mitm serve-rollouts --out OUT`): every name in one place.
+
+    OUT/flows/                      the gateways' records (a record folder, as `rollout --out` writes)
+    OUT/tasks/<task>/request.json   a submitted TaskRequest, written (fsynced) before the submit is answered
+    OUT/tasks/<task>/results.jsonl  one SessionResult per finished session, appended and fsynced before anyone
+                                    hears of it (status, events, callback): what `--resume` reports again
+    OUT/tasks/<task>/state.json     {"status": running | completed | failed | cancelled}
+    OUT/work/                       workspaces, harness logs, the gateway's and engine's logs, mitmproxy's confdir
+
+`<task>` is the task id made safe for a file name, with a hash of the id so two ids never share a folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+FLOWS_DIR = "flows"
+TASKS_DIR = "tasks"
+WORK_DIR = "work"
+REQUEST_FILE = "request.json"
+RESULTS_FILE = "results.jsonl"
+STATE_FILE = "state.json"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def task_dir(out: Path, task_id: str) -> Path:
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:12]
+    return out / TASKS_DIR / f"{_UNSAFE.sub('_', task_id)[:80]}-{digest}"
+
+
+def write_durable(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, whenever the process dies (temp file, fsync, rename, fsync dir)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def append_durable(path: Path, row: dict[str, Any]) -> None:
+    """One JSON line appended and fsynced."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path`; a last line cut short by a kill is not a result."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
