@@ -223,6 +223,10 @@ class Rollout:
         for s in self.sessions:
             self.groups[s.task.task_id].append(s)
 
+    def harness_for(self, s: SessionRun) -> HarnessSpec:
+        """The harness that runs `s` (one per rollout here; the streaming runner lets each session bring its own)."""
+        return self.harness
+
     # -- stages --------------------------------------------------------------------------------------------------
 
     async def _init(self, s: SessionRun) -> bool:
@@ -271,7 +275,7 @@ class Rollout:
             self.running_on[gateway] -= 1
 
     async def _run_on(self, s: SessionRun, gateway: GatewayEndpoints) -> None:
-        launch = self.harness.launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
+        launch = self.harness_for(s).launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
         # Everything the harness starts is born in this group, `setsid` and a cleared environment included.
         group = session_cgroup.for_sessions().new(session_cgroup.group_name(s.session_id))

@@ -1,10 +1,13 @@
-"""The rollout service's jobs: each submitted task is a GRPO group run by the same staged runner as `polar-mitm
-rollout` (INIT → READY → RUN → POST-RUN) against the service's gateways, and each session, as it finishes, becomes
-a `SessionResult` — written to disk first, then visible in the task's status, on `/events` and at its callback.
+"""The rollout service's jobs: each submitted task is a GRPO group whose sessions run in one staged runner shared by
+every task (`StreamingRollout`: INIT → RUN → POST-RUN, the code `polar-mitm rollout` runs), against the service's
+gateways; each session, as it finishes, becomes a `SessionResult` — written to disk first, then visible in the
+task's status, on `/events` and at its callback.
 
-Scheduling: a task starts when the sessions it would run fit in `max_sessions` beside the running ones (or nothing
-runs), higher `dispatch_priority` first, then in submission order; at most `queue_limit` tasks wait (a full queue
-is `QueueFull`, a 429). `early_stop_min_usable_sessions` is the runner's straggler cut.
+Scheduling is per session: at most `max_sessions` are in the runner at once; a free slot goes to the next session of
+the task with the highest `dispatch_priority`, then the earliest submitted (a task's sessions go out together, so a
+GRPO group finishes close in time). At most `queue_limit` tasks wait with none of their sessions started (a full
+queue is `QueueFull`, a 429). `early_stop_min_usable_sessions`: once that many sessions finished, the rest of the
+group is cut (stopped, not reported).
 
 Durability (storage/service_layout.py): the request is on disk before the submit is answered and every result before
 it is reported. After a kill, `resume()` reports each finished session again exactly once (from `results.jsonl`) and
@@ -19,6 +22,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +31,8 @@ from typing import Any
 import httpx
 
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
-from polar_mitm.rollout.runner import Rollout, RolloutConfig, SessionRun
+from polar_mitm.rollout.runner import RolloutConfig, SessionRun
+from polar_mitm.rollout.streaming import StreamingRollout
 from polar_mitm.service.models import (
     SessionResult,
     SessionStatus,
@@ -70,16 +75,15 @@ class QueueFull(Exception):
 class Job:
     request: TaskRequest
     task: Task
+    harness: HarnessSpec
     folder: Path
     results: dict[str, SessionResult] = field(default_factory=dict)
     state: str = "queued"  # queued | running | completed | failed | cancelled
     order: int = 0
-    runner: asyncio.Task | None = None
-    pending: set[asyncio.Task] = field(default_factory=set)  # results being built
-
-    @property
-    def remaining(self) -> int:
-        return max(self.request.num_samples - len(self.results), 0)
+    unsent: int = 0  # sessions not yet handed to the runner
+    inflight: set[str] = field(default_factory=set)  # in the runner, or their result being written
+    next_index: int = 0
+    writing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def status(self) -> TaskStatus:
         wire = {"queued": "running", "running": "running", "completed": "completed"}.get(self.state, "failed")
@@ -90,6 +94,19 @@ class Job:
             completed_sessions=len(self.results),
             results=list(self.results.values()),
         )
+
+
+class SessionPool(StreamingRollout):
+    """The service's one runner: a session leaves its lists once it is reported (a service runs for days)."""
+
+    def forget(self, s: SessionRun) -> None:
+        with contextlib.suppress(ValueError):
+            self.sessions.remove(s)
+        group = self.groups.get(s.task.task_id, [])
+        with contextlib.suppress(ValueError):
+            group.remove(s)
+        if not group:
+            self.groups.pop(s.task.task_id, None)
 
 
 class EventBus:
@@ -141,26 +158,43 @@ class RolloutService:
         self._wake: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
         self._callbacks: set[asyncio.Task] = set()
+        self._sessions: set[asyncio.Task] = set()
+        self._stages: dict[str, str] = {}  # session id → the last stage published
+        self._owner: dict[str, Job] = {}  # session id → its job, while it runs
         self._eot: int | None = None
+        self.pool = SessionPool(
+            None,
+            endpoints,
+            RolloutConfig(
+                concurrency=max_sessions,
+                init_workers=min(2, max_sessions),
+                post_workers=min(2, max_sessions),
+                ready_buffer=0,
+                workspace_root=self.work / "workspaces",
+                log_dir=self.work / "logs",
+            ),
+        )
+        self.pool.on_update = self._on_update
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.pool.start()
         self._wake = asyncio.Event()
         self._dispatcher = asyncio.create_task(self._dispatch())
         self._wake.set()
 
     async def close(self) -> None:
-        """Stop dispatching and cancel running tasks (their finished sessions are on disk; `--resume` re-runs the
-        rest)."""
+        """Stop dispatching and the runner's harnesses (finished sessions are on disk; `--resume` runs the rest)."""
         if self._dispatcher is not None:
             self._dispatcher.cancel()
-        running = [
-            job.runner for job in self.jobs.values() if job.runner is not None and not job.runner.done()
-        ]
-        for runner in running:
-            runner.cancel()
-        await asyncio.gather(*running, *self._callbacks, return_exceptions=True)
+        for job in self.jobs.values():
+            if job.state == "running":
+                job.state = "queued"
+        await self.pool.abort()  # the harnesses stop; their sessions never resolve, so they are cancelled too
+        for running in self._sessions:
+            running.cancel()
+        await asyncio.gather(*self._sessions, *self._callbacks, return_exceptions=True)
 
     def resume(self) -> int:
         """Load the tasks under OUT/tasks: finished ones as they were, unfinished ones queued for the sessions they
@@ -168,14 +202,17 @@ class RolloutService:
         rerun = 0
         for folder in sorted((self.out / layout.TASKS_DIR).glob("*")):
             request = TaskRequest.model_validate_json((folder / layout.REQUEST_FILE).read_text())
-            job = Job(request, request_task(request, self.task_root), folder, order=next(self.order))
+            task, harness = request_task(request, self.task_root), HarnessSpec(request.agent.harness)
+            job = Job(request, task, harness, folder, order=next(self.order))
             for row in layout.read_lines(folder / layout.RESULTS_FILE):
                 result = SessionResult.model_validate(row)
                 job.results.setdefault(result.session_id, result)
+            job.unsent = max(request.num_samples - len(job.results), 0)
+            job.next_index = len(job.results)
             state = json.loads((folder / layout.STATE_FILE).read_text()).get("status", "running")
             job.state = state if state in ("completed", "failed", "cancelled") else "queued"
             if job.state == "queued":
-                rerun += job.remaining
+                rerun += job.unsent
             self.jobs[request.task_id] = job
         if self._wake is not None:
             self._wake.set()
@@ -185,7 +222,9 @@ class RolloutService:
 
     def submit(self, request: TaskRequest) -> None:
         """Accept a task (on disk before this returns); RequestError, Conflict or QueueFull refuse it."""
-        HarnessSpec(request.agent.harness)  # HarnessSpecError: an unknown harness, before anything is kept
+        harness = HarnessSpec(
+            request.agent.harness
+        )  # HarnessSpecError: an unknown harness, before anything is kept
         task = request_task(request, self.task_root)
         known = self.jobs.get(request.task_id)
         if known is not None and known.state in ("queued", "running"):
@@ -198,7 +237,8 @@ class RolloutService:
                 (folder / name).unlink(missing_ok=True)
         layout.write_durable(folder / layout.REQUEST_FILE, request.model_dump_json())
         layout.write_durable(folder / layout.STATE_FILE, json.dumps({"status": "running"}))
-        self.jobs[request.task_id] = Job(request, task, folder, order=next(self.order))
+        job = Job(request, task, harness, folder, order=next(self.order), unsent=request.num_samples)
+        self.jobs[request.task_id] = job
         self.events.publish({"type": "task", "task_id": request.task_id, "status": "queued"})
         assert self._wake is not None
         self._wake.set()
@@ -213,11 +253,10 @@ class RolloutService:
         if job is None:
             return None
         if job.state in ("queued", "running"):
-            job.state = "cancelled"
-            if job.runner is not None:
-                job.runner.cancel()
-                await asyncio.gather(job.runner, return_exceptions=True)
-            await asyncio.gather(*job.pending, return_exceptions=True)
+            job.state, job.unsent = "cancelled", 0
+            await self.pool.cut_group(task_id)
+            while job.inflight:  # cut sessions end at once; results being written are kept
+                await asyncio.sleep(0.05)
             self._set_state(job, "cancelled")
         return job.status()
 
@@ -226,94 +265,99 @@ class RolloutService:
         return {
             "status": "ok",
             "tasks": {state: states.count(state) for state in sorted(set(states))},
-            "running_sessions": self._running_sessions(),
+            "running_sessions": self._in_flight(),
             "max_sessions": self.max_sessions,
             "gateways": len(self.endpoints),
         }
 
     # -- running ------------------------------------------------------------------------------------------------
 
-    def _running_sessions(self) -> int:
-        return sum(self._width(job) for job in self.jobs.values() if job.state == "running")
-
-    def _width(self, job: Job) -> int:
-        return max(1, min(job.remaining, self.max_sessions))
+    def _in_flight(self) -> int:
+        """Sessions holding a RUN slot: a session being evaluated, or its result written, leaves it (as the
+        runner's RUN worker moves on at POST-RUN)."""
+        return sum(stage not in ("post", "done") for stage in self._stages.values())
 
     async def _dispatch(self) -> None:
         assert self._wake is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            queued = sorted(
-                (job for job in self.jobs.values() if job.state == "queued"),
+            ready = sorted(
+                (job for job in self.jobs.values() if job.state in ("queued", "running") and job.unsent),
                 key=lambda job: (-job.request.dispatch_priority, job.order),
             )
-            for job in queued:
-                running = self._running_sessions()
-                if running and running + self._width(job) > self.max_sessions:
-                    break  # in priority order: a later, smaller task does not overtake this one
-                job.state = "running"
-                job.runner = asyncio.create_task(self._run(job))
+            for job in ready:
+                while job.unsent and self._in_flight() < self.max_sessions:
+                    self._send(job)
+                if job.unsent:
+                    break  # in priority order: a later task does not overtake this one
+            for job in self.jobs.values():
+                self._maybe_done(job)
 
-    async def _run(self, job: Job) -> None:
+    def _send(self, job: Job) -> None:
+        job.state, job.unsent = "running", job.unsent - 1
+        index, job.next_index = job.next_index, job.next_index + 1
+        s = SessionRun(
+            task=job.task, index=index, session_id=f"{job.task.task_id}-{index}-{uuid.uuid4().hex[:8]}"
+        )
+        job.inflight.add(s.session_id)
+        self._owner[s.session_id] = job
+        self._stages[s.session_id] = s.stage
+        self._publish_session(job, s.session_id, SessionStatus.REGISTERED)
+        running = asyncio.create_task(self._session(job, s))
+        self._sessions.add(running)
+        running.add_done_callback(self._sessions.discard)
+
+    async def _session(self, job: Job, s: SessionRun) -> None:
         try:
-            if job.remaining:
-                await self._sessions(job)
-            await asyncio.gather(*job.pending, return_exceptions=True)
-            if job.state == "running":
-                self._set_state(job, "completed")
+            await self.pool.submit(s, job.harness)
+            if s.status and s.status != "cut":
+                await self._finished(job, s)
         except asyncio.CancelledError:
-            if job.state == "running":  # the service is closing: `--resume` runs the rest
-                job.state = "queued"
             raise
-        except Exception as exc:  # a bug of ours or a dead gateway: the task fails, the service goes on
-            logger.exception("task %s failed", job.request.task_id)
-            job.state = "failed"
-            self._set_state(job, "failed", error=f"{type(exc).__name__}: {exc}")
+        except Exception:  # a bug of ours: the session is lost, said; the service goes on
+            logger.exception("session %s of task %s", s.session_id, job.request.task_id)
         finally:
+            job.inflight.discard(s.session_id)
+            self._owner.pop(s.session_id, None)
+            self._stages.pop(s.session_id, None)
+            self.pool.forget(s)
+            self._early_stop(job)
             assert self._wake is not None
             self._wake.set()
 
-    async def _sessions(self, job: Job) -> None:
-        request = job.request
-        config = RolloutConfig(
-            group_size=job.remaining,
-            concurrency=self._width(job),
-            init_workers=min(2, job.remaining),
-            post_workers=min(2, job.remaining),
-            ready_buffer=0,
-            keep=request.early_stop_min_usable_sessions,
-            workspace_root=self.work / "workspaces",
-            log_dir=self.work / "logs",
-        )
-        rollout = Rollout([job.task], HarnessSpec(request.agent.harness), self.endpoints, config)
-        seen: dict[str, str] = {}
+    def _early_stop(self, job: Job) -> None:
+        wanted = job.request.early_stop_min_usable_sessions
+        if (
+            wanted is not None
+            and job.state == "running"
+            and len(job.results) >= wanted
+            and job.unsent + len(job.inflight)
+        ):
+            job.unsent = 0
+            asyncio.get_running_loop().create_task(self.pool.cut_group(job.task.task_id))
 
-        def on_update(sessions: list[SessionRun]) -> None:
-            for s in sessions:
-                if seen.get(s.session_id) == s.stage:
-                    continue
-                seen[s.session_id] = s.stage
-                if s.stage == "done" and s.status:
-                    built = asyncio.get_running_loop().create_task(self._finished(job, s))
-                    job.pending.add(built)
-                    built.add_done_callback(job.pending.discard)
-                elif s.stage in STAGE_STATUS:
-                    status = STAGE_STATUS[s.stage]
-                    self._publish_session(job, s.session_id, status)
+    def _maybe_done(self, job: Job) -> None:
+        if job.state == "running" and not job.unsent and not job.inflight:
+            self._set_state(job, "completed")
 
-        for s in rollout.sessions:  # the runner says nothing until a session starts
-            seen[s.session_id] = s.stage
-            self._publish_session(job, s.session_id, SessionStatus.REGISTERED)
-        rollout.on_update = on_update
-        await rollout.run()
+    def _on_update(self, sessions: list[SessionRun]) -> None:
+        for s in sessions:
+            job = self._owner.get(s.session_id)
+            if job is None or self._stages.get(s.session_id) == s.stage:
+                continue
+            self._stages[s.session_id] = s.stage
+            if s.stage in STAGE_STATUS:
+                self._publish_session(job, s.session_id, STAGE_STATUS[s.stage])
+            if s.stage in ("post", "done") and self._wake is not None:
+                self._wake.set()  # its RUN slot is free
 
     async def _finished(self, job: Job, s: SessionRun) -> None:
         result = await asyncio.to_thread(self._result, job, s)
-        if job.state == "cancelled" and result.session_id in job.results:
-            return
-        await asyncio.to_thread(layout.append_durable, job.folder / layout.RESULTS_FILE, result.model_dump())
-        job.results[result.session_id] = result  # reported only once it is on disk
+        async with job.writing:  # the file and the status list the results in one order
+            row = result.model_dump(mode="json")
+            await asyncio.to_thread(layout.append_durable, job.folder / layout.RESULTS_FILE, row)
+            job.results[result.session_id] = result  # reported only once it is on disk
         self._publish_session(job, result.session_id, result.status, reward=_reward(result))
         if job.request.callback_url:
             sending = asyncio.create_task(_post_with_retries(job.request.callback_url, result))

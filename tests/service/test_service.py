@@ -168,7 +168,9 @@ def test_a_full_queue_is_429_a_running_id_409_and_cancel_keeps_what_finished(ser
     pids = tmp_path / "pids"
     pids.mkdir()
     slow = cmd_request(
-        "slow", f"if [ {{index}} = 1 ]; then echo $$ > {pids}/slow.pid; sleep 120; fi", samples=2
+        "slow",
+        f"if [ {{index}} = 1 ]; then echo $$ > {pids}/slow.pid; sleep 120; else sleep 2; fi",
+        samples=2,
     )
     with Client(url, token=TOKEN) as client:
         client.submit(slow)  # both sessions run (--max-sessions 2): later tasks wait
@@ -316,7 +318,7 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
         with Client(url, token=TOKEN) as client:
             again = client.status("fast")
             assert again.status == "completed"
-            assert [r.session_id for r in again.results] == [r.session_id for r in fast.results]
+            assert [r.session_id for r in again.results] == [r.session_id for r in fast.results]  # each once
             slow = client.wait("slow", timeout=90)
         assert (slow.status, slow.completed_sessions) == ("completed", 2)
     finally:

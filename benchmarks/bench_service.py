@@ -1,0 +1,144 @@
+"""The rollout service's overhead over the in-process runner, side by side in one run.
+
+The same sessions both ways: `--sessions` sessions of a `cmd:` harness that sleeps `--sleep` seconds (so the
+harness, not the model, sets the pace), `--group` per task, `--concurrency` at once. In-process: the staged runner
+(`Rollout`, what `polar-mitm rollout` runs) against a gateway. Service: `polar-mitm serve-rollouts` on the same
+machine, every task submitted at once over HTTP with our `Client`, polled until each finishes. Reported: the wall
+time of all sessions, sessions/s, the time to the first finished result, the added time per session, and their
+ratios to the in-process run.
+
+    .venv/bin/python benchmarks/bench_service.py [--sessions 256] [--group 4] [--concurrency 64] [--sleep 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from polar_mitm.processes import ports
+from polar_mitm.rollout.cli import capture_stack
+from polar_mitm.rollout.harness_spec import HarnessSpec
+from polar_mitm.rollout.runner import Rollout, RolloutConfig
+from polar_mitm.service.client import Client
+from polar_mitm.service.task_requests import line_to_request
+from polar_mitm.tasks.task_file import parse_task
+
+TOKEN = "bench-token"
+
+
+def lines(sessions: int, group: int) -> list[dict]:
+    return [
+        {"task_id": f"t{k}", "prompt": "p", "eval": "true", "timeouts": {"run": 120}}
+        for k in range(max(sessions // group, 1))
+    ]
+
+
+def in_process(args, work: Path) -> dict[str, float]:
+    work.mkdir(parents=True)
+    tasks = [parse_task(line, work) for line in lines(args.sessions, args.group)]
+    config = RolloutConfig(
+        group_size=args.group,
+        concurrency=args.concurrency,
+        ready_buffer=0,
+        workspace_root=work / "workspaces",
+    )
+    first: list[float] = []
+    with capture_stack(
+        work / "flows",
+        engine=None,
+        model="tiny",
+        script=None,
+        gateway_url=None,
+        gateway_proxy=None,
+        ca_bundle=None,
+        work=work,
+    ) as (endpoints, _):
+        rollout = Rollout(tasks, HarnessSpec(f"cmd:sleep {args.sleep}"), endpoints, config)
+        started = time.perf_counter()
+
+        def on_update(
+            sessions,
+        ):  # the first whole group, as the service reports a task once all of it is done
+            if not first and any(all(s.stage == "done" for s in group) for group in rollout.groups.values()):
+                first.append(time.perf_counter() - started)
+
+        rollout.on_update = on_update
+        summary = asyncio.run(rollout.run())
+        wall = time.perf_counter() - started
+    assert len(summary.sessions) == len(tasks) * args.group
+    return {"wall": wall, "first": first[0], "sessions": len(summary.sessions)}
+
+
+def via_service(args, work: Path) -> dict[str, float]:
+    port = ports.free_port()
+    env = {**os.environ, "POLAR_SERVICE_TOKEN": TOKEN}
+    argv = [sys.executable, "-m", "polar_mitm.cli", "serve-rollouts", "--out", str(work), "--port", str(port)]
+    argv += ["--max-sessions", str(args.concurrency), "--queue-limit", str(args.sessions)]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if (
+                    httpx.get(url + "/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code
+                    == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        requests = [
+            line_to_request(line, f"cmd:sleep {args.sleep}", num_samples=args.group)
+            for line in lines(args.sessions, args.group)
+        ]
+        with Client(url, token=TOKEN) as client:
+            started = time.perf_counter()
+            for request in requests:
+                client.submit(request)
+            first, done = None, 0
+            for status in client.results([r.task_id for r in requests]):
+                first = first or time.perf_counter() - started
+                done += status.completed_sessions
+            wall = time.perf_counter() - started
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    return {"wall": wall, "first": first or 0.0, "sessions": done}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--sleep", type=float, default=0.5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = in_process(args, Path(tmp) / "in-process")
+        served = via_service(args, Path(tmp) / "service")
+    print(
+        f"{args.sessions} sessions ({args.group} per task), {args.concurrency} at once, each `sleep {args.sleep}`"
+    )
+    print(f"{'':24}{'in-process':>12}{'service':>12}{'ratio':>8}")
+    for name, key in (("wall (s)", "wall"), ("first group (s)", "first")):
+        print(f"{name:24}{base[key]:12.2f}{served[key]:12.2f}{served[key] / base[key]:8.2f}")
+    rate_base, rate_served = base["sessions"] / base["wall"], served["sessions"] / served["wall"]
+    print(f"{'sessions/s':24}{rate_base:12.1f}{rate_served:12.1f}{rate_served / rate_base:8.2f}")
+    added_ms = (served["wall"] - base["wall"]) / args.sessions * 1000
+    print(
+        f"added per session: {added_ms:+.1f} ms (the goal: ≤ 5 ms); sessions: {base['sessions']} / {served['sessions']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
