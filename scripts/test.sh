@@ -20,6 +20,7 @@ bash scripts/setup-openhands.sh  # on Python 3.12 (pyenv's, or POLAR_OPENHANDS_P
 bash scripts/setup-cline.sh  # npm harnesses installed per harness (.harness-cline, .harness-kilo, .harness-openclaw)
 bash scripts/setup-kilo.sh
 bash scripts/setup-openclaw.sh
+bash scripts/setup-verl.sh  # verl (CPU) in .venv-verl: the rollout service's verl agent loop is tested against it
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .  # both modes, before the suite: pyproject's [tool.ruff] rules (ruff: the test extra)
 .venv/bin/ruff format --check .  # the tree stays as `ruff format .` writes it

@@ -323,3 +323,62 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
         assert (slow.status, slow.completed_sessions) == ("completed", 2)
     finally:
         stop(proc)
+
+
+VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"  # scripts/setup-verl.sh
+VERL_RUN = """
+import asyncio, json, sys
+import hydra
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+from verl.utils.dataset.rl_dataset import RLHFDataset
+import polar_mitm.service.verl_agent_loop  # registers `polar_mitm`
+
+url, tokenizer, line = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+config = OmegaConf.create(
+    {"actor_rollout_ref": {"rollout": {"polar_mitm": {"url": url, "harness": "sdk:openai_chat"}}}, "data": {}}
+)
+loop = hydra.utils.instantiate(  # as verl's AgentLoopWorker makes each agent loop
+    config=_agent_loop_registry["polar_mitm"],
+    trainer_config=DictConfigWrap(config=config),
+    server_manager=None,
+    tokenizer=AutoTokenizer.from_pretrained(tokenizer),
+    processor=None,
+    hf_model_type=None,
+    dataset_cls=RLHFDataset,
+    data_config=DictConfigWrap(config.data),
+)
+row = {"raw_prompt": [{"role": "user", "content": line["prompt"]}], "extra_info": {"polar_task": line}}
+output = asyncio.run(loop.run({"temperature": 1.0}, **row))
+print("OUTPUT " + json.dumps({**output.model_dump(exclude={"metrics"}), "type": type(output).__name__}))
+"""
+
+
+def test_verl_agent_loop_returns_verls_own_output_token_for_token(service, tiny_model_dir):
+    """verl's real types on CPU: its registry instantiates our loop, which runs one SDK session through the
+    service; the AgentLoopOutput is the session's records, merged."""
+    url, out = service
+    line = json.loads((EXAMPLES / "tasks.jsonl").read_text().splitlines()[0])
+    line["workspace"]["dir"] = str(EXAMPLES / line["workspace"]["dir"])
+    env = {**os.environ, "POLAR_SERVICE_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [str(VERL_PYTHON), "-c", VERL_RUN, url, str(tiny_model_dir), json.dumps(line)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = json.loads(done.stdout.split("OUTPUT ", 1)[1])
+    assert output["type"] == "AgentLoopOutput"
+    session = output["extra_fields"]["polar_session_id"]
+    records = read_all(out / FLOWS_DIR)
+    mine = records.filter(pc.equal(records["session_id"], session))
+    [expected] = list(sequences_in(merge_table(mine, eot_token_id=151645)[0], "merge"))
+    assert output["prompt_ids"] + output["response_ids"] == expected.input_ids
+    assert output["response_mask"] == expected.loss_mask[expected.prompt_len :]
+    sampled = [lp for lp, m in zip(expected.logprobs, expected.loss_mask, strict=True) if m]
+    got = [lp for lp, m in zip(output["response_logprobs"], output["response_mask"], strict=True) if m]
+    assert got == pytest.approx(sampled, abs=1e-6)
+    assert output["reward_score"] in (0.0, 1.0) and output["num_turns"] >= 3
