@@ -11,22 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.compute as pc
-
 from polar_mitm.reconstruct.merge import merge_table, recorded_eot
 from polar_mitm.service.models import Trace
 from polar_mitm.storage.merged import sequences_in
-from polar_mitm.storage.records import read_all
+from polar_mitm.storage.records import read_session
 
 
 def session_traces(
     flows: Path, session_id: str, reward: float | None, builder: str, eot_token_id: int | None
 ) -> list[Trace]:
     """The traces of `session_id`'s records under `flows` (live journals included), rewarded `reward`."""
-    records = read_all(flows)
-    if records.num_rows == 0:
-        return []
-    mine = records.filter(pc.equal(records["session_id"], session_id))
+    mine = read_session(flows, session_id)
     if mine.num_rows == 0:
         return []
     table, _ = merge_table(mine, builder=builder, eot_token_id=eot_token_id, check=True)

@@ -513,6 +513,32 @@ def read_all(location: str | Path, *, include_journal: bool = True) -> pa.Table:
     return result.table
 
 
+def read_session(location: str | Path, session_id: str) -> pa.Table:
+    """One session's records at `location` (shards and live journals), each shard read with a filter on
+    `session_id` (its row groups' statistics skip the rest): what the rollout service reads as each session ends,
+    while the folder grows."""
+    if not Location.of(location).exists:
+        return RECORD_SCHEMA.empty_table()
+    tables = []
+    for source in list_sources([location]).sources:
+        if source.table is not None:
+            tables.append(source.table.filter(pc.equal(source.table["session_id"], session_id)))
+            continue
+        try:
+            tables.append(
+                pq.read_table(
+                    source.name,
+                    filesystem=source.filesystem,
+                    schema=RECORD_SCHEMA,
+                    filters=[("session_id", "==", session_id)],
+                )
+            )
+        except (OSError, pa.ArrowException) as exc:
+            log.warning("%s: unreadable (%s), skipped", source.name, one_line(exc))
+    tables = [t for t in tables if t.num_rows]
+    return pa.concat_tables(tables) if tables else RECORD_SCHEMA.empty_table()
+
+
 def last_seq_by_session(
     out_dir: str | Path, on_unreadable: Callable[[Path, str], None] | None = None
 ) -> dict[str, int]:
