@@ -127,6 +127,18 @@ def merge_command(
     console.print(summary_table(summary, output))
 
 
+def recorded_tokenizer(data: str) -> str | None:
+    """The tokenizer the gateway recorded for the records a merged folder came from (its summary names their
+    `_engine.json`), when that path exists here."""
+    try:
+        summary = json.loads((Path(data) / SUMMARY_FILE).read_text())
+        engine = json.loads(Path(str(summary.get("eot_source") or "")).read_text())
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    path = engine.get("tokenizer_path") if isinstance(engine, dict) else None
+    return str(path) if path and Path(str(path)).is_dir() else None
+
+
 def holds_merged_output(output: str) -> bool:
     """Does `output` already hold a merge's shards or summary?"""
     try:
@@ -310,8 +322,12 @@ def show_command(
     ident: Annotated[str, typer.Argument(metavar="ID", help="A sequence id, a session id, or a request id.")],
     data: Annotated[str, typer.Option(help="Merged shards (folder, file or URI).")] = "merged/",
     tokenizer: Annotated[
-        str, typer.Option(help="Tokenizer directory or `tiny`/`smollm2` to decode with; `none` prints ids.")
-    ] = "tiny",
+        str | None,
+        typer.Option(
+            help="Tokenizer directory or `tiny`/`smollm2` to decode with (default: the one the gateway recorded "
+            "for these records, else tiny); `none` prints ids."
+        ),
+    ] = None,
     logprobs: Annotated[bool, typer.Option("--logprobs", help="Show each sampled token's logprob.")] = False,
     full: Annotated[bool, typer.Option("--full", help="Do not elide long context runs.")] = False,
 ) -> None:
@@ -328,6 +344,7 @@ def show_command(
         )
         raise typer.Exit(1)
     tok = None
+    tokenizer = tokenizer or recorded_tokenizer(data) or "tiny"
     if tokenizer.lower() != "none":
         from polar_mitm.reconstruct.merge import load_tokenizer
 

@@ -132,13 +132,14 @@ def recorded_eot(inputs: Sequence[str]) -> tuple[int, str] | None:
         if info is None:
             continue
         if isinstance(info.get("eot_token_id"), int):
-            found.setdefault(info["eot_token_id"], f"{directory}/{ENGINE_FILE}")
+            found.setdefault(info["eot_token_id"], f"{directory.rstrip('/')}/{ENGINE_FILE}")
         elif info.get("tokenizer_path"):
             try:
                 token_id = eot_from_tokenizer(shared_tokenizer(str(info["tokenizer_path"])))
             except (OSError, ValueError):  # a path on the engine's machine, not this one: no answer from it
                 continue
-            found.setdefault(token_id, f"tokenizer {info['tokenizer_path']} (from {directory}/{ENGINE_FILE})")
+            where = f"{directory.rstrip('/')}/{ENGINE_FILE}"
+            found.setdefault(token_id, f"tokenizer {info['tokenizer_path']} (from {where})")
     if len(found) > 1:
         raise MergeError(
             f"the inputs were recorded from engines with different end-of-turn ids ({sorted(found)}): "
