@@ -23,7 +23,8 @@ computed, padding fraction (1 - useful / computed, as counted from the micro-bat
 wall time, useful tokens/s and the speed-up over today, and the same per CPU second (the process's CPU time: steadier
 than wall time while other jobs share the cores). Targets (issue 24): padding ≤ 5% and ≥ 2× today's
 tokens/s. `--flat-groups N` adds N groups whose sessions all pass: dynamic sampling leaves them out of the grouped
-paths (today trains them), which shortens the iteration without changing tokens/s.
+paths (today trains them), which shortens the iteration without changing tokens/s. The grouped paths also print
+each step's loss normaliser and the spread of a token's weight between steps (`--token-normaliser step|run`).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def trainer_classes():
                 if isinstance(v, torch.Tensor)
             }
 
-        def _weigh_for_micro_batches(self, advantages, loss_mask, plan):
-            return advantages  # TRL's normalisers as they were
+        def _weigh_for_micro_batches(self, advantages, loss_mask, plan, session_weight, mode):
+            return advantages, None  # TRL's normalisers as they were
 
     return CountingTrainer, TodayTrainer
 
@@ -161,6 +162,7 @@ def run_path(path: str, sequences: list, model_dir: Path, out: Path, args: argpa
         check_behaviour_logps=False,  # the same one-off forward for every path: not part of the step
         batch_layout="packed" if path == "grouped+packed" else "padded",
         dataloader_pin_memory=False,
+        token_normaliser=args.token_normaliser,
     )
     trainer = (today if path == "today" else counting)(
         str(model_dir), args=config, train_data=build_training_data(sequences)
@@ -182,6 +184,7 @@ def run_path(path: str, sequences: list, model_dir: Path, out: Path, args: argpa
         "cpu_seconds": cpu_seconds,
         "tokens_per_cpu_s": trainer.useful / cpu_seconds,
         "logged_padding": [round(s.get("padding_fraction", float("nan")), 4) for s in steps],
+        "normalisers": [s["batch/loss_normaliser"] for s in steps if "batch/loss_normaliser" in s],
     }
 
 
@@ -204,6 +207,12 @@ def print_table(results: list[dict]) -> None:
         )
     logged = {r["path"]: r["logged_padding"] for r in results if r["path"] != "today"}
     print(f"the trainer's own padding_fraction metric, per step: {json.dumps(logged)}")
+    for r in results:
+        if r["normalisers"]:  # a token's weight in its step's loss is 1 / the step's normaliser
+            spread = max(r["normalisers"]) / min(r["normalisers"])
+            print(
+                f"loss normaliser per step ({r['path']}): {r['normalisers']}, per-token weight spread {spread:.2f}×"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads (1: steady figures while other jobs share the cores)",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep each run's metrics.jsonl here")
+    parser.add_argument(
+        "--token-normaliser",
+        choices=("step", "run"),
+        default="step",
+        help="dapo's normaliser: each step's loss tokens, or the run's constant (the spread is printed)",
+    )
     args = parser.parse_args(argv)
     if args.full:
         args.scale, args.sdk_tasks, args.harness_tasks = 1.0, 8, 4

@@ -43,12 +43,22 @@ class LoopCommand(ConfigOptionsCommand):
         return {LOOP_OPTIONS: field_options(LoopConfig), GRPO_OPTIONS: loop_trainer_options()}
 
 
+def trust_region_cell(r) -> str:
+    """PPO-clipped share of the loss tokens / share of stale tokens at the TIS cap ("–" where none applies)."""
+
+    def pct(value):
+        return "–" if value is None else f"{value:.0%}"
+
+    return f"{pct(r.clip_fraction)}/{pct(r.tis_capped_fraction)}"
+
+
 def iteration_table(results):
     from rich.table import Table
 
     evaluated = [r.eval for r in results if r.eval is not None]
     caption = (
-        "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); "
+        "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); clip/cap: "
+        "loss tokens PPO clipped / stale tokens at the TIS cap; "
         "groups: informative / all (+ drawn to replace flat ones)"
     )
     if evaluated:
@@ -65,6 +75,7 @@ def iteration_table(results):
         "calls",
         "seqs",
         "sampled/total tok",
+        "clip/cap",
         "seconds",
     ]
     for col in [*columns, *(["held-out"] if evaluated else [])]:
@@ -83,6 +94,7 @@ def iteration_table(results):
             str(r.requests),
             str(r.sequences),
             f"{r.trainable_tokens}/{r.total_tokens}",
+            trust_region_cell(r),
             f"{s['rollout']:.0f}/{s['merge']:.0f}/" + ("skip" if r.train_skipped else f"{s['train']:.0f}"),
             *held_out,
         )

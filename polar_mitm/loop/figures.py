@@ -44,6 +44,11 @@ class IterationStats:
     call_staleness: dict[str, int] = field(default_factory=dict)
     # every group was flat: no optimizer step, the weights stayed (training.py's IterationTraining.skipped)
     train_skipped: bool = False
+    # The training's trust region (`training_fractions`): the share of its loss tokens PPO's clip clipped (0 with
+    # num_iterations 1, where the clip never acts), and of its stale tokens the TIS cap held at stale_is_clip_max.
+    # None: no training, or no stale token.
+    clip_fraction: float | None = None
+    tis_capped_fraction: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
@@ -135,6 +140,27 @@ def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
         if row["session_id"] in trained:
             counts[str(version_distance(base_version, row["weight_version"]))] += 1
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+def training_fractions(metrics_file: Path) -> dict[str, float | None]:
+    """A training's clip and TIS-cap fractions (IterationStats' `clip_fraction`, `tis_capped_fraction`) from its
+    metrics.jsonl: PPO's clipped share weighted by each step's loss tokens; the capped stale tokens over all stale
+    tokens."""
+    from polar_mitm.train.metrics import read_metrics
+
+    steps = [row for row in read_metrics(metrics_file) if "loss" in row] if metrics_file.exists() else []
+    clipped = [
+        (row["clip_ratio/region_mean"], row.get("batch/loss_tokens", 1.0))
+        for row in steps
+        if "clip_ratio/region_mean" in row
+    ]
+    tokens = sum(weight for _, weight in clipped)
+    stale = sum(row.get("importance_weight/stale_tokens", 0.0) for row in steps)
+    capped = sum(row.get("importance_weight/capped_tokens", 0.0) for row in steps)
+    return {
+        "clip_fraction": sum(value * weight for value, weight in clipped) / tokens if tokens else None,
+        "tis_capped_fraction": capped / stale if stale else None,
+    }
 
 
 def stats_from_json(row: dict[str, Any]) -> IterationStats:

@@ -52,6 +52,7 @@ from polar_mitm.loop.figures import (
     eval_metrics,
     iteration_stats,
     stats_from_json,
+    training_fractions,
 )
 from polar_mitm.loop.overlap import RolloutsAhead
 from polar_mitm.loop.progress import LoopProgress, NoProgress
@@ -85,6 +86,7 @@ from polar_mitm.storage.run_layout import (
     LOOP_FILE,
     RUN_STATE_DIR,
     START_EVAL_DIR,
+    TRAIN_DIR,
     iteration_dir,
 )
 from polar_mitm.tasks.task_file import Task, load_tasks
@@ -212,6 +214,14 @@ class Loop:
         stats = iteration_stats(k, trained.weight_version, data.rollout.summary, data.merge.figures, seconds)
         stats.call_staleness = call_staleness(iteration_dir(self.cfg.run_dir, k), trained.base_weight_version)
         stats.train_skipped = trained.skipped
+        if (
+            not trained.skipped
+        ):  # how much the trust region acted: PPO's clip, and the TIS cap on stale tokens
+            fractions = training_fractions(iteration_dir(self.cfg.run_dir, k) / TRAIN_DIR / "metrics.jsonl")
+            stats.clip_fraction, stats.tis_capped_fraction = (
+                fractions["clip_fraction"],
+                fractions["tis_capped_fraction"],
+            )
         stats.eval = self._eval_stage(k)
         return stats
 

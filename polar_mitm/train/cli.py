@@ -90,11 +90,11 @@ def grpo_command(
         fields["learning_rate"], said = default_learning_rate(model_dir)
         if is_main_process():
             console.print(said)
-    if is_main_process():
-        print_data_stats(train_data.stats.to_dict())
     config = grpo_config(fields, output_dir=output_dir, save_steps=save_steps, report_to=report_to)
     peft_config = lora_config(lora_r, lora_alpha, lora_target_modules) if lora else None
     trainer = PolarGRPOTrainer(str(model_dir), args=config, train_data=train_data, peft_config=peft_config)
+    if is_main_process():  # after the batch plan, which adds its counts (split_groups, zero_advantage_*)
+        print_data_stats(train_data.stats.to_dict())
     attach_engine_push(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     saved = trainer.save_final()
@@ -207,6 +207,7 @@ def is_main_process() -> bool:
 
 
 def print_data_stats(stats: dict) -> None:
+    """The data summary as data_stats.json has it (printed once the trainer's batch plan has added its counts)."""
     table = Table(title="training data", show_header=False)
     for key, value in stats.items():
         table.add_row(key, str(value))

@@ -34,7 +34,10 @@ TRL_OPTIONS: dict[str, FieldOption] = {
     "epsilon": FieldOption(help="Lower clip range of the ratio."),
     "epsilon_high": FieldOption(),  # redefined by PolarGRPOConfig (CISPO's own default)
     "delta": FieldOption(),  # redefined by PolarGRPOConfig (on by default)
-    "beta": FieldOption(help="KL coefficient to the starting model (0: no reference)."),
+    "beta": FieldOption(
+        help="KL coefficient to the reference model (0: no reference): the run's initial model in `polar-mitm "
+        "loop`, see --reference-model and --kl-estimator."
+    ),
     "scale_rewards": FieldOption(help="mean_std scaling: group | batch | none."),
     "importance_sampling_level": FieldOption(help="Ratio per token or per sequence (GSPO)."),
     "num_iterations": FieldOption(help="Optimizer passes over each batch (PPO epochs)."),

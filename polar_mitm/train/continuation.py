@@ -6,7 +6,8 @@ fresh every time, so the optimizer cannot live on in memory: each training saves
 at its start. `run_state_dir` holds transformers' own checkpoint files for the optimizer (AdamW moments and
 per-parameter step counts, `optimizer.pt`) and the LR scheduler (`scheduler.pt`), the LoRA adapter when there is one
 (`adapter/`; full weights travel as the checkpoint the next training starts from), and `run_state.json` (`RunState`):
-the trainings and optimizer steps so far and the LR schedule's horizon, fixed by the first training.
+the trainings and optimizer steps so far, the LR schedule's horizon and the loss normalisers' constants
+(train/normalisers.py), fixed by the first training.
 
 The trainings of a run take different numbers of optimizer steps (dynamic sampling leaves 1 step in one iteration, 8
 in the next), so a horizon of "the first training's steps × the trainings" would end too early or too late. Unless
@@ -32,7 +33,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,9 @@ class RunState:
     save_seconds: float = 0.0  # what the last save of the directory took
     state_bytes: int = 0  # and how large the directory was
     policy_weight_version: str | None = None  # the version of the weights the last training left
+    # Loss normalisers that are constants of the run (train/normalisers.py), fixed by the first training using them.
+    dr_grpo_constant: int | None = None
+    loss_tokens_per_step: float | None = None
 
     @classmethod
     def load(cls, directory: str | Path | None) -> RunState:
@@ -299,7 +303,8 @@ class ContinuationMixin:
         if main:
             size = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
             version = getattr(self, "policy_weight_version", None)
-            state = RunState(
+            state = replace(
+                self.run_state,
                 trainings=self.run_state.trainings + 1,
                 optimizer_steps=self.run_state.optimizer_steps + self.state.global_step,
                 schedule_steps=self.schedule_steps,

@@ -21,6 +21,7 @@ from typing import Literal, get_args
 from trl import GRPOConfig
 
 from polar_mitm.train.advantages import AdvantageEstimator
+from polar_mitm.train.kl import KL_ESTIMATORS, KLEstimator
 
 STALE_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)  # the one set: train/advantages.py
@@ -60,8 +61,9 @@ NO_EFFECT_ON_RECORDED: dict[str, str] = {
 class PolarGRPOConfig(GRPOConfig):
     r"""Configuration for [`PolarGRPOTrainer`]: GRPO on pre-recorded (merged) rollouts.
 
-    Defaults that differ from TRL's `GRPOConfig`: `bf16=False` and `activation_checkpointing=False` (exact fp32
-    logprobs on CPU; turn them on for large models on GPU), `logging_steps=1`, `save_strategy="no"` (the command
+    Defaults that differ from TRL's `GRPOConfig`: `bf16=False` (exact fp32 logprobs; turn it on for large models on
+    GPU) and `activation_checkpointing=False` (turned on anyway where the activations would exceed
+    `memory_budget_gb`), `logging_steps=1`, `save_strategy="no"` (the command
     saves the final model), `report_to=["tensorboard"]`, and `num_generations` is set for TRL from the batch shape
     (recorded groups are formed by `task_id`, not by the sampler — see `group_size`).
     """
@@ -76,7 +78,11 @@ class PolarGRPOConfig(GRPOConfig):
     )
     activation_checkpointing: bool | None = field(
         default=False,
-        metadata={"help": "Recompute activations in the backward pass (saves memory on long sequences)."},
+        metadata={
+            "help": "Recompute activations in the backward pass (saves memory on long sequences, for ~1.6x the step "
+            "time). Off, it is still turned on where memory says so: when the estimated activation memory of "
+            "the largest micro-batch exceeds `memory_budget_gb` (see there); the log says when it is chosen."
+        },
     )
     gradient_checkpointing: bool | None = field(
         default=None,
@@ -163,6 +169,29 @@ class PolarGRPOConfig(GRPOConfig):
         },
     )
 
+    memory_budget_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "GB the activations of one micro-batch may take before activation checkpointing is turned on "
+            "(estimated as its tokens x the model's activation bytes per token, measured on the model with a "
+            "short probe forward at the start). Default: the memory free on the training device (CUDA: free "
+            "GPU memory; CPU: MemAvailable) less the weights, gradients and AdamW state. `inf`: never turn it "
+            "on by memory. Ignored when activation_checkpointing is set."
+        },
+    )
+
+    kl_estimator: KLEstimator = field(
+        default="k2",
+        metadata={
+            "help": "The KL penalty's estimator (beta > 0), with d = log pi - log pi_ref on the loss tokens: k1 = d, "
+            "k2 = d^2 / 2, k3 = exp(-d) + d - 1 (TRL's). Their values all estimate KL(pi || pi_ref); as a loss "
+            "their gradients differ: k2's is the gradient of KL(pi || pi_ref) (the reverse KL, the default), "
+            "k3's that of KL(pi_ref || pi) (the forward KL), k1's is 0 in expectation (noise only). Stale rows "
+            "take the same importance weight as their policy term, and the KL term the policy term's "
+            "normaliser. Logged per step as `kl` (this estimator) and `kl/k1`, `kl/k2`, `kl/k3`."
+        },
+    )
+
     # -- one optimizer across trainings -----------------------------------------------------------------------------
     run_state_dir: str | None = field(
         default=None,
@@ -189,6 +218,37 @@ class PolarGRPOConfig(GRPOConfig):
             "help": "The LR schedule's length in optimizer steps over the whole run (warmup included), when "
             "known: one schedule step per optimizer step, no re-planning (see lr_schedule_trainings). Steps "
             "past it keep the last LR, with a warning."
+        },
+    )
+
+    # -- loss normalisers (train/normalisers.py) ---------------------------------------------------------------------
+    dr_grpo_constant: int | None = field(
+        default=None,
+        metadata={
+            "help": "Dr. GRPO's constant L, the completion budget in loss tokens: loss_type dr_grpo divides each "
+            "optimizer step's sum of token losses by L x the step's row capacity (per-device batch x "
+            "processes x gradient_accumulation_steps), so every token weighs the same in every step and "
+            "training. Default: the most loss tokens of a row in the run's first training, fixed then and "
+            "recorded in run_state_dir (run_state.json) for the later trainings to reuse."
+        },
+    )
+    token_normaliser: Literal["step", "run"] = field(
+        default="step",
+        metadata={
+            "help": "What the token-level losses (dapo, bnpo, cispo, vespo) divide an optimizer step's sum of token "
+            "losses by. `step` (DAPO's token mean): the step's own loss tokens — every token of a step weighs "
+            "the same, but steps hold length-sorted groups, so a token of a step of short rows weighs more "
+            "than one of a step of long rows (4.6x between the 3 steps of benchmarks/bench_train_step.py). "
+            "`run`: a constant of the run, the expected loss tokens per step (`loss_tokens_per_step`), so "
+            "every token weighs the same in every step and training."
+        },
+    )
+    loss_tokens_per_step: float | None = field(
+        default=None,
+        metadata={
+            "help": "The constant of token_normaliser=run. Default: the loss tokens of the run's first training "
+            "divided by its optimizer steps, fixed then and recorded in run_state_dir (run_state.json) for "
+            "the later trainings to reuse."
         },
     )
 
@@ -239,7 +299,7 @@ class PolarGRPOConfig(GRPOConfig):
             "session one unit of weight shared by its sequences (per_request rows, broken "
             "prefix_merging chains), scaled so the mean row weight is 1. Without it a session split "
             "into 30 sequences counts 30 times. Token-level losses (`dapo`, `bnpo`, `dr_grpo`, `cispo`, "
-            "`luspo`, `vespo`) weigh tokens and need no correction. The KL term is not reweighted."
+            "`luspo`, `vespo`) weigh tokens and need no correction. The KL term takes the same weights."
         },
     )
 
@@ -360,10 +420,11 @@ class PolarGRPOConfig(GRPOConfig):
             raise ValueError("lr_schedule_trainings must be at least 1")
         if self.lr_schedule_steps is not None and self.lr_schedule_steps < 1:
             raise ValueError("lr_schedule_steps must be at least 1")
+        self._check_normalisers()
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}")
         # Every row carries its own columns to the trainer: TRL must not drop them.
         self.remove_unused_columns = False
-        if self.max_length is not None:
-            self.max_completion_length = self.max_length  # dr_grpo's constant normaliser
         if self.num_generations is None:
             # TRL checks that the generation batch divides into prompt groups of num_generations ≥ 2. Our groups are
             # formed by task_id before training, so any divisor works: the per-device generation batch divides the
@@ -379,6 +440,16 @@ class PolarGRPOConfig(GRPOConfig):
                 )
             self.num_generations = local
         super().__post_init__()
+
+    def _check_normalisers(self) -> None:
+        if self.dr_grpo_constant is not None and self.dr_grpo_constant < 1:
+            raise ValueError("dr_grpo_constant must be at least 1")
+        if self.token_normaliser not in ("step", "run"):
+            raise ValueError("token_normaliser must be `step` or `run`")
+        if self.loss_tokens_per_step is not None and self.loss_tokens_per_step <= 0:
+            raise ValueError("loss_tokens_per_step must be > 0")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError("memory_budget_gb must be > 0 (inf: never by memory)")
 
     def _refuse_generation_options(self) -> None:
         """One line naming a TRL option that would do nothing here, and why (see NO_EFFECT_ON_RECORDED)."""

@@ -8,19 +8,21 @@ These TRL methods are overridden (pinned to trl==1.16.0, whose internals they fo
 - `_get_per_token_logps_and_entropies`: every token scored at the temperature of the call that sampled it, of padded
   rows or of a packed row, and only the tokens the loss reads go through the LM head (train/scoring.py: on the tiny
   model's 151k vocabulary, 6–8× less CPU per step on the recorded harness sessions, benchmarks/bench_lm_head.py).
-- `_compute_loss`: logs the per-row behaviour-logprob check of each micro-batch, and makes TRL's KL exactly 0 on
-  tokens outside the loss (policy and reference logprobs there both set to the ratio anchor before TRL
-  exponentiates their differences), so a context token cannot overflow exp() into inf · 0 = NaN.
+- `_compute_loss`: logs the per-row behaviour-logprob check of each micro-batch, and runs TRL's loss without its
+  KL term, adding ours (train/kl.py: the estimator chosen, stale rows importance-weighted, the policy term's
+  normaliser, loss tokens only).
 
 and in the mixins, one concern each:
 
 - `MicroBatchMixin` (train/micro_batches.py): `_get_train_sampler` — generation batches of whole task groups
   (every optimizer step holds whole groups, so its advantages have their baseline), zero-advantage groups left out
   (train/batching.py); `_prepare_inputs` — the scored batch cut into planned micro-batches, each trimmed to its own
-  longest row or packed into one row (train/packing.py), every loss's normaliser kept the optimizer step's; and
-  `compute_loss` over a packed row.
+  longest row or packed into one row (train/packing.py), every loss's normaliser the step's (train/normalisers.py);
+  and `compute_loss` over a packed row.
 - `ContinuationMixin` (train/continuation.py): `create_scheduler`, `train` and `_save_checkpoint`, so one
   optimizer, LR schedule and KL reference last a whole loop run, and a stopped run resumes exactly.
+- `ActivationMemoryMixin` (train/activation_memory.py): at the end of the init, activation checkpointing turned on
+  when the estimated activations of the largest micro-batch exceed the memory budget.
 
 The other mixins add what those overrides call: `TokenTemperatureMixin` (train/temperature.py: TRL divides all
 logits by one `temperature`; the final hidden states are scaled per token by T_global / T_token, which divides that
@@ -28,9 +30,11 @@ token's logits by T_token exactly for an LM head without bias or soft-capping), 
 (train/behaviour_check.py: the recorded logprobs checked against the starting weights at step 0),
 `StaleRolloutMixin` (train/staleness.py: rollouts older than the current policy get the decoupled correction — the
 ratio anchored on the current weights' logprobs, each token weighted by pi_current / pi_behaviour, truncated),
-`TrainerMetricsMixin` (train/trainer_metrics.py) and `ModelSavingMixin` (train/model_saving.py).
+`LossNormaliserMixin` (train/normalisers.py: every loss's normaliser the optimizer step's, or a constant of the
+run), `KLPenaltyMixin` (train/kl.py), `TrainerMetricsMixin` (train/trainer_metrics.py) and `ModelSavingMixin`
+(train/model_saving.py).
 
-Everything else — the loss types, clipping, KL to a reference, PEFT, gradient accumulation, multi-process
+Everything else — the loss types, clipping, the reference model, PEFT, gradient accumulation, multi-process
 training through accelerate, logging — is TRL's.
 """
 
@@ -46,13 +50,16 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
+from polar_mitm.train.activation_memory import ActivationMemoryMixin
 from polar_mitm.train.batching import collate
 from polar_mitm.train.behaviour_check import BehaviourCheckMixin
 from polar_mitm.train.continuation import ContinuationMixin
 from polar_mitm.train.data import TrainingData
 from polar_mitm.train.grpo_config import PER_SEQUENCE_LOSSES, PolarGRPOConfig
+from polar_mitm.train.kl import KLPenaltyMixin
 from polar_mitm.train.micro_batches import MICRO_BATCH_PLAN, MicroBatchMixin
 from polar_mitm.train.model_saving import ModelSavingMixin
+from polar_mitm.train.normalisers import LossNormaliserMixin
 from polar_mitm.train.packing import packed_logps
 from polar_mitm.train.scoring import (
     disable_gradient_checkpointing,
@@ -77,6 +84,9 @@ def recorded_reward(completions: list[Any], reward: list[float] | None = None, *
 class PolarGRPOTrainer(
     ContinuationMixin,
     MicroBatchMixin,
+    LossNormaliserMixin,
+    KLPenaltyMixin,
+    ActivationMemoryMixin,
     BehaviourCheckMixin,
     StaleRolloutMixin,
     TokenTemperatureMixin,
@@ -99,7 +109,7 @@ class PolarGRPOTrainer(
     _tag_names = ["trl", "grpo", "polar-mitm"]
     _name = "Polar GRPO"
     _scored_positions: torch.Tensor | None = None  # the completion tokens the forward scores (_scoring_only)
-    _kl_anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (loss mask, logps outside the loss)
+    _loss_logps: list[torch.Tensor] | None = None  # the policy logprobs TRL's loss computes (_compute_loss)
 
     def __init__(
         self,
@@ -132,12 +142,11 @@ class PolarGRPOTrainer(
         )
         self.base_weight_version = args.policy_weight_version or newest_weight_version(train_data.rows)
         self._init_continuation()
-        if self.loss_type == "dr_grpo":
-            # Dr. GRPO's constant normaliser is the longest completion; here, the data's longest sequence.
-            self.max_completion_length = max(train_data.lengths())
         self._install_temperature_hooks()
         self._log_data_summary()
         self._log_batch_plan()
+        self._init_normalisers()  # after the run state and the batch plan: the constants may come from either
+        self._choose_activation_checkpointing()  # before transformers' train() reads args.activation_checkpointing
         from polar_mitm.train.metrics import JsonlMetricsCallback
 
         self.add_callback(
@@ -176,15 +185,18 @@ class PolarGRPOTrainer(
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
         ):
-            old_per_token_logps, advantages = self._correct_stale_rows(
+            old_per_token_logps, advantages, importance = self._correct_stale_rows(
                 batch, plan, prompt_lens, loss_mask, advantages, staleness, mode
             )
             if self.beta != 0.0:
                 ref_per_token_logps = self._planned_logps(batch, plan, prompt_lens, self._reference_logps)
 
         num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()
+        row_weight = None
         if mode == "train":
-            advantages = self._weigh_for_micro_batches(advantages, loss_mask, plan)
+            advantages, row_weight = self._weigh_for_micro_batches(
+                advantages, loss_mask, plan, batch["session_weight"], mode
+            )
         self._log_batch_metrics(mode, batch, staleness, plan, inputs)
         output = {
             "prompt_ids": batch["prompt_ids"],
@@ -203,28 +215,30 @@ class PolarGRPOTrainer(
             MICRO_BATCH_PLAN: plan,
         }
         if ref_per_token_logps is not None:
+            # The KL term's per-token weights (train/kl.py): the stale rows' importance weights, and with them the
+            # weight of each token in the policy term's normaliser.
+            importance = torch.ones_like(loss_mask, dtype=torch.float32) if importance is None else importance
             output["ref_per_token_logps"] = ref_per_token_logps
+            output["kl_importance_weight"] = importance
+            if row_weight is not None:
+                output["kl_weight"] = importance * row_weight.unsqueeze(1)
         return output
 
     def _compute_loss(self, model, inputs):
+        """TRL's loss without its KL term, then ours on the same policy logprobs (train/kl.py)."""
         self._log_behaviour_check(inputs)
         mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
-        anchor = None
-        if self.beta != 0.0 and inputs.get("ref_per_token_logps") is not None:
-            # Outside the loss, TRL's KL and ratio terms are multiplied by 0 after exp(); give the policy and the
-            # reference the same finite value there (the ratio anchor), so both exponents are exactly 0 and no
-            # token outside the loss can overflow into inf · 0 = NaN. Inside the loss, TRL's formula is untouched.
-            anchor = inputs["old_per_token_logps"].detach()
-            inputs = {
-                **inputs,
-                "ref_per_token_logps": torch.where(mask, inputs["ref_per_token_logps"], anchor),
-            }
+        kl = self.beta != 0.0 and inputs.get("ref_per_token_logps") is not None
         with (
             self.scoring_temperatures(inputs.get("token_temperature")),
-            self._kl_zero_outside_loss(mask, anchor),
             self._scoring_only(mask),
+            self._without_trl_kl(),
+            self._keeping_loss_logps() as logps,
         ):
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
+        if kl:
+            loss = loss + self._kl_penalty(inputs, logps[-1], mask)
+        return loss
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
@@ -240,9 +254,8 @@ class PolarGRPOTrainer(
             logps, entropies, aux = self._per_temperature_logps(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, temperatures, scored, **kwargs
             )
-        if self._kl_anchor is not None:  # see _compute_loss; no gradient flows outside the loss, as before
-            mask, anchor = self._kl_anchor
-            logps = torch.where(mask, logps, anchor.to(logps.dtype))
+        if self._loss_logps is not None:
+            self._loss_logps.append(logps)
         return logps, entropies, aux
 
     def _layout_logps(
@@ -322,9 +335,10 @@ class PolarGRPOTrainer(
             self._scored_positions = previous
 
     @contextmanager
-    def _kl_zero_outside_loss(self, mask: torch.Tensor, anchor: torch.Tensor | None) -> Iterator[None]:
-        self._kl_anchor = (mask, anchor) if anchor is not None else None
+    def _keeping_loss_logps(self) -> Iterator[list[torch.Tensor]]:
+        """The policy logprobs of the forward passes inside (TRL's loss makes one), for the KL term."""
+        self._loss_logps = kept = []
         try:
-            yield
+            yield kept
         finally:
-            self._kl_anchor = None
+            self._loss_logps = None

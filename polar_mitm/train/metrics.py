@@ -17,9 +17,20 @@ from polar_mitm.storage.location import InputNotFound
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss",)),
     ("reward", ("reward", "reward_std")),
-    ("advantages", ("advantages/mean", "advantages/std", "advantages/min", "advantages/max")),
-    ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")),
-    ("KL to reference", ("kl",)),
+    (
+        "advantages (per session; token_mean per loss token)",
+        ("advantages/mean", "advantages/std", "advantages/min", "advantages/max", "advantages/token_mean"),
+    ),
+    (
+        "clip ratio, TIS cap (share of stale tokens at it)",
+        (
+            "clip_ratio/region_mean",
+            "clip_ratio/low_mean",
+            "clip_ratio/high_mean",
+            "importance_weight/frac_capped",
+        ),
+    ),
+    ("KL to reference (per loss token)", ("kl", "kl/k1", "kl/k2", "kl/k3")),
     (
         "importance ratio (stale rollouts, log scale)",
         ("importance_ratio/mean", "importance_ratio/min", "importance_ratio/max", "importance_weight/mean"),

@@ -4,9 +4,8 @@
 baseline; zero-advantage groups left out) and `packing.py` lays a micro-batch out (trimmed to its rows, or packed
 into one row). `MicroBatchMixin` is the trainer's side of both: TRL's sampler replaced by `GroupBatchSampler`
 (`_get_train_sampler`); the scored generation batch cut into the planned micro-batches instead of TRL's shuffled
-equal splits at the batch's full width (`_prepare_inputs`); forward passes over a packed row (`compute_loss`,
-`_planned_logps`); and every loss's normaliser kept the optimizer step's, whatever its micro-batches hold
-(`_weigh_for_micro_batches`).
+equal splits at the batch's full width (`_prepare_inputs`); and forward passes over a packed row (`compute_loss`,
+`_planned_logps`). What each loss then divides by, whatever its micro-batches hold, is normalisers.py's.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ from polar_mitm.train.packing import (
 
 logger = logging.getLogger(__name__)
 
-# Losses TRL normalises per micro-batch: by its rows, or by its loss tokens (the rest: by num_items_in_batch).
-ROW_AVERAGED_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
-TOKEN_AVERAGED_LOSSES = ("bnpo",)
 MICRO_BATCH_PLAN = "micro_batch_plan"  # the scored batch's MicroBatchPlan, cut by _split_micro_batches
 
 
@@ -202,44 +198,6 @@ class MicroBatchMixin:
         if packed:
             return packed_micro_batch(batch, rows, fill={"token_temperature": self.temperature})
         return trimmed_micro_batch(batch, rows, prompt_lens)
-
-    def _step_totals(self, loss_mask: torch.Tensor, plan: MicroBatchPlan) -> tuple[list[float], list[float]]:
-        """Per micro-batch: the rows and loss tokens of its optimizer step, over all processes (exact when
-        steps_per_generation is a multiple of gradient_accumulation_steps; else TRL's even share)."""
-        local = [[float(len(p)), float(loss_mask[p].sum()) if p else 0.0] for p in plan.micro]
-        totals = self.accelerator.reduce(
-            torch.tensor(local, device=loss_mask.device), reduction="sum"
-        ).tolist()
-        count, per_step = len(totals), self.args.gradient_accumulation_steps
-        if count % per_step:
-            rows, tokens = (sum(t[k] for t in totals) * per_step / count for k in (0, 1))
-            return [rows] * count, [tokens] * count
-        steps = [
-            [sum(t[k] for t in totals[s : s + per_step]) for k in (0, 1)] for s in range(0, count, per_step)
-        ]
-        return [steps[j // per_step][0] for j in range(count)], [
-            steps[j // per_step][1] for j in range(count)
-        ]
-
-    def _weigh_for_micro_batches(
-        self, advantages: torch.Tensor, loss_mask: torch.Tensor, plan: MicroBatchPlan
-    ) -> torch.Tensor:
-        """Make each loss's normaliser the optimizer step's, whatever the micro-batches hold: TRL's num_items_in_batch
-        for token-sum losses, and for losses TRL averages per micro-batch (per row: grpo, sapo, luspo, dr_grpo; per
-        token: bnpo) a weight on the advantage (which TRL's objectives are linear in; the KL term keeps TRL's)."""
-        step_rows, step_tokens = self._step_totals(loss_mask, plan)
-        count, per_step = len(plan.micro), self.args.gradient_accumulation_steps
-        plan.num_items = [step_tokens[j] * count / per_step for j in range(count)]
-        if self.loss_type not in ROW_AVERAGED_LOSSES + TOKEN_AVERAGED_LOSSES:
-            return advantages
-        scale = per_step * self.accelerator.num_processes
-        weights = torch.ones(loss_mask.size(0), device=loss_mask.device)
-        for j, rows in enumerate(plan.micro):
-            if rows and self.loss_type in ROW_AVERAGED_LOSSES:
-                weights[rows] = len(rows) * scale / max(step_rows[j], 1.0)
-            elif rows:
-                weights[rows] = float(loss_mask[rows].sum()) * scale / max(step_tokens[j], 1.0)
-        return advantages * (weights.unsqueeze(1) if advantages.dim() == 2 else weights)
 
     def _split_micro_batches(self, scored: dict[str, Any]) -> list[dict[str, Any]]:
         """A scored generation batch as its planned micro-batches (a filler where a micro-batch has no row)."""

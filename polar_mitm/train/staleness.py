@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from polar_mitm.train.batching import MicroBatchPlan
-from polar_mitm.train.stats import version_distance
+from polar_mitm.train.stats import advanced_version, version_distance
 
 LOG_RATIO_CLAMP = 20.0  # exp(±20) keeps sequence-level weights finite
 
@@ -27,10 +27,7 @@ class StaleRolloutMixin:
 
     def policy_weight_version(self) -> str:
         """The version of the weights being trained: the starting version plus one per optimizer step."""
-        base, steps = self.base_weight_version, self.state.global_step
-        if base is None:
-            return str(steps)
-        return str(int(base) + steps) if base.isdigit() else f"{base}+{steps}"
+        return advanced_version(self.base_weight_version, self.state.global_step)
 
     def staleness(self, recorded_version: str | None) -> int:
         """Weight updates between the weights that sampled a rollout and the weights now being trained."""
@@ -49,16 +46,18 @@ class StaleRolloutMixin:
         advantages: torch.Tensor,
         staleness: torch.Tensor,
         mode: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ratio anchor and the advantages of a generation batch (inside `torch.no_grad`): fresh rows keep the
-        recorded behaviour logprobs; with `stale_correction`, stale rows are anchored on the current weights'
-        logprobs and their advantages weighted by the truncated (or masked) pi_current / pi_behaviour."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The ratio anchor, the advantages and the importance weights of a generation batch (inside
+        `torch.no_grad`): fresh rows keep the recorded behaviour logprobs; with `stale_correction`, stale rows are
+        anchored on the current weights' logprobs and their advantages weighted by the truncated (or masked)
+        pi_current / pi_behaviour — the weights ([B, W], 1 on fresh rows; None: no row corrected), which the KL
+        term takes too (train/kl.py)."""
         behaviour_logps = batch["behaviour_logps"]
         stale = staleness > 0
         # Decided across processes: a forward pass under ZeRO-3/FSDP is collective, so all ranks run it or none does.
         any_stale = self.accelerator.gather(stale.any().float().reshape(1)).max().item() > 0
         if self.args.stale_correction == "none" or not any_stale:
-            return behaviour_logps, advantages
+            return behaviour_logps, advantages, None
         current_logps = self._planned_logps(batch, plan, prompt_lens, self._policy_forward)
         weights = self._stale_importance_weights(current_logps, behaviour_logps, loss_mask, stale, mode)
         anchor_current = stale.unsqueeze(1) & loss_mask.bool()
@@ -66,7 +65,7 @@ class StaleRolloutMixin:
         # A non-negative weight on the advantage is the weight on the token's loss: TRL's clipped objective is linear
         # in A, and the sign (which the clip metrics read) is kept.
         advantages = advantages.unsqueeze(1) * weights if advantages.dim() == 1 else advantages * weights
-        return old_per_token_logps, advantages
+        return old_per_token_logps, advantages, weights
 
     def _stale_importance_weights(
         self,
@@ -102,4 +101,10 @@ class StaleRolloutMixin:
             metrics["importance_ratio/max"].append(raw.max().item())
             metrics["importance_weight/mean"].append(used.mean().item())
             metrics["importance_weight/frac_corrected"].append((used != raw).float().mean().item())
+            # The trust region of stale rows (with num_iterations 1 their PPO ratio is 1, so PPO's clip never acts):
+            # how many of their tokens (sequences) sit at the cap, or are masked above it.
+            capped = (raw > high).float().sum().item()
+            metrics["importance_weight/stale_tokens"].append(float(raw.numel()))
+            metrics["importance_weight/capped_tokens"].append(capped)
+            metrics["importance_weight/frac_capped"].append(capped / raw.numel())
         return weights

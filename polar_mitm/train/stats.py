@@ -6,6 +6,7 @@ Kept apart from the row building (data.py) so the CLI, the loop and the report r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -57,20 +58,69 @@ class DataStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class WeightVersion:
+    """A `weight_version` as the engine's label and a count of weight updates, so that two versions of one run
+    compare by distance whatever the engine writes: `12` (polar-mitm serve, numeric pushes) is ("", 12); an
+    engine's own label with the trainer's steps after it, `default+3` (SGLang's and vLLM's `default` once
+    `policy_weight_version` advanced it), is ("default", 3) and `default` ("default", 0); a number at the end,
+    `step-120` or `v3`, is ("step-", 120) or ("v", 3); anything else is (itself, 0)."""
+
+    label: str
+    number: int
+
+    @classmethod
+    def parse(cls, version: str) -> WeightVersion:
+        text = str(version)
+        base, plus, steps = text.rpartition("+")
+        if plus and base and steps.isdigit():
+            inner = cls.parse(base)
+            return cls(inner.label, inner.number + int(steps))
+        match = _TRAILING_NUMBER.match(text)
+        if match:
+            return cls(match["label"], int(match["number"]))
+        return cls(text, 0)
+
+
+_TRAILING_NUMBER = re.compile(r"^(?P<label>.*?)(?P<number>\d+)$")
+
+
+def advanced_version(version: str | None, steps: int) -> str:
+    """`version` after `steps` more weight updates: a number counts on (`12` → `15`), a label carries the count
+    after a `+` (`default` → `default+3`, `default+3` → `default+5`, `step-12` → `step-12+3`)."""
+    if version is None:
+        return str(steps)
+    text = str(version)
+    if steps == 0:
+        return text
+    if text.isdigit():
+        return str(int(text) + steps)
+    base, plus, count = text.rpartition("+")
+    if plus and base and count.isdigit():
+        return f"{base}+{int(count) + steps}"
+    return f"{text}+{steps}"
+
+
 def newest_weight_version(rows: Sequence[dict[str, Any]]) -> str | None:
-    """The newest `weight_version_max` among the rows (numeric versions compare as numbers)."""
+    """The newest `weight_version_max` among the rows: the highest count where they share one label (see
+    `WeightVersion`), else the highest numeric one, else the last by name."""
     versions = {r.get("weight_version_max") or r.get("weight_version") for r in rows} - {None}
     if not versions:
         return None
+    parsed = {v: WeightVersion.parse(v) for v in versions}
+    if len({p.label for p in parsed.values()}) == 1:
+        return max(versions, key=lambda v: (parsed[v].number, str(v)))
     numeric = [v for v in versions if str(v).isdigit()]
     return max(numeric, key=int) if numeric else sorted(versions)[-1]
 
 
 def version_distance(current: str | None, recorded: str | None) -> int:
-    """How many weight updates separate `recorded` from `current`: the difference of numeric versions, else 0 if
-    they are equal (or unknown) and 1 if they differ."""
+    """How many weight updates separate `recorded` from `current` (never negative): the difference of their
+    counts when they share a label (`WeightVersion`: numeric versions, `default+N`, a trailing number), 0 if they
+    are equal or one is unknown, and 1 for two versions of different labels (no distance can be read)."""
     if current is None or recorded is None or current == recorded:
         return 0
-    if str(current).isdigit() and str(recorded).isdigit():
-        return max(0, int(current) - int(recorded))
+    now, then = WeightVersion.parse(current), WeightVersion.parse(recorded)
+    if now.label == then.label:
+        return max(0, now.number - then.number)
     return 1

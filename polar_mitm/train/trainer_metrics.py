@@ -3,8 +3,9 @@
 TRL's metrics describe the loss; these describe what it was computed on, which varies far more with recorded
 rollouts than with TRL's own generations: the batch's rewards and advantages, how stale its rows are, how many
 groups, rows, tokens and loss tokens an optimizer step holds and how much padding its micro-batches computed
-(`_log_batch_metrics`); and at the start, what the data left out of the loss and how sessions are weighed
-(`_log_data_summary`). Values are gathered over the processes (`_gather_values`), so every rank logs the same.
+(`_log_batch_metrics`; the advantages per session and per loss token, `_log_advantages`); and at the start, what
+the data left out of the loss and how sessions are weighed (`_log_data_summary`). Values are gathered over the
+processes (`_gather_values`), so every rank logs the same.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class TrainerMetricsMixin:
         real = ~batch["placeholder"]  # a placeholder stands in only where a process got no row: no data
         loss_mask = batch["loss_mask"]
         rewards = self._gather_values(batch["rewards"][real])
-        advantages = self._gather_values(batch["advantages"][real])
         stale_values = self._gather_values(staleness[real])
         sampled = self._gather_values(loss_mask[real].sum(-1))
         real_tokens, computed = plan.grid()
@@ -62,11 +62,7 @@ class TrainerMetricsMixin:
         metrics["num_tokens"] = [self.state.num_input_tokens_seen]
         metrics["reward"].append(rewards.mean().item())
         metrics["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
-        metrics["advantages/mean"].append(advantages.mean().item())
-        metrics["advantages/std"].append(advantages.std().item() if advantages.numel() > 1 else 0.0)
-        metrics["advantages/min"].append(advantages.min().item())
-        metrics["advantages/max"].append(advantages.max().item())
-        metrics["advantages/frac_zero"].append((advantages == 0).float().mean().item())
+        self._log_advantages(metrics, batch, rows)
         metrics["staleness/mean"].append(stale_values.mean().item())
         metrics["staleness/max"].append(stale_values.max().item())
         metrics["staleness/frac_stale"].append((stale_values > 0).float().mean().item())
@@ -76,6 +72,28 @@ class TrainerMetricsMixin:
         metrics["batch/tokens"].append(totals[0])
         metrics["batch/loss_tokens"].append(totals[3])
         metrics["padding_fraction"].append(1.0 - totals[0] / totals[1] if totals[1] else 0.0)
+
+    def _log_advantages(self, metrics, batch: dict[str, torch.Tensor], rows: list[dict[str, Any]]) -> None:
+        """The step's advantages per session (each session once, however many sequences it has: the mean is 0 when
+        the step holds whole groups) and per loss token (`advantages/token_mean`: the direction a token-level loss
+        pushes in, which long failures tilt negative)."""
+        from accelerate.utils import gather_object
+
+        real = ~batch["placeholder"]
+        advantage, tokens = batch["advantages"][real].tolist(), batch["loss_mask"][real].sum(-1).tolist()
+        sessions = [row["session_id"] for row in rows if not row.get("placeholder")]
+        pairs = gather_object([(s, a, n) for s, a, n in zip(sessions, advantage, tokens, strict=True)])
+        per_session = {session: a for session, a, _ in pairs}
+        values = torch.tensor(list(per_session.values()) or [0.0], dtype=torch.float64)
+        token_count = sum(n for _, _, n in pairs)
+        metrics["advantages/mean"].append(values.mean().item())
+        metrics["advantages/std"].append(values.std().item() if values.numel() > 1 else 0.0)
+        metrics["advantages/min"].append(values.min().item())
+        metrics["advantages/max"].append(values.max().item())
+        metrics["advantages/frac_zero"].append((values == 0).double().mean().item())
+        metrics["advantages/token_mean"].append(
+            sum(a * n for _, a, n in pairs) / token_count if token_count else 0.0
+        )
 
     def _log_data_summary(self) -> None:
         stats = self.train_data.stats

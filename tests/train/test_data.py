@@ -19,7 +19,7 @@ from polar_mitm.train.batching import (
     padding_sources,
 )
 from polar_mitm.train.data import build_training_data, load_sequences, truncate
-from polar_mitm.train.stats import version_distance
+from polar_mitm.train.stats import advanced_version, newest_weight_version, version_distance
 
 
 def seq(
@@ -208,6 +208,35 @@ def test_version_distance():
     assert version_distance("5", "5") == 0
     assert version_distance("3", "5") == 0  # newer than the policy: never negative
     assert version_distance("b", "a") == 1 and version_distance(None, "7") == 0
+
+
+@pytest.mark.parametrize(
+    ("current", "recorded", "distance"),
+    [
+        ("default+7", "default", 7),  # SGLang's / vLLM's own label, advanced by the trainer's steps
+        ("default+7", "default+3", 4),
+        ("default+3+2", "default+1", 4),  # (what the trainer wrote before it carried the count on)
+        ("step-120", "step-117", 3),  # a number embedded at the end
+        ("v12", "v3", 9),
+        ("default", "default+2", 0),
+        ("run-a+2", "run-b", 1),  # two labels: no distance to read
+    ],
+)
+def test_staleness_is_the_version_distance_for_every_engines_version_strings(current, recorded, distance):
+    assert version_distance(current, recorded) == distance
+
+
+def test_the_policy_version_counts_on_in_the_engines_own_form():
+    assert [advanced_version(v, 3) for v in ("12", "default", "default+4", "step-9", None)] == [
+        "15",
+        "default+3",
+        "default+7",
+        "step-9+3",
+        "3",
+    ]
+    assert advanced_version("default+4", 0) == "default+4"
+    rows = [{"weight_version_max": v} for v in ("default+3", "default+12", "default")]
+    assert newest_weight_version(rows) == "default+12"  # by count, not by name ("default+3" > "default+12")
 
 
 def test_count_ones_does_not_overflow_on_int8_masks():

@@ -1,5 +1,5 @@
 """Off-policy bounds on both sides: a fresh row's ratio against the engine's logprobs is capped (`delta`, on by
-default, counted), CISPO gets its own weight cap, `dr_grpo` normalises by the data's longest sequence, TRL options
+default, counted), CISPO gets its own weight cap, `dr_grpo` normalises by rows × the completion budget, TRL options
 that would do nothing on recorded rows are refused, and the straggler cut is counted per iteration."""
 
 from __future__ import annotations
@@ -93,17 +93,29 @@ def test_cispo_has_its_own_weight_cap_and_does_not_clip_on_policy_tokens(
     assert logged(trainer, "cispo_clip_ratio") == [0.0]
 
 
-def test_dr_grpo_divides_by_the_datas_longest_sequence(tiny_engine, tiny_model_dir, tmp_path):
+def test_dr_grpo_divides_by_the_steps_rows_times_the_completion_budget(tiny_engine, tiny_model_dir, tmp_path):
     sequences = task_groups(tiny_engine, 1)
-    trainer = make_trainer(tiny_model_dir, sequences, tmp_path / "dr", loss_type="dr_grpo")
-    longest = max(len(s.input_ids) for s in sequences)
-    assert trainer.max_completion_length == longest  # not TRL's default 512
-    batch = trainer._generate_and_score_completions(trainer.train_data.rows)
-    loss = float(trainer.compute_loss(trainer.model, batch))
-    # At step 0 every ratio is 1, so each sampled token contributes -A: the loss is -Σ A·tokens / (rows · longest).
-    sampled = (batch["completion_mask"] * batch["tool_mask"]).sum(-1).float()
-    expected = -float((batch["advantages"] * sampled).sum()) / (len(sequences) * longest)
-    assert loss == pytest.approx(expected, abs=1e-6)
+    budget = max(sum(s.loss_mask) for s in sequences)  # the most sampled tokens of a row
+    for constant, expected in ((None, budget), (100, 100)):
+        trainer = make_trainer(
+            tiny_model_dir,
+            sequences,
+            tmp_path / f"dr{constant}",
+            loss_type="dr_grpo",
+            dr_grpo_constant=constant,
+        )
+        assert (
+            trainer.max_completion_length == trainer.dr_grpo_constant == expected
+        )  # not the longest sequence
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        batch = trainer._generate_and_score_completions(trainer.train_data.rows)
+        (micro,) = trainer._split_micro_batches(batch)
+        loss = float(trainer.compute_loss(trainer.model, micro))
+        # At step 0 every ratio is 1, so each sampled token contributes -A: the loss is -Σ A·tokens / (rows · L).
+        sampled = (micro["completion_mask"] * micro["tool_mask"]).sum(-1).float()
+        expected_loss = -float((micro["advantages"] * sampled).sum()) / (len(sequences) * expected)
+        assert loss == pytest.approx(expected_loss, abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 the one before's weights, taking 1, then 4, then 2 optimizer steps (as dynamic sampling leaves them), with a linear
 LR schedule planned over 3 trainings. The LR stays above 0 on every step taken and decays monotonically to the
 schedule's end after the last one; and starting from a bf16 model, every training's engine checkpoint is bf16, not
-only the first one's.
+only the first one's; and with token_normaliser=run every step of the run divides by the first training's loss
+tokens per step, kept in the run state.
 
 The trainings are what the loop's in-process training runs (loop/training.py), on rows scored by the tiny model."""
 
@@ -88,7 +89,9 @@ def run(tmp_path_factory, tiny_model_dir, tiny_engine) -> Path:
     for k, steps in enumerate(STEPS):
         rows = build_training_data(task_groups(tiny_engine, steps, prefix=f"it{k}-"))
         out = root / f"iter-{k}"
-        trainer = train(start, out, rows, root / "trainer-state", lr_schedule_trainings=len(STEPS))
+        trainer = train(
+            start, out, rows, root / "trainer-state", lr_schedule_trainings=len(STEPS), token_normaliser="run"
+        )
         assert trainer.state.global_step == steps
         start = out  # full weights: the next training continues from this one's
     return root
@@ -119,6 +122,19 @@ def test_every_training_from_a_bf16_model_writes_a_bf16_engine_checkpoint(run):
         # The trainer's own copy, which the next training starts from, keeps fp32 and records the initial dtype.
         assert dtypes_of(out) == {torch.float32}, k
         assert json.loads((out / "config.json").read_text())[SOURCE_DTYPE_KEY] == "bfloat16", k
+
+
+def test_every_step_of_the_run_divides_by_the_first_trainings_loss_tokens_per_step(run):
+    logged = [
+        r
+        for k in range(len(STEPS))
+        for r in map(json.loads, (run / f"iter-{k}" / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
+    first_step = logged[0]["batch/loss_tokens"]  # the first training took one step
+    assert RunState.load(run / "trainer-state").loss_tokens_per_step == first_step
+    assert [r["batch/loss_normaliser"] for r in logged] == [first_step] * sum(STEPS)
+    assert len({r["batch/loss_tokens"] for r in logged}) > 1  # what `step` would have divided by
 
 
 def test_steps_past_lr_schedule_steps_warn_and_keep_the_last_lr(
