@@ -352,9 +352,11 @@ _register_config()
 
 
 def _register_service() -> None:
-    from polar_mitm.service.cli import serve_rollouts_command
+    from polar_mitm.service.cli import ServiceCommand, serve_rollouts_command
 
-    app.command("serve-rollouts")(serve_rollouts_command)  # the rollout service (Polar's wire format)
+    app.command("serve-rollouts", cls=ServiceCommand)(
+        serve_rollouts_command
+    )  # the rollout service (Polar's wire format)
 
 
 _register_service()

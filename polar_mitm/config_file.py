@@ -133,7 +133,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-CONFIG_COMMANDS = ("rollout", "loop", "grpo")  # the commands whose options come from configs
+CONFIG_COMMANDS = ("rollout", "loop", "grpo", "serve-rollouts")  # the commands that take --config
 
 config_app = typer.Typer(
     help="Config files of rollout, loop and grpo (--config FILE.yaml).", no_args_is_help=True

@@ -90,4 +90,15 @@ def test_config_show_prints_what_the_command_would_run_with(capsys, tmp_path):
     assert yaml.safe_load(out) == via_config
     assert (via_config["iterations"], via_config["learning-rate"], via_config["group-size"]) == (4, 1e-3, 2)
     code, _, err = run_cli(capsys, "config", "show", "merge")
-    assert_one_line(code, err, "config show merge: one of rollout, loop, grpo")
+    assert_one_line(code, err, "config show merge: one of rollout, loop, grpo, serve-rollouts")
+
+
+def test_the_rollout_service_takes_a_config_file_too(capsys, tmp_path):
+    config = write(tmp_path / "service.yaml", "max-sessions: 3\nport: 8799\nqueue_limit: 9\n")
+    resolved = shown(capsys, "serve-rollouts", "--config", str(config), "--port", "8800")
+    assert (resolved["max-sessions"], resolved["queue-limit"], resolved["port"]) == (3, 9, 8800)
+    bad = write(tmp_path / "bad.yaml", "max-session: 3\n")
+    code, _, err = run_cli(capsys, "serve-rollouts", "--config", str(bad))
+    assert_one_line(
+        code, err, "'max-session' is no option of `polar-mitm serve-rollouts`: did you mean max-sessions?"
+    )

@@ -13,9 +13,18 @@ from typing import Annotated
 
 import typer
 
+from polar_mitm.config_options import ConfigOptionsCommand
 from polar_mitm.user_errors import UserInputError
 
 TOKEN_ENV = "POLAR_SERVICE_TOKEN"
+
+
+class ServiceCommand(ConfigOptionsCommand):
+    """`serve-rollouts` with `--config FILE.yaml` and `--show-config`, as rollout, loop and grpo have them (its own
+    options are all hand-written: none generated)."""
+
+    def generated_options(self) -> dict[str, list]:
+        return {}
 
 
 def serve_rollouts_command(
