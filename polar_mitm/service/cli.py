@@ -46,6 +46,12 @@ def serve_rollouts_command(
     max_sessions: Annotated[int, typer.Option(help="Harness sessions running at once.")] = 8,
     queue_limit: Annotated[int, typer.Option(help="Tasks waiting before a submit gets 429.")] = 64,
     gateways: Annotated[int, typer.Option(help="Gateway processes (sessions spread across them).")] = 1,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Completion budget forced on every call (polar_max_tokens).")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature forced on every call (polar_temperature).")
+    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Carry on the tasks under --out: report what finished, re-run the rest.")
     ] = False,
@@ -71,6 +77,15 @@ def serve_rollouts_command(
         )
     if resume and not tasks_dir.exists():
         raise UserInputError(f"--resume: {out} holds no service tasks ({tasks_dir} is missing)")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserInputError(f"--max-tokens {max_tokens}: must be at least 1")
+    if temperature is not None and not 0 <= temperature < float("inf"):
+        raise UserInputError(f"--temperature {temperature}: must be a finite number ≥ 0")
+    sampling = {
+        name: str(value)
+        for name, value in (("polar_max_tokens", max_tokens), ("polar_temperature", temperature))
+        if value is not None
+    }
     if engine is not None:
         from polar_mitm.engines import router
 
@@ -88,6 +103,7 @@ def serve_rollouts_command(
         queue_limit=queue_limit,
         gateways=gateways,
         resume=resume,
+        sampling=sampling,
     )
 
 
@@ -121,6 +137,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             out / layout.FLOWS_DIR,
             confdir=work / "mitmproxy",
             log=work / "gateway.log",
+            options=options["sampling"] or None,
             session_key=token_source.token_urlsafe(32),
         ) as started,
     ):

@@ -22,6 +22,7 @@ import pytest
 from polar_mitm.processes import ports
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.service.client import Client, ServiceError, to_tensors
+from polar_mitm.service.models import AgentSpec
 from polar_mitm.service.task_requests import line_to_request, request_to_line
 from polar_mitm.storage.merged import sequences_in
 from polar_mitm.storage.records import read_all
@@ -35,7 +36,7 @@ EXAMPLES = ROOT / "examples" / "cpu_tasks"
 TOKEN = "service-test-token-7d1f"
 
 
-def start_service(out: Path, port: int, *extra: str) -> subprocess.Popen:
+def start_service(out: Path, port: int, *extra: str, scripted: bool = True) -> subprocess.Popen:
     env = {
         **os.environ,
         "POLAR_SERVICE_TOKEN": TOKEN,
@@ -43,7 +44,8 @@ def start_service(out: Path, port: int, *extra: str) -> subprocess.Popen:
         "TOKENIZERS_PARALLELISM": "false",
     }
     argv = [sys.executable, "-m", "polar_mitm.cli", "serve-rollouts", "--out", str(out), "--port", str(port)]
-    argv += ["--script", str(EXAMPLES / "policy.json"), "--task-root", str(EXAMPLES), *extra]
+    argv += ["--script", str(EXAMPLES / "policy.json")] if scripted else []
+    argv += ["--task-root", str(EXAMPLES), *extra]
     log = open(out.parent / f"{out.name}-{len(list(out.parent.glob('*.log')))}.log", "wb")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
@@ -284,12 +286,23 @@ def test_a_client_written_from_polars_wire_format_alone(service):
 
 
 def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest_run(tmp_path):
+    """Also: a real harness CLI (Pi, unmodified) through the service, on the tiny model with the completion budget
+    the service forces (--max-tokens)."""
     out, port = tmp_path / "out", ports.free_port()
-    proc = start_service(out, port)
+    proc = start_service(out, port, "--max-tokens", "16", scripted=False)
     url = f"http://127.0.0.1:{port}"
     marker = tmp_path / "started"
     try:
         with Client(url, token=TOKEN) as client:
+            client.submit(cmd_request("pi-says", "x").model_copy(update={"agent": AgentSpec(harness="pi")}))
+            [pi] = client.wait("pi-says", timeout=120).results
+            assert pi.status == "COMPLETED", pi.error
+            [trace] = pi.trajectory.traces
+            assert sum(trace.loss_mask) == 16 and trace.finish_reason == "length"  # the forced budget
+            records = read_all(out / FLOWS_DIR)
+            mine = records.filter(pc.equal(records["session_id"], pi.session_id))
+            [completion] = mine["completion_ids"].to_pylist()
+            assert [t for t, m in zip(trace.response_ids, trace.loss_mask, strict=True) if m] == completion
             client.submit(cmd_request("fast", "true", samples=2))
             fast = client.wait("fast", timeout=60)
             client.submit(cmd_request("slow", f"touch {marker}; sleep 6", samples=2))
@@ -313,8 +326,8 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             text=True,
         )
         assert refused.returncode == 2 and "pass --resume" in refused.stderr, refused.stderr
-        proc = start_service(out, port, "--resume")
-        assert "resumed 2 task(s)" in proc.log_path.read_text()  # type: ignore[attr-defined]
+        proc = start_service(out, port, "--resume", "--max-tokens", "16", scripted=False)
+        assert "resumed 3 task(s)" in proc.log_path.read_text()  # type: ignore[attr-defined]
         with Client(url, token=TOKEN) as client:
             again = client.status("fast")
             assert again.status == "completed"
