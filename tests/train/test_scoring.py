@@ -48,6 +48,7 @@ def test_only_sampled_tokens_are_projected_and_their_logprobs_are_unchanged(
     groups, tiny_model_dir, tmp_path, projected, monkeypatch
 ):
     trainer = trainer_for(tiny_model_dir, groups, tmp_path / "run")
+    projected.clear()  # the activation-memory probe's forwards at start (train/activation_memory.py)
     batch = trainer._collate(trainer.train_data.rows)
     sampled = batch["loss_mask"].bool()
     logps = trainer.policy_logps(batch)
