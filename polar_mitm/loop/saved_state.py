@@ -172,7 +172,9 @@ class RunStateFile(BaseModel):
     save_seconds: float = 0.0
     state_bytes: int = 0
     policy_weight_version: str | None = None
-    dr_grpo_constant: int | None = Field(default=None, ge=1)  # the run's loss normalisers (train/normalisers.py)
+    dr_grpo_constant: int | None = Field(
+        default=None, ge=1
+    )  # the run's loss normalisers (train/normalisers.py)
     loss_tokens_per_step: float | None = Field(default=None, gt=0)
 
 
