@@ -8,11 +8,13 @@ terminal printed nothing until it ended. Every event has a name (`event`), the s
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 
@@ -34,12 +36,31 @@ def resolved(fmt: LogFormat | str, is_terminal: bool) -> LogFormat:
     return fmt
 
 
+@contextlib.contextmanager
+def events_stdout(fmt: LogFormat) -> Iterator[TextIO]:
+    """The stream events go to. With json, stdout is kept for them alone: whatever else would print there meanwhile
+    (a library's banner at import: transformers prints one when WANDB_MODE=offline) goes to stderr."""
+    global _EVENTS
+    if fmt is not LogFormat.json:
+        yield sys.stdout
+        return
+    kept, sys.stdout = sys.stdout, sys.stderr
+    _EVENTS = kept
+    try:
+        yield kept
+    finally:
+        sys.stdout, _EVENTS = kept, None
+
+
+_EVENTS: TextIO | None = None  # stdout while events_stdout keeps it for events: where an EventLog writes
+
+
 class EventLog:
     """Writes events as lines or JSON objects (thread-safe, flushed: a tail -f shows each as it happens)."""
 
     def __init__(self, fmt: LogFormat, stream: TextIO | None = None, started: float | None = None) -> None:
         self.fmt = fmt
-        self.stream = stream or sys.stdout
+        self.stream = stream or _EVENTS or sys.stdout
         self.started = time.monotonic() if started is None else started
         self._lock = threading.Lock()
 

@@ -155,12 +155,20 @@ def loop_command(ctx: typer.Context) -> None:
     schedule and KL reference (the initial model) for the whole run; every `polar-mitm grpo` option applies to each
     iteration's training (--learning-rate, --batch-size, --epochs and --temperature are the loop's own)."""
     loop = checked_loop(given_or_resumed_config(ctx))
-    from polar_mitm.log_format import EventLog, LogFormat, resolved
-    from polar_mitm.loop.progress import LineLoopProgress, RichLoopProgress, quiet_libraries
+    from polar_mitm.log_format import EventLog, events_stdout, resolved
+    from polar_mitm.loop.progress import quiet_libraries
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
     shown = resolved(loop.cfg.log_format, console.is_terminal)
-    log = EventLog(shown)
+    with events_stdout(shown) as stream:
+        run_shown(loop, shown, EventLog(shown, stream=stream))
+
+
+def run_shown(loop, shown, log) -> None:
+    """Run the loop, shown as `shown` says, and say how it ended."""
+    from polar_mitm.log_format import LogFormat
+    from polar_mitm.loop.progress import LineLoopProgress, RichLoopProgress
+
     if shown is LogFormat.json:  # stdout stays JSON lines: the tables and notes become events
         loop.on_iteration = lambda stats: log.event("iteration", "", **stats.to_json())
         loop.on_note = lambda line: log.event("note", line, text=line)

@@ -25,7 +25,7 @@ from polar_mitm.engine.script import ScriptError
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
-from polar_mitm.log_format import LOG_FORMAT_HELP, EventLog, LogFormat, resolved
+from polar_mitm.log_format import LOG_FORMAT_HELP, EventLog, LogFormat, events_stdout, resolved
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.view import SessionEvents, render, summary_rows, summary_table
@@ -285,7 +285,8 @@ def rollout_command(ctx: typer.Context) -> None:
             gateway_options=given.sampling_options(),
         )
     else:
-        local_rollout(task_list, harness_spec, config, given)
+        with events_stdout(resolved(given.log_format, console.is_terminal)):
+            local_rollout(task_list, harness_spec, config, given)
 
 
 def local_rollout(
