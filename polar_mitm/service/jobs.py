@@ -356,7 +356,7 @@ class RolloutService:
         result = await asyncio.to_thread(self._result, job, s)
         async with job.writing:  # the file and the status list the results in one order
             row = result.model_dump(mode="json")
-            await asyncio.to_thread(layout.append_durable, job.folder / layout.RESULTS_FILE, row)
+            await asyncio.to_thread(layout.append_line, job.folder / layout.RESULTS_FILE, row)
             job.results[result.session_id] = result  # reported only once it is on disk
         self._publish_session(job, result.session_id, result.status, reward=_reward(result))
         if job.request.callback_url:

@@ -13,11 +13,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+
+from polar_mitm.storage.journal import fsync_dir
+from polar_mitm.storage.json_lines import append_line, read_lines
+
+__all__ = ["append_line", "read_lines", "task_dir", "write_durable"]
 
 FLOWS_DIR = "flows"
 TASKS_DIR = "tasks"
@@ -42,33 +45,4 @@ def write_durable(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def append_durable(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line appended and fsynced."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of `path`; a last line cut short by a kill is not a result."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
