@@ -21,6 +21,7 @@ USER_ERRORS = (
     ("polar_mitm.storage.records", "RecordError"),
     ("polar_mitm.tasks.task_file", "TaskFileError"),
     ("polar_mitm.tasks.swe", "InstanceError"),
+    ("polar_mitm.tasks.harbor", "HarborTaskError"),
     ("polar_mitm.engines.keys", "KeyFileError"),
     ("polar_mitm.engines.router", "EngineUnreachable"),
     ("polar_mitm.engine.script", "ScriptError"),

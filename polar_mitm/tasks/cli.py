@@ -1,4 +1,5 @@
-"""`polar-mitm tasks …`: task files made from other formats (`tasks swe`: SWE-bench / SWE-Gym instance files)."""
+"""`polar-mitm tasks …`: task files made from other formats (`tasks swe`: SWE-bench / SWE-Gym instance files;
+`tasks harbor`: Harbor / Terminal-Bench task folders) and checked before training (`tasks check`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from polar_mitm.tasks.swe import DEFAULT_PROMPT, InstanceError, SweOptions, load
 from polar_mitm.tasks.task_file import TaskFileError, load_tasks
 
 tasks_app = typer.Typer(
-    help="Make rollout task files (`tasks swe`: SWE-bench / SWE-Gym instances; `tasks generate`: small generated "
-    "families with a held-out split).",
+    help="Make rollout task files (`tasks swe`: SWE-bench / SWE-Gym instances; `tasks harbor`: Harbor task "
+    "folders; `tasks generate`: small generated families with a held-out split) and check them (`tasks check`).",
     no_args_is_help=True,
 )
 
@@ -129,3 +130,78 @@ def swe_command(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"{len(tasks)} tasks → {out} (grading specs in {out.with_name(out.stem + '.swe')})")
+
+
+@tasks_app.command("harbor")
+def harbor_command(
+    folders: Annotated[
+        list[Path],
+        typer.Argument(help="Harbor task folders, or folders of them (task.toml, instruction.md…)."),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o", help="Task file to write (JSONL); workspaces and tests go to OUT.harbor/."
+        ),
+    ],
+    skip_run: Annotated[
+        bool,
+        typer.Option(
+            help="Convert tasks whose Dockerfile has RUN lines, skipping them (each with a warning): sessions run "
+            "on this machine's system; `tasks check` shows whether it has what the task needs."
+        ),
+    ] = False,
+    reward_rule: Annotated[
+        str,
+        typer.Option(
+            help="How reward.json's named numbers become one reward: only (exactly one, else refused) | mean | "
+            "min | max | sum | key:NAME. A task's [metadata] reward_rule overrides it."
+        ),
+    ] = "only",
+) -> None:
+    """Turn Harbor / Terminal-Bench 2 task folders into a rollout task file, graded by each task's tests/test.sh."""
+    from polar_mitm.tasks.harbor import ConvertOptions, HarborTaskError, convert
+
+    try:
+        lines, warnings = convert(folders, out, ConvertOptions(skip_run=skip_run, reward_rule=reward_rule))
+        load_tasks(out)  # what `rollout` will read: checked now, not at the first session
+    except HarborTaskError as exc:
+        for problem in str(exc).splitlines():
+            typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2) from None
+    except TaskFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    typer.echo(f"{len(lines)} tasks → {out} (workspaces and tests in {out.with_name(out.stem + '.harbor')})")
+
+
+@tasks_app.command("check")
+def check_command(
+    tasks_file: Annotated[Path, typer.Argument(help="Task file (JSONL) with Harbor tasks (eval.harbor).")],
+    parallel: Annotated[int, typer.Option(help="Tasks checked at a time.")] = 2,
+) -> None:
+    """Run each Harbor task's oracle (solution/solve.sh: must score 1.0) and a no-op agent (must score 0.0)."""
+    import asyncio
+
+    from polar_mitm.tasks.harbor_check import check_tasks, table
+
+    try:
+        tasks = load_tasks(tasks_file)
+    except TaskFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    harbor_tasks = [task for task in tasks if task.harbor is not None]
+    if not harbor_tasks:
+        typer.echo(f"error: {tasks_file}: no Harbor tasks (eval.harbor) to check", err=True)
+        raise typer.Exit(2)
+    if skipped := len(tasks) - len(harbor_tasks):
+        typer.echo(f"note: {skipped} tasks without eval.harbor are not checked", err=True)
+    results = asyncio.run(check_tasks(harbor_tasks, parallel))
+    typer.echo(table(results))
+    failing = [result.task_id for result in results if result.problems]
+    if failing:
+        typer.echo(f"{len(failing)} of {len(results)} tasks fail: {', '.join(failing)}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"all {len(results)} tasks pass their oracle and fail their no-op")

@@ -10,7 +10,9 @@ Every line is checked against a schema (`TaskLine`, pydantic) before anything ru
 `evaluation`, say — is refused with the likely one named, `eval` is required (there is no default check: one that
 passed everything would reward every session alike), a `workspace.dir` must be a folder. Your own data goes under
 `meta`; `family` and `swe` are what `polar-mitm tasks generate` / `tasks swe` write. `"eval": "COMMAND"` is short
-for `{"command": "COMMAND"}`. `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). A session *passes* (pass rates,
+for `{"command": "COMMAND"}`. `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). `"eval": {"harbor": {…}}` grades
+the session as a Harbor task's verifier does (`tests/test.sh`, its reward file: see `HarborSpec` and
+polar_mitm/tasks/harbor_grading.py); `polar-mitm tasks harbor` writes such lines. A session *passes* (pass rates,
 pass@k) when its reward reaches full marks, 1.0 (`passed`): a graded check's partial credit is reward, not a pass.
 The evaluation runs in the session's workspace with `$POLAR_HARNESS_OUTPUT` naming the harness's output (its log),
 for checks that grade the agent's final answer (`python -P -m polar_mitm.tasks.answer_check`). A relative `workspace.dir`
@@ -41,6 +43,8 @@ from pydantic import (
     StrictStr,
     StringConstraints,
     ValidationError,
+    model_serializer,
+    model_validator,
 )
 
 from polar_mitm.harness.base import id_problem
@@ -79,6 +83,22 @@ class Timeouts:
     eval: float = 120.0
 
 
+@dataclass(frozen=True)
+class HarborEval:
+    """A Harbor task's verifier (`"eval": {"harbor": …}`), its folders resolved; graded by tasks/harbor_grading.py."""
+
+    tests: Path  # copied to /tests only when the agent is done; `bash /tests/test.sh` runs there
+    workdir: str = "/app"  # where the session's workspace is mounted while the agent and the verifier run
+    solution: Path | None = None  # solution/solve.sh: the oracle `polar-mitm tasks check` runs
+    env: dict[str, str] = field(default_factory=dict)  # the verifier's environment variables
+    reward_rule: str = "only"  # how reward.json's named numbers become one reward (HarborSpec.reward_rule)
+    user: str | None = None  # [verifier].user: whom the verifier runs as (the sandbox's to apply)
+
+
+# A harbor task's `eval_command`, for a runner that does not grade harbor tasks: it fails, never rewards.
+HARBOR_UNGRADED = "echo 'this runner cannot grade a Harbor task (eval.harbor)' >&2; exit 1"
+
+
 @dataclass
 class Task:
     task_id: str
@@ -89,6 +109,7 @@ class Task:
     eval_command: str = "true"  # a task file must say its check (TaskLine); Python callers may leave it out
     eval_reward: str = "exit"  # exit | stdout
     timeouts: Timeouts = field(default_factory=Timeouts)
+    harbor: HarborEval | None = None  # graded by its verifier instead (eval_command is then HARBOR_UNGRADED)
     meta: dict[str, Any] = field(
         default_factory=dict
     )  # family, swe, meta: what the line carries beside the task
@@ -157,9 +178,54 @@ class WorkspaceSpec(_Schema):
     setup: Annotated[list[Text], BeforeValidator(_as_list)] = []  # shell commands run in it first
 
 
+def _absolute_path(value: str) -> str:
+    if not value.startswith("/") or any(part in (".", "..") for part in value.split("/")):
+        raise ValueError(f"must be an absolute path without '.' or '..' segments: {value!r}")
+    return value
+
+
+def _reward_rule(value: str) -> str:
+    if value in REWARD_RULES or (value.startswith("key:") and len(value) > len("key:")):
+        return value
+    raise ValueError(f"must be one of {', '.join(REWARD_RULES)} or key:NAME, not {value!r}")
+
+
+REWARD_RULES = ("only", "mean", "min", "max", "sum")
+
+
+class HarborSpec(_Schema):
+    """A Harbor task's verifier. Its timeout is `timeouts.eval`; relative folders are resolved like workspace.dir."""
+
+    tests: Text  # the task's tests/ (test.sh and what it needs)
+    solution: Text | None = None  # the task's solution/ (solve.sh), for `polar-mitm tasks check`
+    workdir: Annotated[Text, AfterValidator(_absolute_path)] = "/app"  # the Dockerfile's WORKDIR
+    env: dict[Annotated[Text, AfterValidator(_no_nul)], Annotated[StrictStr, AfterValidator(_no_nul)]] = {}
+    # reward.txt is one number; reward.json names several: "only" (exactly one entry, else refused), "mean",
+    # "min", "max", "sum" of them all, or "key:NAME" (that entry).
+    reward_rule: Annotated[StrictStr, AfterValidator(_reward_rule)] = "only"
+    user: Text | None = None  # [verifier].user
+
+
 class CheckSpec(_Schema):
-    command: Text  # run in the session's workspace once the harness is done
+    command: Text | None = None  # run in the session's workspace once the harness is done
     reward: Literal["exit", "stdout"] = "exit"
+    harbor: HarborSpec | None = None  # or: a Harbor verifier grades the session
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CheckSpec:
+        if (self.command is None) == (self.harbor is None):
+            raise ValueError(
+                "eval takes either command (a shell check) or harbor (a Harbor verifier), not "
+                + ("both" if self.command is not None else "neither")
+            )
+        if self.harbor is not None and "reward" in self.model_fields_set:
+            raise ValueError("eval.reward is for eval.command; a Harbor verifier writes its own reward file")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_kind(self, handler: Any) -> dict[str, Any]:
+        # A command check dumps as it always did ({command, reward}): the service's converter compares fields.
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class TimeoutsSpec(_Schema):
@@ -196,9 +262,13 @@ def schema_problem(exc: ValidationError) -> str:
     names = [str(part) for part in error["loc"] if not isinstance(part, int)]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
     if error["type"] == "extra_forbidden":
-        model = {"workspace": WorkspaceSpec, "eval": CheckSpec, "timeouts": TimeoutsSpec}.get(
-            names[0] if len(names) > 1 else "", TaskLine
-        )
+        models = {
+            "workspace": WorkspaceSpec,
+            "eval": CheckSpec,
+            "timeouts": TimeoutsSpec,
+            "eval.harbor": HarborSpec,
+        }
+        model = models.get(".".join(names[:-1]), TaskLine)
         known = list(model.model_fields)
         given = names[-1].lower()
         close = [k for k in known if given.startswith(k) or k.startswith(given)]  # `evaluation`, `timeout`
@@ -223,16 +293,35 @@ def parse_task(raw: dict[str, Any], base: Path) -> Task:
     workspace_dir = (base / line.workspace.dir).resolve() if line.workspace.dir else None
     if workspace_dir is not None and not workspace_dir.is_dir():
         raise ValueError(f"workspace.dir {line.workspace.dir!r} is not a folder ({workspace_dir})")
+    harbor = _harbor_eval(line.eval.harbor, base) if line.eval.harbor is not None else None
     return Task(
         task_id=line.task_id,
         prompt=line.prompt,
         workspace_dir=workspace_dir,
         workspace_git=line.workspace.git,
         setup=list(line.workspace.setup),
-        eval_command=line.eval.command,
+        eval_command=line.eval.command if harbor is None else HARBOR_UNGRADED,
         eval_reward=line.eval.reward,
         timeouts=Timeouts(init=line.timeouts.init, run=line.timeouts.run, eval=line.timeouts.eval),
+        harbor=harbor,
         meta={k: raw[k] for k in ("family", "swe", "meta") if raw.get(k) is not None},
+    )
+
+
+def _harbor_eval(spec: HarborSpec, base: Path) -> HarborEval:
+    tests = (base / spec.tests).resolve()
+    if not (tests / "test.sh").is_file():
+        raise ValueError(f"eval.harbor.tests {spec.tests!r} holds no test.sh ({tests})")
+    solution = (base / spec.solution).resolve() if spec.solution else None
+    if solution is not None and not solution.is_dir():
+        raise ValueError(f"eval.harbor.solution {spec.solution!r} is not a folder ({solution})")
+    return HarborEval(
+        tests=tests,
+        workdir=spec.workdir,
+        solution=solution,
+        env=dict(spec.env),
+        reward_rule=spec.reward_rule,
+        user=spec.user,
     )
 
 
