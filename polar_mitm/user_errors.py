@@ -27,6 +27,8 @@ USER_ERRORS = (
     ("polar_mitm.engine.script", "ScriptError"),
     ("polar_mitm.rollout.harness_spec", "HarnessSpecError"),
     ("polar_mitm.rollout.shell_template", "TemplateError"),
+    ("polar_mitm.sandbox.base", "SandboxUnavailable"),
+    ("polar_mitm.sandbox.tunnel", "TunnelError"),
     ("polar_mitm.loop.run_state", "RunRecordError"),
     ("polar_mitm.gateway.import_flows", "FlowFileError"),
     ("polar_mitm.gateway.options", "OptionError"),

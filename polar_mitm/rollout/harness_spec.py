@@ -17,13 +17,13 @@ With a rollout's gateway, the base and proxy URLs carry the session's credential
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from polar_mitm.codecs import sdk_base_url
+from polar_mitm.harness.base import base_environment
 from polar_mitm.rollout.shell_template import ShellTemplate, TemplateError, env_name
 from polar_mitm.session_ids import SessionId
 from polar_mitm.tasks.task_file import Task
@@ -114,7 +114,9 @@ class HarnessSpec:
         self, task: Task, session: str, workspace: Path, gw: GatewayEndpoints, index: int = 0
     ) -> Launch:
         prefix = gw.session_id(session, task.task_id).path_prefix
-        env = {**os.environ, "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
+        # Only what a harness needs (PATH, LANG, TERM…), never the host's whole environment: a sandbox gets
+        # exactly this (`--sandbox none` adds the host's back).
+        env = {**base_environment(), "POLAR_SESSION": session, "POLAR_TASK": task.task_id}
         if self.kind == "sdk":
             base = sdk_base_url(self.value, gw.reverse_url + prefix)
             # `--` ends the options: a prompt that starts with `-` is still the prompt.
@@ -172,4 +174,4 @@ class HarnessSpec:
             ca_bundle=gw.ca_bundle,
             credential=gw.session_id(session, task.task_id).credential,
         )
-        return Launch(argv, {**os.environ, **env}, workspace)
+        return Launch(argv, {**base_environment(), **env}, workspace)

@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -32,6 +33,8 @@ from polar_mitm.config_options import option, python_only
 from polar_mitm.processes import children
 from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, UNCONFINED_WARNING, SessionBox, get_sandbox
+from polar_mitm.sandbox.tunnel import gateway_ports
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
 from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.tasks.task_file import Task
@@ -71,6 +74,17 @@ class RolloutConfig:
         metadata=python_only("Where each session's workspace is made (`rollout`: WORK_DIR/workspaces)."),
     )
     keep_workspaces: bool = field(default=False, metadata=option("Keep workspaces after evaluation."))
+    sandbox: str = field(
+        default=DEFAULT_SANDBOX,
+        metadata=option(
+            f"Where each session (agent, then evaluation) runs: {' | '.join(SANDBOX_KINDS)} "
+            "(recipes/sandboxes.md; none: unconfined on the host)."
+        ),
+    )
+    image: str | None = field(
+        default=None,
+        metadata=option("The container image of --sandbox podman|docker (bash and socat in it)."),
+    )
     log_dir: Path | None = field(
         default=None,
         metadata=python_only("Harness stdout/stderr per session (`rollout`: WORK_DIR/logs; None: not kept)."),
@@ -212,6 +226,11 @@ class Rollout:
         self.gateways = [gateway] if isinstance(gateway, GatewayEndpoints) else list(gateway)
         self.running_on = [0] * len(self.gateways)
         self.on_update = on_update or (lambda sessions: None)
+        self.sandbox = get_sandbox(
+            config.sandbox, config.image
+        )  # unusable: SandboxUnavailable, before any session
+        if not self.sandbox.confines:
+            _warn_unconfined()
         self.started = time.monotonic()
         self.sessions = [
             SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
@@ -276,31 +295,36 @@ class Rollout:
 
     async def _run_on(self, s: SessionRun, gateway: GatewayEndpoints) -> None:
         launch = self.harness_for(s).launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
+        box = self._box(s, launch.env, gateway)
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
         # Everything the harness starts is born in this group, `setsid` and a cleared environment included.
         group = session_cgroup.for_sessions().new(session_cgroup.group_name(s.session_id))
         start = time.monotonic()
         try:
-            s.proc = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                cwd=launch.cwd,
-                env={**launch.env, children.HARNESS_RUN_ENV: s.session_id},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log or asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=group.preexec() if group is not None else None,
-            )
-            try:
-                s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
-                s.status = "crashed" if s.exit_code else "ok"
-            except TimeoutError:
-                await children.stop_group(s.proc)
-                s.status = "timeout"
-            except asyncio.CancelledError:
-                # The rollout is interrupted: the harness must not outlive it.
-                await children.stop_group(s.proc)
-                raise
+            async with self.sandbox.session(box):
+                argv, env = self.sandbox.wrap(
+                    box, launch.argv, {**launch.env, children.HARNESS_RUN_ENV: s.session_id}, launch.cwd
+                )
+                s.proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    cwd=launch.cwd,
+                    env=env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log or asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=self._preexec(box, group),
+                )
+                try:
+                    s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
+                    s.status = "crashed" if s.exit_code else "ok"
+                except TimeoutError:
+                    await children.stop_group(s.proc)
+                    s.status = "timeout"
+                except asyncio.CancelledError:
+                    # The rollout is interrupted: the harness must not outlive it.
+                    await children.stop_group(s.proc)
+                    raise
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
         finally:
@@ -315,18 +339,42 @@ class Rollout:
         if s.cut:
             s.status = "cut"
 
+    def _box(self, s: SessionRun, env: dict[str, str], gateway: GatewayEndpoints | None = None) -> SessionBox:
+        """The session's sandbox: its workspace (at a Harbor task's workdir when it has one), the HOME its harness
+        was given (a preset's prepared folder), the gateway's CA bundle and ports; no gateway: no network."""
+        harbor = s.task.harbor
+        readable = [gateway.ca_bundle] if gateway is not None and gateway.ca_bundle else []
+        return SessionBox(
+            workspace=s.workspace,  # type: ignore[arg-type]
+            workspace_inside=Path(harbor.workdir) if harbor is not None and self.sandbox.confines else None,
+            home=Path(env["HOME"]) if "HOME" in env else None,
+            readable=[Path(p).resolve() for p in readable],
+            ports=gateway_ports(gateway.reverse_url, gateway.proxy_url) if gateway is not None else [],
+            limits=s.task.limits,
+        )
+
+    def _preexec(self, box: SessionBox, group: session_cgroup.SessionCgroup | None) -> Callable[[], None]:
+        """Between fork and exec of a sandboxed process: join the session's (limited) cgroup, set its rlimits."""
+        join = group.preexec() if group is not None else None
+        if group is not None and self.sandbox.confines:
+            group.limit(box.limits.memory_mb * 1024 * 1024, box.limits.pids)
+        rlimits = box.limits.preexec() if self.sandbox.confines else None
+
+        def before_exec() -> None:
+            if join is not None:
+                join()
+            if rlimits is not None:
+                rlimits()
+
+        return before_exec
+
     async def _post(self, s: SessionRun) -> None:
         s.stage = "post"
         self.on_update(self.sessions)
         start = time.monotonic()
         if s.status == "ok":
             try:
-                code, out = await run_shell(
-                    s.task.eval_command,
-                    s.workspace,
-                    s.task.timeouts.eval,
-                    self._eval_env(s),  # type: ignore[arg-type]
-                )
+                code, out = await self._run_eval(s)
                 s.eval_output = out
                 s.reward = self._reward(s.task, code, out)
                 s.status = "ok" if code == 0 or s.task.eval_reward == "stdout" else "failed"
@@ -340,12 +388,27 @@ class Rollout:
             s.reward = self.config.failure_reward  # partial records stay; the session still gets a reward
         s.spans["post"] = (start, time.monotonic())
 
-    def _eval_env(self, s: SessionRun) -> dict[str, str] | None:
-        """The evaluation's environment: ours, plus the harness's output (its log) for checks that grade the agent's
-        final answer rather than the workspace (`answer_check.py`)."""
-        if self.config.log_dir is None:
-            return None
-        return {**os.environ, HARNESS_OUTPUT_ENV: str(self.config.log_dir / f"{s.session_id}.log")}
+    async def _run_eval(self, s: SessionRun) -> tuple[int, str]:
+        """The task's check, in the session's sandbox (the same binds, no network) once the agent is gone."""
+        env = self._eval_env(s)
+        if not self.sandbox.confines:
+            return await run_shell(
+                s.task.eval_command, s.workspace, s.task.timeouts.eval, {**os.environ, **env}
+            )  # type: ignore[arg-type]
+        box = self._box(s, {})
+        box.readable += [Path(env[HARNESS_OUTPUT_ENV])] if HARNESS_OUTPUT_ENV in env else []
+        argv, inner = self.sandbox.wrap(box, ["bash", "-c", s.task.eval_command], env, s.workspace)  # type: ignore[arg-type]
+        return await run_argv(argv, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
+
+    def _eval_env(self, s: SessionRun) -> dict[str, str]:
+        """The evaluation's own variables (a sandbox adds nothing of the host's): the harness's output (its log),
+        for checks that grade the agent's final answer rather than the workspace (`answer_check.py`)."""
+        from polar_mitm.harness.base import base_environment
+
+        env = base_environment()
+        if self.config.log_dir is not None:
+            env[HARNESS_OUTPUT_ENV] = str(self.config.log_dir / f"{s.session_id}.log")
+        return env
 
     def _reward(self, task: Task, code: int, out: str) -> float:
         if task.eval_reward == "exit":
@@ -509,6 +572,16 @@ class Rollout:
         busy = sum(end - start for start, end in spans)
         window = max(end for _, end in spans) - min(start for start, _ in spans)
         return busy / (self.config.concurrency * window) if window > 0 else 1.0
+
+
+_warned: list[bool] = []
+
+
+def _warn_unconfined() -> None:
+    """`--sandbox none`, said once per process on stderr."""
+    if not _warned:
+        _warned.append(True)
+        print(UNCONFINED_WARNING, file=sys.stderr)
 
 
 def write_rewards(summary: RolloutSummary, path: Path) -> None:

@@ -10,6 +10,10 @@ new forks refused first.
 Where no cgroup file system is writable (a container without it, not root) `SessionCgroups.open` says so once and
 sessions fall back to the process group and the marker. What stays open without a sandbox: a process running as
 root can write its own pid into another cgroup's `cgroup.procs`; the sandbox's PID namespace closes that.
+
+Limits (`SessionCgroup.limit`): a sandboxed session's memory and process count are its group's (`memory.max`,
+`pids.max`). Where the v2 group lacks those controllers (a hybrid machine: v2 for the kill, v1 for the rest), the
+session also joins a group of its own in each v1 `memory` and `pids` hierarchy that is writable.
 """
 
 from __future__ import annotations
@@ -34,22 +38,46 @@ class SessionCgroup:
 
     path: Path
     v2: bool
+    v1_limits: tuple[
+        Path, ...
+    ] = ()  # its groups in v1 memory/pids hierarchies, where v2 lacks those controllers
 
     def preexec(self) -> Callable[[], None]:
         """What the harness's child process runs between fork and exec: join this group (so does all it starts)."""
-        procs_file = os.fsencode(self.path / "cgroup.procs")
+        procs_files = [os.fsencode(p / "cgroup.procs") for p in (self.path, *self.v1_limits)]
 
         def join() -> None:
-            try:
-                fd = os.open(procs_file, os.O_WRONLY)
+            for procs_file in procs_files:
                 try:
-                    os.write(fd, b"0")  # "0": the writing process itself
-                finally:
-                    os.close(fd)
-            except OSError:  # not allowed here after all: the process group and the marker still find it
-                pass
+                    fd = os.open(procs_file, os.O_WRONLY)
+                    try:
+                        os.write(fd, b"0")  # "0": the writing process itself
+                    finally:
+                        os.close(fd)
+                except OSError:  # not allowed here after all: the process group and the marker still find it
+                    pass
 
         return join
+
+    def limit(self, memory_bytes: int, pids: int) -> list[str]:
+        """Bound the group's memory and process count where a file for it is writable; the limits set."""
+        wanted = {
+            "memory.max": str(memory_bytes),
+            "memory.limit_in_bytes": str(memory_bytes),
+            "memory.swap.max": "0",
+            "pids.max": str(pids),
+        }
+        done = []
+        for folder in (self.path, *self.v1_limits):
+            for name, value in wanted.items():
+                target = folder / name
+                if target.exists():
+                    try:
+                        target.write_text(value)
+                        done.append(name)
+                    except OSError as exc:
+                        log.debug("cannot set %s: %s", target, exc)
+        return done
 
     def pids(self) -> list[int]:
         try:
@@ -72,16 +100,17 @@ class SessionCgroup:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
                 time.sleep(0.02)
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+        for folder in (*self.v1_limits, self.path):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return len(found)
 
 
 class SessionCgroups:
     """The rollout's parent group (`polar-mitm-PID` under this process's own cgroup) and one child per session."""
 
-    def __init__(self, root: Path | None, v2: bool) -> None:
-        self.root, self.v2 = root, v2
+    def __init__(self, root: Path | None, v2: bool, v1_limit_roots: tuple[Path, ...] = ()) -> None:
+        self.root, self.v2, self.v1_limit_roots = root, v2, v1_limit_roots
 
     @classmethod
     def open(cls) -> SessionCgroups:
@@ -97,7 +126,7 @@ class SessionCgroups:
                 probe.rmdir()
             except OSError:
                 continue
-            return cls(root, v2)
+            return cls(root, v2, _v1_limit_roots(root) if v2 else _v1_limit_roots(root, ("memory",)))
         log.info(
             "no writable cgroup file system: a session's processes are found by process group and marker"
         )
@@ -112,7 +141,12 @@ class SessionCgroups:
         except OSError as exc:
             log.warning("no cgroup for session %s: %s", name, exc)
             return None
-        return SessionCgroup(path, self.v2)
+        limits = []
+        for parent in self.v1_limit_roots:
+            with contextlib.suppress(OSError):
+                (parent / name).mkdir(exist_ok=True)
+                limits.append(parent / name)
+        return SessionCgroup(path, self.v2, tuple(limits))
 
     def close(self) -> None:
         """Stop what is left in every session group and remove the parent."""
@@ -120,9 +154,11 @@ class SessionCgroups:
             return
         for child in self.root.iterdir() if self.root.is_dir() else []:
             if child.is_dir():
-                SessionCgroup(child, self.v2).stop()
-        with contextlib.suppress(OSError):
-            self.root.rmdir()
+                limits = tuple(p / child.name for p in self.v1_limit_roots if (p / child.name).is_dir())
+                SessionCgroup(child, self.v2, limits).stop()
+        for folder in (*self.v1_limit_roots, self.root):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _mount_points() -> list[tuple[str, Path, set[str]]]:
@@ -160,11 +196,34 @@ def _v2_home() -> Path | None:
 
 
 def _v1_pids_home() -> Path | None:
-    own = _own_cgroup("pids")
+    return _v1_home("pids")
+
+
+def _v1_home(controller: str) -> Path | None:
+    own = _own_cgroup(controller)
     for kind, mount, options in _mount_points():
-        if kind == "cgroup" and "pids" in options and own is not None:
+        if kind == "cgroup" and controller in options and own is not None:
             return mount / own.lstrip("/")
     return None
+
+
+def _v1_limit_roots(root: Path, controllers: tuple[str, ...] = ("memory", "pids")) -> tuple[Path, ...]:
+    """Parent groups (named like `root`) in the v1 hierarchies of the limit controllers the v2 group lacks."""
+    try:
+        have = set((root / "cgroup.controllers").read_text().split())
+    except OSError:
+        have = set()
+    found = []
+    for controller in controllers:
+        home = None if controller in have else _v1_home(controller)
+        if home is None:
+            continue
+        try:
+            (home / root.name).mkdir(exist_ok=True)
+        except OSError:
+            continue
+        found.append(home / root.name)
+    return tuple(found)
 
 
 _this_process: list[SessionCgroups] = []

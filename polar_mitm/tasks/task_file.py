@@ -4,7 +4,8 @@
      "prompt": "Create out.txt containing the word hello.",
      "workspace": {"dir": "tasks/hello", "setup": ["git init -q"]},      # dir is copied per session
      "eval": {"command": "grep -q hello out.txt", "reward": "exit"},      # exit: 1.0 if exit 0 else 0.0
-     "timeouts": {"init": 60, "run": 300, "eval": 60}}                     # seconds
+     "timeouts": {"init": 60, "run": 300, "eval": 60},                     # seconds
+     "limits": {"memory_mb": 4096, "pids": 1024}}                          # its sandbox's (sandbox/limits.py)
 
 Every line is checked against a schema (`TaskLine`, pydantic) before anything runs: an unknown field — a misspelt
 `evaluation`, say — is refused with the likely one named, `eval` is required (there is no default check: one that
@@ -48,6 +49,7 @@ from pydantic import (
 )
 
 from polar_mitm.harness.base import id_problem
+from polar_mitm.sandbox.limits import Limits, LimitsSpec
 
 GIT_URL_SCHEMES = (
     "file",
@@ -110,6 +112,7 @@ class Task:
     eval_reward: str = "exit"  # exit | stdout
     timeouts: Timeouts = field(default_factory=Timeouts)
     harbor: HarborEval | None = None  # graded by its verifier instead (eval_command is then HARBOR_UNGRADED)
+    limits: Limits = field(default_factory=Limits)  # the session's sandbox limits (sandbox/limits.py)
     meta: dict[str, Any] = field(
         default_factory=dict
     )  # family, swe, meta: what the line carries beside the task
@@ -225,7 +228,10 @@ class CheckSpec(_Schema):
     @model_serializer(mode="wrap")
     def _without_unset_kind(self, handler: Any) -> dict[str, Any]:
         # A command check dumps as it always did ({command, reward}): the service's converter compares fields.
-        return {key: value for key, value in handler(self).items() if value is not None}
+        dumped = {key: value for key, value in handler(self).items() if value is not None}
+        if self.harbor is not None:
+            dumped.pop("reward", None)  # refused beside harbor: the dump must load again
+        return dumped
 
 
 class TimeoutsSpec(_Schema):
@@ -242,6 +248,9 @@ class TaskLine(_Schema):
     eval: Annotated[CheckSpec, BeforeValidator(_as_check)]
     workspace: WorkspaceSpec = WorkspaceSpec()
     timeouts: TimeoutsSpec = TimeoutsSpec()
+    limits: LimitsSpec = (
+        LimitsSpec()
+    )  # memory_mb, pids, open_files, file_size_mb, tmp_mb, home_mb of its sandbox
     family: StrictStr | None = None  # written by `polar-mitm tasks generate`
     swe: dict[str, Any] | None = None  # written by `polar-mitm tasks swe`: the instance and its grading spec
     meta: dict[str, Any] | None = None  # your own data, kept with the task
@@ -267,6 +276,7 @@ def schema_problem(exc: ValidationError) -> str:
             "eval": CheckSpec,
             "timeouts": TimeoutsSpec,
             "eval.harbor": HarborSpec,
+            "limits": LimitsSpec,
         }
         model = models.get(".".join(names[:-1]), TaskLine)
         known = list(model.model_fields)
@@ -304,6 +314,7 @@ def parse_task(raw: dict[str, Any], base: Path) -> Task:
         eval_reward=line.eval.reward,
         timeouts=Timeouts(init=line.timeouts.init, run=line.timeouts.run, eval=line.timeouts.eval),
         harbor=harbor,
+        limits=line.limits.limits(),
         meta={k: raw[k] for k in ("family", "swe", "meta") if raw.get(k) is not None},
     )
 

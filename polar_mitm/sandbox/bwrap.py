@@ -1,0 +1,115 @@
+"""`--sandbox bwrap` (the default): each session in bubblewrap's namespaces, started in milliseconds.
+
+Why bubblewrap: it needs no daemon, no image and no root filesystem of its own — the host's system is bound
+read-only — and it starts a session in a few milliseconds (benchmarks/bench_sandbox.py), so every session of
+every rollout can have one. Per session: new mount, PID, IPC, UTS, cgroup, user and network namespaces
+(`--unshare-all`, the user one explicitly: as root the sandbox user is uid 1000 with no capabilities,
+`--cap-drop ALL`), `--die-with-parent` and `--new-session` (no TIOCSTI into our terminal); the allow-list of
+mounts.py read-only; a private `/proc`, `/dev`, `/tmp` and HOME (tmpfs with a size); the workspace read-write.
+When the harness (bwrap's child) exits, the namespace's init goes and the kernel kills everything left in it:
+a `setsid` daemon with a cleaned environment included.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+
+from polar_mitm.sandbox.base import HOME_INSIDE, Sandbox, SandboxUnavailable, SessionBox
+from polar_mitm.sandbox.limits import MIB
+from polar_mitm.sandbox.mounts import Mount, system_mounts, toolchain_mounts
+
+SANDBOX_UID = 1000  # who the session is inside (root outside when we are root: files it writes stay ours)
+HOSTNAME = "polar-sandbox"
+SETUP_HINT = "install it with scripts/setup-sandbox.sh (Debian: apt-get install bubblewrap socat)"
+
+
+class Bwrap(Sandbox):
+    kind = "bwrap"
+
+    def __init__(self, binary: str | None = None) -> None:
+        self.binary = binary or shutil.which("bwrap") or "bwrap"
+
+    def check(self) -> None:
+        for tool in ("bwrap", "socat"):
+            if shutil.which(tool) is None:
+                raise SandboxUnavailable(
+                    f"--sandbox bwrap: {tool} is not installed: {SETUP_HINT}, or pass --sandbox none"
+                )
+        problem = _probe(self.binary)
+        if problem:
+            raise SandboxUnavailable(
+                f"--sandbox bwrap cannot create a sandbox here ({problem}); pass --sandbox none"
+            )
+
+    def wrap(
+        self, box: SessionBox, argv: list[str], env: dict[str, str], cwd: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        # bwrap's child inherits bwrap's environment, so the host env of bwrap is the session's, nothing more.
+        return [self.binary, *self.arguments(box, cwd), "--", *self.inner_command(box, argv)], self.inner_env(
+            box, env
+        )
+
+    def arguments(self, box: SessionBox, cwd: Path) -> list[str]:
+        """bwrap's options for `box`: namespaces, then the file system in mount order (later binds sit on top)."""
+        args = [
+            "--unshare-all",
+            "--unshare-user",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--hostname",
+            HOSTNAME,
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+        ]
+        binds, links = system_mounts()
+        for mount in binds:
+            args += _bind(mount)
+        for link, target in links:
+            args += ["--symlink", target, link]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--size", str(box.limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
+        if box.home is None:
+            args += ["--size", str(box.limits.home_mb * MIB), "--tmpfs", str(HOME_INSIDE)]
+        for mount in [*toolchain_mounts(), *box.mounts()]:
+            args += _bind(mount)
+        args += ["--chdir", box.relocate(str(cwd))]
+        return args
+
+
+def _bind(mount: Mount) -> list[str]:
+    return ["--bind" if mount.writable else "--ro-bind", str(mount.host), str(mount.inside)]
+
+
+@functools.cache
+def _probe(binary: str) -> str:
+    """'' when a minimal sandbox like a session's starts here, else why not (bwrap's own words)."""
+    try:
+        done = subprocess.run(
+            [
+                binary,
+                "--unshare-all",
+                "--unshare-user",
+                "--ro-bind",
+                "/",
+                "/",
+                "--proc",
+                "/proc",
+                "--",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return (
+        "" if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    )

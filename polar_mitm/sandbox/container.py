@@ -1,0 +1,74 @@
+"""`--sandbox podman|docker --image IMAGE`: the same contract in a container, for machines with a container engine.
+
+The same contract as bwrap: no network but the gateway (`--network none` and the Unix-socket tunnel), the
+workspace read-write and the harness installs read-only at their own paths, a private /tmp, capabilities dropped,
+limits as the engine's own flags (`--memory`, `--pids-limit`, `--ulimit`), the container removed with the session
+(`--rm`, `--init` reaps what the harness left). The image must hold bash and socat.
+
+Not exercised here: these machines run no container engine (docker is only the client), so this kind is tested on
+the command line it builds (tests/sandbox/test_container_argv.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from polar_mitm.sandbox.base import HOME_INSIDE, Sandbox, SandboxUnavailable, SessionBox
+from polar_mitm.sandbox.bwrap import SANDBOX_UID
+from polar_mitm.sandbox.limits import MIB
+from polar_mitm.sandbox.mounts import toolchain_mounts
+
+
+class Container(Sandbox):
+    """A container engine's `run` (podman and docker take the same flags for all this uses)."""
+
+    def __init__(self, kind: str, image: str | None) -> None:
+        self.kind = kind  # type: ignore[misc]  # one class for both engines
+        self.image = image
+
+    def check(self) -> None:
+        if not self.image:
+            raise SandboxUnavailable(f"--sandbox {self.kind} needs --image IMAGE (one with bash and socat)")
+        if shutil.which(self.kind) is None:
+            raise SandboxUnavailable(
+                f"--sandbox {self.kind}: {self.kind} is not installed; use --sandbox bwrap"
+            )
+
+    def wrap(
+        self, box: SessionBox, argv: list[str], env: dict[str, str], cwd: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        inner = self.inner_env(box, env)
+        args = [
+            shutil.which(self.kind) or self.kind,
+            "run",
+            "--rm",
+            "--init",
+            "--network",
+            "none",
+            "--cap-drop",
+            "ALL",
+        ]
+        args += [
+            "--security-opt",
+            "no-new-privileges",
+            "--read-only",
+            "--user",
+            f"{SANDBOX_UID}:{SANDBOX_UID}",
+        ]
+        args += ["--memory", f"{box.limits.memory_mb}m", "--pids-limit", str(box.limits.pids)]
+        args += ["--ulimit", f"nofile={box.limits.open_files}:{box.limits.open_files}"]
+        fsize = box.limits.file_size_mb * MIB
+        args += ["--ulimit", f"fsize={fsize}:{fsize}"]
+        args += ["--tmpfs", f"/tmp:rw,size={box.limits.tmp_mb}m"]
+        if box.home is None:
+            args += ["--tmpfs", f"{HOME_INSIDE}:rw,size={box.limits.home_mb}m"]
+        for mount in [*toolchain_mounts(), *box.mounts()]:
+            args += ["-v", f"{mount.host}:{mount.inside}:{'rw' if mount.writable else 'ro'}"]
+        args += ["-w", box.relocate(str(cwd))]
+        for name, value in sorted(inner.items()):
+            args += ["-e", f"{name}={value}"]
+        return [*args, str(self.image), *self.inner_command(box, argv)], {
+            "PATH": os.environ.get("PATH", os.defpath)
+        }
