@@ -254,10 +254,14 @@ def bubblewrap(asked: Asked) -> Iterator[Finding]:
             "bwrap",
             "missing",
             "bubblewrap is not installed (session sandboxes)",
-            "apt-get install bubblewrap",
+            "bash scripts/setup-sandbox.sh",
         )
     else:
         yield Finding("bwrap", "ok", f"{version} ({path})")
+    if shutil.which("socat") is None:  # the sandbox's tunnel to its gateway (sandbox/tunnel.py)
+        yield Finding(
+            "socat", "missing", "socat is not installed (session sandboxes)", "bash scripts/setup-sandbox.sh"
+        )
     yield _user_namespace(path)
 
 

@@ -12,6 +12,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
 fi
 bash scripts/setup.sh
+bash scripts/setup-sandbox.sh  # bubblewrap + socat: every rollout session runs in a bwrap sandbox (the default)
 bash scripts/setup-vllm.sh  # vLLM (CPU build) in .venv-vllm for tests/vllm/test_vllm.py: a real production engine
 bash scripts/setup-mini-swe-agent.sh  # harnesses with pins of their own, each in its venv (recipes/<name>.md)
 bash scripts/setup-aider.sh
