@@ -33,6 +33,7 @@ USER_ERRORS = (
     ("polar_mitm.gateway.import_flows", "FlowFileError"),
     ("polar_mitm.gateway.options", "OptionError"),
     ("polar_mitm.service.task_requests", "RequestError"),
+    ("polar_mitm.loop.service_rollouts", "ServiceSetupError"),
 )
 DEBUG_ENV = "POLAR_DEBUG"
 

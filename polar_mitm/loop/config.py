@@ -120,6 +120,14 @@ class LoopConfig:
             "for --model tiny, of its initial weights."
         ),
     )
+    service_url: str | None = field(
+        default=None,
+        metadata=option(
+            "Every rollout and evaluation on this running `polar-mitm serve-rollouts` (its engine is the one "
+            "trained: weights pushed through it); $POLAR_SERVICE_TOKEN is sent when set.",
+            "--service",
+        ),
+    )
     ray_address: str | None = field(
         default=None,
         metadata=option(

@@ -14,6 +14,7 @@ from polar_mitm.loop.evaluation import EvalResult
 from polar_mitm.loop.informative import group_figures
 from polar_mitm.loop.trackers import numeric_metrics
 from polar_mitm.rollout.runner import RolloutSummary
+from polar_mitm.storage.run_layout import SERVICE_RESULTS_FILE
 from polar_mitm.tasks.task_file import passed
 
 
@@ -136,9 +137,16 @@ def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
         for sid in pq.read_table(shard, columns=["session_id"])["session_id"].to_pylist()
     }
     counts: Counter = Counter()
-    for row in read_all(it / "flows").select(["session_id", "weight_version"]).to_pylist():
-        if row["session_id"] in trained:
-            counts[str(version_distance(base_version, row["weight_version"]))] += 1
+    if (it / SERVICE_RESULTS_FILE).exists():  # --service: the calls' versions are in the traces it answered
+        from polar_mitm.loop.service_rollouts import call_versions
+
+        for version in call_versions(it, trained):
+            counts[str(version_distance(base_version, version))] += 1
+    else:
+        rows = read_all(it / "flows").select(["session_id", "weight_version"]).to_pylist()
+        for row in rows:
+            if row["session_id"] in trained:
+                counts[str(version_distance(base_version, row["weight_version"]))] += 1
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 

@@ -69,6 +69,13 @@ from polar_mitm.loop.run_state import (
     stored_path,
     write_json_atomic,
 )
+from polar_mitm.loop.service_rollouts import (
+    LoopService,
+    ServiceSettings,
+    check_service,
+    merge_results,
+    run_tag,
+)
 from polar_mitm.loop.stages import IterationData, MergeOutcome, RolloutOutcome, TrainedModel
 from polar_mitm.loop.trackers import (
     TENSORBOARD_DIR,
@@ -79,12 +86,14 @@ from polar_mitm.loop.trackers import (
     open_tracker,
 )
 from polar_mitm.loop.training import IterationTraining
+from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.storage.location import private_dir
 from polar_mitm.storage.run_layout import (
     ENGINE_WEIGHTS_DIR,
     EVENTS_FILE,
     LOOP_FILE,
     RUN_STATE_DIR,
+    SERVICE_RESULTS_FILE,
     START_EVAL_DIR,
     TRAIN_DIR,
     iteration_dir,
@@ -118,6 +127,7 @@ class Loop:
                 raise ValueError("--eval-every and --eval-samples must be at least 1")
         if cfg.gateways < 1 or (cfg.gateways > 1 and cfg.ray_address is not None):
             raise ValueError("--gateways must be at least 1 (and is 1 with --ray: one gateway per node)")
+        check_service(cfg)
         check_tracker(cfg.report_to)  # refused before the engine starts
         self.tracker: Tracker = NoTracker()  # run() opens the --report-to one
         self.on_iteration = on_iteration or (lambda stats: None)
@@ -129,6 +139,9 @@ class Loop:
         self.weight_version = "0"  # of self.model_dir, as the engine numbers it
         self.engine_url = cfg.engine_url
         self._rollouts: LoopRollouts | None = None  # run() starts them once the engine is attached
+        self.service: LoopService | None = (
+            None  # --service: the rollout service (and, through it, the engine)
+        )
         self._states: dict[int, IterationState] = {}  # iter-K/state.json, one writer object per iteration
         self._states_lock = threading.Lock()
         # Where the run was started (run() sets it, _resumed takes it from run.json): paths its files hold that
@@ -148,31 +161,18 @@ class Loop:
         if cfg.learning_rate is None:  # by model kind; recorded in run.json, so a resume keeps it
             cfg.learning_rate, said = default_learning_rate(self.initial_model_dir)
             self.on_note(said)
+        # --service: checked to answer, and to sample as this loop trains, before the run folder is written
+        service = self._checked_service() if cfg.service_url is not None else None
         results = self._resumed() if cfg.resume else self._started()
         with ExitStack() as running:
             # --resume continues the same tracked run (TensorBoard's directory, MLflow's and W&B's run ids in RUN/)
             self.tracker = open_tracker(cfg.report_to, cfg.run_dir, resume=cfg.resume)
             running.callback(self.tracker.close)  # last: after the final figures
             self._replay_tracked(results)
-            # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
-            # the router).
-            engine_url = running.enter_context(
-                engine_processes.engine_running(
-                    self.engine_url,
-                    model=str(self.model_dir),
-                    log=cfg.run_dir / "engine.log",
-                    extra_args=["--script", str(cfg.script)] if cfg.script else [],
-                )
-            )
-            self.engine_url = running.enter_context(
-                router.attached(engine_url, log=cfg.run_dir / "router.log")
-            ).url
-            # Closed before the engine goes: the node actors stop their gateways, the gateways compact their journals.
-            self._rollouts = running.enter_context(
-                LoopRollouts(cfg, self.tasks, self.eval_tasks, self.progress, self.engine_url)
-            )
-            if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
-                self.weight_version = weights.common_weight_version(self.engine_url) or "0"
+            if service is not None:
+                self._rollouts = running.enter_context(self._service_rollouts(*service))
+            else:
+                self._attach_engine(running)
             self._restore_engine()
             self.start_eval = self._start_eval_stage()
             self._iterate(results)
@@ -181,6 +181,50 @@ class Loop:
             write_json_atomic(cfg.run_dir / LOOP_FILE, [r.to_json() for r in results])
             append_event(cfg.run_dir, "finished", len(results) - 1, None, weight_version=self.weight_version)
         return results
+
+    def _attach_engine(self, running: ExitStack) -> None:
+        """The run's engine (ours, or the one given) and the rollouts' gateways in front of it, up until `running`
+        closes."""
+        cfg = self.cfg
+        # Ours unless given: the embedded engine; given, one engine, SGLang's router, or a comma list (we start
+        # the router).
+        engine_url = running.enter_context(
+            engine_processes.engine_running(
+                self.engine_url,
+                model=str(self.model_dir),
+                log=cfg.run_dir / "engine.log",
+                extra_args=["--script", str(cfg.script)] if cfg.script else [],
+            )
+        )
+        self.engine_url = running.enter_context(
+            router.attached(engine_url, log=cfg.run_dir / "router.log")
+        ).url
+        # Closed before the engine goes: the node actors stop their gateways, the gateways compact their journals.
+        self._rollouts = running.enter_context(
+            LoopRollouts(cfg, self.tasks, self.eval_tasks, self.progress, self.engine_url)
+        )
+        if cfg.engine_url is not None and self.model_dir == self.initial_model_dir:  # nothing trained yet
+            self.weight_version = weights.common_weight_version(self.engine_url) or "0"
+
+    def _checked_service(self) -> tuple[LoopService, dict]:
+        """The rollout service and its health, once it answers and samples as this loop trains."""
+        cfg = self.cfg
+        assert cfg.service_url is not None
+        builder = BuilderName(cfg.builder).value
+        service = LoopService(cfg.service_url, cfg.harness, builder, run_tag(cfg.run_dir))
+        try:
+            return service, service.check(ServiceSettings(cfg.temperature, cfg.max_tokens))
+        except BaseException:
+            service.close()
+            raise
+
+    def _service_rollouts(self, service: LoopService, health: dict) -> LoopRollouts:
+        """`--service`: the rollouts on the service, whose engine this run trains; no engine or gateway of ours."""
+        rollouts = LoopRollouts(self.cfg, self.tasks, self.eval_tasks, self.progress, None)
+        rollouts.service = self.service = service
+        if self.model_dir == self.initial_model_dir:  # nothing trained yet: the version it serves now
+            self.weight_version = health.get("weight_version") or "0"
+        return rollouts
 
     @property
     def rollouts(self) -> LoopRollouts:
@@ -292,8 +336,12 @@ class Loop:
 
         started = time.monotonic()
         self.progress.stage(k, "merge")
-        merged = iteration_dir(self.cfg.run_dir, k) / "merged"
+        it = iteration_dir(self.cfg.run_dir, k)
+        merged = it / "merged"
         shutil.rmtree(merged, ignore_errors=True)  # what a merge a kill interrupted left
+        if (it / SERVICE_RESULTS_FILE).exists():  # --service: the traces it answered are the merged rows
+            summary = merge_results(it, merged, BuilderName(self.cfg.builder).value)
+            return MergeOutcome(MergeFigures.of(summary), time.monotonic() - started)
         summary = merge(
             [str(rolled.flows)],
             str(merged),
@@ -354,6 +402,10 @@ class Loop:
 
     def _push(self, it: Path, version: str | None) -> None:
         """The engine serves `version` (the trained weights of `it`) after this: pushed unless it already does."""
+        if self.service is not None and version is not None:  # --service: through it, to its engine
+            if self.service.weight_version() != version:
+                self.service.push(it / "train" / ENGINE_WEIGHTS_DIR, version)
+            return
         if version is None or self.engine_url is None:  # no engine: a training driven alone (tests)
             return
         if weights.common_weight_version(self.engine_url) == version:

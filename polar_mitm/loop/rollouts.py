@@ -23,10 +23,11 @@ from polar_mitm.loop.gateways import LoopGateways
 from polar_mitm.loop.informative import GroupSampler, check_dynamic_sampling, group_sampler, sample_groups
 from polar_mitm.loop.progress import LoopProgress
 from polar_mitm.loop.run_state import journal_finished, renumbered, session_from_row, write_json_atomic
+from polar_mitm.loop.service_rollouts import LoopService
 from polar_mitm.loop.stages import RolloutOutcome
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, SessionRun, write_rewards
-from polar_mitm.storage.run_layout import iteration_dir
+from polar_mitm.storage.run_layout import SERVICE_RESULTS_FILE, iteration_dir
 from polar_mitm.tasks.task_file import Task
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class LoopRollouts:
         self.cfg, self.tasks, self.eval_tasks, self.progress = cfg, tasks, eval_tasks, progress
         self.engine_url = engine_url
         self.tasks_by_id = {t.task_id: t for t in tasks}
+        self.service: LoopService | None = None  # with --service: every session runs there
         self.gateways: LoopGateways | None = None  # up from the first local rollout to the run's end
         self.ray_pool: RayPool | None = None  # with --ray: the node actors, kept for the whole run
 
@@ -58,6 +60,8 @@ class LoopRollouts:
         self.close()
 
     def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
         try:
             if self.ray_pool is not None:
                 self.ray_pool.close()  # stops the node actors (their gateways were stopped after each rollout)
@@ -169,7 +173,9 @@ class LoopRollouts:
 
     def gateway_options(self, temperature: float | None = None) -> dict[str, str]:
         """Every gateway of the run forces the training temperature (or the evaluation's) and the completion
-        budget."""
+        budget (none with `--service`: its gateways force its own, checked against these at start)."""
+        if self.service is not None:
+            return {}
         return {
             "polar_temperature": str(self.cfg.temperature if temperature is None else temperature),
             "polar_max_tokens": str(self.cfg.max_tokens),
@@ -199,6 +205,8 @@ class LoopRollouts:
 
         cfg = self.cfg
         it.mkdir(parents=True, exist_ok=True)
+        if self.service is not None:
+            return self._on_service(it, tasks, group_size, sampler)
         finished_before = [0]  # sessions of earlier waves, for the progress line
 
         async def run_wave(wave: list[Task]) -> RolloutSummary:
@@ -229,6 +237,33 @@ class LoopRollouts:
             if sampler is None:
                 return asyncio.run(run_wave(tasks))
             return asyncio.run(sample_groups(sampler, run_wave))
+
+    def _on_service(
+        self, it: Path, tasks: list[Task], group_size: int, sampler: GroupSampler | None
+    ) -> RolloutSummary:
+        """`--service`: the sessions (each wave of a `sampler`'s) on the rollout service; results under `it`."""
+        import asyncio
+
+        assert self.service is not None
+        (it / SERVICE_RESULTS_FILE).unlink(missing_ok=True)  # an attempt a kill interrupted runs again whole
+        finished_before = [0]
+
+        async def run_wave(wave: list[Task]) -> RolloutSummary:
+            total = finished_before[0] + len(wave) * group_size
+            summary = await asyncio.to_thread(
+                self.service.rollout,  # type: ignore[union-attr]
+                it,
+                wave,
+                group_size,
+                keep=self.cfg.keep,
+                on_session=lambda done: self.progress.advance(finished_before[0] + done, total),
+            )
+            finished_before[0] += len(summary.sessions)
+            return summary
+
+        if sampler is None:
+            return asyncio.run(run_wave(tasks))
+        return asyncio.run(sample_groups(sampler, run_wave))
 
 
 def rewarded_summary(path: Path, tasks: dict[str, Task], info: dict[str, Any]) -> RolloutSummary:

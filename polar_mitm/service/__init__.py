@@ -9,3 +9,5 @@ HTTP in Polar's wire format and get token-exact trajectories back, captured from
     client.py         `Client`: submit, status, wait, cancel, results, to_tensors
     cli.py            `polar-mitm serve-rollouts`
 """
+
+TOKEN_ENV = "POLAR_SERVICE_TOKEN"  # the bearer token every client sends and `serve-rollouts` requires

@@ -14,9 +14,8 @@ from typing import Annotated
 import typer
 
 from polar_mitm.config_options import ConfigOptionsCommand
+from polar_mitm.service import TOKEN_ENV
 from polar_mitm.user_errors import UserInputError
-
-TOKEN_ENV = "POLAR_SERVICE_TOKEN"
 
 
 class ServiceCommand(ConfigOptionsCommand):
@@ -148,6 +147,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             max_sessions=options["max_sessions"],
             queue_limit=options["queue_limit"],
             engine_url=attached.url,
+            sampling=options["sampling"],
         )
         if options["resume"]:
             rerun = service.resume()

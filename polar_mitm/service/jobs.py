@@ -147,8 +147,10 @@ class RolloutService:
         max_sessions: int = 8,
         queue_limit: int = 64,
         engine_url: str | None = None,
+        sampling: dict[str, str] | None = None,
     ) -> None:
         self.out, self.endpoints, self.task_root = out, endpoints, task_root
+        self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
         self.flows = out / layout.FLOWS_DIR
         self.work = out / layout.WORK_DIR
         self.max_sessions, self.queue_limit, self.engine_url = max_sessions, queue_limit, engine_url
@@ -268,6 +270,7 @@ class RolloutService:
             "running_sessions": self._in_flight(),
             "max_sessions": self.max_sessions,
             "gateways": len(self.endpoints),
+            "sampling": self.sampling,
         }
 
     # -- running ------------------------------------------------------------------------------------------------

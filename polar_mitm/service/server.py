@@ -104,7 +104,18 @@ def build_app(service: RolloutService, token: str | None) -> Starlette:
         return JSONResponse({"weight_version": version})
 
     async def health(request: Request) -> Response:
-        return JSONResponse(service.health())
+        """The service's state, with the weight version its engine serves (what a trainer resumes from)."""
+        answer = service.health()
+        if service.engine_url is not None:
+            from polar_mitm.engines import weights as engine_weights
+
+            try:
+                answer["weight_version"] = await asyncio.to_thread(
+                    engine_weights.common_weight_version, service.engine_url
+                )
+            except Exception as exc:  # noqa: BLE001 — an engine that does not answer is said, not raised
+                answer["weight_version"], answer["engine_error"] = None, f"{type(exc).__name__}: {exc}"
+        return JSONResponse(answer)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -52,6 +52,39 @@ def line_to_request(
     )
 
 
+def task_to_request(
+    task: Task,
+    harness: str,
+    num_samples: int = 1,
+    builder: str = "prefix_merging",
+    *,
+    task_id: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> TaskRequest:
+    """The TaskRequest of a loaded task (its workspace folder absolute: the service must see the same files), under
+    `task_id` when the caller needs its own (a loop's ids, unique per iteration); `metadata` is added."""
+    workspace: dict[str, Any] = {}
+    if task.workspace_dir is not None:
+        workspace["dir"] = str(task.workspace_dir)
+    if task.workspace_git is not None:
+        workspace["git"] = task.workspace_git
+    if task.setup:
+        workspace["setup"] = list(task.setup)
+    line: dict[str, Any] = {
+        "task_id": task.task_id,
+        "prompt": task.prompt,
+        "eval": {"command": task.eval_command, "reward": task.eval_reward},
+        "timeouts": {"init": task.timeouts.init, "run": task.timeouts.run, "eval": task.timeouts.eval},
+        **({"workspace": workspace} if workspace else {}),
+        **{key: task.meta[key] for key in CARRIED if task.meta.get(key) is not None},
+    }
+    request = line_to_request(line, harness, num_samples, builder)
+    update: dict[str, Any] = {"metadata": {**request.metadata, **(metadata or {})}}
+    if task_id is not None:
+        update["task_id"] = task_id
+    return request.model_copy(update=update)
+
+
 def request_to_line(request: TaskRequest) -> dict[str, Any]:
     """The task-file line of a TaskRequest; a RequestError names what no task line can say."""
     if request.evaluator is None:

@@ -1,10 +1,12 @@
 """A finished session's trajectory: its records merged (`prefix_merging`, or one trace per call with `per_request`)
-exactly as `polar-mitm merge` would, each sequence split at its prompt into Polar's `Trace`.
+exactly as `polar-mitm merge` would, each sequence split at its prompt into Polar's `Trace` — and back.
 
 `prompt_ids` are the first call's prompt, `response_ids` everything after it: sampled tokens (loss mask 1, their
 recorded logprobs) and, between calls, the context the harness added (tool outputs, the next prompt's new part:
-mask 0, logprob 0.0). A trace's metadata says which weight versions sampled it, at what temperature, and how the
-session ended.
+mask 0, logprob 0.0). A trace's metadata says which weight versions sampled it (per call too), at what temperature,
+and how the session ended; it also carries the rest of the merged row (`MERGED_METADATA`: ids, per-turn sampling
+parameters), so `merged_sequence` gives back the very row `polar-mitm merge` writes — what a trainer of ours
+(`polar-mitm loop --service`) trains on, with no record in reach.
 """
 
 from __future__ import annotations
@@ -13,8 +15,27 @@ from pathlib import Path
 
 from polar_mitm.reconstruct.merge import merge_table, recorded_eot
 from polar_mitm.service.models import Trace
-from polar_mitm.storage.merged import sequences_in
+from polar_mitm.storage.merged import MergedSequence, sequences_in
 from polar_mitm.storage.records import read_session
+
+# The merged row's fields a trace's metadata carries as they are (the ids, mask and logprobs are the trace's own).
+MERGED_METADATA = (
+    "sequence_id",
+    "session_id",
+    "task_id",
+    "builder",
+    "request_ids",
+    "n_turns",
+    "weight_version_min",
+    "weight_version_max",
+    "turn_starts",
+    "turn_temperature",
+    "turn_top_p",
+    "turn_top_k",
+    "turn_min_p",
+    "turn_greedy",
+    "turn_constrained",
+)
 
 
 def session_traces(
@@ -25,7 +46,10 @@ def session_traces(
     if mine.num_rows == 0:
         return []
     table, _ = merge_table(mine, builder=builder, eot_token_id=eot_token_id, check=True)
-    return [_trace(seq, reward) for seq in sequences_in(table, f"session {session_id}")]
+    versions = dict(
+        zip(mine.column("request_id").to_pylist(), mine.column("weight_version").to_pylist(), strict=True)
+    )
+    return [_trace(seq, reward, versions) for seq in sequences_in(table, f"session {session_id}")]
 
 
 def flows_eot(flows: Path) -> int | None:
@@ -34,11 +58,12 @@ def flows_eot(flows: Path) -> int | None:
     return found[0] if found else None
 
 
-def _trace(seq, reward: float | None) -> Trace:
+def _trace(seq: MergedSequence, reward: float | None, versions: dict[str, str | None]) -> Trace:
     cut = seq.prompt_len
     mask = [int(m) for m in seq.loss_mask[cut:]]
     logprobs = [float(lp) if m else 0.0 for lp, m in zip(seq.logprobs[cut:], mask, strict=True)]
     temperatures = sorted({t for t in (seq.turn_temperature or []) if t is not None})
+    metadata = {name: _plain(getattr(seq, name)) for name in MERGED_METADATA}
     return Trace(
         prompt_ids=list(seq.input_ids[:cut]),
         response_ids=list(seq.input_ids[cut:]),
@@ -47,12 +72,33 @@ def _trace(seq, reward: float | None) -> Trace:
         finish_reason=seq.finish_reason,
         reward=reward,
         metadata={
-            "sequence_id": seq.sequence_id,
-            "builder": seq.builder,
-            "request_ids": list(seq.request_ids),
-            "n_turns": seq.n_turns,
-            "weight_version_min": seq.weight_version_min,
-            "weight_version_max": seq.weight_version_max,
+            **metadata,
+            # each merged call's weight version, in request_ids order (staleness per call)
+            "request_weight_versions": [versions.get(r) for r in seq.request_ids],
             "temperature": temperatures[0] if len(temperatures) == 1 else temperatures or None,
         },
     )
+
+
+def merged_sequence(trace: Trace) -> MergedSequence:
+    """The merged row a trace was cut from (`polar-mitm merge`'s, reward included); a trace of another service
+    lacks the metadata: KeyError names the field."""
+    meta = trace.metadata
+    fields = {name: meta[name] for name in MERGED_METADATA}
+    logprobs = [0.0] * len(trace.prompt_ids) + list(
+        trace.response_logprobs or [0.0] * len(trace.response_ids)
+    )
+    return MergedSequence(
+        input_ids=list(trace.prompt_ids) + list(trace.response_ids),
+        loss_mask=[0] * len(trace.prompt_ids) + list(trace.loss_mask),
+        logprobs=logprobs,
+        prompt_len=len(trace.prompt_ids),
+        reward=trace.reward,
+        finish_reason=trace.finish_reason,
+        **fields,
+    )
+
+
+def _plain(value):
+    """Lists as lists (a merged row's list column may come as a tuple)."""
+    return list(value) if isinstance(value, list | tuple) else value

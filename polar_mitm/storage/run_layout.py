@@ -11,6 +11,7 @@
     RUN/iter-K/flows/             its records (gw-K/ per gateway, node-*/ per Ray node)
     RUN/iter-K/merged/            its merged sequences
     RUN/iter-K/rewards.parquet    its rewards
+    RUN/iter-K/service_results.jsonl  with --service: the SessionResults the service answered (no flows/ then)
     RUN/iter-K/train/             its training: checkpoint, metrics.jsonl, skipped.json, engine-weights/
 
 The loop, resume checks, the report and the trainer all take the names from here.
@@ -32,6 +33,7 @@ SESSIONS_FILE = "sessions.jsonl"  # in iter-K: its finished sessions
 FLOWS_DIR = "flows"
 MERGED_DIR = "merged"
 REWARDS_FILE = "rewards.parquet"
+SERVICE_RESULTS_FILE = "service_results.jsonl"  # in iter-K, with --service: what the merge reads
 TRAIN_DIR = "train"
 TRAINING_RESULT_FILE = "result.json"  # in a `polar-mitm grpo` output: what it saved (its presence: finished)
 SKIPPED_TRAINING_FILE = "skipped.json"  # in iter-K/train: that training had nothing to learn
