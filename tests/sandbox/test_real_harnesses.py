@@ -1,0 +1,54 @@
+"""Real harnesses through `polar-mitm rollout --sandbox bwrap` (issue 41): the SDK agent and the unmodified Pi CLI
+(proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel) finish the scripted shell session in their
+sandboxed workspace, the evaluation runs in the same sandbox and passes, and every sampled token is still trained in
+the exact context it was sampled in (100% context-exact, as tests/harness/test_harnesses.py checks unsandboxed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from polar_mitm.harness.policy import shell_script
+from polar_mitm.storage.records import read_all
+from tests.harness.test_harnesses import fidelity
+from tests.tasks.test_swe_tasks import rollout_cli
+
+COMMANDS = ["ls", "echo hello > out.txt", "cat out.txt"]
+FINAL = "Done: out.txt says hello."
+
+
+def policy(harness: str) -> dict:
+    """The scripted shell session; the SDK agent's `shell` takes a string (Codex's tool of that name a list)."""
+    if not harness.startswith("sdk:"):
+        return shell_script(COMMANDS, FINAL)
+    calls = [
+        {"text": f"Running `{c}`.", "tool_call": {"name": "shell", "arguments": {"command": c}}}
+        for c in COMMANDS
+    ]
+    return {"turns": [*calls, FINAL]}
+
+
+@pytest.mark.parametrize(
+    "harness", ["sdk:openai_chat", pytest.param("pi", marks=pytest.mark.slow)], ids=["sdk", "pi"]
+)
+def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(harness, tmp_path: Path, tiny_engine):
+    if harness == "pi" and shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the Pi CLI needs it")
+    script = tmp_path / "policy.json"
+    script.write_text(json.dumps(policy(harness)))
+    tasks = tmp_path / "tasks.jsonl"
+    line = {"task_id": "hello", "prompt": "Write hello into out.txt", "eval": "grep -qx hello out.txt"}
+    tasks.write_text(json.dumps(line) + "\n")
+    [row] = rollout_cli(
+        tasks, harness, tmp_path, "-g", "1", "-c", "1", "--script", str(script), "--sandbox", "bwrap"
+    )
+    log = next((tmp_path / "run" / "logs").glob("*.log")).read_text(errors="replace")[-3000:]
+    assert (row["status"], row["reward"]) == ("ok", 1.0), f"{row}\n--- harness log ---\n{log}"
+    rows = [r for r in read_all(tmp_path / "flows").to_pylist() if r["session_id"] == row["session_id"]]
+    main = [r for r in rows if r["tools_json"] != "[]"]
+    assert len(main) == len(COMMANDS) + 1 and all(r["completion_ids"] for r in main)
+    result = fidelity(rows, tiny_engine)
+    assert result["exact"] == result["sampled"] > 0, result
