@@ -247,3 +247,62 @@ def test_check_refuses_a_file_without_harbor_tasks(tmp_path):
     result = polar("tasks", "check", str(out))
     assert result.returncode == 2 and "no Harbor tasks" in result.stderr
     assert shutil.which("bwrap")
+
+
+def tb1_folder(root: Path) -> Path:
+    """A Terminal-Bench 1 task (task.yaml, Dockerfile at the top, run-tests.sh, solution.sh) whose tests print a
+    pytest short summary, so the grading of its output runs without pytest."""
+    folder = root / "tb1-task"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "task.yaml").write_text(
+        "instruction: |\n  Write done to /app/out.txt.\nauthor_name: t\ndifficulty: easy\ncategory: shell\n"
+        "tags: [shell]\nparser_name: pytest\nmax_agent_timeout_sec: 120\nmax_test_timeout_sec: 30\n"
+    )
+    (folder / "Dockerfile").write_text(
+        "FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest\nWORKDIR /app\nCOPY . .\n"
+    )
+    (folder / "docker-compose.yaml").write_text(
+        "services:\n  client:\n    build:\n      dockerfile: Dockerfile\n"
+    )
+    (folder / "data.txt").write_text("data\n")
+    (folder / "tests" / "test_outputs.py").write_text("def test_out(): ...\n")
+    (folder / "run-tests.sh").write_text(
+        '[ -f "$TEST_DIR/test_outputs.py" ] && grep -qx done /app/out.txt && s=PASSED || s=FAILED\n'
+        'echo "=== short test summary info ==="\necho "$s tests/test_outputs.py::test_out"\n'
+    )
+    (folder / "solution.sh").write_text("echo done > /app/out.txt\n")
+    return folder
+
+
+def test_a_terminal_bench_1_task_yaml_folder_converts_and_checks(tmp_path):
+    folder = tb1_folder(tmp_path / "src")
+    out = tmp_path / "tasks.jsonl"
+    result = polar("tasks", "harbor", str(folder), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    [task] = load_tasks(out)
+    assert (
+        task.prompt == "Write done to /app/out.txt.\n"
+        and task.timeouts.run == 120
+        and task.timeouts.eval == 30
+    )
+    assert sorted(p.name for p in task.workspace_dir.iterdir()) == [
+        "Dockerfile",
+        "data.txt",
+    ]  # no grader files
+    assert task.meta["meta"]["harbor"]["source"] == str(folder)
+    checked = polar("tasks", "check", str(out))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[1].split()[1:] == ["1", "0", "ok"]
+
+
+def test_a_bad_task_yaml_is_one_line_naming_it(tmp_path):
+    folder = tb1_folder(tmp_path)
+    (folder / "task.yaml").write_text("instructions: typo\n")
+    result = polar("tasks", "harbor", str(folder), "-o", str(tmp_path / "tasks.jsonl"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: {folder}/task.yaml: unknown field 'instructions': the fields are author_email, author_name, "
+        "category, descriptions, difficulty, disable_asciinema, estimated_duration_sec, expert_time_estimate_min, "
+        "instruction, junior_time_estimate_min, max_agent_timeout_sec, max_test_timeout_sec, parser_name, "
+        "run_tests_in_same_shell, tags"
+    )
