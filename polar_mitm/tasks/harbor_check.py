@@ -8,8 +8,8 @@ For every task with `eval.harbor`, twice, each in a fresh copy of its workspace:
 A task whose oracle does not reach full marks cannot be learnt from (its tests or environment are broken, or this
 machine lacks what it needs); one whose no-op passes rewards doing nothing. Both are named, and the command exits 1.
 
-Commands run under `bwrap_run`: the host's system, with the workspace at the workdir and private /tests, /logs,
-/solution and /tmp (so no run sees another's files, and nothing is created on the host). It is one small function so
+Commands run under `bwrap_run`: the host's system read-only, with the workspace at the workdir and private /tests,
+/logs, /solution and /tmp writable (so no run sees another's files, and nothing on the host changes). It is one small function so
 that the sandbox package's session sandbox can replace it.
 """
 
@@ -33,10 +33,12 @@ NOT_BOUND = {"proc", "dev", "tmp"}  # given fresh inside
 
 
 def bwrap_run(binds: dict[str, Path]) -> RunCommand:
-    """A RunCommand that runs each command in bwrap with `binds` (sandbox path → host folder) over the host system.
+    """A RunCommand that runs each command in bwrap with `binds` (sandbox path → host folder, writable) over the
+    host system, read-only.
 
     The host's top-level folders are bound one by one (not `/` itself), so the mount points of /app, /logs… are made
-    in bwrap's own root and never on the host.
+    in bwrap's own root and never on the host; read-only, so a verifier that `apt-get install`s (as Terminal-Bench's
+    often do) fails here instead of changing this machine.
     """
 
     async def run(argv: list[str], cwd: str, timeout: float, env: dict[str, str]) -> tuple[int, str]:
@@ -47,7 +49,7 @@ def bwrap_run(binds: dict[str, Path]) -> RunCommand:
             if entry.is_symlink():
                 command += ["--symlink", os.readlink(entry), str(entry)]
             else:
-                command += ["--dev-bind", str(entry), str(entry)]
+                command += ["--ro-bind", str(entry), str(entry)]
         command += ["--tmpfs", "/tmp"]
         for target, source in binds.items():
             command += ["--bind", str(source), target]

@@ -147,7 +147,7 @@ def _dockerfile_lines(path: Path) -> list[tuple[int, str, str]]:
             continue
         start = start or lineno
         if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
+            pending += stripped[:-1].rstrip() + " "
             continue
         text, pending = pending + stripped, ""
         keyword, _, arguments = text.partition(" ")

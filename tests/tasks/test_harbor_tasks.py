@@ -306,3 +306,11 @@ def test_a_bad_task_yaml_is_one_line_naming_it(tmp_path):
         "instruction, junior_time_estimate_min, max_agent_timeout_sec, max_test_timeout_sec, parser_name, "
         "run_tests_in_same_shell, tags"
     )
+
+
+def test_the_checks_sandbox_leaves_the_host_unchanged(tmp_path):
+    marker = Path("/etc/polar-harbor-check-marker")
+    script = f"touch {marker} 2>/dev/null && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    result = grade_in_bwrap(tmp_path, script)
+    assert (result.reward, result.accepted) == (0.0, True) and not marker.exists()
+    assert not Path("/app").exists() and not Path("/logs").exists()
