@@ -155,11 +155,12 @@ def harbor_command(
         str,
         typer.Option(
             help="How reward.json's named numbers become one reward: only (exactly one, else refused) | mean | "
-            "min | max | sum | key:NAME. A task's [metadata] reward_rule overrides it."
+            "min | max | sum | key:NAME. A task.toml's metadata.reward_rule overrides it."
         ),
     ] = "only",
 ) -> None:
-    """Turn Harbor / Terminal-Bench 2 task folders into a rollout task file, graded by each task's tests/test.sh."""
+    """Turn Harbor / Terminal-Bench 2 task folders (and Terminal-Bench 1 task.yaml ones) into a rollout task file,
+    graded by each task's tests/test.sh (recipes/harbor.md)."""
     from polar_mitm.tasks.harbor import ConvertOptions, HarborTaskError, convert
 
     try:

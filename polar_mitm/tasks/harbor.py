@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from polar_mitm.harness.base import id_problem
 from polar_mitm.tasks.harbor_environment import Environment, HarborTaskError, read_environment
+from polar_mitm.tasks.task_file import check_reward_rule
 from polar_mitm.tasks.terminal_bench import TaskYamlError, is_task_yaml_folder, stage
 
 TASK_TOML = "task.toml"
@@ -154,6 +155,11 @@ def read_task(folder: Path, skip_run: bool = False) -> HarborTask:
         raise HarborTaskError(
             f"{folder / TASK_TOML}: [environment].mcp_servers: MCP servers are not started for sessions"
         )
+    if "reward_rule" in config.metadata:
+        try:
+            check_reward_rule(config.metadata["reward_rule"])
+        except (ValueError, TypeError) as exc:
+            raise HarborTaskError(f"{folder / TASK_TOML}: [metadata].reward_rule: {exc}") from None
     if (problem := id_problem(folder.name)) is not None:
         raise HarborTaskError(f"{folder}: the folder name is the task id, and it {problem}")
     environment = read_environment(folder / "environment", config.environment.docker_image, skip_run)
@@ -288,6 +294,10 @@ def convert(paths: list[Path], out: Path, options: ConvertOptions) -> tuple[list
 
     Returns the lines and the warnings; raises HarborTaskError with one line per bad folder (all of them).
     """
+    try:
+        check_reward_rule(options.reward_rule)
+    except ValueError as exc:
+        raise HarborTaskError(f"--reward-rule: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="polar-harbor-") as scratch:
         tasks, problems = _read_all(find_task_folders(paths), options, Path(scratch))
         return _write(tasks, problems, out, options)

@@ -187,7 +187,8 @@ def _absolute_path(value: str) -> str:
     return value
 
 
-def _reward_rule(value: str) -> str:
+def check_reward_rule(value: str) -> str:
+    """A Harbor reward rule, or a ValueError listing the rules."""
     if value in REWARD_RULES or (value.startswith("key:") and len(value) > len("key:")):
         return value
     raise ValueError(f"must be one of {', '.join(REWARD_RULES)} or key:NAME, not {value!r}")
@@ -205,7 +206,7 @@ class HarborSpec(_Schema):
     env: dict[Annotated[Text, AfterValidator(_no_nul)], Annotated[StrictStr, AfterValidator(_no_nul)]] = {}
     # reward.txt is one number; reward.json names several: "only" (exactly one entry, else refused), "mean",
     # "min", "max", "sum" of them all, or "key:NAME" (that entry).
-    reward_rule: Annotated[StrictStr, AfterValidator(_reward_rule)] = "only"
+    reward_rule: Annotated[StrictStr, AfterValidator(check_reward_rule)] = "only"
     user: Text | None = None  # [verifier].user
 
 

@@ -67,6 +67,10 @@ def test_the_examples_pass_their_oracle_and_fail_their_no_op(tmp_path):
         ({"task.toml": "[verifier]\ntimeout = 30\n"}, "task.toml: unknown field [verifier].timeout"),
         ({"task.toml": '[verifier]\ntimeout_sec = "soon"\n'}, "task.toml: [verifier].timeout_sec"),
         ({"task.toml": "[agent]\ntimeout_sec = -1\n"}, "task.toml: [agent].timeout_sec"),
+        (
+            {"task.toml": '[metadata]\nreward_rule = "median"\n'},
+            "task.toml: [metadata].reward_rule: must be one of",
+        ),
         ({"tests__test.sh": None}, "tests/test.sh: missing"),
         ({"task.toml": None}, "task.toml: missing"),
         ({"environment__Dockerfile": None}, "environment/Dockerfile: missing"),
