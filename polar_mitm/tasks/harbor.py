@@ -137,6 +137,7 @@ class HarborTask:
     environment: Environment
     has_solution: bool
     source: Path | None = None  # the folder the user named, when this one was staged from it (task.yaml)
+    memory_mb: int | None = None  # [environment].memory_mb (or the older memory = "2G") when the task sets it
 
 
 def read_task(folder: Path, skip_run: bool = False) -> HarborTask:
@@ -163,6 +164,7 @@ def read_task(folder: Path, skip_run: bool = False) -> HarborTask:
     if (problem := id_problem(folder.name)) is not None:
         raise HarborTaskError(f"{folder}: the folder name is the task id, and it {problem}")
     environment = read_environment(folder / "environment", config.environment.docker_image, skip_run)
+    memory_mb = _memory_mb(config.environment, folder / TASK_TOML)
     return HarborTask(
         folder=folder,
         task_id=folder.name,
@@ -170,7 +172,26 @@ def read_task(folder: Path, skip_run: bool = False) -> HarborTask:
         instruction=instruction,
         environment=environment,
         has_solution=(folder / SOLVE_SCRIPT).is_file(),
+        memory_mb=memory_mb,
     )
+
+
+def _memory_mb(environment: EnvironmentSection, path: Path) -> int | None:
+    """The memory the task's author gave its container, in MiB (the session's `limits.memory_mb`); None: unset."""
+    if "memory_mb" in environment.model_fields_set:
+        memory_mb = environment.memory_mb
+    elif environment.memory is not None:
+        size = environment.memory.strip().upper()
+        scale = {"G": 1024, "M": 1, "K": 1 / 1024}.get(size[-1:])
+        try:
+            memory_mb = int(float(size[:-1]) * scale) if scale else -1
+        except ValueError:
+            memory_mb = -1
+    else:
+        return None
+    if memory_mb <= 0:
+        raise HarborTaskError(f'{path}: [environment].memory_mb: a positive number of MiB (or memory = "2G")')
+    return memory_mb
 
 
 def _read_toml(path: Path) -> TaskToml:
@@ -266,6 +287,7 @@ def task_line(task: HarborTask, store: Path, out_dir: Path, reward_rule: str) ->
         "workspace": {"dir": _relative(workspace, out_dir)},
         "eval": {"harbor": harbor},
         "timeouts": timeouts,
+        **({"limits": {"memory_mb": task.memory_mb}} if task.memory_mb is not None else {}),
         "meta": {"harbor": meta},
     }
 

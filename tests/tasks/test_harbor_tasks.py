@@ -71,6 +71,7 @@ def test_the_examples_pass_their_oracle_and_fail_their_no_op(tmp_path):
             {"task.toml": '[metadata]\nreward_rule = "median"\n'},
             "task.toml: [metadata].reward_rule: must be one of",
         ),
+        ({"task.toml": '[environment]\nmemory = "lots"\n'}, "task.toml: [environment].memory_mb"),
         ({"tests__test.sh": None}, "tests/test.sh: missing"),
         ({"task.toml": None}, "task.toml: missing"),
         ({"environment__Dockerfile": None}, "environment/Dockerfile: missing"),
@@ -318,3 +319,13 @@ def test_the_checks_sandbox_leaves_the_host_unchanged(tmp_path):
     result = grade_in_bwrap(tmp_path, script)
     assert (result.reward, result.accepted) == (0.0, True) and not marker.exists()
     assert not Path("/app").exists() and not Path("/logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("environment", "memory_mb"), [("", 4096), ("memory_mb = 1536", 1536), ('memory = "2G"', 2048)]
+)
+def test_the_memory_a_task_gives_its_container_is_its_sessions_limit(tmp_path, environment, memory_mb):
+    folder = task_folder(tmp_path, **{"task.toml": f"[environment]\n{environment}\n"})
+    assert polar("tasks", "harbor", str(folder), "-o", str(tmp_path / "tasks.jsonl")).returncode == 0
+    [task] = load_tasks(tmp_path / "tasks.jsonl")
+    assert task.limits.memory_mb == memory_mb  # unset: the sandbox's own default
