@@ -30,6 +30,7 @@ class SessionSpec:
     index: int
     session_id: str
     attempt: int = 1
+    harness: str | None = None  # the session's own harness (the rollout service's tasks), else the node's
 
 
 @dataclass
@@ -126,8 +127,9 @@ class NodeRollout:
     async def run_session(self, spec: SessionSpec) -> SessionOutcome:
         if self.rollout is None:
             raise RuntimeError(f"node {self.name}: run_session before begin")
+        harness = HarnessSpec(spec.harness) if spec.harness is not None else None
         s = await self.rollout.submit(
-            SessionRun(task=spec.task, index=spec.index, session_id=spec.session_id)
+            SessionRun(task=spec.task, index=spec.index, session_id=spec.session_id), harness
         )
         return outcome_of(s, self.name, spec.attempt)
 

@@ -8,6 +8,7 @@ starts, so no harness inherits it. Without one the service listens on loopback o
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -45,6 +46,14 @@ def serve_rollouts_command(
     max_sessions: Annotated[int, typer.Option(help="Harness sessions running at once.")] = 8,
     queue_limit: Annotated[int, typer.Option(help="Tasks waiting before a submit gets 429.")] = 64,
     gateways: Annotated[int, typer.Option(help="Gateway processes (sessions spread across them).")] = 1,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="Sessions on this Ray cluster's rollout nodes (auto | HOST:PORT | local), one gateway per node "
+            "recording under OUT/flows/node-NAME (instead of --gateways here).",
+        ),
+    ] = None,
     max_tokens: Annotated[
         int | None, typer.Option(help="Completion budget forced on every call (polar_max_tokens).")
     ] = None,
@@ -85,6 +94,8 @@ def serve_rollouts_command(
         for name, value in (("polar_max_tokens", max_tokens), ("polar_temperature", temperature))
         if value is not None
     }
+    if ray is not None and gateways != 1:
+        raise UserInputError("--ray with --gateways: each Ray node runs one gateway of its own")
     if engine is not None:
         from polar_mitm.engines import router
 
@@ -101,20 +112,17 @@ def serve_rollouts_command(
         max_sessions=max_sessions,
         queue_limit=queue_limit,
         gateways=gateways,
+        ray=ray,
         resume=resume,
         sampling=sampling,
     )
 
 
 def run_service(*, out: Path, engine, model, script, host, port, token, task_root, **options) -> None:
-    import secrets as token_source
-
     import uvicorn
 
     from polar_mitm.engines import processes as engine_processes
     from polar_mitm.engines import router
-    from polar_mitm.gateway import processes as gateway_processes
-    from polar_mitm.rollout.harness_spec import GatewayEndpoints
     from polar_mitm.service.jobs import RolloutService
     from polar_mitm.service.server import build_app
     from polar_mitm.storage import service_layout as layout
@@ -131,23 +139,17 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             extra_args=["--script", str(script)] if script else [],
         ) as engine_url,
         router.attached(engine_url, log=work / "router.log") as attached,
-        gateway_processes.gateways_running(
-            router.gateway_backends(attached.url, options["gateways"]),
-            out / layout.FLOWS_DIR,
-            confdir=work / "mitmproxy",
-            log=work / "gateway.log",
-            options=options["sampling"] or None,
-            session_key=token_source.token_urlsafe(32),
-        ) as started,
+        session_places(out, attached.url, options) as (endpoints, sessions),
     ):
         service = RolloutService(
             out,
-            [GatewayEndpoints.of(gw) for gw in started],
+            endpoints,
             task_root=task_root,
             max_sessions=options["max_sessions"],
             queue_limit=options["queue_limit"],
             engine_url=attached.url,
             sampling=options["sampling"],
+            sessions=sessions,
         )
         if options["resume"]:
             rerun = service.resume()
@@ -157,3 +159,41 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
         )
         typer.echo(f"rollout service on http://{host}:{port} ({auth}); records → {out / layout.FLOWS_DIR}")
         uvicorn.run(build_app(service, token), host=host, port=port, log_level="warning", access_log=False)
+
+
+@contextmanager
+def session_places(out: Path, engine_url: str, options: dict):
+    """Where the service's sessions run: (the gateways here, None), or with `--ray` ([], RaySessions on the
+    cluster's nodes, each starting its own gateway)."""
+    import secrets as token_source
+
+    from polar_mitm.engines import router
+    from polar_mitm.gateway import processes as gateway_processes
+    from polar_mitm.rollout.harness_spec import GatewayEndpoints
+    from polar_mitm.service.jobs import runner_config
+    from polar_mitm.service.sessions import RaySessions
+    from polar_mitm.storage import service_layout as layout
+
+    work = out / layout.WORK_DIR
+    if options["ray"] is not None:
+        yield (
+            [],
+            RaySessions(
+                options["ray"],
+                engine_url=engine_url,
+                gateway_options=options["sampling"],
+                config=runner_config(work, options["max_sessions"]),
+                flows=out / layout.FLOWS_DIR,
+                work=work,
+            ),
+        )
+        return
+    with gateway_processes.gateways_running(
+        router.gateway_backends(engine_url, options["gateways"]),
+        out / layout.FLOWS_DIR,
+        confdir=work / "mitmproxy",
+        log=work / "gateway.log",
+        options=options["sampling"] or None,
+        session_key=token_source.token_urlsafe(32),
+    ) as started:
+        yield [GatewayEndpoints.of(gw) for gw in started], None

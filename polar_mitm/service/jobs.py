@@ -32,17 +32,17 @@ import httpx
 
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import RolloutConfig, SessionRun
-from polar_mitm.rollout.streaming import StreamingRollout
 from polar_mitm.service.models import (
     SessionResult,
     SessionStatus,
     SessionTiming,
     TaskRequest,
     TaskStatus,
+    Trace,
     Trajectory,
 )
+from polar_mitm.service.sessions import LocalSessions, RaySessions
 from polar_mitm.service.task_requests import RequestError, request_task
-from polar_mitm.service.traces import flows_eot, session_traces
 from polar_mitm.storage import service_layout as layout
 from polar_mitm.tasks.task_file import Task
 
@@ -96,19 +96,6 @@ class Job:
         )
 
 
-class SessionPool(StreamingRollout):
-    """The service's one runner: a session leaves its lists once it is reported (a service runs for days)."""
-
-    def forget(self, s: SessionRun) -> None:
-        with contextlib.suppress(ValueError):
-            self.sessions.remove(s)
-        group = self.groups.get(s.task.task_id, [])
-        with contextlib.suppress(ValueError):
-            group.remove(s)
-        if not group:
-            self.groups.pop(s.task.task_id, None)
-
-
 class EventBus:
     """Every session state change to each `/events` subscriber (a bounded queue each: a slow reader loses its
     oldest events, never holds up a session)."""
@@ -135,6 +122,19 @@ class EventBus:
             self.subscribers.discard(queue)
 
 
+def runner_config(work: Path, max_sessions: int) -> RolloutConfig:
+    """The service's staged runner (on each Ray node too): no READY buffer, a session is prepared once it has a
+    slot; workspaces and harness logs under the service's work folder."""
+    return RolloutConfig(
+        concurrency=max_sessions,
+        init_workers=min(2, max_sessions),
+        post_workers=min(2, max_sessions),
+        ready_buffer=0,
+        workspace_root=work / "workspaces",
+        log_dir=work / "logs",
+    )
+
+
 class RolloutService:
     """Owns the jobs; the HTTP layer (server.py) and the CLI only call its methods, on its event loop."""
 
@@ -148,6 +148,7 @@ class RolloutService:
         queue_limit: int = 64,
         engine_url: str | None = None,
         sampling: dict[str, str] | None = None,
+        sessions: LocalSessions | RaySessions | None = None,
     ) -> None:
         self.out, self.endpoints, self.task_root = out, endpoints, task_root
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
@@ -163,25 +164,14 @@ class RolloutService:
         self._sessions: set[asyncio.Task] = set()
         self._stages: dict[str, str] = {}  # session id → the last stage published
         self._owner: dict[str, Job] = {}  # session id → its job, while it runs
-        self._eot: int | None = None
-        self.pool = SessionPool(
-            None,
-            endpoints,
-            RolloutConfig(
-                concurrency=max_sessions,
-                init_workers=min(2, max_sessions),
-                post_workers=min(2, max_sessions),
-                ready_buffer=0,
-                workspace_root=self.work / "workspaces",
-                log_dir=self.work / "logs",
-            ),
-        )
-        self.pool.on_update = self._on_update
+        # Where sessions run: here against `endpoints` unless given (RaySessions: on a cluster's nodes).
+        self.pool = sessions or LocalSessions(endpoints, runner_config(self.work, max_sessions), self.flows)
+        self.pool.watch(self._on_update)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.pool.start()
+        await self.pool.start()
         self._wake = asyncio.Event()
         self._dispatcher = asyncio.create_task(self._dispatch())
         self._wake.set()
@@ -193,7 +183,7 @@ class RolloutService:
         for job in self.jobs.values():
             if job.state == "running":
                 job.state = "queued"
-        await self.pool.abort()  # the harnesses stop; their sessions never resolve, so they are cancelled too
+        await self.pool.close()  # the harnesses stop; their sessions never resolve, so they are cancelled too
         for running in self._sessions:
             running.cancel()
         await asyncio.gather(*self._sessions, *self._callbacks, return_exceptions=True)
@@ -269,7 +259,7 @@ class RolloutService:
             "tasks": {state: states.count(state) for state in sorted(set(states))},
             "running_sessions": self._in_flight(),
             "max_sessions": self.max_sessions,
-            "gateways": len(self.endpoints),
+            "gateways": self.pool.places,
             "sampling": self.sampling,
         }
 
@@ -313,7 +303,7 @@ class RolloutService:
 
     async def _session(self, job: Job, s: SessionRun) -> None:
         try:
-            await self.pool.submit(s, job.harness)
+            await self.pool.run(s, job.harness)
             if s.status and s.status != "cut":
                 await self._finished(job, s)
         except asyncio.CancelledError:
@@ -356,7 +346,11 @@ class RolloutService:
                 self._wake.set()  # its RUN slot is free
 
     async def _finished(self, job: Job, s: SessionRun) -> None:
-        result = await asyncio.to_thread(self._result, job, s)
+        try:
+            traces, problem = await self.pool.traces(s, job.request.builder.strategy), None
+        except Exception as exc:  # noqa: BLE001 — a session whose records cannot be merged is an ERROR, named
+            traces, problem = [], f"its records could not be merged: {exc}"
+        result = self._result(job, s, traces, problem)
         async with job.writing:  # the file and the status list the results in one order
             row = result.model_dump(mode="json")
             await asyncio.to_thread(layout.append_line, job.folder / layout.RESULTS_FILE, row)
@@ -367,17 +361,11 @@ class RolloutService:
             self._callbacks.add(sending)
             sending.add_done_callback(self._callbacks.discard)
 
-    def _result(self, job: Job, s: SessionRun) -> SessionResult:
+    def _result(self, job: Job, s: SessionRun, traces: list[Trace], problem: str | None) -> SessionResult:
         status = OUTCOME_STATUS.get(s.status, SessionStatus.ERROR)
-        if self._eot is None:
-            self._eot = flows_eot(self.flows)
         error = None if status is SessionStatus.COMPLETED else f"{s.status}: {s.eval_output[-500:]}".strip()
-        try:
-            traces = session_traces(
-                self.flows, s.session_id, s.reward, job.request.builder.strategy, self._eot
-            )
-        except Exception as exc:  # noqa: BLE001 — a session whose records cannot be merged is an ERROR, named
-            status, error, traces = SessionStatus.ERROR, f"its records could not be merged: {exc}", []
+        if problem is not None:
+            status, error = SessionStatus.ERROR, problem
         return SessionResult(
             session_id=s.session_id,
             task_id=job.request.task_id,

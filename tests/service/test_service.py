@@ -165,13 +165,28 @@ def test_the_token_never_reaches_a_session(service):
     assert result.trajectory.metadata["reward"] == 1.0, result
 
 
-def test_a_full_queue_is_429_a_running_id_409_and_cancel_keeps_what_finished(service, tmp_path):
-    url, _ = service
-    pids = tmp_path / "pids"
-    pids.mkdir()
+def sleeping(seconds: str) -> list[int]:
+    """Host pids of `sleep SECONDS` processes (a sandboxed session's own pids are its PID namespace's)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (proc / "cmdline").read_bytes() == f"sleep\0{seconds}\0".encode():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def workspace_file(out: Path, name: str) -> bool:
+    """Whether a session's workspace under the service's OUT holds `name` (what a sandboxed harness can write)."""
+    return any((out / "work" / "workspaces").glob(f"*/{name}"))
+
+
+def test_a_full_queue_is_429_a_running_id_409_and_cancel_keeps_what_finished(service):
+    url, out = service
     slow = cmd_request(
         "slow",
-        f"if [ {{index}} = 1 ]; then echo $$ > {pids}/slow.pid; sleep 120; else sleep 2; fi",
+        "if [ {index} = 1 ]; then touch slow.started; sleep 120.25; else sleep 2; fi",
         samples=2,
     )
     with Client(url, token=TOKEN) as client:
@@ -186,13 +201,13 @@ def test_a_full_queue_is_429_a_running_id_409_and_cancel_keeps_what_finished(ser
         )
         assert response.status_code == 429 and response.headers["retry-after"] == "5"
         deadline = time.monotonic() + 60
-        while client.status("slow").completed_sessions < 1 or not (pids / "slow.pid").exists():
+        while client.status("slow").completed_sessions < 1 or not workspace_file(out, "slow.started"):
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        harness_pid = int((pids / "slow.pid").read_text())
+        assert sleeping("120.25")
         cancelled = client.cancel("slow")
         assert (cancelled.status, cancelled.completed_sessions) == ("failed", 1)
-        assert not Path(f"/proc/{harness_pid}").exists()  # the harness went with the task
+        assert not sleeping("120.25")  # the harness went with the task
         for task_id in ("queued-1", "queued-2"):  # the queue moves on
             assert client.wait(task_id, timeout=60).status == "completed"
         assert client.status("slow").completed_sessions == 1
@@ -291,7 +306,6 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
     out, port = tmp_path / "out", ports.free_port()
     proc = start_service(out, port, "--max-tokens", "16", scripted=False)
     url = f"http://127.0.0.1:{port}"
-    marker = tmp_path / "started"
     try:
         with Client(url, token=TOKEN) as client:
             client.submit(cmd_request("pi-says", "x").model_copy(update={"agent": AgentSpec(harness="pi")}))
@@ -305,9 +319,9 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             assert [t for t, m in zip(trace.response_ids, trace.loss_mask, strict=True) if m] == completion
             client.submit(cmd_request("fast", "true", samples=2))
             fast = client.wait("fast", timeout=60)
-            client.submit(cmd_request("slow", f"touch {marker}; sleep 6", samples=2))
+            client.submit(cmd_request("slow", "touch slow.started; sleep 6", samples=2))
             deadline = time.monotonic() + 60
-            while not marker.exists():
+            while not workspace_file(out, "slow.started"):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         stop(proc, signal.SIGKILL)  # the service, its engine and its gateway at once
