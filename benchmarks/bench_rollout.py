@@ -1,4 +1,5 @@
-"""RUN-stage utilisation and wall time with and without the READY buffer, for a batch with a slow INIT.
+"""RUN-stage utilisation and wall time with and without the READY buffer, for a batch with a slow INIT; then the
+same batch with --sandbox none and bwrap side by side (the sandbox's cost per rollout).
 
 INIT (workspace preparation: copy, clone, setup) and RUN (the harness session) are simulated with sleeps of fixed
 length so the figures measure the pipeline itself. Run: .venv/bin/python benchmarks/bench_rollout.py
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--init-seconds", type=float, default=1.0)
     parser.add_argument("--run-seconds", type=float, default=1.0)
+    parser.add_argument("--sandbox", default="bwrap", help="the sandbox of the READY-buffer rows")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -60,6 +62,7 @@ def main() -> None:
                 group_size=args.group_size,
                 concurrency=args.concurrency,
                 workspace_root=root / label.replace(" ", "_"),
+                sandbox=args.sandbox,
                 **cfg,
             )
             summary = asyncio.run(Rollout(tasks, harness, endpoints, config).run())
@@ -68,6 +71,19 @@ def main() -> None:
         base = results["no READY buffer (init inline)"]
         best = results["READY buffer 8, 8 INIT workers"]
         print(f"speed-up with the READY buffer: {base.wall_seconds / best.wall_seconds:.2f}x")
+        walls = {}
+        for sandbox in ("none", "bwrap"):
+            config = RolloutConfig(
+                group_size=args.group_size,
+                concurrency=args.concurrency,
+                workspace_root=root / f"sandbox-{sandbox}",
+                ready_buffer=8,
+                init_workers=8,
+                sandbox=sandbox,
+            )
+            walls[sandbox] = asyncio.run(Rollout(tasks, harness, endpoints, config).run()).wall_seconds
+            print(f"{'--sandbox ' + sandbox:<34}{walls[sandbox]:>8.1f}")
+        print(f"bwrap / none wall time: {walls['bwrap'] / walls['none']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ a `setsid` daemon with a cleaned environment included.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -54,20 +55,14 @@ class Bwrap(Sandbox):
 
     def arguments(self, box: SessionBox, cwd: Path) -> list[str]:
         """bwrap's options for `box`: namespaces, then the file system in mount order (later binds sit on top)."""
-        args = [
-            "--unshare-all",
-            "--unshare-user",
-            "--uid",
-            str(SANDBOX_UID),
-            "--gid",
-            str(SANDBOX_UID),
-            "--hostname",
-            HOSTNAME,
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop",
-            "ALL",
-        ]
+        # A gateway on a port below 1024: its forwarder must bind that port in the sandbox's own network, which
+        # takes CAP_NET_BIND_SERVICE there, kept across exec only for uid 0 (of the sandbox's user namespace).
+        low_port = any(port < 1024 for port in box.ports) and os.geteuid() == 0
+        uid = "0" if low_port else str(SANDBOX_UID)
+        args = ["--unshare-all", "--unshare-user", "--uid", uid, "--gid", uid, "--hostname", HOSTNAME]
+        args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        if low_port:
+            args += ["--cap-add", "CAP_NET_BIND_SERVICE"]
         binds, links = system_mounts()
         for mount in binds:
             args += _bind(mount)

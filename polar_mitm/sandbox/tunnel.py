@@ -55,17 +55,24 @@ def socket_name(port: int) -> str:
     return f"{port}.sock"
 
 
-def launcher_script(ports: list[int]) -> str:
+def launcher_script(ports: list[int], wait_s: float = 10.0) -> str:
     """The bash prologue run inside the sandbox before the harness: one socat per port, then wait until each
-    listens (an `0A` LISTEN line for 0100007F:PORT in /proc/net/tcp), then `exec "$@"` (the harness)."""
+    listens (an `0A` LISTEN line for 0100007F:PORT in /proc/net/tcp), then `exec "$@"` (the harness). A forwarder
+    that exits (its port refused) or does not listen within `wait_s` ends the session with exit 125 and says so."""
     lines = []
-    for port in ports:
+    for i, port in enumerate(ports):
         target = SOCKETS_INSIDE / socket_name(port)
         listen = f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"
-        lines.append(f"socat {listen} UNIX-CONNECT:{shlex.quote(str(target))} </dev/null &")
-    for port in ports:
+        lines.append(f"socat {listen} UNIX-CONNECT:{shlex.quote(str(target))} </dev/null & fw{i}=$!")
+    tries = int(wait_s / 0.002)
+    for i, port in enumerate(ports):
         line = f"0100007F:{port:04X} 00000000:0000 0A"
-        lines.append(f"until grep -q '{line}' /proc/net/tcp; do sleep 0.002; done")
+        lines.append(
+            f"n=0; until grep -q '{line}' /proc/net/tcp; do n=$((n+1)); "
+            f"if ! kill -0 $fw{i} 2>/dev/null || [ $n -gt {tries} ]; then "
+            f'echo "polar-sandbox: the gateway forwarder for port {port} did not start" >&2; exit 125; fi; '
+            "sleep 0.002; done"
+        )
     lines.append('exec "$@"')
     return "\n".join(lines)
 
