@@ -113,6 +113,8 @@ class LoopConfig:
         ),
     )
     keep: int | None = field(default=RolloutConfig.keep, metadata=field_metadata(RolloutConfig, "keep"))
+    sandbox: str = field(default=RolloutConfig.sandbox, metadata=field_metadata(RolloutConfig, "sandbox"))
+    image: str | None = field(default=RolloutConfig.image, metadata=field_metadata(RolloutConfig, "image"))
     seed: int = field(
         default=0,
         metadata=option(

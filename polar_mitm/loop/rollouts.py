@@ -126,7 +126,13 @@ class LoopRollouts:
         it.mkdir(parents=True, exist_ok=True)
         if self.ray_pool is None:
             self.ray_pool = RayPool(cfg.ray_address or "auto", cfg.harness)
-        config = RolloutConfig(group_size=cfg.group_size, concurrency=cfg.concurrency, keep=cfg.keep)
+        config = RolloutConfig(
+            group_size=cfg.group_size,
+            concurrency=cfg.concurrency,
+            keep=cfg.keep,
+            sandbox=cfg.sandbox,
+            image=cfg.image,
+        )
         result = self.ray_pool.rollout(
             self.tasks,
             config,
@@ -221,6 +227,8 @@ class LoopRollouts:
                     keep=cfg.keep,
                     workspace_root=it / "workspaces",
                     log_dir=it / "logs",
+                    sandbox=cfg.sandbox,
+                    image=cfg.image,
                 ),
             )
             rollout.on_update = lambda sessions: self.progress.advance(
