@@ -120,13 +120,31 @@ def run_command(
     home: HomeOpt = None,
     confdir: ConfdirOpt = Path("~/.mitmproxy"),
     workspace: Annotated[Path, typer.Option(help="Where the agent works.")] = Path("."),
+    sandbox: Annotated[
+        str, typer.Option(help="none | bwrap | podman | docker: where it runs (recipes/sandboxes.md).")
+    ] = "bwrap",
+    image: Annotated[str | None, typer.Option(help="The container image of --sandbox podman|docker.")] = None,
 ) -> None:
-    """Run a one-shot prompt with the harness, hooked to the gateway (replaces this process)."""
+    """Run a one-shot prompt with the harness, hooked to the gateway (in its sandbox; with --sandbox none it
+    replaces this process)."""
+    from polar_mitm.sandbox import UNCONFINED_WARNING, SessionBox, get_sandbox
+    from polar_mitm.sandbox.run import run_confined
+    from polar_mitm.sandbox.tunnel import gateway_ports
+
+    confined = get_sandbox(
+        sandbox, image
+    )  # one that cannot run here: a one-line error before anything starts
     try:
         prepared = prepare(name, session, task, mode, gateway_proxy, gateway_url, home, confdir)
         argv = get_harness(name).command(prompt)
     except HarnessError as exc:
         raise typer.BadParameter(str(exc)) from exc
     env = {**base_environment(extra_path=[REPO_ROOT / "node_modules" / ".bin"]), **prepared.env}
-    os.chdir(workspace)
-    os.execvpe(argv[0], argv, env)
+    if not confined.confines:
+        typer.echo(UNCONFINED_WARNING, err=True)
+        os.chdir(workspace)
+        os.execvpe(argv[0], argv, env)
+    workspace = workspace.resolve()
+    ports = gateway_ports(gateway_url, gateway_proxy)
+    box = SessionBox(workspace, home=prepared.home, ports=ports)
+    raise typer.Exit(run_confined(confined, box, argv, env, workspace))

@@ -60,6 +60,11 @@ def serve_rollouts_command(
     temperature: Annotated[
         float | None, typer.Option(help="Sampling temperature forced on every call (polar_temperature).")
     ] = None,
+    sandbox: Annotated[
+        str,
+        typer.Option(help="Where each session runs: none | bwrap | podman | docker (recipes/sandboxes.md)."),
+    ] = "bwrap",
+    image: Annotated[str | None, typer.Option(help="The container image of --sandbox podman|docker.")] = None,
     resume: Annotated[
         bool, typer.Option(help="Carry on the tasks under --out: report what finished, re-run the rest.")
     ] = False,
@@ -100,6 +105,9 @@ def serve_rollouts_command(
         from polar_mitm.engines import router
 
         router.check_answering(engine)
+    from polar_mitm.sandbox import get_sandbox
+
+    get_sandbox(sandbox, image)  # one that cannot run here: a one-line error before anything starts
     run_service(
         out=out,
         engine=engine,
@@ -115,6 +123,7 @@ def serve_rollouts_command(
         ray=ray,
         resume=resume,
         sampling=sampling,
+        sandbox=(sandbox, image),
     )
 
 
@@ -150,6 +159,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             engine_url=attached.url,
             sampling=options["sampling"],
             sessions=sessions,
+            sandbox=options["sandbox"],
         )
         if options["resume"]:
             rerun = service.resume()
@@ -182,7 +192,7 @@ def session_places(out: Path, engine_url: str, options: dict):
                 options["ray"],
                 engine_url=engine_url,
                 gateway_options=options["sampling"],
-                config=runner_config(work, options["max_sessions"]),
+                config=runner_config(work, options["max_sessions"], options["sandbox"]),
                 flows=out / layout.FLOWS_DIR,
                 work=work,
             ),

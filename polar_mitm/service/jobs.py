@@ -122,10 +122,14 @@ class EventBus:
             self.subscribers.discard(queue)
 
 
-def runner_config(work: Path, max_sessions: int) -> RolloutConfig:
+def runner_config(
+    work: Path, max_sessions: int, sandbox: tuple[str, str | None] = ("bwrap", None)
+) -> RolloutConfig:
     """The service's staged runner (on each Ray node too): no READY buffer, a session is prepared once it has a
-    slot; workspaces and harness logs under the service's work folder."""
+    slot; workspaces and harness logs under the service's work folder; each session in `sandbox` (kind, image)."""
     return RolloutConfig(
+        sandbox=sandbox[0],
+        image=sandbox[1],
         concurrency=max_sessions,
         init_workers=min(2, max_sessions),
         post_workers=min(2, max_sessions),
@@ -149,6 +153,7 @@ class RolloutService:
         engine_url: str | None = None,
         sampling: dict[str, str] | None = None,
         sessions: LocalSessions | RaySessions | None = None,
+        sandbox: tuple[str, str | None] = ("bwrap", None),
     ) -> None:
         self.out, self.endpoints, self.task_root = out, endpoints, task_root
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
@@ -165,7 +170,9 @@ class RolloutService:
         self._stages: dict[str, str] = {}  # session id → the last stage published
         self._owner: dict[str, Job] = {}  # session id → its job, while it runs
         # Where sessions run: here against `endpoints` unless given (RaySessions: on a cluster's nodes).
-        self.pool = sessions or LocalSessions(endpoints, runner_config(self.work, max_sessions), self.flows)
+        self.pool = sessions or LocalSessions(
+            endpoints, runner_config(self.work, max_sessions, sandbox), self.flows
+        )
         self.pool.watch(self._on_update)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
