@@ -257,6 +257,9 @@ def test_an_interrupted_rollout_writes_the_rewards_of_finished_sessions(gateway,
         str(gateway.out_dir),
         "--rewards",
         str(work / "rewards.jsonl"),
+        # The harness writes its host pid outside its workspace, so the test can check it was stopped: unconfined.
+        "--sandbox",
+        "none",
     ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     harness_pid = None

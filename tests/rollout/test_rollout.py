@@ -129,10 +129,11 @@ def test_ready_buffer_starts_sessions_in_task_order_whatever_order_their_init_en
 
 def test_a_daemon_the_harness_left_outside_its_process_group_is_stopped_with_its_session(gateway, tmp_path):
     # `setsid` leaves the harness's process group, as Cline's hub daemon does: killing the group misses it.
+    # Unconfined (its host pid is written outside the workspace): the sandboxed case is tests/sandbox/.
     pidfile = tmp_path / "daemon.pid"
     harness = f"cmd:setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pidfile}; echo hello > out.txt"
     tasks = write_tasks(tmp_path / "t.jsonl", [task("daemon")])
-    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1).sessions
+    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1, sandbox="none").sessions
     assert session.status == "ok" and session.reward == 1.0
     stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
     deadline = time.monotonic() + 10
@@ -146,14 +147,14 @@ def test_a_daemon_the_harness_left_outside_its_process_group_is_stopped_with_its
 @pytest.mark.skipif(session_cgroup.for_sessions().root is None, reason="needs a writable cgroup file system")
 def test_a_daemon_that_clears_its_marker_and_leaves_its_group_is_stopped_with_its_session(gateway, tmp_path):
     """The escape of issue 36: `env -u POLAR_HARNESS_RUN setsid …` from `/` left nothing we found (the marker and
-    the process group were all we had); its session's cgroup still holds it."""
+    the process group were all we had); its session's cgroup still holds it. Unconfined, as above."""
     pidfile = tmp_path / "daemon.pid"
     harness = (
         f"cmd:cd / && env -u POLAR_HARNESS_RUN setsid bash -c 'echo $$ > {pidfile}; exec sleep 300' "
         "< /dev/null > /dev/null 2>&1 & sleep 0.5; echo hello > out.txt"
     )
     tasks = write_tasks(tmp_path / "t.jsonl", [task("escape")])
-    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1).sessions
+    [session] = run(tasks, harness, gateway, tmp_path, group_size=1, concurrency=1, sandbox="none").sessions
     assert session.status == "ok" and session.reward == 1.0
     stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
     deadline = time.monotonic() + 10

@@ -59,9 +59,9 @@ open("out.txt", "w").write("hello")
 
 
 def test_a_session_cannot_be_another_session_in_any_form_the_gateway_reads(scripted_engine_url, tmp_path):
-    script = tmp_path / "hostile.py"
-    script.write_text(HOSTILE)
-    results = tmp_path / "results.json"
+    # The script comes with the workspace and writes its findings there: the session runs in its sandbox.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "hostile.py").write_text(HOSTILE)
     gw = gateway_processes.start_gateway(
         scripted_engine_url,
         tmp_path / "flows",
@@ -70,14 +70,18 @@ def test_a_session_cannot_be_another_session_in_any_form_the_gateway_reads(scrip
         session_key=secrets.token_urlsafe(32),
     )
     try:
-        config = RolloutConfig(workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs", group_size=1)
-        harness = HarnessSpec(f"cmd:{sys.executable} {script} {results}")
-        task = Task(task_id="t-attacker", prompt="p", eval_command="test -f out.txt")
+        config = RolloutConfig(
+            workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs", group_size=1, keep_workspaces=True
+        )
+        harness = HarnessSpec(f"cmd:{sys.executable} hostile.py results.json")
+        task = Task(
+            task_id="t-attacker", prompt="p", eval_command="test -f out.txt", workspace_dir=tmp_path / "src"
+        )
         summary = asyncio.run(Rollout([task], harness, GatewayEndpoints.of(gw), config).run())
     finally:
         gw.stop()
     assert [s.status for s in summary.sessions] == ["ok"], (tmp_path / "logs").glob("*")
-    found = json.loads(results.read_text())
+    found = json.loads((summary.sessions[0].workspace / "results.json").read_text())
     statuses = found.pop("statuses")
     assert statuses.pop("own") == 200 and statuses.pop("own_url_other_headers") == 200
     assert statuses == dict.fromkeys(statuses, 401) and len(statuses) == 7, statuses
