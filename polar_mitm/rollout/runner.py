@@ -34,6 +34,7 @@ from polar_mitm.processes import children
 from polar_mitm.rollout import session_cgroup
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, UNCONFINED_WARNING, SessionBox, get_sandbox
+from polar_mitm.sandbox.mounts import Mount
 from polar_mitm.sandbox.tunnel import gateway_ports
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
 from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
@@ -399,6 +400,24 @@ class Rollout:
         box.readable += [Path(env[HARNESS_OUTPUT_ENV])] if HARNESS_OUTPUT_ENV in env else []
         argv, inner = self.sandbox.wrap(box, ["bash", "-c", s.task.eval_command], env, s.workspace)  # type: ignore[arg-type]
         return await run_argv(argv, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
+
+    def sandboxed_command(
+        self, s: SessionRun, binds: dict[str, Path]
+    ) -> Callable[[list[str], str, float, dict[str, str]], Awaitable[tuple[int, str]]]:
+        """A grader's way into the session's sandbox after the agent (tasks/harbor_grading.py's RunCommand):
+        `run(argv, cwd, timeout, env)` with `binds` (path inside → host folder, writable) over the same binds as
+        the agent had, no network; `env` laid over the evaluation's."""
+
+        async def run(argv: list[str], cwd: str, timeout: float, env: dict[str, str]) -> tuple[int, str]:
+            full_env = {**self._eval_env(s), **env}
+            if not self.sandbox.confines:
+                return await run_argv(argv, s.workspace, timeout, {**os.environ, **full_env})  # type: ignore[arg-type]
+            box = self._box(s, {})
+            box.binds = [Mount(host, Path(inside), writable=True) for inside, host in binds.items()]
+            wrapped, inner = self.sandbox.wrap(box, argv, full_env, box.inside if cwd is None else Path(cwd))
+            return await run_argv(wrapped, s.workspace, timeout, inner)  # type: ignore[arg-type]
+
+        return run
 
     def _eval_env(self, s: SessionRun) -> dict[str, str]:
         """The evaluation's own variables (a sandbox adds nothing of the host's): the harness's output (its log),

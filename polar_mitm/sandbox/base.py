@@ -40,6 +40,7 @@ class SessionBox:
     ports: list[int] = field(default_factory=list)
     sockets: Path | None = None  # the tunnel's host folder, bound at SOCKETS_INSIDE
     limits: Limits = field(default_factory=Limits)
+    binds: list[Mount] = field(default_factory=list)  # more, at paths of their own (a grader's /tests, /logs)
 
     @property
     def inside(self) -> Path:
@@ -59,7 +60,7 @@ class SessionBox:
         found += [Mount(p, p) for p in self.readable if p.exists()]
         if self.sockets is not None:
             found.append(Mount(self.sockets, SOCKETS_INSIDE, writable=True))
-        return found
+        return found + self.binds
 
 
 class Sandbox:

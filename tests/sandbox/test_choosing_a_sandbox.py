@@ -4,6 +4,7 @@ contract as bwrap (no engine runs on these machines, so their argv is what is te
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -82,3 +83,29 @@ def test_podman_argv_has_the_same_contract_as_bwrap(tmp_path):
         assert expected in text, expected
     assert argv[-2:] == ["agent", "/app/f"]  # the workspace path relocated where the container sees it
     assert "SECRET" not in host_env  # the launch's variables go in with -e, the engine gets only PATH
+
+
+def test_a_grader_runs_in_the_sessions_sandbox_with_its_own_folders(tmp_path):
+    """The POST stage's way in for graders (Harbor's /tests and /logs): the workspace at the workdir, the given
+    folders writable at their paths, nothing else of the host, the grader's env over the evaluation's."""
+    from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
+    from polar_mitm.rollout.runner import Rollout, RolloutConfig
+    from polar_mitm.tasks.task_file import HarborEval, Task
+
+    tests, logs, workspace = tmp_path / "tests", tmp_path / "logs", tmp_path / "ws" / "s"
+    for folder in (tests, logs, workspace):
+        folder.mkdir(parents=True)
+    (tests / "test.sh").write_text("echo graded")
+    (workspace / "answer.txt").write_text("42")
+    task = Task("t", "p", harbor=HarborEval(tests=tests, workdir="/app"))
+    config = RolloutConfig(workspace_root=tmp_path / "ws", group_size=1, sandbox="bwrap")
+    rollout = Rollout([task], HarnessSpec("cmd:true"), GatewayEndpoints("http://127.0.0.1:9"), config)
+    session = rollout.sessions[0]
+    session.workspace = workspace
+    run = rollout.sandboxed_command(session, {"/tests": tests, "/logs": logs})
+    script = 'bash /tests/test.sh; cat answer.txt; echo "$MINE" > /logs/reward.txt; pwd; ls ' + str(tmp_path)
+    code, out = asyncio.run(run(["bash", "-c", script], "/app", 30, {"MINE": "1.0"}))
+    assert "graded\n42/app\n" in out, out  # answer.txt has no newline
+    assert (logs / "reward.txt").read_text() == "1.0\n"
+    assert "No such file or directory" in out  # the test's own folder (beside the workspace) is not there
+    assert code != 0
