@@ -18,6 +18,8 @@ from polar_mitm.config_options import ConfigOptionsCommand
 from polar_mitm.service import TOKEN_ENV
 from polar_mitm.user_errors import UserInputError
 
+SHUTDOWN_GRACE_S = 5  # a request still running when the service is stopped gets this long
+
 
 class ServiceCommand(ConfigOptionsCommand):
     """`serve-rollouts` with `--config FILE.yaml` and `--show-config`, as rollout, loop and grpo have them (its own
@@ -168,7 +170,16 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             "bearer token required" if token else f"no token: loopback only (set {TOKEN_ENV} to require one)"
         )
         typer.echo(f"rollout service on http://{host}:{port} ({auth}); records → {out / layout.FLOWS_DIR}")
-        uvicorn.run(build_app(service, token), host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            build_app(service, token, stopping=lambda: server.should_exit),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+        server = uvicorn.Server(config)
+        server.run()
 
 
 @contextmanager

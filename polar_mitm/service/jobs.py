@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ OUTCOME_STATUS = {
     "timeout": SessionStatus.TIMEOUT,
 }
 CALLBACK_TRIES = 5
+STREAM_CHECK_S = 0.5  # how soon an idle /events stream notices the service stopping
 
 
 class Conflict(Exception):
@@ -112,12 +113,16 @@ class EventBus:
                     queue.get_nowait()
             queue.put_nowait(event)
 
-    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, stopping: Callable[[], bool] = lambda: False) -> AsyncIterator[dict[str, Any]]:
+        """Every event from now on, until `stopping()` (checked each `STREAM_CHECK_S` while none comes)."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
         self.subscribers.add(queue)
         try:
-            while True:
-                yield await queue.get()
+            while not stopping():
+                try:
+                    yield await asyncio.wait_for(queue.get(), STREAM_CHECK_S)
+                except TimeoutError:
+                    continue
         finally:
             self.subscribers.discard(queue)
 

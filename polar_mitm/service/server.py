@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from pydantic import ValidationError
@@ -33,7 +34,12 @@ RETRY_AFTER_S = 5
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def build_app(service: RolloutService, token: str | None) -> Starlette:
+def build_app(
+    service: RolloutService, token: str | None, stopping: Callable[[], bool] = lambda: False
+) -> Starlette:
+    """The routes over `service`; `stopping` says the server is shutting down (an `/events` stream then ends,
+    instead of holding the shutdown until its grace runs out)."""
+
     def authorized(request: Request) -> bool:
         if token is None:
             return True
@@ -78,7 +84,7 @@ def build_app(service: RolloutService, token: str | None) -> Starlette:
     async def events(request: Request) -> Response:
         async def stream():
             yield ": polar-mitm rollout events\n\n"
-            async for event in service.events.stream():
+            async for event in service.events.stream(stopping):
                 yield f"id: {event['id']}\nevent: {event['type']}\ndata: {json.dumps(event, default=str)}\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
