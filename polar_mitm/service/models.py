@@ -50,9 +50,11 @@ class BuilderSpec(StrategySpec):
 
 
 class EvaluatorSpec(StrategySpec):
-    """How a session is rewarded: `command` runs `config.command` in the workspace (our task file's `eval`)."""
+    """How a session is rewarded: `command` runs `config.command` in the workspace (our task file's `eval`);
+    `harbor` runs a Harbor task's verifier (`config`: our task file's `eval.harbor`: tests, solution, workdir, env,
+    reward_rule)."""
 
-    strategy: Literal["command"] = "command"
+    strategy: Literal["command", "harbor"] = "command"
     env: dict[str, str] = Field(default_factory=dict)
     refresh_runtime: bool = False
 

@@ -5,17 +5,21 @@ to the service and a submitted task runs exactly as that line would under `polar
     task_id                       task_id
     prompt                        instruction
     eval {command, reward}        evaluator {strategy: command, config: {command, reward}}
+    eval {harbor: {tests, …}}     evaluator {strategy: harbor, config: {tests, solution, workdir, env, …}}
     workspace {dir, git, setup}   metadata.workspace
+    limits {memory_mb, …}         metadata.limits
     timeouts {init, run, eval}    metadata.timeouts (timeout_seconds: their sum)
     family, swe, meta             metadata.family, metadata.swe, metadata.meta
     (the command's --harness, -g) agent.harness, num_samples
 
 A request needs an evaluator, as a task line needs `eval`: a session nothing checks would be rewarded like any other.
-A relative `workspace.dir` is resolved against the service's task root (`--task-root`), never the caller's folder.
+A relative `workspace.dir` (and a Harbor verifier's `tests`, `solution`) is resolved against the service's task
+root (`--task-root`), never the caller's folder.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,14 @@ def line_to_request(
         "timeouts": timeouts,
     }
     metadata.update({key: line[key] for key in CARRIED if line.get(key) is not None})
+    if "limits" in line:
+        metadata["limits"] = checked.limits.model_dump(exclude_defaults=True)
+    if checked.eval.harbor is not None:
+        evaluator = EvaluatorSpec(
+            strategy="harbor", config=checked.eval.harbor.model_dump(exclude_defaults=True)
+        )
+    else:
+        evaluator = EvaluatorSpec(config=checked.eval.model_dump())
     return TaskRequest(
         task_id=checked.task_id,
         instruction=checked.prompt,
@@ -47,7 +59,7 @@ def line_to_request(
         timeout_seconds=sum(timeouts.values()),
         agent=AgentSpec(harness=harness),
         builder=BuilderSpec(strategy=builder),
-        evaluator=EvaluatorSpec(config=checked.eval.model_dump()),
+        evaluator=evaluator,
         metadata=metadata,
     )
 
@@ -73,7 +85,8 @@ def task_to_request(
     line: dict[str, Any] = {
         "task_id": task.task_id,
         "prompt": task.prompt,
-        "eval": {"command": task.eval_command, "reward": task.eval_reward},
+        "eval": _task_eval(task),
+        "limits": asdict(task.limits),
         "timeouts": {"init": task.timeouts.init, "run": task.timeouts.run, "eval": task.timeouts.eval},
         **({"workspace": workspace} if workspace else {}),
         **{key: task.meta[key] for key in CARRIED if task.meta.get(key) is not None},
@@ -85,6 +98,22 @@ def task_to_request(
     return request.model_copy(update=update)
 
 
+def _task_eval(task: Task) -> dict[str, Any]:
+    """A loaded task's `eval` as its line said it (a Harbor verifier's folders absolute)."""
+    if task.harbor is None:
+        return {"command": task.eval_command, "reward": task.eval_reward}
+    harbor = task.harbor
+    spec: dict[str, Any] = {
+        "tests": str(harbor.tests),
+        "workdir": harbor.workdir,
+        "reward_rule": harbor.reward_rule,
+    }
+    spec.update({"env": dict(harbor.env)} if harbor.env else {})
+    spec.update({"solution": str(harbor.solution)} if harbor.solution else {})
+    spec.update({"user": harbor.user} if harbor.user else {})
+    return {"harbor": spec}
+
+
 def request_to_line(request: TaskRequest) -> dict[str, Any]:
     """The task-file line of a TaskRequest; a RequestError names what no task line can say."""
     if request.evaluator is None:
@@ -92,22 +121,30 @@ def request_to_line(request: TaskRequest) -> dict[str, Any]:
             "evaluator is required: {'strategy': 'command', 'config': {'command': CHECK}} (a session nothing "
             "checks would be rewarded like every other)"
         )
-    if request.evaluator.env:
-        raise RequestError("evaluator.env is not supported: put the variables in evaluator.config.command")
-    unknown = set(request.evaluator.config) - {"command", "reward"}
-    if unknown or "command" not in request.evaluator.config:
-        raise RequestError(
-            f"evaluator.config takes command (required) and reward (exit | stdout), not {sorted(unknown)}"
-        )
+    if request.evaluator.strategy == "harbor":
+        if request.evaluator.env:
+            raise RequestError(
+                "evaluator.env is not supported: a Harbor verifier's variables go in config.env"
+            )
+        check: dict[str, Any] = {"harbor": dict(request.evaluator.config)}
+    else:
+        if request.evaluator.env:
+            raise RequestError(
+                "evaluator.env is not supported: put the variables in evaluator.config.command"
+            )
+        unknown = set(request.evaluator.config) - {"command", "reward"}
+        if unknown or "command" not in request.evaluator.config:
+            raise RequestError(
+                f"evaluator.config takes command (required) and reward (exit | stdout), not {sorted(unknown)}"
+            )
+        check = dict(request.evaluator.config)
     meta = request.metadata
-    line: dict[str, Any] = {
-        "task_id": request.task_id,
-        "prompt": request.instruction,
-        "eval": dict(request.evaluator.config),
-    }
+    line: dict[str, Any] = {"task_id": request.task_id, "prompt": request.instruction, "eval": check}
     if meta.get("workspace"):
         line["workspace"] = meta["workspace"]
     line["timeouts"] = meta.get("timeouts") or {"run": request.timeout_seconds}
+    if meta.get("limits"):
+        line["limits"] = meta["limits"]
     line.update({key: meta[key] for key in CARRIED if meta.get(key) is not None})
     return line
 
