@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -398,6 +399,7 @@ class Rollout:
             )  # type: ignore[arg-type]
         box = self._box(s, {})
         box.readable += [Path(env[HARNESS_OUTPUT_ENV])] if HARNESS_OUTPUT_ENV in env else []
+        box.readable += _grading_paths(s.task)
         argv, inner = self.sandbox.wrap(box, ["bash", "-c", s.task.eval_command], env, s.workspace)  # type: ignore[arg-type]
         return await run_argv(argv, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
 
@@ -591,6 +593,19 @@ class Rollout:
         busy = sum(end - start for start, end in spans)
         window = max(end for _, end in spans) - min(start for start, _ in spans)
         return busy / (self.config.concurrency * window) if window > 0 else 1.0
+
+
+def _grading_paths(task: Task) -> list[Path]:
+    """What a task's own grader reads beside the workspace, shown read-only to its evaluation: a SWE task's grading
+    spec and its venv (tasks/swe.py; the agent never sees them, its sandbox had neither)."""
+    spec = (task.meta.get("swe") or {}).get("spec")
+    if not spec:
+        return []
+    try:
+        env_dir = json.loads(Path(spec).read_text()).get("env_dir")
+    except (OSError, ValueError, AttributeError):
+        env_dir = None
+    return [Path(spec), *([Path(env_dir)] if env_dir else [])]
 
 
 _warned: list[bool] = []

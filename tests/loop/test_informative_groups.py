@@ -245,6 +245,7 @@ def test_loop_replaces_a_flat_group_and_trains_only_informative_groups(tmp_path)
         script=EXAMPLES / "policy.json",
         max_tokens=64,
         min_informative_groups=WANTED,
+        sandbox="none",  # the alternating check keeps a counter beside the workspaces, across sessions
     )
     [stats] = Loop(cfg).run()
     rewards = pq.read_table(run / "iter-0" / "rewards.parquet").to_pylist()

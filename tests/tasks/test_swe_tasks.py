@@ -142,13 +142,24 @@ def test_every_instance_gold_patch_scores_one_no_change_and_wrong_patch_zero(
 ):
     monkeypatch.setenv("SWE_PATCHES", str(patches_dir(tmp_path / "patches")))
     # Session 0 applies the gold patch, 1 changes nothing, 2 applies the wrong fix; no model is called, so the
-    # rollout attaches to a closed port instead of starting an engine and a gateway.
+    # rollout attaches to a closed port instead of starting an engine and a gateway. Unconfined: the "agent" reads
+    # the patches from the host ($SWE_PATCHES); graded in a sandbox: test_swe_harnesses.py and the codex test below.
     harness = (
         'cmd:if [ {index} = 0 ]; then git apply "$SWE_PATCHES/gold/$POLAR_TASK.diff"; '
         'elif [ {index} = 2 ]; then git apply "$SWE_PATCHES/wrong/$POLAR_TASK.diff"; fi'
     )
     rows = rollout_cli(
-        swe_file, harness, tmp_path, "-g", "3", "-c", "2", "--gateway-url", "http://127.0.0.1:9"
+        swe_file,
+        harness,
+        tmp_path,
+        "-g",
+        "3",
+        "-c",
+        "2",
+        "--gateway-url",
+        "http://127.0.0.1:9",
+        "--sandbox",
+        "none",
     )
     got = {(r["task_id"], r["sample_index"]): (r["status"], r["reward"]) for r in rows}
     expected = {(t, i): ("ok", 1.0 if i == 0 else 0.0) for t in swe_tasks for i in range(3)}
