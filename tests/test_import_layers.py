@@ -31,6 +31,13 @@ FORBIDDEN = [
     ("polar_mitm.tasks", "polar_mitm.rollout", "task files and graders know nothing of the runner"),
     ("polar_mitm.tasks", "polar_mitm.loop", "task files and graders know nothing of the loop"),
     ("polar_mitm.rollout", "polar_mitm.loop", "the runner knows nothing of the loop that drives it"),
+    # Judges (issue 42) run on a finished rollout's sessions and records: below the runner, the loop and the service
+    # that call them, above the task file that only declares a task's judge.
+    *(
+        ("polar_mitm.judges", f"polar_mitm.{above}", "judges are called by them, after the sessions")
+        for above in ("rollout", "loop", "service", "gateway")
+    ),
+    ("polar_mitm.tasks", "polar_mitm.judges", "a task file declares its judge; polar_mitm/judges/ runs it"),
     # The engine room sits below the gateway and everything that drives rollouts and training.
     *(
         ("polar_mitm.engines", f"polar_mitm.{above}", "the engine room is below the gateway and the loop")

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
 from polar_mitm.engines import router
+from polar_mitm.judges.judging import judge_problem
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.cli import fail, load_inputs
 from polar_mitm.train.config_options import GRPO_OPTIONS, TRL_OPTIONS, grpo_options
@@ -209,9 +210,11 @@ def checked_loop(cfg: LoopConfig):
         done.append(stats)
         console.print(iteration_table(done))
 
-    load_inputs(cfg.tasks, cfg.harness, cfg.script)
+    tasks, _ = load_inputs(cfg.tasks, cfg.harness, cfg.script)
     if cfg.eval_tasks is not None:
-        load_inputs(cfg.eval_tasks, cfg.harness)
+        tasks += load_inputs(cfg.eval_tasks, cfg.harness)[0]
+    if (problem := judge_problem(tasks, cfg.judge_options())) is not None:  # polar_mitm/judges/
+        raise fail(problem)
     if cfg.engine_url is not None:  # before the run starts: every session would score 0.0
         try:
             router.check_answering(cfg.engine_url)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.config_options import field_metadata, option, python_only
+from polar_mitm.judges.options import JudgeFailure, JudgeOptions
 from polar_mitm.log_format import LogFormat
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.cli import RolloutCommandOptions
@@ -205,6 +206,29 @@ class LoopConfig:
         default=None,
         metadata=option("Keep the weights of the last N trainings only (the newest is what --resume needs)."),
     )
+    # Tasks with a `judge` (polar_mitm/judges/): rollout's JudgeOptions, the same declarations.
+    judge_url: str | None = field(default=None, metadata=field_metadata(JudgeOptions, "judge_url"))
+    judge_model: str = field(
+        default=JudgeOptions.judge_model, metadata=field_metadata(JudgeOptions, "judge_model")
+    )
+    judge_api_key_env: str = field(
+        default=JudgeOptions.judge_api_key_env, metadata=field_metadata(JudgeOptions, "judge_api_key_env")
+    )
+    judge_timeout: float = field(
+        default=JudgeOptions.judge_timeout, metadata=field_metadata(JudgeOptions, "judge_timeout")
+    )
+    judge_retries: int = field(
+        default=JudgeOptions.judge_retries, metadata=field_metadata(JudgeOptions, "judge_retries")
+    )
+    judge_concurrency: int = field(
+        default=JudgeOptions.judge_concurrency, metadata=field_metadata(JudgeOptions, "judge_concurrency")
+    )
+    judge_failure: JudgeFailure = field(
+        default=JudgeOptions.judge_failure, metadata=field_metadata(JudgeOptions, "judge_failure")
+    )
+    judge_budget: int = field(
+        default=JudgeOptions.judge_budget, metadata=field_metadata(JudgeOptions, "judge_budget")
+    )
     yes: bool = field(
         default=False,
         metadata=option(
@@ -213,3 +237,7 @@ class LoopConfig:
             "--yes",
         ),
     )
+
+    def judge_options(self) -> JudgeOptions:
+        """The judge settings, as rollout takes them (polar_mitm/judges/options.py)."""
+        return JudgeOptions(**{f: getattr(self, f) for f in JudgeOptions.__dataclass_fields__})

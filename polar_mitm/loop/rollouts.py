@@ -11,12 +11,14 @@ compact their journals.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_mitm.engines import router
+from polar_mitm.judges.judging import JudgePlaces, judge_sessions
 from polar_mitm.loop.config import LoopConfig
 from polar_mitm.loop.evaluation import EvalResult, evaluation_result
 from polar_mitm.loop.gateways import LoopGateways
@@ -27,11 +29,14 @@ from polar_mitm.loop.service_rollouts import LoopService
 from polar_mitm.loop.stages import RolloutOutcome
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, SessionRun, write_rewards
+from polar_mitm.storage.judgments import JUDGE_CACHE_DIR, JUDGMENTS_DIR
 from polar_mitm.storage.run_layout import SERVICE_RESULTS_FILE, iteration_dir
 from polar_mitm.tasks.task_file import Task
 
 if TYPE_CHECKING:
     from polar_mitm.rollout.ray_driver import RayPool
+
+log = logging.getLogger(__name__)
 
 
 class LoopRollouts:
@@ -149,11 +154,21 @@ class LoopRollouts:
             result.summary, it / "flows", it / "rewards.parquet", time.monotonic() - started
         )
 
-    @staticmethod
-    def _rewarded(it: Path, summary: RolloutSummary, started: float) -> RolloutOutcome:
-        """A local rollout's outcome once its rewards file is written."""
+    def _rewarded(self, it: Path, summary: RolloutSummary, started: float) -> RolloutOutcome:
+        """A local rollout's outcome once its sessions are judged and its rewards file is written."""
+        self._judged(it, summary)
         write_rewards(summary, it / "rewards.parquet")
         return RolloutOutcome(summary, it / "flows", it / "rewards.parquet", time.monotonic() - started)
+
+    def _judged(self, it: Path, summary: RolloutSummary) -> None:
+        """Tasks with a `judge`: rewards combined with the judge's scores (polar_mitm/judges/); the judgments under
+        `it/judgments`, the run's cache under RUN/judge-cache. JudgeFailed (--judge-failure fail) stops the loop."""
+        places = JudgePlaces(
+            it / "flows", it / JUDGMENTS_DIR, self.cfg.run_dir / JUDGE_CACHE_DIR, it / "logs"
+        )
+        counts = judge_sessions(summary.sessions, self.cfg.judge_options(), places)
+        if counts.sessions or counts.failed:
+            log.info("%s: %s", it.name, counts.line(self.cfg.judge_failure))
 
     # -- held-out evaluations ------------------------------------------------------------------------------------
 
@@ -164,6 +179,7 @@ class LoopRollouts:
         self.progress.stage(k, "eval", len(self.eval_tasks) * cfg.eval_samples)
         temperature = 0.0 if cfg.eval_greedy else cfg.temperature
         summary = self._local(it, self.eval_tasks, cfg.eval_samples, self.gateway_options(temperature))
+        self._judged(it, summary)
         write_rewards(summary, it / "rewards.parquet")
         result = evaluation_result(
             summary,

@@ -25,18 +25,22 @@ from polar_mitm.engine.script import ScriptError
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.judges.judging import JudgeFailed, JudgePlaces, judge_problem, judge_sessions
+from polar_mitm.judges.options import JudgeOptions
 from polar_mitm.log_format import LOG_FORMAT_HELP, EventLog, LogFormat, events_stdout, resolved
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
 from polar_mitm.rollout.view import SessionEvents, render, summary_rows, summary_table
+from polar_mitm.storage.judgments import JUDGE_CACHE_DIR, JUDGMENTS_DIR
 from polar_mitm.storage.location import private_dir
 from polar_mitm.tasks.task_file import Task, TaskFileError, load_tasks
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
 
 # The groups of `rollout`'s generated options (`option_values`): RolloutCommandOptions' and RolloutConfig's fields.
-ROLLOUT_OPTIONS, SESSION_OPTIONS = "rollout", "sessions"
+ROLLOUT_OPTIONS, SESSION_OPTIONS, JUDGE_OPTIONS = "rollout", "sessions", "judges"
 SESSIONS_PANEL = "Sessions (RolloutConfig)"
+JUDGES_PANEL = "Judges (JudgeOptions: tasks with a `judge`)"
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class RolloutCommand(ConfigOptionsCommand):
         return {
             ROLLOUT_OPTIONS: field_options(RolloutCommandOptions),
             SESSION_OPTIONS: field_options(RolloutConfig, panel=SESSIONS_PANEL),
+            JUDGE_OPTIONS: field_options(JudgeOptions, panel=JUDGES_PANEL),
         }
 
 
@@ -263,6 +268,11 @@ def rollout_command(ctx: typer.Context) -> None:
     given, config = rollout_settings(ctx)
     task_list, harness_spec = load_inputs(given.tasks, given.harness, given.script)
     given.check()
+    judging = JudgeOptions(**option_values(ctx, JUDGE_OPTIONS))
+    if (problem := judge_problem(task_list, judging)) is not None:
+        raise fail(problem)
+    if given.ray_address is not None and any(task.judge is not None for task in task_list):
+        raise fail("tasks with a judge are judged on this machine's rollouts only, not with --ray yet")
     if given.engine_url is not None and given.gateway_url is None:  # before any session: each would score 0.0
         try:
             router.check_answering(given.engine_url)
@@ -286,11 +296,36 @@ def rollout_command(ctx: typer.Context) -> None:
         )
     else:
         with events_stdout(resolved(given.log_format, console.is_terminal)):
-            local_rollout(task_list, harness_spec, config, given)
+            local_rollout(task_list, harness_spec, config, given, judging)
+
+
+def judged(
+    summary: RolloutSummary, judging: JudgeOptions, given: RolloutCommandOptions, config: RolloutConfig
+) -> None:
+    """Tasks with a `judge`: their sessions' rewards combined with the judge's scores (polar_mitm/judges/), the
+    judgments under WORK_DIR/judgments, the cache under WORK_DIR/judge-cache; a failing judge under
+    `--judge-failure fail` ends the command (exit 1) before any rewards are written."""
+    places = JudgePlaces(
+        records=given.out,
+        judgments=given.work_dir / JUDGMENTS_DIR,
+        cache=given.work_dir / JUDGE_CACHE_DIR,
+        harness_logs=config.log_dir,
+    )
+    try:
+        counts = judge_sessions(summary.sessions, judging, places)
+    except JudgeFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if counts.sessions or counts.failed:
+        typer.echo(counts.line(judging.judge_failure), err=True)
 
 
 def local_rollout(
-    task_list: list[Task], harness: HarnessSpec, config: RolloutConfig, given: RolloutCommandOptions
+    task_list: list[Task],
+    harness: HarnessSpec,
+    config: RolloutConfig,
+    given: RolloutCommandOptions,
+    judging: JudgeOptions | None = None,
 ) -> None:
     """The sessions on this machine, against the gateways started (or attached to) for them."""
     try:
@@ -315,6 +350,7 @@ def local_rollout(
             err=True,
         )
         raise typer.Exit(128 + stop.signum) from None
+    judged(summary, judging or JudgeOptions(), given, config)
     write_rewards(summary, given.rewards)
     closing = (
         f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "

@@ -13,7 +13,8 @@ passed everything would reward every session alike), a `workspace.dir` must be a
 `meta`; `family` and `swe` are what `polar-mitm tasks generate` / `tasks swe` write. `"eval": "COMMAND"` is short
 for `{"command": "COMMAND"}`. `eval.reward` = "exit" (default) or "stdout" (the last number printed is the reward). `"eval": {"harbor": {…}}` grades
 the session as a Harbor task's verifier does (`tests/test.sh`, its reward file: see `HarborSpec` and
-polar_mitm/tasks/harbor_grading.py); `polar-mitm tasks harbor` writes such lines. A session *passes* (pass rates,
+polar_mitm/tasks/harbor_grading.py); `polar-mitm tasks harbor` writes such lines. `"judge": {"mode": "rubric", …}`
+adds an LLM judge's score to the check's reward (tasks/judge_spec.py). A session *passes* (pass rates,
 pass@k) when its reward reaches full marks, 1.0 (`passed`): a graded check's partial credit is reward, not a pass.
 The evaluation runs in the session's workspace with `$POLAR_HARNESS_OUTPUT` naming the harness's output (its log),
 for checks that grade the agent's final answer (`python -P -m polar_mitm.tasks.answer_check`). A relative `workspace.dir`
@@ -50,6 +51,7 @@ from pydantic import (
 
 from polar_mitm.harness.base import id_problem
 from polar_mitm.sandbox.limits import Limits, LimitsSpec
+from polar_mitm.tasks.judge_spec import JudgeSpec, TaskJudge
 
 GIT_URL_SCHEMES = (
     "file",
@@ -113,6 +115,7 @@ class Task:
     timeouts: Timeouts = field(default_factory=Timeouts)
     harbor: HarborEval | None = None  # graded by its verifier instead (eval_command is then HARBOR_UNGRADED)
     limits: Limits = field(default_factory=Limits)  # the session's sandbox limits (sandbox/limits.py)
+    judge: TaskJudge | None = None  # an LLM judge on top of the check (polar_mitm/judges/)
     meta: dict[str, Any] = field(
         default_factory=dict
     )  # family, swe, meta: what the line carries beside the task
@@ -252,6 +255,7 @@ class TaskLine(_Schema):
     limits: LimitsSpec = (
         LimitsSpec()
     )  # memory_mb, pids, open_files, file_size_mb, tmp_mb, home_mb of its sandbox
+    judge: JudgeSpec | None = None  # an LLM judge's reward on top of eval's (tasks/judge_spec.py)
     family: StrictStr | None = None  # written by `polar-mitm tasks generate`
     swe: dict[str, Any] | None = None  # written by `polar-mitm tasks swe`: the instance and its grading spec
     meta: dict[str, Any] | None = None  # your own data, kept with the task
@@ -278,6 +282,7 @@ def schema_problem(exc: ValidationError) -> str:
             "timeouts": TimeoutsSpec,
             "eval.harbor": HarborSpec,
             "limits": LimitsSpec,
+            "judge": JudgeSpec,
         }
         model = models.get(".".join(names[:-1]), TaskLine)
         known = list(model.model_fields)
@@ -316,6 +321,7 @@ def parse_task(raw: dict[str, Any], base: Path) -> Task:
         timeouts=Timeouts(init=line.timeouts.init, run=line.timeouts.run, eval=line.timeouts.eval),
         harbor=harbor,
         limits=line.limits.limits(),
+        judge=line.judge.judge() if line.judge is not None else None,
         meta={k: raw[k] for k in ("family", "swe", "meta") if raw.get(k) is not None},
     )
 

@@ -19,11 +19,13 @@ from typer.testing import CliRunner
 
 from polar_mitm.cli import app
 from polar_mitm.config_options import CONFIG_FIELDS, FIELD_DEFAULT, HELP, OPTION, FieldOption, option_fields
+from polar_mitm.judges.options import JudgeOptions
 from polar_mitm.loop.cli import LOOP_OPTIONS, given_or_resumed_config
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.reconstruct.merge import BUILDERS
 from polar_mitm.rollout.cli import (
+    JUDGE_OPTIONS,
     ROLLOUT_OPTIONS,
     SESSION_OPTIONS,
     RolloutCommandOptions,
@@ -32,17 +34,19 @@ from polar_mitm.rollout.cli import (
 from polar_mitm.rollout.runner import RolloutConfig
 from polar_mitm.train.config_options import GRPO_OPTIONS
 
-CONFIGS = (LoopConfig, RolloutConfig, RolloutCommandOptions)
+CONFIGS = (LoopConfig, RolloutConfig, RolloutCommandOptions, JudgeOptions)
 PYTHON_ONLY = {  # set from Python (or by the command itself), never an option
     LoopConfig: {"grpo", "final_rollout"},
     RolloutConfig: {"workspace_root", "log_dir"},
     RolloutCommandOptions: set(),
+    JudgeOptions: set(),
 }
 # (command, its option group, the config whose fields the group's options are)
 GROUPS = [
     ("loop", LOOP_OPTIONS, LoopConfig),
     ("rollout", ROLLOUT_OPTIONS, RolloutCommandOptions),
     ("rollout", SESSION_OPTIONS, RolloutConfig),
+    ("rollout", JUDGE_OPTIONS, JudgeOptions),
 ]
 
 

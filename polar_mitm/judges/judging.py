@@ -1,0 +1,225 @@
+"""A finished rollout's sessions judged: their rewards combined with the judge's scores before the rewards file.
+
+Called by `polar-mitm rollout` and the loop once the sessions are done (never inside the runner, so a slow judge
+holds no RUN worker and no workspace). For each task with a `judge`, its mode (MODES) makes the calls from the
+sessions' traces (trace.py, read from the rollout's records); each call is answered from the cache when the same
+content was judged before, else by the judge (client.py); its prompt, answer and parsed scores are kept
+(storage/judgments.py). Then `reward = outcome + weight · normalised score`. A call that fails (the judge down, or
+an answer that does not parse) leaves its sessions their outcome and is counted, or with `--judge-failure fail`
+fails the rollout once every call has been tried (the files say which and why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from polar_mitm.judges import MODES
+from polar_mitm.judges.base import JudgeCall, JudgedSession
+from polar_mitm.judges.client import JudgeClient, JudgeUnavailable
+from polar_mitm.judges.options import JudgeFailure, JudgeOptions
+from polar_mitm.judges.prompt import JudgeAnswerError, json_answer
+from polar_mitm.judges.trace import session_trace
+from polar_mitm.storage import judgments as stored
+from polar_mitm.storage.records import read_all
+from polar_mitm.tasks.task_file import Task
+
+log = logging.getLogger(__name__)
+TRACE_COLUMNS = ["session_id", "seq", "call_kind", "messages_json", "response_json"]
+
+
+class FinishedSession(Protocol):
+    """What judging needs of a finished session (rollout/runner.py's SessionRun)."""
+
+    task: Task
+    index: int
+    session_id: str
+    reward: float | None
+    eval_output: str
+
+
+class JudgeFailed(RuntimeError):
+    """`--judge-failure fail` and a judge call failed: the rollout has no rewards."""
+
+
+@dataclass(frozen=True)
+class JudgePlaces:
+    """Where judging reads and writes."""
+
+    records: Path  # the rollout's records folder (gateway shards and journals)
+    judgments: Path  # ROLLOUT/judgments (storage/judgments.py)
+    cache: Path  # RUN/judge-cache
+    harness_logs: Path | None = None  # the harness logs, SESSION_ID.log
+
+
+@dataclass
+class JudgeCounts:
+    sessions: int = 0  # judged sessions, from the judge or the cache
+    cached: int = 0  # of them, answered from the cache
+    failed: int = 0  # sessions left their outcome (the judge down or unparseable)
+    calls: int = 0  # HTTP attempts made
+
+    def line(self, failure: JudgeFailure) -> str:
+        failed = f", {self.failed} failed (→ {failure.value})" if self.failed else ""
+        return f"judge: {self.sessions} session(s) judged ({self.cached} from the cache){failed}, {self.calls} call(s)"
+
+
+def judge_problem(tasks: Sequence[Task], options: JudgeOptions) -> str | None:
+    """Why these tasks cannot be judged with these options (one line), before any session runs; None if they can."""
+    if not any(task.judge is not None for task in tasks):
+        return None
+    if options.judge_url is None:
+        judged = next(task.task_id for task in tasks if task.judge is not None)
+        return f"task {judged!r} has a judge: give --judge-url (an OpenAI-compatible …/v1 endpoint)"
+    return options.problem()
+
+
+def judge_sessions(
+    sessions: Sequence[FinishedSession], options: JudgeOptions, places: JudgePlaces
+) -> JudgeCounts:
+    """Judge every session whose task has a judge and whose check gave a reward; their `reward` is replaced by the
+    combined one. Raises JudgeFailed under `--judge-failure fail` when a call failed."""
+    judged = [s for s in sessions if s.task.judge is not None and s.reward is not None]
+    counts = JudgeCounts()
+    if not judged:
+        return counts
+    if options.judge_url is None:
+        raise JudgeFailed(judge_problem([s.task for s in judged], options))
+    errors = asyncio.run(_judge_all(judged, options, places, counts))
+    stored.write_summary(places.judgments, counts.__dict__ | {"failure": options.judge_failure.value})
+    if errors and options.judge_failure is JudgeFailure.fail:
+        raise JudgeFailed(
+            f"{len(errors)} judge call(s) failed, the first: {errors[0]} (see {places.judgments})"
+        )
+    return counts
+
+
+async def _judge_all(
+    judged: list[FinishedSession], options: JudgeOptions, places: JudgePlaces, counts: JudgeCounts
+) -> list[str]:
+    traces = _traces(judged, places, options.judge_budget)
+    groups: dict[str, list[FinishedSession]] = {}
+    for session in judged:
+        groups.setdefault(session.task.task_id, []).append(session)
+    async with JudgeClient(
+        options.judge_url or "",
+        options.judge_model,
+        api_key=os.environ.get(options.judge_api_key_env) or None,
+        timeout=options.judge_timeout,
+        attempts=options.judge_retries,
+        concurrency=options.judge_concurrency,
+    ) as client:
+        work = []
+        for group in groups.values():
+            task = group[0].task
+            mode = MODES[task.judge.mode]  # type: ignore[union-attr]
+            seen = [
+                JudgedSession(s.session_id, s.index, float(s.reward), traces[s.session_id]) for s in group
+            ]  # type: ignore[arg-type]
+            work += [(task, call) for call in mode.calls(task.prompt, task.judge, seen)]  # type: ignore[arg-type]
+        by_id = {s.session_id: s for s in judged}
+        answers = await asyncio.gather(*(_answer(client, task, call, options, places) for task, call in work))
+        counts.calls = client.calls
+    errors = []
+    for (task, call), (status, scores, error, key) in zip(work, answers, strict=True):
+        errors += [error] if error else []
+        for session_id in call.sessions:
+            _apply(by_id[session_id], task, status, scores.get(session_id), error, key, places, counts)
+    return errors
+
+
+async def _answer(
+    client: JudgeClient, task: Task, call: JudgeCall, options: JudgeOptions, places: JudgePlaces
+) -> tuple[str, dict[str, tuple[float, float, str]], str, str]:
+    """One call's (status, scores by session, error, cache key), from the cache or the judge; its file written."""
+    mode = MODES[task.judge.mode]  # type: ignore[union-attr]
+    content = {"model": options.judge_model, "mode": mode.name, "judged": call.content}
+    key = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+    cached = stored.cached_answer(places.cache, key)
+    status, answer, error, scores = "cached", "", "", {}
+    try:
+        if cached is not None:
+            answer = cached["answer"]
+        else:
+            status = "judged"
+            answer = await client.complete(call.messages)
+        scores = mode.scores(call, task.judge, json_answer(answer))  # type: ignore[arg-type]
+    except (JudgeUnavailable, JudgeAnswerError) as exc:
+        status, error = "failed", str(exc)
+        log.warning("judge call for %s failed: %s", ", ".join(call.sessions), error)
+    if status == "judged":
+        stored.cache_answer(places.cache, key, {"answer": answer})
+    stored.write_call(
+        places.judgments,
+        key,
+        {"messages": call.messages, "answer": answer, "status": status, "error": error, "parsed": scores},
+    )
+    return status, scores, error, key
+
+
+def _apply(
+    session: FinishedSession,
+    task: Task,
+    status: str,
+    scored: tuple[float, float, str] | None,
+    error: str,
+    key: str,
+    places: JudgePlaces,
+    counts: JudgeCounts,
+) -> None:
+    """The session's combined reward, and its judgment file."""
+    judge, outcome = task.judge, float(session.reward)  # type: ignore[arg-type]
+    score, raw, rationale = scored if scored is not None else (None, None, "")
+    if score is None:
+        counts.failed += 1
+    else:
+        counts.sessions += 1
+        counts.cached += status == "cached"
+        session.reward = outcome + judge.weight * score  # type: ignore[union-attr]
+    stored.write_judgment(
+        places.judgments,
+        stored.Judgment(
+            session_id=session.session_id,
+            task_id=task.task_id,
+            sample_index=session.index,
+            mode=judge.mode,  # type: ignore[union-attr]
+            status="failed" if score is None else status,
+            outcome=outcome,
+            score=score,
+            raw_score=raw,
+            reward=session.reward,
+            rationale=rationale,
+            error=error,
+            call=stored.call_file(key),
+        ),
+    )
+
+
+def _traces(sessions: list[FinishedSession], places: JudgePlaces, budget: int) -> dict[str, str]:
+    """Each session's trace, from the rollout's records and its harness log."""
+    by_session: dict[str, list[dict[str, Any]]] = {s.session_id: [] for s in sessions}
+    if places.records.exists():
+        table = read_all(places.records)
+        table = table.select([c for c in TRACE_COLUMNS if c in table.column_names])
+        for row in table.to_pylist():
+            if row["session_id"] in by_session:
+                by_session[row["session_id"]].append(row)
+    traces = {}
+    for s in sessions:
+        harness_log = ""
+        if (
+            places.harness_logs is not None
+            and (path := places.harness_logs / f"{s.session_id}.log").is_file()
+        ):
+            harness_log = path.read_bytes()[-budget:].decode("utf-8", "replace")
+        traces[s.session_id] = session_trace(
+            by_session[s.session_id], harness_log, s.eval_output[-2000:], budget
+        )
+    return traces
