@@ -362,6 +362,15 @@ def _register_service() -> None:
 _register_service()
 
 
+def _register_dashboard() -> None:
+    from polar_mitm.dashboard.cli import dashboard_command
+
+    app.command("dashboard")(dashboard_command)  # the live web view of a run directory
+
+
+_register_dashboard()
+
+
 def _register_vllm() -> None:
     from polar_mitm.vllm.cli import vllm_app
 
