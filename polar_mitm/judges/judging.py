@@ -125,37 +125,57 @@ async def _judge_all(
             ]  # type: ignore[arg-type]
             work += [(task, call) for call in mode.calls(task.prompt, task.judge, seen)]  # type: ignore[arg-type]
         by_id = {s.session_id: s for s in judged}
-        answers = await asyncio.gather(*(_answer(client, task, call, options, places) for task, call in work))
+        answers = _Answers(client, places.cache)
+        results = await asyncio.gather(
+            *(_answer(answers, task, call, options, places) for task, call in work)
+        )
         counts.calls = client.calls
     errors = []
-    for (task, call), (status, scores, error, key) in zip(work, answers, strict=True):
+    for (task, call), (status, scores, error, key) in zip(work, results, strict=True):
         errors += [error] if error else []
         for session_id in call.sessions:
             _apply(by_id[session_id], task, status, scores.get(session_id), error, key, places, counts)
     return errors
 
 
+def content_key(options: JudgeOptions, mode: str, call: JudgeCall) -> str:
+    """The cache key of a call: a hash of what is judged and by whom (never of the prompt, whose fence is random)."""
+    content = {"model": options.judge_model, "mode": mode, "judged": call.content}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class _Answers:
+    """Answer texts by content key: the cache's, else one judge call per key however many calls share it (two
+    sessions of a group that did the same thing are judged once)."""
+
+    def __init__(self, client: JudgeClient, cache: Path) -> None:
+        self.client, self.cache = client, cache
+        self.pending: dict[str, asyncio.Future[str]] = {}
+
+    async def text(self, key: str, messages: list[dict[str, str]]) -> tuple[str, str]:
+        """(judged | cached, the answer text); JudgeUnavailable when the judge gave none."""
+        if (cached := stored.cached_answer(self.cache, key)) is not None:
+            return "cached", str(cached["answer"])
+        if key in self.pending:
+            return "cached", await self.pending[key]
+        self.pending[key] = asyncio.ensure_future(self.client.complete(messages))
+        return "judged", await self.pending[key]
+
+
 async def _answer(
-    client: JudgeClient, task: Task, call: JudgeCall, options: JudgeOptions, places: JudgePlaces
+    answers: _Answers, task: Task, call: JudgeCall, options: JudgeOptions, places: JudgePlaces
 ) -> tuple[str, dict[str, tuple[float, float, str]], str, str]:
     """One call's (status, scores by session, error, cache key), from the cache or the judge; its file written."""
     mode = MODES[task.judge.mode]  # type: ignore[union-attr]
-    content = {"model": options.judge_model, "mode": mode.name, "judged": call.content}
-    key = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
-    cached = stored.cached_answer(places.cache, key)
-    status, answer, error, scores = "cached", "", "", {}
+    key = content_key(options, mode.name, call)
+    status, answer, error, scores = "failed", "", "", {}
     try:
-        if cached is not None:
-            answer = cached["answer"]
-        else:
-            status = "judged"
-            answer = await client.complete(call.messages)
+        status, answer = await answers.text(key, call.messages)
         scores = mode.scores(call, task.judge, json_answer(answer))  # type: ignore[arg-type]
+        stored.cache_answer(places.cache, key, {"answer": answer})  # only an answer that parsed
     except (JudgeUnavailable, JudgeAnswerError) as exc:
         status, error = "failed", str(exc)
         log.warning("judge call for %s failed: %s", ", ".join(call.sessions), error)
-    if status == "judged":
-        stored.cache_answer(places.cache, key, {"answer": answer})
     stored.write_call(
         places.judgments,
         key,
