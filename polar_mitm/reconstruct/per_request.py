@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns
+from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, version_columns
 from polar_mitm.storage.merged import MergedSequence
 
 BUILDER_NAME = "per_request"
@@ -40,11 +40,10 @@ def sequence_of_turn(turn: TurnRecord, builder: str = BUILDER_NAME) -> MergedSeq
         request_ids=[turn.request_id],
         n_turns=1,
         builder=builder,
-        weight_version_min=turn.weight_version,
-        weight_version_max=turn.weight_version,
         finish_reason=turn.finish_reason,
         turn_starts=[n_prompt],
         **sampling_columns([turn]),
+        **version_columns([turn], [n_prompt]),
     )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from polar_mitm.reconstruct.compaction_label import COMPACTION, new_chain_reason, pending_after
-from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, weight_version_range
+from polar_mitm.reconstruct.turns import BuildResult, TurnRecord, sampling_columns, version_columns
 from polar_mitm.storage.merged import MergedSequence
 
 BUILDER_NAME = "prefix_merging"
@@ -242,7 +242,6 @@ def assemble(
         loss_mask[pos : pos + n_sampled] = 1
         logprobs[pos : pos + n_sampled] = turn.completion_logprobs
         pos += n_sampled
-    low, high = weight_version_range(t.weight_version for t in turns)
     first = turns[0]
     return MergedSequence(
         sequence_id=f"{first.session_id}:{first.request_id}",
@@ -255,11 +254,10 @@ def assemble(
         request_ids=[t.request_id for t in turns],
         n_turns=len(turns),
         builder=builder,
-        weight_version_min=low,
-        weight_version_max=high,
         finish_reason=turns[-1].finish_reason,
         turn_starts=starts,
         **sampling_columns(turns),
+        **version_columns(turns, starts),
         extra={"sampled_starts": starts},
     )
 

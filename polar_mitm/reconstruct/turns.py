@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from polar_mitm.storage.merged import (
     SAMPLING_FIELDS,
     MergedSequence,
 )
+from polar_mitm.storage.records import version_spans_of
 
 # Why a record was left out of every sequence; merge reports these counts.
 EXCLUDED_ERROR = "error"
@@ -67,6 +69,13 @@ class TurnRecord:
     constrained: bool | None = (
         None  # output was grammar-constrained (record `output_constraint`; None before v3)
     )
+    # (start in completion_ids, weight version) per span of sampled tokens (record `version_spans`, schema v4);
+    # None before v4: one span of `weight_version`.
+    version_spans: tuple[tuple[int, str | None], ...] | None = None
+
+    def spans(self) -> list[tuple[int, str | None]]:
+        """The turn's (start in completion_ids, version) spans: one of `weight_version` for older records."""
+        return list(self.version_spans) if self.version_spans else [(0, self.weight_version)]
 
     def sort_key(self) -> tuple[int, int, str, int]:
         return (self.seq, self.started_at, self.request_id, self.position)
@@ -184,6 +193,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     spliced = table.column("spliced_turns").to_pylist() if "spliced_turns" in names else [None] * n
     kinds = strings("call_kind")
     constraints = table.column("output_constraint").to_pylist() if "output_constraint" in names else None
+    spans = table.column("version_spans").to_pylist() if "version_spans" in names else [None] * n
     return [
         TurnRecord(
             request_id=request_ids[i],
@@ -202,6 +212,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
             new_chain=spliced[i] == 0,
             call_kind=kinds[i],
             constrained=None if constraints is None else constraints[i] is not None,
+            version_spans=tuple(version_spans_of(spans[i], versions[i])) if spans[i] else None,
         )
         for i in range(n)
     ]
@@ -212,6 +223,27 @@ def sampling_columns(turns: Sequence[TurnRecord]) -> dict[str, list]:
     columns = {column: [getattr(t, name) for t in turns] for name, column in SAMPLING_FIELDS.items()}
     columns["turn_constrained"] = [t.constrained for t in turns]
     return columns
+
+
+def version_columns(turns: Sequence[TurnRecord], sampled_starts: Sequence[int]) -> dict[str, Any]:
+    """The merged version columns of a sequence built from `turns` whose sampled ids begin at `sampled_starts` in
+    input_ids (MERGED_SCHEMA v4): each span's absolute start and version, and the (min, max) over all spans."""
+    starts: list[int] = []
+    versions: list[str | None] = []
+    for turn, at in zip(turns, sampled_starts, strict=True):
+        n_sampled = 0 if turn.completion_ids is None else len(turn.completion_ids)
+        for k, (start, version) in enumerate(turn.spans()):
+            if k and not 0 < start < n_sampled:  # an empty span (a push after the last token) holds no token
+                continue
+            starts.append(at + (start if k else 0))
+            versions.append(version)
+    low, high = weight_version_range(versions)
+    return {
+        "span_starts": starts,
+        "span_versions": versions,
+        "weight_version_min": low,
+        "weight_version_max": high,
+    }
 
 
 # -- merged sequences ⇄ Arrow ------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ MERGED_METADATA = (
     "turn_min_p",
     "turn_greedy",
     "turn_constrained",
+    "span_starts",
+    "span_versions",
 )
 
 

@@ -38,7 +38,10 @@ from polar_mitm.storage.location import InputNotFound, Location, StorageError, o
 # v2: per-turn sampling parameters (turn_starts, turn_temperature, turn_top_p, turn_top_k, turn_min_p, turn_greedy).
 # v1 files read with those columns null. v3: turn_constrained (the call's output was grammar-constrained: its recorded
 # logprobs are of the constrained, renormalised distribution); v2 files read it null.
-MERGED_SCHEMA_VERSION = 3
+# v4: span_starts + span_versions (the weight version of each contiguous span of sampled tokens, from the records'
+# version_spans: a push may land between two tokens of a call); older files read null, which means one span from
+# prompt_len of weight_version_min (`MergedSequence.version_spans`).
+MERGED_SCHEMA_VERSION = 4
 
 MERGED_SCHEMA = pa.schema(
     [
@@ -66,6 +69,10 @@ MERGED_SCHEMA = pa.schema(
         pa.field("turn_min_p", pa.list_(pa.float32())),
         pa.field("turn_greedy", pa.list_(pa.bool_())),
         pa.field("turn_constrained", pa.list_(pa.bool_())),
+        # v4 — per span of sampled tokens under one weight version: where it starts in input_ids (increasing, the
+        # first at or before the first sampled token) and the version; a span runs to the next span's start.
+        pa.field("span_starts", pa.list_(pa.int32())),
+        pa.field("span_versions", pa.list_(pa.string())),
     ],
     metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)},
 )
@@ -94,12 +101,21 @@ class MergedSequence:
     turn_min_p: list[float | None] | None = None
     turn_greedy: list[bool | None] | None = None
     turn_constrained: list[bool | None] | None = None
+    span_starts: list[int] | None = None
+    span_versions: list[str | None] | None = None
     schema_version: int = MERGED_SCHEMA_VERSION
     extra: dict = field(default_factory=dict, repr=False)  # not persisted
 
     def to_row(self) -> dict:
         row = {f: getattr(self, f) for f in MERGED_SCHEMA.names}
         return row
+
+    def version_spans(self) -> list[tuple[int, str | None]]:
+        """(start in input_ids, weight version) per span of sampled tokens; a sequence merged before v4 is one
+        span from `prompt_len` of `weight_version_min` (the oldest version any of its calls reported)."""
+        if self.span_starts is None or self.span_versions is None or len(self.span_starts) == 0:
+            return [(self.prompt_len, self.weight_version_min)]
+        return [(int(s), v) for s, v in zip(self.span_starts, self.span_versions, strict=True)]
 
 
 # The sampling parameters a record carries (records.RECORD_SCHEMA v2) and their per-turn merged columns.
@@ -152,6 +168,14 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
             values = getattr(seq, name)
             if values is not None and len(values) != len(starts):
                 raise MergedDataError(f"{at}: {name} has {len(values)} values for {len(starts)} turns")
+    if seq.span_starts is not None:
+        spans = [int(s) for s in seq.span_starts]
+        if seq.span_versions is None or len(seq.span_versions) != len(spans):
+            raise MergedDataError(f"{at}: span_starts and span_versions differ in length")
+        if any(b <= a for a, b in zip(spans, spans[1:], strict=False)) or not all(
+            seq.prompt_len <= s < n for s in spans
+        ):
+            raise MergedDataError(f"{at}: span_starts {spans[:8]} not increasing within [prompt_len, {n})")
     sampled = mask == 1
     bad_logprob = np.flatnonzero(sampled & ~(np.isfinite(logprobs) & (logprobs <= 1e-6)))
     if bad_logprob.size:

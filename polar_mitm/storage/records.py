@@ -40,7 +40,13 @@ log = logging.getLogger(__name__)
 # v2: sampling parameters used (temperature, top_p, top_k, min_p, greedy) and the prompt mode
 # (prompt_mode, spliced_turns, splice_reason). v1 files read with those columns null.
 # v3: call_kind (main|side|compaction) and output_constraint (json_schema|json_object|…); older files read null.
-RECORD_SCHEMA_VERSION = 3
+# v4: version_spans (the weight version of each contiguous span of sampled tokens: a push may land mid-call);
+# older files read null, which means one span at 0 of the record's weight_version (`version_spans_of`).
+RECORD_SCHEMA_VERSION = 4
+
+# One span of sampled tokens under one weight version: `start` indexes completion_ids; the span runs to the next
+# span's start (or the end).
+VERSION_SPAN_TYPE = pa.struct([pa.field("start", pa.int32()), pa.field("version", pa.string())])
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -96,6 +102,9 @@ RECORD_SCHEMA = pa.schema(
         # v3 — the engine decoded under a grammar (structured output): json_schema | json_object. Its logprobs are
         # of the masked distribution, not the model's own: training should leave such calls out (engine/constraints.py)
         pa.field("output_constraint", pa.string()),
+        # v4 — the weight version per contiguous span of completion_ids, in order, the first at 0 (null: one span,
+        # `weight_version`). The engine swapped weights between two tokens of the call where there are several.
+        pa.field("version_spans", pa.list_(VERSION_SPAN_TYPE)),
     ],
     metadata={"polar_mitm.record_schema_version": str(RECORD_SCHEMA_VERSION)},
 )
@@ -142,6 +151,7 @@ class Record:
     splice_reason: str | None = None
     call_kind: str | None = None
     output_constraint: str | None = None
+    version_spans: list[dict[str, Any]] | None = None  # [{"start": int, "version": str | None}, ...]
     schema_version: int = RECORD_SCHEMA_VERSION
 
     def to_journal(self) -> dict[str, Any]:
@@ -155,6 +165,21 @@ class Record:
     def from_row(cls, row: dict[str, Any]) -> Record:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in names})
+
+
+def version_spans_of(
+    spans: Sequence[dict[str, Any]] | None, weight_version: str | None
+) -> list[tuple[int, str | None]]:
+    """A record's (start, version) spans over its completion_ids; a record without spans (schema < 4, or an engine
+    that reports none) is one span at 0 of its `weight_version`."""
+    if not spans:
+        return [(0, weight_version)]
+    return [(int(span["start"]), span.get("version")) for span in spans]
+
+
+def spans_from_pairs(pairs: Sequence[tuple[int, str | None]]) -> list[dict[str, Any]] | None:
+    """(start, version) pairs as the record's `version_spans` value (None for none)."""
+    return [{"start": int(start), "version": version} for start, version in pairs] or None
 
 
 def to_micros(ts: datetime) -> int:
@@ -175,6 +200,13 @@ def _fits(given: pa.DataType, wanted: pa.DataType) -> bool:
         return True
     if pa.types.is_list(wanted):
         return pa.types.is_list(given) and _fits(given.value_type, wanted.value_type)
+    if pa.types.is_struct(wanted):
+        if not pa.types.is_struct(given):
+            return False
+        have = {given.field(i).name: given.field(i).type for i in range(given.num_fields)}
+        return set(have) <= {f.name for f in wanted} and all(
+            _fits(have.get(f.name, pa.null()), f.type) for f in wanted
+        )
     if pa.types.is_integer(wanted) or pa.types.is_timestamp(wanted):  # timestamps are epoch microseconds
         return pa.types.is_integer(given)
     if pa.types.is_floating(wanted):
@@ -289,6 +321,7 @@ OPTIONAL_COLUMNS = (
     "spliced_turns",
     "call_kind",
     "output_constraint",
+    "version_spans",
 )
 
 
