@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -119,11 +120,12 @@ def test_a_rollout_grades_each_session_on_what_its_harness_answered(tmp_path):
     answer, a wrong number, nothing — graded 1.0, 0.5, 0.0, 0.0 on each task from the harness's own output."""
     split = generate(["add"], 2, 1, seed=0)
     train, _ = write_split(split, tmp_path / "tasks")
-    answerer = tmp_path / "answer.py"
-    answerer.write_text(ANSWERER)
+    # The program goes in its command line (braces doubled for the template): the session's sandbox shows it
+    # nothing of this test's folder.
+    program = shlex.quote(ANSWERER.replace("{", "{{").replace("}", "}}"))
     rollout = Rollout(
         load_tasks(train),
-        HarnessSpec(f"cmd:{sys.executable} {answerer} {{prompt}} {{index}}"),
+        HarnessSpec(f"cmd:{sys.executable} -c {program} {{prompt}} {{index}}"),
         GatewayEndpoints("http://127.0.0.1:9"),  # the harness calls no model
         RolloutConfig(group_size=4, concurrency=4, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"),
     )
@@ -164,6 +166,8 @@ def rollout_rewards(tasks: Path, harness: str, tmp_path: Path, name: str) -> lis
             concurrency=4,
             workspace_root=tmp_path / name / "ws",
             log_dir=tmp_path / name / "logs",
+            # Unconfined: the check must survive an agent that reaches the task folder even without a sandbox.
+            sandbox="none",
         ),
     )
     return sorted((s.task.task_id, s.index, s.reward) for s in asyncio.run(rollout.run()).sessions)
