@@ -1,5 +1,5 @@
-"""Real harnesses through `polar-mitm rollout --sandbox bwrap` (issue 41): the SDK agent and the unmodified Pi CLI
-(proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel) finish the scripted shell session in their
+"""Real harnesses through `polar-mitm rollout --sandbox bwrap` (issue 41): the SDK agent and the six unmodified npm
+CLIs (proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel) finish the scripted shell session in their
 sandboxed workspace, the evaluation runs in the same sandbox and passes, and every sampled token is still trained in
 the exact context it was sampled in (100% context-exact, as tests/harness/test_harnesses.py checks unsandboxed)."""
 
@@ -31,11 +31,16 @@ def policy(harness: str) -> dict:
     return {"turns": [*calls, FINAL]}
 
 
+NPM_PRESETS = ["pi", "claude-code", "codex", "gemini", "qwen", "opencode"]
+
+
 @pytest.mark.parametrize(
-    "harness", ["sdk:openai_chat", pytest.param("pi", marks=pytest.mark.slow)], ids=["sdk", "pi"]
+    "harness",
+    ["sdk:openai_chat", *(pytest.param(name, marks=pytest.mark.slow) for name in NPM_PRESETS)],
+    ids=["sdk", *NPM_PRESETS],
 )
 def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(harness, tmp_path: Path, tiny_engine):
-    if harness == "pi" and shutil.which("node") is None:
+    if harness in NPM_PRESETS and shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the Pi CLI needs it")
     script = tmp_path / "policy.json"
     script.write_text(json.dumps(policy(harness)))
