@@ -215,6 +215,10 @@ def checked_loop(cfg: LoopConfig):
         tasks += load_inputs(cfg.eval_tasks, cfg.harness)[0]
     if (problem := judge_problem(tasks, cfg.judge_options())) is not None:  # polar_mitm/judges/
         raise fail(problem)
+    if (cfg.ray_address or cfg.service_url) and any(task.judge is not None for task in tasks):
+        raise fail(
+            "tasks with a judge are judged on the loop's own rollouts only, not with --ray or --service yet"
+        )
     if cfg.engine_url is not None:  # before the run starts: every session would score 0.0
         try:
             router.check_answering(cfg.engine_url)

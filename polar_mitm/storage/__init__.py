@@ -12,4 +12,5 @@ Each contract keeps its schema, typed row, validation, writer and reader togethe
 - `merged`: the merged sequence (MERGED_SCHEMA, `MergedSequence`, its checks) and the merged store's shards.
 - `rewards`: a rollout's rewards file (REWARDS_SCHEMA, `RewardRow`), its writer, and the rewards merge joins.
 - `engine_info`: `_engine.json`, the description of the engine the records came from.
+- `judgments`: what an LLM judge said about a rollout's sessions (per session, per call), and its answer cache.
 """

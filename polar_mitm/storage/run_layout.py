@@ -5,12 +5,14 @@
     RUN/events.jsonl              what happened when (stages begun and ended, skips, resumes)
     RUN/trainer-state/            the optimizer, LR schedule and run state carried across iterations
                   run_state.json  how many trainings, the policy's weight version
+    RUN/judge-cache/              the judge's answers by judged content, shared by the run's rollouts
     RUN/eval-start/               --eval-start's evaluation of the starting weights
     RUN/iter-K/state.json         iteration K's stage markers
     RUN/iter-K/sessions.jsonl     its finished sessions, as they finish
     RUN/iter-K/flows/             its records (gw-K/ per gateway, node-*/ per Ray node)
     RUN/iter-K/merged/            its merged sequences
     RUN/iter-K/rewards.parquet    its rewards
+    RUN/iter-K/judgments/         with judged tasks: what the judge said (storage/judgments.py)
     RUN/iter-K/service_results.jsonl  with --service: the SessionResults the service answered (no flows/ then)
     RUN/iter-K/train/             its training: checkpoint, metrics.jsonl, skipped.json, engine-weights/
 
