@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import shutil
-import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -32,11 +30,10 @@ import pyarrow as pa
 
 from polar_mitm.config_options import option, python_only
 from polar_mitm.processes import children
-from polar_mitm.rollout import session_cgroup
+from polar_mitm.rollout import session_cgroup, session_sandbox
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
-from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, UNCONFINED_WARNING, SessionBox, get_sandbox
+from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, SessionBox, get_sandbox
 from polar_mitm.sandbox.mounts import Mount
-from polar_mitm.sandbox.tunnel import gateway_ports
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
 from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.tasks.task_file import Task
@@ -232,7 +229,7 @@ class Rollout:
             config.sandbox, config.image
         )  # unusable: SandboxUnavailable, before any session
         if not self.sandbox.confines:
-            _warn_unconfined()
+            session_sandbox.warn_unconfined()
         self.started = time.monotonic()
         self.sessions = [
             SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
@@ -315,7 +312,7 @@ class Rollout:
                     stdout=log or asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=self._preexec(box, group),
+                    preexec_fn=session_sandbox.preexec(self.sandbox, box, group),
                 )
                 try:
                     s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
@@ -342,33 +339,7 @@ class Rollout:
             s.status = "cut"
 
     def _box(self, s: SessionRun, env: dict[str, str], gateway: GatewayEndpoints | None = None) -> SessionBox:
-        """The session's sandbox: its workspace (at a Harbor task's workdir when it has one), the HOME its harness
-        was given (a preset's prepared folder), the gateway's CA bundle and ports; no gateway: no network."""
-        harbor = s.task.harbor
-        readable = [gateway.ca_bundle] if gateway is not None and gateway.ca_bundle else []
-        return SessionBox(
-            workspace=s.workspace,  # type: ignore[arg-type]
-            workspace_inside=Path(harbor.workdir) if harbor is not None and self.sandbox.confines else None,
-            home=Path(env["HOME"]) if "HOME" in env else None,
-            readable=[Path(p).resolve() for p in readable],
-            ports=gateway_ports(gateway.reverse_url, gateway.proxy_url) if gateway is not None else [],
-            limits=s.task.limits,
-        )
-
-    def _preexec(self, box: SessionBox, group: session_cgroup.SessionCgroup | None) -> Callable[[], None]:
-        """Between fork and exec of a sandboxed process: join the session's (limited) cgroup, set its rlimits."""
-        join = group.preexec() if group is not None else None
-        if group is not None and self.sandbox.confines:
-            group.limit(box.limits.memory_mb * 1024 * 1024, box.limits.pids)
-        rlimits = box.limits.preexec() if self.sandbox.confines else None
-
-        def before_exec() -> None:
-            if join is not None:
-                join()
-            if rlimits is not None:
-                rlimits()
-
-        return before_exec
+        return session_sandbox.session_box(self.sandbox, s.task, s.workspace, env, gateway)  # type: ignore[arg-type]
 
     async def _post(self, s: SessionRun) -> None:
         s.stage = "post"
@@ -399,7 +370,7 @@ class Rollout:
             )  # type: ignore[arg-type]
         box = self._box(s, {})
         box.readable += [Path(env[HARNESS_OUTPUT_ENV])] if HARNESS_OUTPUT_ENV in env else []
-        box.readable += _grading_paths(s.task)
+        box.readable += session_sandbox.grading_paths(s.task)
         argv, inner = self.sandbox.wrap(box, ["bash", "-c", s.task.eval_command], env, s.workspace)  # type: ignore[arg-type]
         return await run_argv(argv, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
 
@@ -593,29 +564,6 @@ class Rollout:
         busy = sum(end - start for start, end in spans)
         window = max(end for _, end in spans) - min(start for start, _ in spans)
         return busy / (self.config.concurrency * window) if window > 0 else 1.0
-
-
-def _grading_paths(task: Task) -> list[Path]:
-    """What a task's own grader reads beside the workspace, shown read-only to its evaluation: a SWE task's grading
-    spec and its venv (tasks/swe.py; the agent never sees them, its sandbox had neither)."""
-    spec = (task.meta.get("swe") or {}).get("spec")
-    if not spec:
-        return []
-    try:
-        env_dir = json.loads(Path(spec).read_text()).get("env_dir")
-    except (OSError, ValueError, AttributeError):
-        env_dir = None
-    return [Path(spec), *([Path(env_dir)] if env_dir else [])]
-
-
-_warned: list[bool] = []
-
-
-def _warn_unconfined() -> None:
-    """`--sandbox none`, said once per process on stderr."""
-    if not _warned:
-        _warned.append(True)
-        print(UNCONFINED_WARNING, file=sys.stderr)
 
 
 def write_rewards(summary: RolloutSummary, path: Path) -> None:

@@ -1,0 +1,83 @@
+"""What the runner tells a session's sandbox (polar_mitm/sandbox): the box of one session and its process setup.
+
+Kept beside the runner, not in it: which host paths a session and its grader may see is a policy of its own (the
+workspace at a Harbor task's workdir, a preset's prepared HOME, the gateway's CA bundle and ports, a SWE task's
+grading spec and venv for its evaluation only), and so is the order of what happens between fork and exec.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from polar_mitm.rollout import session_cgroup
+from polar_mitm.rollout.harness_spec import GatewayEndpoints
+from polar_mitm.sandbox import UNCONFINED_WARNING, Sandbox, SessionBox
+from polar_mitm.sandbox.limits import MIB
+from polar_mitm.sandbox.tunnel import gateway_ports
+from polar_mitm.tasks.task_file import Task
+
+
+def session_box(
+    sandbox: Sandbox,
+    task: Task,
+    workspace: Path,
+    env: dict[str, str],
+    gateway: GatewayEndpoints | None = None,
+) -> SessionBox:
+    """The session's sandbox: its workspace (at a Harbor task's workdir when it has one), the HOME its harness
+    was given (a preset's prepared folder), the gateway's CA bundle and ports; no gateway: no network."""
+    harbor = task.harbor
+    readable = [gateway.ca_bundle] if gateway is not None and gateway.ca_bundle else []
+    return SessionBox(
+        workspace=workspace,
+        workspace_inside=Path(harbor.workdir) if harbor is not None and sandbox.confines else None,
+        home=Path(env["HOME"]) if "HOME" in env else None,
+        readable=[Path(p).resolve() for p in readable],
+        ports=gateway_ports(gateway.reverse_url, gateway.proxy_url) if gateway is not None else [],
+        limits=task.limits,
+    )
+
+
+def preexec(
+    sandbox: Sandbox, box: SessionBox, group: session_cgroup.SessionCgroup | None
+) -> Callable[[], None]:
+    """Between fork and exec of a session's process: join its cgroup (limited first, here in the parent, when the
+    session is sandboxed), then lower its rlimits."""
+    join = group.preexec() if group is not None else None
+    if group is not None and sandbox.confines:
+        group.limit(box.limits.memory_mb * MIB, box.limits.pids)
+    rlimits = box.limits.preexec() if sandbox.confines else None
+
+    def before_exec() -> None:
+        if join is not None:
+            join()
+        if rlimits is not None:
+            rlimits()
+
+    return before_exec
+
+
+def grading_paths(task: Task) -> list[Path]:
+    """What a task's own grader reads beside the workspace, shown read-only to its evaluation: a SWE task's grading
+    spec and its venv (tasks/swe.py; the agent never sees them, its sandbox had neither)."""
+    spec = (task.meta.get("swe") or {}).get("spec")
+    if not spec:
+        return []
+    try:
+        env_dir = json.loads(Path(spec).read_text()).get("env_dir")
+    except (OSError, ValueError, AttributeError):
+        env_dir = None
+    return [Path(spec), *([Path(env_dir)] if env_dir else [])]
+
+
+_warned: list[bool] = []
+
+
+def warn_unconfined() -> None:
+    """`--sandbox none`, said once per process on stderr."""
+    if not _warned:
+        _warned.append(True)
+        print(UNCONFINED_WARNING, file=sys.stderr)
