@@ -119,6 +119,7 @@ def overlapped_run(tmp_path_factory) -> Path:
         overlap=OVERLAP,
         # Every iteration trains (one step each), flat or not: the weight versions count iterations.
         grpo={"keep_zero_advantage_groups": True},
+        sandbox="none",  # the gated tool call waits for files this test writes beside the workspaces
     )
 
     def after(stats) -> None:
