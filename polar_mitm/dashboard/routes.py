@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
@@ -123,7 +124,7 @@ def dashboard_app(run_dir: Path, *, token: str | None = None, feed: ChangeFeed |
         row = index.find(session_id)
         stage = stage_named(run_dir, row["stage"]) if row else None
         if row is None or stage is None:
-            return {"error": f"no session {session_id}"}
+            raise HTTPException(404, f"no session {session_id}")
         return calls.session_view(stage, row)
 
     async def page(request: Request) -> Response:

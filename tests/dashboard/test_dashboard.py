@@ -256,6 +256,10 @@ def test_discarded_lists_the_held_out_and_flat_sessions(finished_run, dashboard)
     assert {r["reason"] for r in rows} <= {"held-out", "flat group", "training skipped", "not merged"}
 
 
+def test_an_unknown_session_is_404(finished_run, dashboard):
+    assert get(f"{dashboard}/api/session/no-such-session")[0] == 404
+
+
 def test_only_get_is_answered(finished_run, dashboard):
     request = urllib.request.Request(f"{dashboard}/api/overview", method="POST", data=b"{}")
     with pytest.raises(urllib.error.HTTPError) as refused:

@@ -172,7 +172,6 @@ function tokenViewer(seq, id) {
 
 pages.session = async id => {
   const data = await api(`/api/session/${encodeURIComponent(id)}`);
-  if (data.error) return [h("p", { class: "error" }, data.error)];
   const r = data.session;
   const out = [h("p", {}, h("a", { href: "#/sessions" }, "← sessions")), h("h2", {}, `Session ${r.session_id}`),
     facts([["stage", r.stage], ["task", r.task_id], ["harness", r.harness], ["status", r.status], ["reward", fmt.num(r.reward)], ["calls", r.calls], ["finish reason (last call)", r.finish_reason], ["weight versions", r.weight_versions], ["init / run / eval", `${fmt.secs(r.init_seconds)} / ${fmt.secs(r.run_seconds)} / ${fmt.secs(r.eval_seconds)}`]])];
