@@ -200,6 +200,9 @@ def _training_row(
         # The oldest weights any of its turns was sampled with: how stale the sequence is, at worst.
         "weight_version": seq.weight_version_min,
         "weight_version_max": seq.weight_version_max,
+        # Each span of sampled tokens under one weight version (start in input_ids): staleness per token.
+        "span_starts": [start for start, _ in seq.version_spans()],
+        "span_versions": [version for _, version in seq.version_spans()],
         "turn_starts": [t.start for t in turns],
         "turn_temperatures": [t.temperature for t in turns],
         "session_weight": 1.0,

@@ -360,6 +360,14 @@ class PolarGRPOConfig(GRPOConfig):
             "`none`: the behaviour logprobs anchor every rollout (plain clipped ratio)."
         },
     )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Mask sampled tokens more than K weight versions older than the weights being trained (each "
+            "token's own version: a call may span a push); counted as staleness/masked_tokens. Default: none "
+            "masked."
+        },
+    )
     stale_is_clip_max: float = field(
         default=2.0,
         metadata={"help": "Upper bound C of the stale-rollout importance weight."},

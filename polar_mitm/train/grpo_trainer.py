@@ -172,6 +172,8 @@ class PolarGRPOTrainer(
         loss_mask, advantages = batch["loss_mask"], batch["advantages"]
         prompt_lens = [int(row["prompt_len"]) for row in inputs]
 
+        staleness = self._token_staleness(inputs, loss_mask.size(1), device)
+        loss_mask = self._mask_too_stale(loss_mask, staleness, mode)
         logp_diff = self._behaviour_check_values(inputs, device)
         if self.args.drop_mismatched_rows:
             # Rows whose recorded logprobs do not match the weights that sampled them leave the loss.
@@ -179,7 +181,6 @@ class PolarGRPOTrainer(
         if self.loss_type in PER_SEQUENCE_LOSSES and self.args.session_weighting:
             # TRL's clipped objective is linear in A, so weighting A weights the sequence's loss (sign kept).
             advantages = advantages * batch["session_weight"]
-        staleness = self._row_staleness(inputs, device)
         ref_per_token_logps = None
         with (
             torch.no_grad(),

@@ -49,7 +49,8 @@ class TrainerMetricsMixin:
         real = ~batch["placeholder"]  # a placeholder stands in only where a process got no row: no data
         loss_mask = batch["loss_mask"]
         rewards = self._gather_values(batch["rewards"][real])
-        stale_values = self._gather_values(staleness[real])
+        # per sampled token (a row's tokens may come from several weight versions)
+        stale_values = self._gather_values(staleness[real][loss_mask[real].bool()])
         sampled = self._gather_values(loss_mask[real].sum(-1))
         real_tokens, computed = plan.grid()
         local = [float(real_tokens), float(computed), float(real.sum()), float(loss_mask[real].sum())]
@@ -63,9 +64,10 @@ class TrainerMetricsMixin:
         metrics["reward"].append(rewards.mean().item())
         metrics["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
         self._log_advantages(metrics, batch, rows)
-        metrics["staleness/mean"].append(stale_values.mean().item())
-        metrics["staleness/max"].append(stale_values.max().item())
-        metrics["staleness/frac_stale"].append((stale_values > 0).float().mean().item())
+        if stale_values.numel():
+            metrics["staleness/mean"].append(stale_values.float().mean().item())
+            metrics["staleness/max"].append(stale_values.max().item())
+            metrics["staleness/frac_stale"].append((stale_values > 0).float().mean().item())
         metrics["completions/mean_sampled_tokens"].append(sampled.mean().item())
         metrics["batch/groups"].append(float(len(set(gather_object(sorted(groups))))))
         metrics["batch/rows"].append(totals[2])
