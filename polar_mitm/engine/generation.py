@@ -3,6 +3,11 @@
 Logprobs are `log_softmax(logits / temperature)` at the sampled token, before top-p/top-k/min-p truncation, as in
 SGLang, so a trainer that recomputes them at the same temperature gets the same numbers. The sampled ids include
 the EOS/stop token that ended generation; only the text is trimmed.
+
+A weight push lands between two tokens of a running generation (`update_weights_from_disk`): the new weights are
+loaded off the generation lock and handed over; the generation swaps them in at its next token boundary, re-prefills
+its context (prompt + tokens so far) under them, so every later token's logprob is exactly the new weights', and
+starts a new version span (`Generation.version_spans`). Without a running generation the push swaps at once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class TokenStep:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[float, int]]
+    weight_version: str | None = None  # the weights that sampled it
 
 
 @dataclass
@@ -57,6 +63,14 @@ class Generation:
     constraint: str | None = (
         None  # json_schema | regex | ebnf when decoding was constrained (logprobs masked)
     )
+    # (index into output_ids, weight version) where each span of tokens under one version starts; a push that
+    # lands mid-generation adds one. `weight_version` is the first span's.
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """The version spans as JSON objects ({start, version}), one span of `weight_version` when none."""
+        spans = self.version_spans or [(0, self.weight_version)]
+        return [{"start": start, "version": version} for start, version in spans]
 
     def meta_info(self) -> dict:
         """SGLang's `meta_info` for this generation."""
@@ -67,6 +81,7 @@ class Generation:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
             "weight_version": self.weight_version,
+            "version_spans": self.spans(),
             "e2e_latency": self.queue_s + self.prefill_s + self.decode_s,
             "prefill_latency": self.prefill_s,
             "decode_latency": self.decode_s,
@@ -110,6 +125,10 @@ class Engine:
         self.weight_version = "0"
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
+        # A push's loaded weights and version, waiting for the next token boundary (or a free lock) to be swapped in.
+        self._pending: tuple[Any, str] | None = None
+        self._swapped = threading.Event()
+        self._push_lock = threading.Lock()  # one push at a time
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # used under the lock only
         self.grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
         self.script = None
@@ -141,17 +160,36 @@ class Engine:
     # -- weights -------------------------------------------------------------------------------------------------
 
     def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> str:
-        """Reload weights from a checkpoint directory (same architecture) and bump the weight version."""
+        """Load weights from a checkpoint directory (same architecture) and swap them in with a new weight version:
+        at once when no generation runs, else at the running generation's next token boundary (returns then)."""
         model = self._load_model(Path(model_path))
-        with self._lock:
-            self.model = model
-            self.prefix_cache.clear()  # those keys and values came from the old weights
-            self.weight_version = (
+        with self._push_lock:
+            version = (
                 str(weight_version)
                 if weight_version
                 else str(int(self.weight_version) + 1 if self.weight_version.isdigit() else 1)
             )
-        return self.weight_version
+            self._swapped.clear()
+            self._pending = (model, version)
+            while not self._swapped.is_set():
+                if self._lock.acquire(blocking=False):  # no generation holds it: swap now
+                    try:
+                        self._swap_pending()
+                    finally:
+                        self._lock.release()
+                    break
+                self._swapped.wait(0.01)  # the generation swaps at its next token, or ends and frees the lock
+        return version
+
+    def _swap_pending(self) -> bool:
+        """Swap in a pushed model, if one waits (caller holds the lock); True when it did."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        self.model, self.weight_version = pending
+        self.prefix_cache.clear()  # those keys and values came from the old weights
+        self._swapped.set()
+        return True
 
     # -- forward passes ------------------------------------------------------------------------------------------
 
@@ -239,7 +277,9 @@ class Engine:
         )
         queued = time.perf_counter()
         with self._lock:
+            self._swap_pending()
             gen.weight_version = self.weight_version
+            gen.version_spans.append((0, self.weight_version))
             t0 = time.perf_counter()
             gen.queue_s = t0 - queued
             if max_new <= 0:
@@ -265,12 +305,23 @@ class Engine:
                 if cancelled is not None and cancelled.is_set():
                     gen.finish_reason = {"type": "abort", "message": "client disconnected"}
                     break
+                if self._pending is not None and self._swap_pending():
+                    # A push landed between two tokens: the rest is sampled by the new weights, from their own
+                    # keys and values of the whole context.
+                    cache = self._new_cache()
+                    logits = self._prefill(prompt_ids + gen.output_ids, cache)
+                    if gen.output_ids:
+                        gen.version_spans.append((len(gen.output_ids), self.weight_version))
+                    else:  # before the first token: the whole generation is the new weights'
+                        gen.version_spans[-1] = (0, self.weight_version)
+                        gen.weight_version = self.weight_version
                 forced_id = (
                     forced[len(gen.output_ids)] if forced and len(gen.output_ids) < len(forced) else None
                 )
                 if constraint is not None:  # SGLang's vocab mask: before temperature, so logprobs are masked
                     logits = constraint.apply(logits)
                 step = self._sample(logits, params, rng, top_logprobs_num, forced_id)
+                step.weight_version = self.weight_version
                 if constraint is not None:
                     constraint.advance(step.token_id)
                 gen.output_ids.append(step.token_id)

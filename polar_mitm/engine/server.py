@@ -422,9 +422,14 @@ class EngineServer:
                 if not deltas:
                     deltas = [{"content": ""}] if logprobs else []
                 for i, payload in enumerate(deltas):
-                    yield sse_event(
-                        chat.chunk(request_id, model, created, payload, logprobs=logprobs if i == 0 else None)
+                    event = chat.chunk(
+                        request_id, model, created, payload, logprobs=logprobs if i == 0 else None
                     )
+                    if self.stream_weight_version and i == 0:
+                        event["weight_version"] = (
+                            step.weight_version
+                        )  # this chunk's tokens' (a push may land)
+                    yield sse_event(event)
             yield SSE_DONE
         finally:
             cancelled.set()  # client gone or stream over: stop decoding
@@ -472,6 +477,7 @@ class EngineServer:
                 ext["output_ids"] = [gen.output_ids]
             if self.stream_weight_version:
                 ext["weight_version"] = gen.weight_version
+                ext["version_spans"] = gen.spans()  # where a push landed between two tokens
             yield sse_event(
                 {
                     "id": request_id,
@@ -566,6 +572,8 @@ class EngineServer:
                 partial.output_ids.append(item.token_id)
                 partial.output_logprobs.append(item.logprob)
                 partial.output_top_logprobs.append(item.top_logprobs)
+                if not partial.version_spans or partial.version_spans[-1][1] != item.weight_version:
+                    partial.version_spans.append((len(partial.output_ids) - 1, str(item.weight_version)))
                 text += decoder.push(item.token_id)
                 yield sse_event(result(partial, text, list(partial.output_ids), False))
             yield SSE_DONE

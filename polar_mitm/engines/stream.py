@@ -41,6 +41,10 @@ class StreamAssembler:
         self.input_ids: list[int] | None = None
         self.output_ids: list[int] | None = None
         self.weight_version: str | None = None
+        # Where each span of tokens under one weight version starts (a push may land mid-stream): the sglext
+        # chunk's `version_spans` when it has them, else gathered from each token chunk's `weight_version`.
+        self.version_spans: list[dict[str, Any]] | None = None
+        self._chunk_spans: list[dict[str, Any]] = []
         self.usage: dict[str, Any] = {}
         # SGLang's logprobs are after temperature; an engine that says otherwise does so in sglext's `meta`.
         self.engine_meta: dict[str, Any] = {"logprobs_temperature_scaled": True}
@@ -80,8 +84,15 @@ class StreamAssembler:
                 self.output_ids = _flat(ext["output_ids"])
             if ext.get("weight_version") is not None:
                 self.weight_version = str(ext["weight_version"])
+            if isinstance(ext.get("version_spans"), list):
+                self.version_spans = ext["version_spans"]
             if isinstance(ext.get("meta"), dict):
                 self.engine_meta.update(ext["meta"])
+        version = chunk.get("weight_version")  # this chunk's tokens' version (ours; `choices` not yet taken)
+        if version is not None and (
+            not self._chunk_spans or self._chunk_spans[-1]["version"] != str(version)
+        ):
+            self._chunk_spans.append({"start": len(self.logprobs), "version": str(version)})
         metadata = chunk.get("metadata")
         if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
             self.weight_version = str(metadata["weight_version"])
@@ -151,6 +162,9 @@ class StreamAssembler:
             "weight_version": self.weight_version,
             "streamed": True,
         }
+        spans = self.version_spans or self._chunk_spans
+        if spans:
+            meta["version_spans"] = spans
         cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if isinstance(cached, int):
             meta["cached_tokens"] = cached

@@ -54,12 +54,36 @@ def fill_record(
     record.completion_logprobs = completion.completion_logprobs
     record.prompt_tokens, record.completion_tokens = completion.prompt_tokens, completion.completion_tokens
     record.finish_reason, record.weight_version = completion.finish_reason, completion.weight_version
+    record.version_spans = version_spans(
+        completion.meta_info.get("version_spans"), len(completion.completion_ids)
+    )
     record.response_json = response
     record.engine_meta_json = completion.meta_json
     record.temperature, record.top_p = conv.sampling["temperature"], conv.sampling["top_p"]
     record.top_k, record.min_p = conv.sampling["top_k"], conv.sampling["min_p"]
     record.greedy = is_greedy(conv.sampling)
     record.status_code = status
+
+
+def version_spans(spans: Any, n_sampled: int) -> list[dict[str, Any]] | None:
+    """The engine's version spans (where a push landed between two sampled tokens) as the record's column: the
+    first at 0, starts increasing within the completion; None when the engine said none or said them wrong (the
+    record then reads as one span of its weight_version)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    kept: list[dict[str, Any]] = []
+    for span in spans:
+        if not isinstance(span, dict) or type(span.get("start")) is not int or span.get("version") is None:
+            return None
+        start = span["start"]
+        if (
+            (kept and start <= kept[-1]["start"])
+            or (not kept and start != 0)
+            or start > max(n_sampled - 1, 0)
+        ):
+            return None
+        kept.append({"start": start, "version": str(span["version"])})
+    return kept
 
 
 async def offload(fn, size: int, *args):
