@@ -89,6 +89,7 @@ class EngineStats:
     aborted: int = 0
     running: dict[str, int] = field(default_factory=dict)  # request id → tokens sampled so far
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # finished generations, newest last
+    tokens_by_version: dict[str, int] = field(default_factory=dict)  # sampled tokens per weight version
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +98,7 @@ class EngineStats:
             "aborted": self.aborted,
             "running": dict(self.running),
             "recent": list(self.recent),
+            "tokens_by_version": dict(self.tokens_by_version),
         }
 
 
@@ -137,6 +139,8 @@ class EngineServer:
 
             def counted(step: TokenStep) -> None:
                 stats.running[request_id] = stats.running.get(request_id, 0) + 1
+                version = str(step.weight_version)
+                stats.tokens_by_version[version] = stats.tokens_by_version.get(version, 0) + 1
                 if on_token is not None:
                     on_token(step)
 
