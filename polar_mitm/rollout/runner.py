@@ -32,7 +32,7 @@ from polar_mitm.config_options import option, python_only
 from polar_mitm.processes import children
 from polar_mitm.rollout import session_cgroup, session_sandbox
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
-from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, SessionBox, get_sandbox
+from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, SandboxUnavailable, SessionBox, get_sandbox
 from polar_mitm.sandbox.mounts import Mount
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
 from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
@@ -230,6 +230,13 @@ class Rollout:
         )  # unusable: SandboxUnavailable, before any session
         if not self.sandbox.confines:
             session_sandbox.warn_unconfined()
+            harbor = next((t.task_id for t in tasks if t.harbor is not None), None)
+            if (
+                harbor is not None
+            ):  # its verifier writes /logs and reads /tests: only a sandbox gives it its own
+                raise SandboxUnavailable(
+                    f"task {harbor!r} is a Harbor task: its verifier runs in the session's sandbox; drop --sandbox none"
+                )
         self.started = time.monotonic()
         self.sessions = [
             SessionRun(task=t, index=i, session_id=f"{t.task_id}-{i}-{uuid.uuid4().hex[:8]}")
@@ -345,7 +352,9 @@ class Rollout:
         s.stage = "post"
         self.on_update(self.sessions)
         start = time.monotonic()
-        if s.status == "ok":
+        if s.status == "ok" and s.task.harbor is not None:
+            await self._grade_harbor(s)
+        elif s.status == "ok":
             try:
                 code, out = await self._run_eval(s)
                 s.eval_output = out
@@ -360,6 +369,31 @@ class Rollout:
         elif s.status != "cut":
             s.reward = self.config.failure_reward  # partial records stay; the session still gets a reward
         s.spans["post"] = (start, time.monotonic())
+
+    async def _grade_harbor(self, s: SessionRun) -> None:
+        """A Harbor task's verifier (tasks/harbor_grading.py) in the session's sandbox once the agent is gone: its
+        tests placed only now at /tests, its reward read from a /logs of the session's own."""
+        from polar_mitm.tasks.harbor_grading import grade
+
+        assert s.task.harbor is not None and s.workspace is not None
+        grading = self._grading_dir(s)
+        shutil.rmtree(grading, ignore_errors=True)
+        tests, logs = grading / "tests", grading / "logs"
+        result = await grade(
+            s.task.harbor,
+            s.task.timeouts.eval,
+            tests_dir=tests,
+            logs_dir=logs,
+            run=self.sandboxed_command(s, {"/tests": tests, "/logs": logs}),
+            failure_reward=self.config.failure_reward,
+        )
+        s.reward = result.reward
+        s.eval_output = f"{result.reason}\n{result.output}".strip()
+        s.status = "ok" if result.accepted else "failed"
+
+    def _grading_dir(self, s: SessionRun) -> Path:
+        """Beside the workspace, never in it: what the agent could have planted there is not the verifier's."""
+        return self.config.workspace_root / f"{s.session_id}.grading"
 
     async def _run_eval(self, s: SessionRun) -> tuple[int, str]:
         """The task's check, in the session's sandbox (the same binds, no network) once the agent is gone."""
@@ -431,6 +465,7 @@ class Rollout:
             await self._maybe_cut(s.task.task_id)
         if s.workspace is not None and not self.config.keep_workspaces:
             await asyncio.to_thread(shutil.rmtree, s.workspace, True)
+            await asyncio.to_thread(shutil.rmtree, self._grading_dir(s), True)
         self.on_update(self.sessions)
 
     def finished(self) -> RolloutSummary:
