@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from polar_mitm.config_options import option, python_only
 from polar_mitm.processes import children
-from polar_mitm.rollout import session_cgroup, session_sandbox
+from polar_mitm.rollout import session_sandbox
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, SandboxUnavailable, SessionBox, get_sandbox
 from polar_mitm.sandbox.mounts import Mount
@@ -303,8 +303,9 @@ class Rollout:
         launch = self.harness_for(s).launch(s.task, s.session_id, s.workspace, gateway, s.index)  # type: ignore
         box = self._box(s, launch.env, gateway)
         log = open(self.config.log_dir / f"{s.session_id}.log", "wb") if self.config.log_dir else None
-        # Everything the harness starts is born in this group, `setsid` and a cleared environment included.
-        group = session_cgroup.for_sessions().new(session_cgroup.group_name(s.session_id))
+        # Everything the harness starts is born in this group, `setsid` and a cleared environment included. Made
+        # (and limited) off the event loop: a cgroup's mkdir and limit writes take milliseconds in the kernel.
+        group = await asyncio.to_thread(session_sandbox.session_group, self.sandbox, box, s.session_id)
         start = time.monotonic()
         try:
             async with self.sandbox.session(box):
@@ -312,6 +313,7 @@ class Rollout:
                     box, launch.argv, {**launch.env, children.HARNESS_RUN_ENV: s.session_id}, launch.cwd
                 )
                 s.proc = await asyncio.create_subprocess_exec(
+                    *session_sandbox.launch_prefix(self.sandbox, box, group),
                     *argv,
                     cwd=launch.cwd,
                     env=env,
@@ -319,7 +321,6 @@ class Rollout:
                     stdout=log or asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=session_sandbox.preexec(self.sandbox, box, group),
                 )
                 try:
                     s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
@@ -338,7 +339,12 @@ class Rollout:
                 group is not None
             ):  # what it left running, wherever it moved (Cline's hub daemon, `setsid` escapes)
                 await asyncio.to_thread(group.stop)
-            children.kill_marked(s.session_id)  # without a cgroup: daemons that kept the marker
+            if (
+                not self.sandbox.confines
+            ):  # in a sandbox its PID namespace went with it; else: what kept the marker
+                await asyncio.to_thread(
+                    children.kill_marked, s.session_id
+                )  # a /proc scan: off the event loop
             s.spans["run"] = (start, time.monotonic())
             if log:
                 log.close()
@@ -406,7 +412,9 @@ class Rollout:
         box.readable += [Path(env[HARNESS_OUTPUT_ENV])] if HARNESS_OUTPUT_ENV in env else []
         box.readable += session_sandbox.grading_paths(s.task)
         argv, inner = self.sandbox.wrap(box, ["bash", "-c", s.task.eval_command], env, s.workspace)  # type: ignore[arg-type]
-        return await run_argv(argv, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
+        # the agent's files may run in the check (its tests import them): the session's rlimits hold there too
+        limited = [*box.limits.prlimit_argv(), *argv]
+        return await run_argv(limited, s.workspace, s.task.timeouts.eval, inner)  # type: ignore[arg-type]
 
     def sandboxed_command(
         self, s: SessionRun, binds: dict[str, Path]
@@ -422,7 +430,8 @@ class Rollout:
             box = self._box(s, {})
             box.binds = [Mount(host, Path(inside), writable=True) for inside, host in binds.items()]
             wrapped, inner = self.sandbox.wrap(box, argv, full_env, box.inside if cwd is None else Path(cwd))
-            return await run_argv(wrapped, s.workspace, timeout, inner)  # type: ignore[arg-type]
+            limited = [*box.limits.prlimit_argv(), *wrapped]
+            return await run_argv(limited, s.workspace, timeout, inner)  # type: ignore[arg-type]
 
         return run
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from polar_mitm.rollout import session_cgroup
@@ -41,23 +40,27 @@ def session_box(
     )
 
 
-def preexec(
-    sandbox: Sandbox, box: SessionBox, group: session_cgroup.SessionCgroup | None
-) -> Callable[[], None]:
-    """Between fork and exec of a session's process: join its cgroup (limited first, here in the parent, when the
-    session is sandboxed), then lower its rlimits."""
-    join = group.preexec() if group is not None else None
+def session_group(sandbox: Sandbox, box: SessionBox, session_id: str) -> session_cgroup.SessionCgroup | None:
+    """The session's cgroup (None where none can be made), its memory and process count limited when the session
+    is sandboxed. Blocking (a cgroup's mkdir and limit writes take milliseconds in the kernel): the runner calls it
+    in a thread."""
+    group = session_cgroup.for_sessions().new(session_cgroup.group_name(session_id))
     if group is not None and sandbox.confines:
         group.limit(box.limits.memory_mb * MIB, box.limits.pids)
-    rlimits = box.limits.preexec() if sandbox.confines else None
+    return group
 
-    def before_exec() -> None:
-        if join is not None:
-            join()
-        if rlimits is not None:
-            rlimits()
 
-    return before_exec
+def launch_prefix(sandbox: Sandbox, box: SessionBox, group: session_cgroup.SessionCgroup | None) -> list[str]:
+    """What a session's process is started through: a shell that joins its cgroup (`session_group`), then
+    `prlimit` lowering its rlimits, then the sandbox. Exec wrappers rather than a `preexec_fn`: Python code between
+    fork and exec makes every spawn a full fork of the runner's process with its event loop stopped (a spawn with a
+    no-op preexec 11.4 ms, without 4.7 ms, measured here)."""
+    prefix: list[str] = []
+    if group is not None:
+        prefix += group.join_argv()
+    if sandbox.confines:
+        prefix += box.limits.prlimit_argv()
+    return prefix
 
 
 def grading_paths(task: Task) -> list[Path]:

@@ -10,7 +10,6 @@ filling the host's disk. A task line may change any of them (`"limits": {…}`, 
 from __future__ import annotations
 
 import resource
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,17 +35,16 @@ class Limits:
             resource.RLIMIT_FSIZE: self.file_size_mb * MIB,
         }
 
-    def preexec(self) -> Callable[[], None]:
-        """Set the rlimits between fork and exec (lowered only: a limit above the hard one is not ours to raise)."""
-        wanted = self.rlimits()
-
-        def apply() -> None:
-            for which, value in wanted.items():
-                _soft, hard = resource.getrlimit(which)
-                value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-                resource.setrlimit(which, (value, value))
-
-        return apply
+    def prlimit_argv(self) -> list[str]:
+        """The rlimits as an argv prefix (util-linux `prlimit`, which sets them and execs the rest): lowered only,
+        and with no Python between fork and exec (a spawn stays a vfork)."""
+        names = {resource.RLIMIT_NOFILE: "--nofile", resource.RLIMIT_FSIZE: "--fsize"}
+        argv = ["prlimit"]
+        for which, value in self.rlimits().items():
+            _soft, hard = resource.getrlimit(which)
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            argv.append(f"{names[which]}={value}:{value}")
+        return [*argv, "--"]
 
 
 class LimitsSpec(BaseModel):

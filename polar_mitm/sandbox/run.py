@@ -16,9 +16,8 @@ async def run_in(sandbox: Sandbox, box: SessionBox, argv: list[str], env: dict[s
     """Run `argv` in `box` with stdin/stdout/stderr inherited; its exit code."""
     async with sandbox.session(box):
         wrapped, host_env = sandbox.wrap(box, argv, env, cwd)
-        proc = await asyncio.create_subprocess_exec(
-            *wrapped, cwd=cwd, env=host_env, preexec_fn=box.limits.preexec() if sandbox.confines else None
-        )
+        limits = box.limits.prlimit_argv() if sandbox.confines else []
+        proc = await asyncio.create_subprocess_exec(*limits, *wrapped, cwd=cwd, env=host_env)
         return await proc.wait()
 
 
