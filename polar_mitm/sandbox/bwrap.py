@@ -68,6 +68,9 @@ class Bwrap(Sandbox):
             args += _bind(mount)
         for link, target in links:
             args += ["--symlink", target, link]
+        for secret in HOST_SECRETS:  # root-only on the host, the sandbox user's in its user namespace: hidden
+            if os.path.exists(secret):
+                args += ["--ro-bind", "/dev/null", secret]
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--size", str(box.limits.tmp_mb * MIB), "--tmpfs", "/tmp"]
         if box.home is None:
@@ -76,6 +79,20 @@ class Bwrap(Sandbox):
             args += _bind(mount)
         args += ["--chdir", box.relocate(str(cwd))]
         return args
+
+
+# Files under the read-only system binds that only root may read on the host. Inside, the session's user namespace
+# maps host root to the sandbox user, so their owner's bits would let the session read them.
+HOST_SECRETS = (
+    "/etc/shadow",
+    "/etc/gshadow",
+    "/etc/shadow-",
+    "/etc/gshadow-",
+    "/etc/ssh/ssh_host_rsa_key",
+    "/etc/ssh/ssh_host_ecdsa_key",
+    "/etc/ssh/ssh_host_ed25519_key",
+    "/etc/sudoers",
+)
 
 
 def _bind(mount: Mount) -> list[str]:

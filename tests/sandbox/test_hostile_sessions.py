@@ -40,7 +40,8 @@ def attacks(secret: Path, run_dir: Path, engine_url: str) -> dict[str, tuple[str
     )
     return {
         "read-host": (
-            f"cat {secret}; cat {run_dir}/logs/*.log; ls /work/main/runs; ls /root/.ssh; echo root=$(ls -A /root)",
+            f"cat {secret}; cat {run_dir}/logs/*.log; ls /work/main/runs; ls /root/.ssh; echo root=$(ls -A /root); "
+            "echo shadow=$(grep -c : /etc/shadow 2>/dev/null)",
             {},
         ),
         "write-out": (
@@ -122,6 +123,8 @@ def test_a_planted_host_file_and_the_run_directory_cannot_be_read(hostile):
     assert "host-secret-42" not in report
     assert report.count("No such file or directory") >= 4, report  # secret, logs, runs/, /root/.ssh
     assert "root=.pyenv\n" in report, report  # of /root, only the Python toolchain the venvs were made from
+    # root-only on the host, the sandbox user's in its user namespace: /dev/null stands in for it
+    assert "shadow=\n" in report or "shadow=0\n" in report, report
 
 
 def test_nothing_outside_the_workspace_can_be_written(hostile):
