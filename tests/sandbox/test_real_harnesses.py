@@ -61,3 +61,37 @@ def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(harness, tmp_p
     assert len(main) >= len(COMMANDS) + 1 and all(r["completion_ids"] for r in main)
     result = fidelity(rows, tiny_engine)
     assert result["exact"] == result["sampled"] > 0, result
+
+
+HARBOR_TASK = Path(__file__).resolve().parents[2] / "examples" / "harbor_tasks" / "count-error-lines"
+HARBOR_COMMANDS = [
+    """awk '$2 == "ERROR"' /app/app.log | wc -l > /app/error_count.txt""",
+    "cat /app/error_count.txt",
+]
+
+
+@pytest.mark.parametrize("harness", ["sdk:openai_chat", pytest.param("pi", marks=pytest.mark.slow)])
+def test_a_harbor_task_through_a_real_harness_is_graded_by_its_verifier(harness, tmp_path: Path, tiny_engine):
+    """A Harbor task (`polar-mitm tasks harbor`) solved by a real harness in its sandbox (the workspace at the
+    task's /app), graded by the task's own verifier after the agent; every sampled token context-exact."""
+    if harness == "pi" and shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the npm CLIs need it")
+    from polar_mitm.tasks.harbor import ConvertOptions, convert
+
+    tasks = tmp_path / "harbor.jsonl"
+    convert([HARBOR_TASK], tasks, ConvertOptions())
+    turns = shell_script(HARBOR_COMMANDS, FINAL) if harness == "pi" else None
+    if turns is None:
+        calls = [
+            {"text": f"Running `{c}`.", "tool_call": {"name": "shell", "arguments": {"command": c}}}
+            for c in HARBOR_COMMANDS
+        ]
+        turns = {"turns": [*calls, FINAL]}
+    script = tmp_path / "policy.json"
+    script.write_text(json.dumps(turns))
+    [row] = rollout_cli(tasks, harness, tmp_path, "-g", "1", "-c", "1", "--script", str(script))
+    log = next((tmp_path / "run" / "logs").glob("*.log")).read_text(errors="replace")[-3000:]
+    assert (row["status"], row["reward"]) == ("ok", 1.0), f"{row}\n--- harness log ---\n{log}"
+    rows = [r for r in read_all(tmp_path / "flows").to_pylist() if r["session_id"] == row["session_id"]]
+    result = fidelity(rows, tiny_engine)
+    assert result["exact"] == result["sampled"] > 0, result
