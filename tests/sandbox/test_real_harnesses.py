@@ -1,7 +1,9 @@
-"""Real harnesses through `polar-mitm rollout --sandbox bwrap` (issue 41): the SDK agent and the six unmodified npm
-CLIs (proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel) finish the scripted shell session in their
-sandboxed workspace, the evaluation runs in the same sandbox and passes, and every sampled token is still trained in
-the exact context it was sampled in (100% context-exact, as tests/harness/test_harnesses.py checks unsandboxed)."""
+"""Real harnesses through `polar-mitm rollout --sandbox bwrap` (issue 41): the SDK agent, the six unmodified npm
+CLIs (proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel), the four with installs of their own
+and Aider — with mini-swe-agent and OpenHands (tests/harness/test_swe_harnesses.py), all 13 — finish the scripted
+session in their sandboxed workspace, the evaluation runs in the same sandbox and passes, and every sampled token is
+still trained in the exact context it was sampled in (100% context-exact, as tests/harness/test_harnesses.py checks
+unsandboxed). A Harbor task goes the same way, graded by its own verifier."""
 
 from __future__ import annotations
 
@@ -33,7 +35,13 @@ def policy(harness: str) -> dict:
 
 
 NPM_PRESETS = ["pi", "claude-code", "codex", "gemini", "qwen", "opencode"]
-OWN_INSTALLS = ["cline", "kilo", "hermes", "openclaw"]  # scripts/setup-<name>.sh: a prefix or venv each
+OWN_INSTALLS = [
+    "cline",
+    "kilo",
+    "hermes",
+    "openclaw",
+    "aider",
+]  # scripts/setup-<name>.sh: a prefix or venv each
 
 
 @pytest.mark.parametrize(
@@ -57,8 +65,11 @@ def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(harness, tmp_p
     log = next((tmp_path / "run" / "logs").glob("*.log")).read_text(errors="replace")[-3000:]
     assert (row["status"], row["reward"]) == ("ok", 1.0), f"{row}\n--- harness log ---\n{log}"
     rows = [r for r in read_all(tmp_path / "flows").to_pylist() if r["session_id"] == row["session_id"]]
-    main = [r for r in rows if r["tools_json"] != "[]"]
-    assert len(main) >= len(COMMANDS) + 1 and all(r["completion_ids"] for r in main)
+    if harness == "aider":  # no tools: it writes the file out in its whole-file edit format, then applies it
+        assert rows and all(r["completion_ids"] and r["tools_json"] == "[]" for r in rows)
+    else:
+        main = [r for r in rows if r["tools_json"] != "[]"]
+        assert len(main) >= len(COMMANDS) + 1 and all(r["completion_ids"] for r in main)
     result = fidelity(rows, tiny_engine)
     assert result["exact"] == result["sampled"] > 0, result
 
