@@ -509,6 +509,8 @@ class Rollout:
         cfg.workspace_root = cfg.workspace_root.resolve()
         cfg.workspace_root.mkdir(parents=True, exist_ok=True)
         if cfg.log_dir:
+            # the check reads the harness's log by this path, in its sandbox too
+            cfg.log_dir = cfg.log_dir.resolve()
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
         self._buffered = cfg.ready_buffer > 0
         self._pending: asyncio.Queue[SessionRun | None] = asyncio.Queue()
