@@ -21,6 +21,8 @@ from polar_mitm.rollout.runner import Rollout, RolloutConfig
 from polar_mitm.storage.records import read_all
 from polar_mitm.tasks.task_file import load_tasks
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout, wherever it is (CI clones it elsewhere)
+
 DAEMON_MARK = "314.159"  # `sleep 314.159`: the daemon a session leaves, found on the host by its command line
 MODEL_CALL = (
     "curl -sf {base_url}/v1/chat/completions -H 'content-type: application/json' "
@@ -40,12 +42,12 @@ def attacks(secret: Path, run_dir: Path, engine_url: str) -> dict[str, tuple[str
     )
     return {
         "read-host": (
-            f"cat {secret}; cat {run_dir}/logs/*.log; ls /work/main/runs; ls /root/.ssh; echo root=$(ls -A /root); "
+            f"cat {secret}; cat {run_dir}/logs/*.log; ls {REPO}/runs; ls /root/.ssh; echo root=$(ls -A /root); "
             "echo shadow=$(grep -c : /etc/shadow 2>/dev/null)",
             {},
         ),
         "write-out": (
-            f"for p in /usr/pwned /etc/pwned {run_dir}/pwned /work/main/polar_mitm/pwned "
+            f"for p in /usr/pwned /etc/pwned {run_dir}/pwned {REPO}/polar_mitm/pwned "
             "$(dirname $POLAR_WORKSPACE)/pwned-beside; do touch $p && echo wrote $p; done; echo tried",
             {},
         ),
@@ -136,7 +138,7 @@ def test_nothing_outside_the_workspace_can_be_written(hostile):
         Path("/usr/pwned"),
         Path("/etc/pwned"),
         run_dir / "pwned",
-        Path("/work/main/polar_mitm/pwned"),
+        REPO / "polar_mitm" / "pwned",
     ):
         assert not path.exists()
     assert not (run_dir / "workspaces" / "pwned-beside").exists()
