@@ -20,6 +20,7 @@ import json
 import signal
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,45 @@ class RayPool:
     def live(self) -> list[NodeHandle]:
         return [n for n in self.nodes if n.alive]
 
+    def begin(
+        self,
+        engine_url: str,
+        gateway_options: dict[str, str],
+        config: RolloutConfig,
+        work_dir: Path,
+        node_dir: Callable[[NodeHandle], Path],
+    ) -> list[NodeHandle]:
+        """Start each live node's gateway (recording to `node_dir(node)`, on its share of `engine_url`) and its
+        runner (workspaces and logs under `work_dir`, per node); the nodes started."""
+        import ray
+
+        from polar_mitm.engines import keys as engine_keys
+        from polar_mitm.engines import router
+
+        refs = []
+        live = self.live()
+        for node, backend in zip(live, router.gateway_backends(engine_url, len(live)), strict=True):
+            node.load = node.finished = 0
+            node_config = replace(
+                config,
+                workspace_root=work_dir / "workspaces" / node.name,
+                log_dir=work_dir / "logs" / node.name,
+                keep=None,
+            )
+            refs.append(
+                node.actor.begin.remote(
+                    str(node_dir(node)),
+                    backend,
+                    gateway_options,
+                    node_config,
+                    str(work_dir / "mitmproxy" / node.name),
+                    str(work_dir / "logs"),
+                    engine_keys.key_for(backend),  # the node's gateway needs it; nothing else there has it
+                )
+            )
+        ray.get(refs, timeout=180)
+        return live
+
     def close(self) -> None:
         """Stop every actor (gateways stopped, journals compacted) and leave the cluster."""
         import ray
@@ -248,33 +288,7 @@ class RayRollout:
     # -- lifecycle of the node actors ------------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        import ray
-
-        from polar_mitm.engines import keys as engine_keys
-        from polar_mitm.engines import router
-
-        refs = []
-        live = self.pool.live()
-        for node, backend in zip(live, router.gateway_backends(self.engine_url, len(live)), strict=True):
-            node.load = node.finished = 0
-            config = replace(
-                self.config,
-                workspace_root=self.work_dir / "workspaces" / node.name,
-                log_dir=self.work_dir / "logs" / node.name,
-                keep=None,
-            )
-            refs.append(
-                node.actor.begin.remote(
-                    str(self.node_dir(node)),
-                    backend,
-                    self.gateway_options,
-                    config,
-                    str(self.work_dir / "mitmproxy" / node.name),
-                    str(self.work_dir / "logs"),
-                    engine_keys.key_for(backend),  # the node's gateway needs it; nothing else there has it
-                )
-            )
-        ray.get(refs, timeout=180)
+        self.pool.begin(self.engine_url, self.gateway_options, self.config, self.work_dir, self.node_dir)
 
     def _end(self) -> None:
         import ray

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,36 +109,18 @@ class RaySessions:
         await asyncio.to_thread(self._start)
 
     def _start(self) -> None:
-        import ray
-
-        from polar_mitm.engines import keys as engine_keys
-        from polar_mitm.engines import router
         from polar_mitm.rollout.ray_driver import RayPool
 
         # The nodes' runners take each session's harness from its task; the pool's own is never used.
         self.pool = RayPool(self.address, "sdk:openai_chat")
-        live = self.pool.live()
-        refs = []
-        for node, backend in zip(live, router.gateway_backends(self.engine_url, len(live)), strict=True):
-            config = replace(
-                self.config,
-                workspace_root=self.work / "workspaces" / node.name,
-                log_dir=self.work / "logs" / node.name,
-                keep=None,
-            )
-            refs.append(
-                node.actor.begin.remote(
-                    str(self.flows / f"node-{node.name}"),
-                    backend,
-                    self.gateway_options,
-                    config,
-                    str(self.work / "mitmproxy" / node.name),
-                    str(self.work / "logs"),
-                    engine_keys.key_for(backend),
-                )
-            )
-        ray.get(refs, timeout=180)
-        self.places = len(live)
+        started = self.pool.begin(
+            self.engine_url,
+            self.gateway_options,
+            self.config,
+            self.work,
+            lambda node: self.flows / f"node-{node.name}",
+        )
+        self.places = len(started)
 
     async def run(self, s: SessionRun, harness: HarnessSpec) -> SessionRun:
         import ray
