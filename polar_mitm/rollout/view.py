@@ -9,7 +9,7 @@ from rich.table import Table
 
 from polar_mitm.log_format import EventLog
 from polar_mitm.rollout.runner import SessionRun
-from polar_mitm.terminal import plain
+from polar_mitm.terminal import plain, printable
 
 STAGES = ("pending", "init", "ready", "run", "post", "done")
 
@@ -78,7 +78,8 @@ class SessionEvents:
             self.log.event(
                 "session",
                 f"{len(self.reported)}/{self.total} {plain(s.session_id)} {s.status} reward {reward}"
-                + (f" ({seconds:.1f}s)" if seconds is not None else ""),
+                + (f" ({seconds:.1f}s)" if seconds is not None else "")
+                + why_it_broke(s),
                 session_id=s.session_id,
                 task_id=s.task.task_id,
                 status=s.status,
@@ -87,6 +88,17 @@ class SessionEvents:
                 done=len(self.reported),
                 total=self.total,
             )
+
+
+BROKEN_STATUSES = ("crashed", "init_failed", "error")  # their eval_output is our own reason, not a grader's output
+
+
+def why_it_broke(session: SessionRun, width: int = 160) -> str:
+    """`: REASON` (its first line, cut to `width`) for a session that broke before it could be graded, else ''."""
+    if session.status not in BROKEN_STATUSES or not session.eval_output.strip():
+        return ""
+    reason = session.eval_output.strip().splitlines()[0]
+    return ": " + printable(reason if len(reason) <= width else reason[: width - 1] + "…")
 
 
 def summary_rows(sessions: list[SessionRun]) -> list[dict]:

@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 
 SOCKETS_INSIDE = Path("/run/polar-gateway")  # where the socket folder appears inside the sandbox
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+# A Unix socket's path must fit `sun_path` (108 bytes with its NUL); the longest one we make is
+# FOLDER/polar-tunnel-XXXXXXXX/65535.sock. A deep $TMPDIR (a test's tmp_path, a job scheduler's scratch folder)
+# passes it, so the folder falls back to a short system one.
+SUN_PATH_MAX = 107
+LONGEST_SOCKET_TAIL = len("/polar-tunnel-XXXXXXXX/65535.sock")
+SHORT_TEMPORARY_DIRS = ("/tmp", "/dev/shm", "/run")
 
 
 class TunnelError(ValueError):
@@ -53,6 +59,19 @@ def gateway_ports(*urls: str | None) -> list[int]:
 
 def socket_name(port: int) -> str:
     return f"{port}.sock"
+
+
+def socket_folder() -> Path:
+    """A new private folder for one session's sockets: under $TMPDIR when the sockets' paths fit there, else under
+    the first short system temporary folder that is writable."""
+    for base in (tempfile.gettempdir(), *SHORT_TEMPORARY_DIRS):
+        if len(base) + LONGEST_SOCKET_TAIL <= SUN_PATH_MAX and Path(base).is_dir():
+            with contextlib.suppress(OSError):
+                return Path(tempfile.mkdtemp(prefix="polar-tunnel-", dir=base))
+    raise TunnelError(
+        f"no temporary folder short enough for the sandbox's gateway sockets (TMPDIR={tempfile.gettempdir()!r} "
+        f"makes paths over {SUN_PATH_MAX} bytes, and /tmp is not writable): set TMPDIR to a shorter folder"
+    )
 
 
 def launcher_script(ports: list[int], wait_s: float = 10.0) -> str:
@@ -83,7 +102,7 @@ class GatewayTunnel:
 
     ports: list[int]
     host: str = "127.0.0.1"
-    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="polar-tunnel-")))
+    folder: Path = field(default_factory=socket_folder)
     _servers: list[asyncio.AbstractServer] = field(default_factory=list)
     _streams: set[asyncio.Task] = field(default_factory=set)
 

@@ -165,6 +165,8 @@ def test_a_git_url_with_shell_syntax_fails_init_and_runs_nothing(gateway, tmp_pa
     for bad in ("semicolon", "option", "subst"):
         assert rows[bad]["status"] == "init_failed" and rows[bad]["reward"] == 0.0, rows[bad]
         assert "git clone" in rows[bad]["eval_output"]
+        line = next(x for x in done.stdout.splitlines() if rows[bad]["session_id"] in x)
+        assert "init_failed reward 0.000" in line and ": git clone" in line, line  # the reason, on its line
     assert rows["good"]["status"] == "ok" and rows["good"]["reward"] == 1.0
     cloned = tmp_path / "run" / "workspaces" / rows["good"]["session_id"] / "README"
     assert cloned.read_text() == "hello\n"
