@@ -90,7 +90,8 @@ class SessionEvents:
             )
 
 
-BROKEN_STATUSES = ("crashed", "init_failed", "error")  # their eval_output is our own reason, not a grader's output
+# Their eval_output is our own reason, not a grader's output.
+BROKEN_STATUSES = ("crashed", "init_failed", "error")
 
 
 def why_it_broke(session: SessionRun, width: int = 160) -> str:
