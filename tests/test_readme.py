@@ -19,6 +19,7 @@ Also: every example config loads into its command, and every relative link of th
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -198,7 +199,7 @@ def user_env(**changes: str) -> dict[str, str]:
     }
 
 
-def run_block(block: Block, cwd: Path, env: dict[str, str], *, wrap=None, timeout: float = 900) -> str:
+def run_block(block: Block, cwd: Path, env: dict[str, str], *, wrap=None, timeout: float = 540) -> str:
     """The block as a bash script (`bash -e`: the first failing command fails it), in its own process group so
     that a run cut short leaves nothing behind; its stdout."""
     script = cwd / f"readme-block-{block.line}.sh"
@@ -209,26 +210,34 @@ def run_block(block: Block, cwd: Path, env: dict[str, str], *, wrap=None, timeou
     temporary.mkdir(exist_ok=True)
     env = {**env, "TMPDIR": str(temporary)}
     argv = ["bash", "-e", str(script)]
-    proc = subprocess.Popen(
-        wrap(argv) if wrap else argv,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    # Files, not pipes: a job the block left in the background (the quick-start's gateway, when a later command
+    # failed) would hold a pipe open, and reading it to the end would wait out the whole timeout.
+    out_path, err_path = cwd / f"readme-block-{block.line}.out", cwd / f"readme-block-{block.line}.err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            wrap(argv) if wrap else argv,
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the block and whatever it left behind
+            proc.wait()
+    stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    if timed_out:
         raise AssertionError(
             f"{block_id(block)} ran past {timeout:.0f}s:\n{stdout[-4000:]}\n{stderr[-4000:]}"
-        ) from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        )
     assert proc.returncode == 0, (
         f"{block_id(block)} exited {proc.returncode}:\n{stdout[-4000:]}\n{stderr[-4000:]}"
     )
