@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from polar_mitm.agent.cli import agent
+from polar_mitm.engine.tool_call_formats import TOOL_CALL_PARSER_NAMES, tool_call_format
 
 app = typer.Typer(
     help=__doc__,
@@ -74,7 +75,10 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model name reported to clients.")] = None,
     context_length: Annotated[int | None, typer.Option(help="Override the model's context length.")] = None,
     tool_call_parser: Annotated[
-        str | None, typer.Option(help="qwen25 | none (default: the model's).")
+        str | None,
+        typer.Option(
+            help=f"{' | '.join(TOOL_CALL_PARSER_NAMES)} (default: the model's).", show_default=False
+        ),
     ] = None,
     reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
@@ -104,6 +108,8 @@ def serve(
 
     from polar_mitm.engines import keys as engine_keys
 
+    if tool_call_parser is not None:
+        tool_call_format(tool_call_parser)  # before the model loads: an unknown name is said at once
     try:  # before the model loads: a bad key file is said at once
         api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()
     except engine_keys.KeyFileError as exc:

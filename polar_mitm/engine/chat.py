@@ -15,6 +15,7 @@ from polar_mitm.engine.constraints import ConstraintError, spec_from_response_fo
 from polar_mitm.engine.generation import Engine, Generation
 from polar_mitm.engine.parsers import ParsedCall, parse_output
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
+from polar_mitm.engine.tool_call_formats import tool_parameters
 
 DEFAULT_MAX_TOKENS = 1024
 
@@ -35,6 +36,7 @@ class ChatJob:
     tools_given: bool
     stream: bool
     tool_names: list[str] = field(default_factory=list)  # for a scripted policy (see engine/script.py)
+    tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → parameters, for the parser
 
     @property
     def include_usage(self) -> bool:
@@ -150,6 +152,7 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
         tools_given=bool(tools),
         stream=bool(body.get("stream")),
         tool_names=tool_names_of(tools),
+        tool_schemas=tool_parameters(tools),
     )
 
 
@@ -208,7 +211,7 @@ def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, An
         tool_call_parser=engine.tool_call_parser,
         reasoning_parser=engine.reasoning_parser,
         tools_given=job.tools_given,
-        offered=job.tool_names,
+        offered=job.tool_schemas,
     )
     message: dict[str, Any] = {
         "role": "assistant",

@@ -27,6 +27,7 @@ import torch
 from polar_mitm.engine.constraints import ConstraintSpec, GrammarCompiler, spec_from_params
 from polar_mitm.engine.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache
 from polar_mitm.engine.sampling import SamplingParams
+from polar_mitm.engine.tool_call_formats import DEFAULT_TOOL_CALL_PARSER, tool_call_format
 from polar_mitm.engines.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
 
 PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
@@ -120,7 +121,10 @@ class Engine:
         self.served_model_name = served_model_name or self.model_meta.get("kind") or self.model_path.name
         self.context_length = context_length or int(self.model.config.max_position_embeddings)
         # Parsers are server flags, as on SGLang; the built-in models say which ones fit them.
-        self.tool_call_parser = tool_call_parser or self.model_meta.get("tool_call_parser", "qwen25")
+        self.tool_call_parser = tool_call_parser or self.model_meta.get(
+            "tool_call_parser", DEFAULT_TOOL_CALL_PARSER
+        )
+        tool_call_format(self.tool_call_parser)  # an unknown name is refused at start, not at the first call
         self.reasoning_parser = reasoning_parser or self.model_meta.get("reasoning_parser", "none")
         self.weight_version = "0"
         self.eos_ids = self._eos_ids()

@@ -3,34 +3,19 @@
 They split the decoded completion into reasoning, visible content and tool calls. Token ids are never touched:
 parsing only shapes the chat answer; the records keep the raw sampled ids. One module for the embedded engine and
 the gateway: on vLLM's token-in endpoint (`/v1/completions`, raw text back) the gateway parses with these same
-functions, so a model family's answers are split the same way whichever engine sampled them. Standard library only:
-the gateway imports it without torch.
+functions, so a model family's answers are split the same way whichever engine sampled them. The `<tool_call>`
+blocks are found here; what a block holds is read by the tool-call parser's format (`tool_call_formats.py`: JSON
+for `hermes`/`qwen25`, XML for `qwen3_coder`). Standard library only: the gateway imports it without torch.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from polar_mitm.engine.tool_call_formats import OfferedTools, ParsedCall, tool_call_format
+
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclass
-class ParsedCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def to_openai(self, index: int) -> dict:
-        return {
-            "id": self.id,
-            "index": index,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 @dataclass
@@ -53,24 +38,24 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     return None, text
 
 
-def parse_tool_calls(
-    text: str, parser: str, offered: Collection[str] | None = None
-) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(text: str, parser: str, offered: OfferedTools = None) -> tuple[str, list[ParsedCall]]:
     """(content, calls). A block that is not a valid call stays in the content, as text.
 
-    Valid: a JSON object `{"name": str, "arguments"|"parameters": object}` naming a tool the request offers
-    (`offered`; None = any name). A small model writes broken JSON, arguments that are not an object, or tools
-    it was never given; passing those on as calls would crash the harness or make it run a tool that does not
-    exist, so the harness gets the text instead (the record keeps the sampled ids either way). SGLang's own
-    parsers drop such blocks; keeping them as text loses nothing.
+    Valid: a call in the parser's notation naming a tool the request offers (`offered`: the request's tool names,
+    or name → parameters schema, which `qwen3_coder` needs to type its values; None = any name). A small model
+    writes broken JSON or XML, arguments that are not an object, parameters or tools it was never given; passing
+    those on as calls would crash the harness or make it run a tool that does not exist, so the harness gets the
+    text instead (the record keeps the sampled ids either way). SGLang's own parsers drop such blocks; keeping them
+    as text loses nothing. An unknown parser name raises `UnknownToolCallParser`.
     """
-    if parser == "none" or "<tool_call>" not in text:
+    fmt = tool_call_format(parser)
+    if fmt is None or "<tool_call>" not in text:
         return text, []
     calls: list[ParsedCall] = []
     kept: list[str] = []
     last = 0
     for match in TOOL_CALL_RE.finditer(text):
-        call = _valid_call(match.group(1), offered)
+        call = fmt.parse_block(match.group(1), offered)
         if call is None:
             continue
         kept.append(text[last : match.start()])
@@ -81,36 +66,15 @@ def parse_tool_calls(
     return content, calls
 
 
-def _valid_call(block: str, offered: Collection[str] | None) -> ParsedCall | None:
-    """The call a `<tool_call>` block holds, or None when it is not one the harness could run."""
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict) or (offered is not None and name not in offered):
-        return None
-    return ParsedCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=json.dumps(args, ensure_ascii=False)
-    )
-
-
 def parse_output(
     text: str,
     *,
     tool_call_parser: str,
     reasoning_parser: str,
     tools_given: bool,
-    offered: Collection[str] | None = None,
+    offered: OfferedTools = None,
 ) -> ParsedOutput:
-    """Reasoning, content and tool calls of a finished completion (`offered`: the request's tool names)."""
+    """Reasoning, content and tool calls of a finished completion (`offered`: the request's tools)."""
     reasoning, rest = split_reasoning(text, reasoning_parser)
     content, calls = parse_tool_calls(rest, tool_call_parser if tools_given else "none", offered)
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
@@ -131,9 +95,10 @@ class StreamingSplitter:
         tool_call_parser: str,
         reasoning_parser: str,
         tools_given: bool,
-        offered: Collection[str] | None = None,
+        offered: OfferedTools = None,
     ) -> None:
-        self.tools = tools_given and tool_call_parser != "none"
+        self.tool_call_parser = tool_call_parser
+        self.tools = tools_given and tool_call_format(tool_call_parser) is not None
         self.offered = offered
         self.reasoning = reasoning_parser != "none"
         self.mode = "start"  # start → (reasoning →) content ⇄ tool
@@ -188,7 +153,7 @@ class StreamingSplitter:
                     break
                 block = self.buffer[: idx + len("</tool_call>")]
                 self.buffer = self.buffer[idx + len("</tool_call>") :]
-                content, calls = parse_tool_calls(block, "qwen25", self.offered)
+                content, calls = parse_tool_calls(block, self.tool_call_parser, self.offered)
                 if calls:
                     out.extend(("tool_call", c) for c in calls)
                 else:
@@ -287,7 +252,7 @@ class TextStreamParser:
         tool_call_parser: str,
         reasoning_parser: str,
         tools_given: bool,
-        offered: Collection[str] | None = None,
+        offered: OfferedTools = None,
     ) -> None:
         self.splitter = StreamingSplitter(
             tool_call_parser=tool_call_parser,

