@@ -185,14 +185,9 @@ def schema_types(schema: Any) -> tuple[list[str], bool]:
     """(the JSON types a parameter schema names, in order, null left out; whether null is allowed)."""
     if not isinstance(schema, Mapping):
         return [], False
-    named = schema.get("type")
-    types = (
-        [named]
-        if isinstance(named, str)
-        else [t for t in named if isinstance(t, str)]
-        if isinstance(named, list)
-        else []
-    )
+    named = schema.get("type")  # "integer", or a list such as ["string", "null"]
+    named = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    types = [t for t in named if isinstance(t, str)]
     for option in schema.get("anyOf") or schema.get("oneOf") or []:
         option_types, option_nullable = schema_types(option)
         types.extend(option_types + ["null"] * option_nullable)
