@@ -5,7 +5,9 @@ harness, not the model, sets the pace), `--group` per task, `--concurrency` at o
 (`Rollout`, what `polar-mitm rollout` runs) against a gateway. Service: `polar-mitm serve-rollouts` on the same
 machine, every task submitted at once over HTTP with our `Client`, polled until each finishes. Reported: the wall
 time of all sessions, sessions/s, the time to the first finished result, the added time per session, and their
-ratios to the in-process run.
+ratios to the in-process run. Then the same tasks through a service that is killed (SIGKILL, its whole process
+group) once about half the sessions finished and started again with `--resume`: the sessions lost, the ones reported
+twice, and the sample indices given twice within a task (all three must be 0).
 
     .venv/bin/python benchmarks/bench_service.py [--sessions 256] [--group 4] [--concurrency 64] [--sleep 0.5]
 """
@@ -78,29 +80,39 @@ def in_process(args, work: Path) -> dict[str, float]:
     return {"wall": wall, "first": first[0], "sessions": len(summary.sessions)}
 
 
-def via_service(args, work: Path) -> dict[str, float]:
-    port = ports.free_port()
+def start_service(args, work: Path, port: int, *extra: str) -> subprocess.Popen:
+    """`serve-rollouts` in a process group of its own, once its /health answers."""
     env = {**os.environ, "POLAR_SERVICE_TOKEN": TOKEN}
     argv = [sys.executable, "-m", "polar_mitm.cli", "serve-rollouts", "--out", str(work), "--port", str(port)]
-    argv += ["--max-sessions", str(args.concurrency), "--queue-limit", str(args.sessions)]
+    argv += ["--max-sessions", str(args.concurrency), "--queue-limit", str(args.sessions), *extra]
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
+    while True:
+        assert proc.poll() is None, f"serve-rollouts exited {proc.returncode}"
+        try:
+            answer = httpx.get(
+                f"http://127.0.0.1:{port}/health", headers={"authorization": f"Bearer {TOKEN}"}
+            )
+            if answer.status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def sleep_requests(args) -> list:
+    return [
+        line_to_request(line, f"cmd:sleep {args.sleep}", num_samples=args.group)
+        for line in lines(args.sessions, args.group)
+    ]
+
+
+def via_service(args, work: Path) -> dict[str, float]:
+    port = ports.free_port()
+    proc = start_service(args, work, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                if (
-                    httpx.get(url + "/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code
-                    == 200
-                ):
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        requests = [
-            line_to_request(line, f"cmd:sleep {args.sleep}", num_samples=args.group)
-            for line in lines(args.sessions, args.group)
-        ]
+        requests = sleep_requests(args)
         with Client(url, token=TOKEN) as client:
             started = time.perf_counter()
             for request in requests:
@@ -116,6 +128,38 @@ def via_service(args, work: Path) -> dict[str, float]:
     return {"wall": wall, "first": first or 0.0, "sessions": done}
 
 
+def killed_and_resumed(args, work: Path) -> dict[str, int]:
+    """Every task submitted, SIGKILL once half the sessions finished, `--resume`, every task waited for: what was
+    lost, reported twice, or given a sample index twice."""
+    port, requests = ports.free_port(), sleep_requests(args)
+    url, expected = f"http://127.0.0.1:{port}", len(requests) * args.group
+    proc = start_service(args, work, port)
+    try:
+        with Client(url, token=TOKEN) as client:
+            for request in requests:
+                client.submit(request)
+            while sum(client.status(r.task_id).completed_sessions for r in requests) < expected // 2:
+                time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc = start_service(args, work, port, "--resume")
+        with Client(url, token=TOKEN) as client:
+            statuses = [client.wait(r.task_id, timeout=600) for r in requests]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    ids = [result.session_id for status in statuses for result in status.results]
+    indices = [
+        len(status.results) - len({r.metadata["sample_index"] for r in status.results}) for status in statuses
+    ]
+    return {
+        "sessions": len(ids),
+        "lost": expected - len(set(ids)),
+        "twice": len(ids) - len(set(ids)),
+        "indices twice": sum(indices),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=64)
@@ -126,6 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = in_process(args, Path(tmp) / "in-process")
         served = via_service(args, Path(tmp) / "service")
+        resumed = killed_and_resumed(args, Path(tmp) / "killed")
     print(
         f"{args.sessions} sessions ({args.group} per task), {args.concurrency} at once, each `sleep {args.sleep}`"
     )
@@ -137,6 +182,10 @@ def main() -> None:
     added_ms = (served["wall"] - base["wall"]) / args.sessions * 1000
     print(
         f"added per session: {added_ms:+.1f} ms (the goal: ≤ 5 ms); sessions: {base['sessions']} / {served['sessions']}"
+    )
+    print(
+        f"kill -9 at half, --resume: {resumed['sessions']} sessions reported, {resumed['lost']} lost, "
+        f"{resumed['twice']} reported twice, {resumed['indices twice']} sample indices given twice"
     )
 
 

@@ -4,7 +4,8 @@ HTTP in Polar's wire format and get token-exact trajectories back, captured from
     models.py         the wire format (TaskRequest, TaskStatus, SessionResult, Trajectory, Trace)
     task_requests.py  a task-file line ↔ a TaskRequest
     traces.py         a finished session's records → its traces (the merge's builders)
-    jobs.py           scheduling, the staged runner per task, durable results, events, callbacks
+    jobs.py           scheduling, the staged runner per task, durable results, events, weight-version waits
+    callbacks.py      each finished session POSTed to its callback_url, retried, noted once acknowledged
     server.py         the HTTP routes (Starlette), bearer-token auth
     client.py         `Client`: submit, status, wait, cancel, results, to_tensors
     cli.py            `polar-mitm serve-rollouts`

@@ -150,7 +150,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             extra_args=["--script", str(script)] if script else [],
         ) as engine_url,
         router.attached(engine_url, log=work / "router.log") as attached,
-        session_places(out, attached.url, options) as (endpoints, sessions),
+        session_places(out, attached.url, options) as (endpoints, sessions, gateway_options),
     ):
         service = RolloutService(
             out,
@@ -160,6 +160,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             queue_limit=options["queue_limit"],
             engine_url=attached.url,
             sampling=options["sampling"],
+            gateway_options=gateway_options,
             sessions=sessions,
             sandbox=options["sandbox"],
         )
@@ -185,7 +186,9 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
 @contextmanager
 def session_places(out: Path, engine_url: str, options: dict):
     """Where the service's sessions run: (the gateways here, None), or with `--ray` ([], RaySessions on the
-    cluster's nodes, each starting its own gateway)."""
+    cluster's nodes, each starting its own gateway); and the options every gateway is given — the sampling forced
+    on each call, and what the engines need (`router.gateway_options`, as the loop and `rollout --ray` give them:
+    behind a router, the tokenizer for token-exact prompts)."""
     import secrets as token_source
 
     from polar_mitm.engines import router
@@ -196,17 +199,19 @@ def session_places(out: Path, engine_url: str, options: dict):
     from polar_mitm.storage import service_layout as layout
 
     work = out / layout.WORK_DIR
+    gateway_options = {**router.gateway_options(engine_url), **options["sampling"]}
     if options["ray"] is not None:
         yield (
             [],
             RaySessions(
                 options["ray"],
                 engine_url=engine_url,
-                gateway_options=options["sampling"],
+                gateway_options=gateway_options,
                 config=runner_config(work, options["max_sessions"], options["sandbox"]),
                 flows=out / layout.FLOWS_DIR,
                 work=work,
             ),
+            gateway_options,
         )
         return
     with gateway_processes.gateways_running(
@@ -214,7 +219,7 @@ def session_places(out: Path, engine_url: str, options: dict):
         out / layout.FLOWS_DIR,
         confdir=work / "mitmproxy",
         log=work / "gateway.log",
-        options=options["sampling"] or None,
+        options=gateway_options or None,
         session_key=token_source.token_urlsafe(32),
     ) as started:
-        yield [GatewayEndpoints.of(gw) for gw in started], None
+        yield [GatewayEndpoints.of(gw) for gw in started], None, gateway_options

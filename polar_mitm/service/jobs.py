@@ -7,11 +7,15 @@ Scheduling is per session: at most `max_sessions` are in the runner at once; a f
 the task with the highest `dispatch_priority`, then the earliest submitted (a task's sessions go out together, so a
 GRPO group finishes close in time). At most `queue_limit` tasks wait with none of their sessions started (a full
 queue is `QueueFull`, a 429). `early_stop_min_usable_sessions`: once that many sessions finished, the rest of the
-group is cut (stopped, not reported).
+group is cut (stopped, not reported). `metadata.min_weight_version`: none of the task's sessions starts before the
+engine serves that weight version or a later one (read every `WEIGHTS_POLL_S` while a task waits, and at once after
+a push through `POST /rollout/weights`); the task is `running` meanwhile, and once its `timeout_seconds` (counted
+from the submit) pass, each session that never started is reported as a TIMEOUT saying why.
 
 Durability (storage/service_layout.py): the request is on disk before the submit is answered and every result before
-it is reported. After a kill, `resume()` reports each finished session again exactly once (from `results.jsonl`) and
-runs the sessions a task still lacks; a cancelled or finished task stays as it was.
+it is reported. After a kill, `resume()` reports each finished session again exactly once (from `results.jsonl`),
+runs the sessions a task still lacks under the sample indices no result holds, and sends again every result its
+callback never acknowledged (callbacks.py); a cancelled or finished task stays as it was.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import RolloutConfig, SessionRun
+from polar_mitm.service.callbacks import Callbacks, delivered
 from polar_mitm.service.models import (
     SessionResult,
     SessionStatus,
@@ -40,9 +43,10 @@ from polar_mitm.service.models import (
     TaskStatus,
     Trace,
     Trajectory,
+    whole_version,
 )
 from polar_mitm.service.sessions import LocalSessions, RaySessions
-from polar_mitm.service.task_requests import RequestError, request_task
+from polar_mitm.service.task_requests import RequestError, check_runtime, request_task
 from polar_mitm.storage import service_layout as layout
 from polar_mitm.tasks.task_file import Task
 
@@ -60,8 +64,8 @@ OUTCOME_STATUS = {
     "failed": SessionStatus.COMPLETED,
     "timeout": SessionStatus.TIMEOUT,
 }
-CALLBACK_TRIES = 5
 STREAM_CHECK_S = 0.5  # how soon an idle /events stream notices the service stopping
+WEIGHTS_POLL_S = 0.5  # how often the engine's weight version is read while a task waits for a newer one
 
 
 class Conflict(Exception):
@@ -83,8 +87,17 @@ class Job:
     order: int = 0
     unsent: int = 0  # sessions not yet handed to the runner
     inflight: set[str] = field(default_factory=set)  # in the runner, or their result being written
-    next_index: int = 0
+    taken: set[int] = field(
+        default_factory=set
+    )  # sample indices given to a session (a result's, after --resume)
+    submitted_at: float = field(default_factory=time.time)  # what timeout_seconds counts from, while it waits
     writing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def claim_index(self) -> int:
+        """The lowest sample index no session of this task holds."""
+        index = next(i for i in itertools.count() if i not in self.taken)
+        self.taken.add(index)
+        return index
 
     def status(self) -> TaskStatus:
         wire = {"queued": "running", "running": "running", "completed": "completed"}.get(self.state, "failed")
@@ -157,11 +170,13 @@ class RolloutService:
         queue_limit: int = 64,
         engine_url: str | None = None,
         sampling: dict[str, str] | None = None,
+        gateway_options: dict[str, str] | None = None,
         sessions: LocalSessions | RaySessions | None = None,
         sandbox: tuple[str, str | None] = ("bwrap", None),
     ) -> None:
-        self.out, self.endpoints, self.task_root = out, endpoints, task_root
+        self.out, self.endpoints, self.task_root, self.sandbox = out, endpoints, task_root, sandbox
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
+        self.gateway_options = dict(gateway_options or self.sampling)  # all the gateways are given
         self.flows = out / layout.FLOWS_DIR
         self.work = out / layout.WORK_DIR
         self.max_sessions, self.queue_limit, self.engine_url = max_sessions, queue_limit, engine_url
@@ -170,7 +185,13 @@ class RolloutService:
         self.order = itertools.count()
         self._wake: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
-        self._callbacks: set[asyncio.Task] = set()
+        self._weights_watch: asyncio.Task | None = None
+        self.weight_version: str | None = (
+            None  # the engine's, as last read (while a task waits for a newer one)
+        )
+        self._weights_problem: str | None = None
+        self.callbacks = Callbacks()
+        self._unacknowledged: list[tuple[Job, SessionResult]] = []  # found by resume(), sent again by start()
         self._sessions: set[asyncio.Task] = set()
         self._stages: dict[str, str] = {}  # session id → the last stage published
         self._owner: dict[str, Job] = {}  # session id → its job, while it runs
@@ -186,19 +207,26 @@ class RolloutService:
         await self.pool.start()
         self._wake = asyncio.Event()
         self._dispatcher = asyncio.create_task(self._dispatch())
+        self._weights_watch = asyncio.create_task(self._watch_weights())
+        for job, result in self._unacknowledged:
+            assert job.request.callback_url is not None
+            self.callbacks.send(job.request.callback_url, result, job.folder)
+        self._unacknowledged = []
         self._wake.set()
 
     async def close(self) -> None:
         """Stop dispatching and the runner's harnesses (finished sessions are on disk; `--resume` runs the rest)."""
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
+        for background in (self._dispatcher, self._weights_watch):
+            if background is not None:
+                background.cancel()
         for job in self.jobs.values():
             if job.state == "running":
                 job.state = "queued"
         await self.pool.close()  # the harnesses stop; their sessions never resolve, so they are cancelled too
         for running in self._sessions:
             running.cancel()
-        await asyncio.gather(*self._sessions, *self._callbacks, return_exceptions=True)
+        await asyncio.gather(*self._sessions, return_exceptions=True)
+        await self.callbacks.close()
 
     def resume(self) -> int:
         """Load the tasks under OUT/tasks: finished ones as they were, unfinished ones queued for the sessions they
@@ -211,12 +239,21 @@ class RolloutService:
             for row in layout.read_lines(folder / layout.RESULTS_FILE):
                 result = SessionResult.model_validate(row)
                 job.results.setdefault(result.session_id, result)
+            job.taken = {
+                int(r.metadata["sample_index"]) for r in job.results.values() if "sample_index" in r.metadata
+            }
             job.unsent = max(request.num_samples - len(job.results), 0)
-            job.next_index = len(job.results)
-            state = json.loads((folder / layout.STATE_FILE).read_text()).get("status", "running")
+            saved = json.loads((folder / layout.STATE_FILE).read_text())
+            job.submitted_at = saved.get("submitted_at", job.submitted_at)
+            state = saved.get("status", "running")
             job.state = state if state in ("completed", "failed", "cancelled") else "queued"
             if job.state == "queued":
                 rerun += job.unsent
+            if request.callback_url:
+                acknowledged = delivered(folder)
+                self._unacknowledged += [
+                    (job, r) for r in job.results.values() if r.session_id not in acknowledged
+                ]
             self.jobs[request.task_id] = job
         if self._wake is not None:
             self._wake.set()
@@ -230,6 +267,11 @@ class RolloutService:
             request.agent.harness
         )  # HarnessSpecError: an unknown harness, before anything is kept
         task = request_task(request, self.task_root)
+        check_runtime(request.runtime, self.sandbox)
+        if request.min_weight_version is not None and self.engine_url is None:
+            raise RequestError(
+                "metadata.min_weight_version: this service has no engine whose version it can read"
+            )
         known = self.jobs.get(request.task_id)
         if known is not None and known.state in ("queued", "running"):
             raise Conflict(f"task {request.task_id!r} is still running")
@@ -237,11 +279,12 @@ class RolloutService:
             raise QueueFull(f"{self.queue_limit} tasks already wait")
         folder = layout.task_dir(self.out, request.task_id)
         if folder.exists():  # a finished task of the same id, submitted again: a new run of it
-            for name in (layout.RESULTS_FILE, layout.STATE_FILE):
+            for name in (layout.RESULTS_FILE, layout.STATE_FILE, layout.DELIVERED_FILE):
                 (folder / name).unlink(missing_ok=True)
-        layout.write_durable(folder / layout.REQUEST_FILE, request.model_dump_json())
-        layout.write_durable(folder / layout.STATE_FILE, json.dumps({"status": "running"}))
         job = Job(request, task, harness, folder, order=next(self.order), unsent=request.num_samples)
+        layout.write_durable(folder / layout.REQUEST_FILE, request.model_dump_json())
+        state = {"status": "running", "submitted_at": job.submitted_at}
+        layout.write_durable(folder / layout.STATE_FILE, json.dumps(state))
         self.jobs[request.task_id] = job
         self.events.publish({"type": "task", "task_id": request.task_id, "status": "queued"})
         assert self._wake is not None
@@ -273,7 +316,14 @@ class RolloutService:
             "max_sessions": self.max_sessions,
             "gateways": self.pool.places,
             "sampling": self.sampling,
+            "gateway_options": self.gateway_options,
         }
+
+    def weights_pushed(self, version: str | None) -> None:
+        """A push through `POST /rollout/weights` landed: tasks waiting for `version` may start now."""
+        self.weight_version = version
+        if self._wake is not None:
+            self._wake.set()
 
     # -- running ------------------------------------------------------------------------------------------------
 
@@ -282,13 +332,84 @@ class RolloutService:
         runner's RUN worker moves on at POST-RUN)."""
         return sum(stage not in ("post", "done") for stage in self._stages.values())
 
+    def _weights_ready(self, job: Job) -> bool:
+        """Whether the engine serves the weights `job` waits for (`metadata.min_weight_version`), as last read."""
+        wanted = job.request.min_weight_version
+        if wanted is None:
+            return True
+        served = None if self.weight_version is None else whole_version(self.weight_version)
+        return served is not None and served >= wanted
+
+    async def _watch_weights(self) -> None:
+        """While a task waits for newer weights: read the engine's version, and end the waits whose time is up."""
+        assert self._wake is not None
+        while True:
+            waiting = [
+                job
+                for job in self.jobs.values()
+                if job.state in ("queued", "running") and job.unsent and not self._weights_ready(job)
+            ]
+            if waiting:
+                await self._read_weight_version()
+                for job in waiting:
+                    late = time.time() >= job.submitted_at + job.request.timeout_seconds
+                    if late and job.unsent and not self._weights_ready(job):
+                        try:
+                            await self._expire(job)
+                        except Exception:  # a bug of ours: said, and the other waits go on
+                            logger.exception("ending the wait of task %s", job.request.task_id)
+                self._wake.set()
+            await asyncio.sleep(WEIGHTS_POLL_S)
+
+    async def _read_weight_version(self) -> None:
+        from polar_mitm.engines.weights import common_weight_version
+
+        try:
+            self.weight_version = await asyncio.to_thread(common_weight_version, self.engine_url)
+            self._weights_problem = None
+        except Exception as exc:  # noqa: BLE001 — an engine not answering is waited out (and said once)
+            problem = f"{type(exc).__name__}: {exc}"
+            if problem != self._weights_problem:
+                logger.warning("reading the engine's weight version: %s", problem)
+            self._weights_problem = problem
+
+    async def _expire(self, job: Job) -> None:
+        """`job` waited its `timeout_seconds` for weights that never came: each session it still lacks is a
+        TIMEOUT result (reported once, as any other)."""
+        why = (
+            f"timeout_seconds {job.request.timeout_seconds:g} passed waiting for weight_version ≥ "
+            f"{job.request.min_weight_version}; the engine serves {self.weight_version}"
+        )
+        unsent, job.state, job.unsent = job.unsent, "running", 0
+        for _ in range(unsent):
+            index = job.claim_index()
+            await self._report(
+                job,
+                SessionResult(
+                    session_id=f"{job.task.task_id}-{index}-{uuid.uuid4().hex[:8]}",
+                    task_id=job.request.task_id,
+                    status=SessionStatus.TIMEOUT,
+                    trajectory=Trajectory(
+                        status="TIMEOUT",
+                        error=why,
+                        metadata={"reward": None, "outcome": "timeout", "exit_code": None},
+                    ),
+                    error=why,
+                    metadata={"sample_index": index, "harness": job.request.agent.harness},
+                ),
+            )
+
     async def _dispatch(self) -> None:
         assert self._wake is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
             ready = sorted(
-                (job for job in self.jobs.values() if job.state in ("queued", "running") and job.unsent),
+                (
+                    job
+                    for job in self.jobs.values()
+                    if job.state in ("queued", "running") and job.unsent and self._weights_ready(job)
+                ),
                 key=lambda job: (-job.request.dispatch_priority, job.order),
             )
             for job in ready:
@@ -301,7 +422,7 @@ class RolloutService:
 
     def _send(self, job: Job) -> None:
         job.state, job.unsent = "running", job.unsent - 1
-        index, job.next_index = job.next_index, job.next_index + 1
+        index = job.claim_index()
         s = SessionRun(
             task=job.task, index=index, session_id=f"{job.task.task_id}-{index}-{uuid.uuid4().hex[:8]}"
         )
@@ -362,16 +483,17 @@ class RolloutService:
             traces, problem = await self.pool.traces(s, job.request.builder.strategy), None
         except Exception as exc:  # noqa: BLE001 — a session whose records cannot be merged is an ERROR, named
             traces, problem = [], f"its records could not be merged: {exc}"
-        result = self._result(job, s, traces, problem)
+        await self._report(job, self._result(job, s, traces, problem))
+
+    async def _report(self, job: Job, result: SessionResult) -> None:
+        """A finished session: on disk first, then in the task's status, on /events and at its callback."""
         async with job.writing:  # the file and the status list the results in one order
             row = result.model_dump(mode="json")
             await asyncio.to_thread(layout.append_line, job.folder / layout.RESULTS_FILE, row)
             job.results[result.session_id] = result  # reported only once it is on disk
         self._publish_session(job, result.session_id, result.status, reward=_reward(result))
         if job.request.callback_url:
-            sending = asyncio.create_task(_post_with_retries(job.request.callback_url, result))
-            self._callbacks.add(sending)
-            sending.add_done_callback(self._callbacks.discard)
+            self.callbacks.send(job.request.callback_url, result, job.folder)
 
     def _result(self, job: Job, s: SessionRun, traces: list[Trace], problem: str | None) -> SessionResult:
         status = OUTCOME_STATUS.get(s.status, SessionStatus.ERROR)
@@ -424,22 +546,4 @@ def _timing(s: SessionRun) -> SessionTiming:
     return SessionTiming(init_ms=ms("init"), run_ms=ms("run"), postrun_ms=ms("post"), e2e_ms=round(e2e, 1))
 
 
-async def _post_with_retries(url: str, result: SessionResult) -> None:
-    """POST a finished session to the task's callback, retried with backoff (0.5 s, 1 s, 2 s, 4 s); never raises."""
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        for attempt in range(CALLBACK_TRIES):
-            try:
-                response = await client.post(url, content=result.model_dump_json(), headers=_JSON)
-                if response.status_code < 500:
-                    return
-            except httpx.HTTPError:
-                pass
-            if attempt + 1 < CALLBACK_TRIES:
-                await asyncio.sleep(0.5 * 2**attempt)
-    logger.warning(
-        "callback %s: gave up on session %s after %d tries", url, result.session_id, CALLBACK_TRIES
-    )
-
-
-_JSON = {"content-type": "application/json"}
 __all__ = ["Conflict", "HarnessSpecError", "QueueFull", "RequestError", "RolloutService"]

@@ -7,6 +7,16 @@ are one `SessionResult` per finished session; a result's `trajectory.traces` are
 `response_ids` exactly the tokens the engine saw and sampled, `loss_mask` 1 exactly on sampled tokens, and
 `response_logprobs` the recorded ones (0.0 where masked). Unknown request fields are refused (a misspelt
 `num_sample` would otherwise run one session silently); `agent` and `metadata` take what a harness or a client adds.
+
+Every field Polar's own models carry is accepted, so what its client sends (`model_dump()`, each optional field
+null or at its default) parses. A value that asks for something we do not do is refused, naming the field, instead
+of being dropped: a per-task container `runtime` other than the service's own sandbox (task_requests.py checks it
+against `--sandbox`/`--image`), `agent.import_path`, `agent.env`, `agent.settings`, `agent.mcp_servers`,
+`agent.skills_path`, `evaluator.refresh_runtime`. `agent.model_name` is taken and not used: every session samples
+the service's engine, whatever its harness calls the model.
+
+Defaults that differ from Polar's: `builder.strategy` is `prefix_merging` (Polar: `per_request`); a client that
+dumps its model always sends it, so only a hand-written request that leaves `builder` out gets ours.
 """
 
 from __future__ import annotations
@@ -38,6 +48,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _unsupported(value: Any, default: Any, why: str) -> Any:
+    """`value` if it is the field's default (what a Polar client's dump sends), else a refusal saying why."""
+    if value not in (default, None):
+        raise ValueError(f"not supported: {why}")
+    return value
+
+
 class StrategySpec(_Request):
     """A builder or evaluator strategy by name, with its own settings."""
 
@@ -58,14 +75,82 @@ class EvaluatorSpec(StrategySpec):
     env: dict[str, str] = Field(default_factory=dict)
     refresh_runtime: bool = False
 
+    @field_validator("refresh_runtime")
+    @classmethod
+    def _same_runtime(cls, value: bool) -> bool:
+        return _unsupported(
+            value, False, "the check runs in the session's own sandbox once its harness ended"
+        )
+
 
 class AgentSpec(BaseModel):
-    """Which harness runs the sessions: any of ours (`claude-code`, `sdk:openai_chat`, `cmd:…`)."""
+    """Which harness runs the sessions: any of ours (`claude-code`, `sdk:openai_chat`, `cmd:…`). Polar's own fields
+    are accepted at their defaults (see the module's docstring)."""
 
     model_config = ConfigDict(extra="allow")
 
     harness: str
     config: dict[str, Any] = Field(default_factory=dict)
+    import_path: str | None = None
+    model_name: str | None = None  # taken, not used: the service's engine samples every session
+    settings: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    mcp_servers: list[Any] = Field(default_factory=list)
+    skills_path: str | None = None
+
+    @field_validator("import_path", "skills_path")
+    @classmethod
+    def _no_python_harnesses(cls, value: str | None) -> str | None:
+        return _unsupported(
+            value, None, "harnesses are ours, by name in agent.harness (`polar-mitm harness list`)"
+        )
+
+    @field_validator("config", "settings")
+    @classmethod
+    def _no_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _unsupported(value, {}, "a harness is configured by its name (claude-code, cmd:TEMPLATE, …)")
+
+    @field_validator("env")
+    @classmethod
+    def _no_env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _unsupported(value, {}, "a session's environment is the sandbox's and the gateway's")
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_mcp(cls, value: list[Any]) -> list[Any]:
+        return _unsupported(value, [], "MCP servers are not wired into our harnesses")
+
+
+class RuntimeSpec(_Request):
+    """Polar's per-session container (its field names and defaults). Our sessions run in the service's own sandbox
+    (`--sandbox`, `--image`); a runtime that asks for that image is accepted, anything else refused (checked in
+    task_requests.py, which knows the service's sandbox)."""
+
+    backend: Literal["docker", "apptainer"] = "docker"
+    image: str = Field(min_length=1)
+    prepare: list[dict[str, Any]] = Field(default_factory=list)
+    eval_prepare: list[dict[str, Any]] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    network: str | None = "host"
+    workdir: str | None = None
+    direct_exec_init_command: str | None = None
+    cpus: int | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    gpus: int = 0
+    allow_internet: bool = True
+    internet_volumes: list[str] = Field(default_factory=list)
+    import_path: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def unsupported(self) -> list[str]:
+        """The fields set away from Polar's defaults, other than `backend` and `image` (none of them we do)."""
+        defaults = RuntimeSpec(image=self.image)
+        return [
+            name
+            for name in type(self).model_fields
+            if name not in ("backend", "image") and getattr(self, name) != getattr(defaults, name)
+        ]
 
 
 class TaskRequest(_Request):
@@ -77,17 +162,43 @@ class TaskRequest(_Request):
     dispatch_priority: int = Field(default=0, ge=0, le=100)
     early_stop_min_usable_sessions: int | None = Field(default=None, ge=1)
     timeout_seconds: float = Field(default=600.0, gt=0)
+    runtime: RuntimeSpec | None = None
     agent: AgentSpec
     builder: BuilderSpec = Field(default_factory=BuilderSpec)
     evaluator: EvaluatorSpec | None = None
     callback_url: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("metadata")
+    @classmethod
+    def _min_weight_version_whole(cls, value: dict[str, Any]) -> dict[str, Any]:
+        wanted = value.get("min_weight_version")
+        if wanted is not None and whole_version(wanted) is None:
+            raise ValueError(
+                f"min_weight_version must be a whole number ≥ 0 (a weight_version), not {wanted!r}"
+            )
+        return value
+
     @model_validator(mode="after")
     def _early_stop_within_samples(self) -> TaskRequest:
         if (self.early_stop_min_usable_sessions or 0) > self.num_samples:
             raise ValueError("early_stop_min_usable_sessions cannot exceed num_samples")
         return self
+
+    @property
+    def min_weight_version(self) -> int | None:
+        """`metadata.min_weight_version`: no session starts before the engine serves this version or a later one."""
+        wanted = self.metadata.get("min_weight_version")
+        return None if wanted is None else whole_version(wanted)
+
+
+def whole_version(value: Any) -> int | None:
+    """A weight version as a number (`3`, `"3"`), or None when it is not one (`"step-3"`, `True`, `-1`)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 def _finite(value: Any) -> float | None:

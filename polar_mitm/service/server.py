@@ -5,7 +5,7 @@
     DELETE /rollout/task/{task_id}  cancel: harnesses stopped, finished sessions kept → TaskStatus
     GET    /events                  server-sent events: every task and session state change
     POST   /rollout/weights         {path, weight_version?}: the engine loads a checkpoint → {weight_version}
-    GET    /health
+    GET    /health                  sessions, tasks, the engine's weight_version, what the gateways are given
 
 Every route wants `Authorization: Bearer TOKEN` when the service has a token (401 otherwise; compared in constant
 time). A request body that does not parse is a 422 whose `detail` lists each field at fault.
@@ -107,6 +107,7 @@ def build_app(
             )
         except Exception as exc:  # noqa: BLE001 — the engine's refusal, said to the caller
             return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=502)
+        service.weights_pushed(version)  # tasks waiting for it (metadata.min_weight_version) start now
         return JSONResponse({"weight_version": version})
 
     async def health(request: Request) -> Response:

@@ -14,7 +14,9 @@ to the service and a submitted task runs exactly as that line would under `polar
 
 A request needs an evaluator, as a task line needs `eval`: a session nothing checks would be rewarded like any other.
 A relative `workspace.dir` (and a Harbor verifier's `tests`, `solution`) is resolved against the service's task
-root (`--task-root`), never the caller's folder.
+root (`--task-root`), never the caller's folder. Polar's `runtime` (a container per session) has no task-line
+field: every session runs in the service's own sandbox, so a request's runtime must be null or name that sandbox's
+image (`check_runtime`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.service.models import AgentSpec, BuilderSpec, EvaluatorSpec, TaskRequest
+from polar_mitm.service.models import AgentSpec, BuilderSpec, EvaluatorSpec, RuntimeSpec, TaskRequest
 from polar_mitm.tasks.task_file import Task, TaskLine, parse_task
 
 CARRIED = ("family", "swe", "meta")  # a line's own data, kept under the request's metadata
+IMAGE_SANDBOXES = ("docker", "podman")  # the sandboxes that run a container image: Polar's `docker` backend
 
 
 class RequestError(ValueError):
@@ -157,3 +160,29 @@ def request_task(request: TaskRequest, task_root: Path) -> Task:
         raise
     except ValueError as exc:  # the task file's own message, naming the field
         raise RequestError(str(exc)) from None
+
+
+def check_runtime(runtime: RuntimeSpec | None, sandbox: tuple[str, str | None]) -> None:
+    """A RequestError naming the field unless `runtime` is null or asks for the service's own `sandbox` (kind,
+    image): a docker runtime of the image `--sandbox docker|podman --image` runs, with Polar's defaults elsewhere."""
+    if runtime is None:
+        return
+    kind, image = sandbox
+    if unsupported := runtime.unsupported():
+        raise RequestError(
+            ", ".join(f"runtime.{name}" for name in unsupported)
+            + ": not supported: each session runs in the "
+            "service's sandbox as it was started (--sandbox, --image); send runtime: null, or only backend and image"
+        )
+    if runtime.backend != "docker" or kind not in IMAGE_SANDBOXES:
+        raise RequestError(
+            f"runtime: this service runs each session in --sandbox {kind}"
+            + (f" --image {image}" if image else "")
+            + f", not a {runtime.backend} container of {runtime.image}; send runtime: null, or start a service "
+            f"with --sandbox docker|podman --image {runtime.image}"
+        )
+    if runtime.image != image:
+        raise RequestError(
+            f"runtime.image {runtime.image}: this service runs --image {image}; send runtime: null or that image, "
+            f"or start a service with --image {runtime.image}"
+        )

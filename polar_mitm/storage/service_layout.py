@@ -4,7 +4,9 @@
     OUT/tasks/<task>/request.json   a submitted TaskRequest, written (fsynced) before the submit is answered
     OUT/tasks/<task>/results.jsonl  one SessionResult per finished session, appended and fsynced before anyone
                                     hears of it (status, events, callback): what `--resume` reports again
-    OUT/tasks/<task>/state.json     {"status": running | completed | failed | cancelled}
+    OUT/tasks/<task>/delivered.jsonl  {"session_id"} of each result its callback_url acknowledged (fsynced): what
+                                    `--resume` need not send again
+    OUT/tasks/<task>/state.json     {"status": running | completed | failed | cancelled, "submitted_at": unix s}
     OUT/work/                       workspaces, harness logs, the gateway's and engine's logs, mitmproxy's confdir
 
 `<task>` is the task id made safe for a file name, with a hash of the id so two ids never share a folder.
@@ -28,6 +30,7 @@ WORK_DIR = "work"
 REQUEST_FILE = "request.json"
 RESULTS_FILE = "results.jsonl"
 STATE_FILE = "state.json"
+DELIVERED_FILE = "delivered.jsonl"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

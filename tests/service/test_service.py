@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,7 +20,9 @@ import httpx
 import pyarrow.compute as pc
 import pytest
 
-from polar_mitm.processes import ports
+from polar_mitm.engines import processes as engine_processes
+from polar_mitm.engines.router import model_info
+from polar_mitm.processes import children, ports
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.service.client import Client, ServiceError, to_tensors
 from polar_mitm.service.models import AgentSpec
@@ -36,12 +39,15 @@ EXAMPLES = ROOT / "examples" / "cpu_tasks"
 TOKEN = "service-test-token-7d1f"
 
 
-def start_service(out: Path, port: int, *extra: str, scripted: bool = True) -> subprocess.Popen:
+def start_service(
+    out: Path, port: int, *extra: str, scripted: bool = True, engine_key: str | None = None
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "POLAR_SERVICE_TOKEN": TOKEN,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        **({"POLAR_ENGINE_KEY": engine_key} if engine_key else {}),
     }
     argv = [sys.executable, "-m", "polar_mitm.cli", "serve-rollouts", "--out", str(out), "--port", str(port)]
     argv += ["--script", str(EXAMPLES / "policy.json")] if scripted else []
@@ -101,12 +107,22 @@ def test_a_task_line_and_a_request_are_the_same_task_both_ways():
         assert line_to_request(back, "claude-code", num_samples=4) == request
 
 
+ROUTES = [
+    ("GET", "/health"),
+    ("GET", "/rollout/task/x"),
+    ("DELETE", "/rollout/task/x"),
+    ("POST", "/rollout/task/submit"),
+    ("GET", "/events"),
+    ("POST", "/rollout/weights"),
+]
+
+
 def test_every_route_wants_the_token(service):
     url, _ = service
-    for method, path in [("GET", "/health"), ("GET", "/rollout/task/x"), ("POST", "/rollout/task/submit")]:
-        assert httpx.request(method, url + path).status_code == 401
+    for method, path in ROUTES:
+        assert httpx.request(method, url + path).status_code == 401, path
         wrong = {"authorization": "Bearer nope"}
-        assert httpx.request(method, url + path, headers=wrong).status_code == 401
+        assert httpx.request(method, url + path, headers=wrong).status_code == 401, path
 
 
 def test_bad_requests_are_refused_with_the_field_named(service):
@@ -119,6 +135,16 @@ def test_bad_requests_are_refused_with_the_field_named(service):
         ({**good, "evaluator": None}, 422, "evaluator is required"),
         ({**good, "agent": {"harness": "no-such-harness"}}, 422, "no-such-harness"),
         ({**good, "metadata": {"workspace": {"dir": "missing-folder"}}}, 422, "workspace.dir"),
+        ({**good, "metadata": {"min_weight_version": "step-3"}}, 422, "min_weight_version"),
+        ({**good, "agent": {"harness": "cmd:true", "env": {"A": "1"}}}, 422, "agent.env"),
+        ({**good, "agent": {"harness": "cmd:true", "import_path": "my.Harness"}}, 422, "agent.import_path"),
+        ({**good, "evaluator": {**good["evaluator"], "refresh_runtime": True}}, 422, "refresh_runtime"),
+        (
+            {**good, "runtime": {"image": "python:3.12", "prepare": [{"type": "exec"}]}},
+            422,
+            "runtime.prepare",
+        ),
+        ({**good, "runtime": {"image": "python:3.12"}}, 422, "--sandbox bwrap"),  # this service's sandbox
     ]
     for body, code, named in cases:
         response = httpx.post(url + "/rollout/task/submit", json=body, headers=AUTH)
@@ -270,17 +296,50 @@ def test_events_come_in_order_and_the_callback_is_retried(service):
     assert Callbacks.calls == 3 and Callbacks.received[0]["session_id"] == result.session_id
 
 
+# Polar's SessionTiming refuses fields it does not know (extra="forbid"): ours must be among its names.
+POLAR_TIMING = {
+    "register_to_init_queue_ms",
+    "rollout_dispatch_ms",
+    "rollout_result_wait_ms",
+    "rollout_pipeline_e2e_ms",
+    "init_ms",
+    "ready_queue_ms",
+    "run_ms",
+    "postrun_queue_ms",
+    "postrun_ms",
+    "e2e_ms",
+}
+
+
 def test_a_client_written_from_polars_wire_format_alone(service):
-    """What Polar's own client sends (plain dicts, its field names) and reads (the fields it knows)."""
+    """What Polar's own client sends — its TaskRequest's `model_dump()`: every field, each optional one null or at
+    its default (AgentSpec's, StrategySpec's, EvaluatorSpec's too) — and reads (the fields it knows)."""
     url, _ = service
     body = {
         "task_id": "polar-client",
         "instruction": "say hi",
         "num_samples": 2,
-        "timeout_seconds": 120,
-        "agent": {"harness": "cmd:echo hi"},
+        "dispatch_priority": 0,
+        "early_stop_min_usable_sessions": None,
+        "timeout_seconds": 120.0,
+        "runtime": None,
+        "agent": {
+            "harness": "cmd:echo hi",
+            "import_path": None,
+            "model_name": "openai/Qwen/Qwen3-0.6B",
+            "settings": {},
+            "env": {},
+            "mcp_servers": [],
+            "skills_path": None,
+        },
         "builder": {"strategy": "per_request", "config": {}},
-        "evaluator": {"strategy": "command", "config": {"command": "true"}, "env": {}},
+        "evaluator": {
+            "strategy": "command",
+            "config": {"command": "true"},
+            "env": {},
+            "refresh_runtime": False,
+        },
+        "callback_url": None,
         "metadata": {},
     }
     assert httpx.post(url + "/rollout/task/submit", json=body, headers=AUTH).json() == {
@@ -297,17 +356,114 @@ def test_a_client_written_from_polars_wire_format_alone(service):
     for result in status["results"]:
         assert set(result) >= {"session_id", "task_id", "status", "trajectory", "timing", "error"}
         assert result["status"] == "COMPLETED" and result["trajectory"]["status"] == "COMPLETED"
-        assert {"init_ms", "run_ms", "postrun_ms", "e2e_ms"} <= set(result["timing"])
+        assert {"init_ms", "run_ms", "postrun_ms", "e2e_ms"} <= set(result["timing"]) <= POLAR_TIMING
+    refused = httpx.post(
+        url + "/rollout/task/submit",
+        json={**body, "task_id": "polar-runtime", "runtime": {"backend": "apptainer", "image": "x.sif"}},
+        headers=AUTH,
+    )
+    assert refused.status_code == 422 and "runtime" in refused.text, refused.text
 
 
-def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest_run(tmp_path):
-    """Also: a real harness CLI (Pi, unmodified) through the service, on the tiny model with the completion budget
-    the service forces (--max-tokens)."""
+def test_a_task_waits_for_its_min_weight_version_and_its_traces_say_the_version(service, tiny_model_dir):
+    """`metadata.min_weight_version`: no session starts before the engine serves it (pushed here through
+    `POST /rollout/weights`); a task whose version never comes ends, at its timeout_seconds, in TIMEOUT results."""
+    url, _ = service
+    with Client(url, token=TOKEN) as client:
+        served = int(client.health()["weight_version"])
+        later = demo_request("after-push", 1)
+        later = later.model_copy(update={"metadata": {**later.metadata, "min_weight_version": served + 1}})
+        client.submit(later)
+        client.submit(
+            cmd_request(
+                "never-pushed", "true", samples=2, timeout_seconds=3.0, metadata={"min_weight_version": 10**6}
+            )
+        )
+        time.sleep(1.5)  # three reads of the engine's version: the task still waits
+        waiting = client.status("after-push")
+        assert (waiting.status, waiting.completed_sessions) == ("running", 0)
+        assert client.health()["running_sessions"] == 0  # nothing was started
+        assert client.push_weights(str(tiny_model_dir)) == str(served + 1)
+        [result] = client.wait("after-push", timeout=120).results
+        assert result.status == "COMPLETED", result.error
+        [trace] = result.trajectory.traces
+        assert int(trace.metadata["weight_version_min"]) >= served + 1
+        assert {int(v) for v in trace.metadata["request_weight_versions"]} == {served + 1}
+        expired = client.wait("never-pushed", timeout=60)
+    assert expired.status == "completed" and expired.completed_sessions == 2
+    assert sorted(r.metadata["sample_index"] for r in expired.results) == [0, 1]
+    for session in expired.results:
+        assert session.status == "TIMEOUT" and "weight_version ≥ 1000000" in session.error, session
+
+
+class Acknowledging(BaseHTTPRequestHandler):
+    """A trainer's callback endpoint that is down (503) until `up`, then acknowledges each session it gets."""
+
+    up = False
+    received: list[str] = []
+
+    def do_POST(self):  # noqa: N802 — http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if type(self).up:
+            type(self).received.append(body["session_id"])
+        self.send_response(200 if type(self).up else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def two_engines(tmp_path):
+    """Two embedded engines (one API key, as a cluster's engines are given), for a service to put behind a router."""
+    key = "service-test-engine-key-5b2e9"
+
+    def start(k: int):
+        log = tmp_path / f"engine{k}.log"
+        return engine_processes.start_engine("tiny", log=log, extra_args=["--threads", "1"], api_key=key)
+
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(start, range(2)))
+    yield [url for _, url in started], key
+    for proc, _ in started:
+        children.stop(proc)
+
+
+def gateway_argv(flows: Path) -> list[str]:
+    """The command line of the gateway recording to `flows`."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if f"polar_out={flows}" in argv:
+            return argv
+    raise AssertionError(f"no gateway records to {flows}")
+
+
+def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest_run(tmp_path, two_engines):
+    """kill -9 while a task has some sessions finished and others running, then `--resume`: the finished ones are
+    reported once, the rest run again under the sample indices still free, and the callbacks no one acknowledged
+    are sent again — once. Also: a real harness CLI (Pi, unmodified) through the service, with the completion
+    budget it forces (--max-tokens), on two engines behind a router, whose gateway gets the engines' tokenizer as
+    the loop's do (`router.gateway_options`)."""
+    (first, second), engine_key = two_engines
     out, port = tmp_path / "out", ports.free_port()
-    proc = start_service(out, port, "--max-tokens", "16", scripted=False)
-    url = f"http://127.0.0.1:{port}"
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Acknowledging)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    Acknowledging.up, Acknowledging.received = False, []
+    callback = f"http://127.0.0.1:{receiver.server_port}/done"
+
+    def serve(*extra: str) -> subprocess.Popen:
+        flags = ("--engine", f"{first},{second}", "--max-tokens", "16", *extra)
+        return start_service(out, port, *flags, scripted=False, engine_key=engine_key)
+
+    proc, url = serve(), f"http://127.0.0.1:{port}"
     try:
+        tokenizer = model_info(first)["tokenizer_path"]
         with Client(url, token=TOKEN) as client:
+            assert client.health()["gateway_options"]["polar_tokenizer"] == tokenizer
+            assert f"polar_tokenizer={tokenizer}" in gateway_argv(out / FLOWS_DIR)
             client.submit(cmd_request("pi-says", "x").model_copy(update={"agent": AgentSpec(harness="pi")}))
             [pi] = client.wait("pi-says", timeout=120).results
             assert pi.status == "COMPLETED", pi.error
@@ -319,12 +475,16 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             assert [t for t, m in zip(trace.response_ids, trace.loss_mask, strict=True) if m] == completion
             client.submit(cmd_request("fast", "true", samples=2))
             fast = client.wait("fast", timeout=60)
-            client.submit(cmd_request("slow", "touch slow.started; sleep 6", samples=2))
+            # The last sample finishes at once, the others are still running at the kill.
+            script = "if [ {index} = 2 ]; then true; else touch part.started; sleep 8; fi"
+            client.submit(cmd_request("part", script, samples=3, callback_url=callback))
             deadline = time.monotonic() + 60
-            while not workspace_file(out, "slow.started"):
+            while client.status("part").completed_sessions < 1 or not workspace_file(out, "part.started"):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-        stop(proc, signal.SIGKILL)  # the service, its engine and its gateway at once
+            finished = client.status("part").results
+            assert [r.metadata["sample_index"] for r in finished] == [2]
+        stop(proc, signal.SIGKILL)  # the service, its router and its gateway at once
         refused = subprocess.run(
             [
                 sys.executable,
@@ -340,16 +500,33 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             text=True,
         )
         assert refused.returncode == 2 and "pass --resume" in refused.stderr, refused.stderr
-        proc = start_service(out, port, "--resume", "--max-tokens", "16", scripted=False)
-        assert "resumed 3 task(s)" in proc.log_path.read_text()  # type: ignore[attr-defined]
+        Acknowledging.up = True  # the trainer is back
+        proc = serve("--resume")
+        log = proc.log_path.read_text()  # type: ignore[attr-defined]
+        assert "resumed 3 task(s)" in log and "2 session(s) to run again" in log, log
         with Client(url, token=TOKEN) as client:
             again = client.status("fast")
             assert again.status == "completed"
             assert [r.session_id for r in again.results] == [r.session_id for r in fast.results]  # each once
-            slow = client.wait("slow", timeout=90)
-        assert (slow.status, slow.completed_sessions) == ("completed", 2)
+            part = client.wait("part", timeout=90)
+        assert (part.status, part.completed_sessions) == ("completed", 3)
+        ids = [r.session_id for r in part.results]
+        assert ids[0] == finished[0].session_id and len(set(ids)) == 3  # reported once, the rest ran again
+        assert sorted(r.metadata["sample_index"] for r in part.results) == [0, 1, 2]
+        deadline = time.monotonic() + 20
+        while len(Acknowledging.received) < 3:  # the one the kill left unacknowledged, sent again
+            assert time.monotonic() < deadline, Acknowledging.received
+            time.sleep(0.1)
+        assert sorted(Acknowledging.received) == sorted(ids)
+        stop(proc, signal.SIGKILL)  # acknowledged is on disk: another kill and resume sends none again
+        proc = serve("--resume")
+        time.sleep(1.5)
+        assert sorted(Acknowledging.received) == sorted(ids)
+        with Client(url, token=TOKEN) as client:
+            assert [r.session_id for r in client.status("part").results] == ids
     finally:
         stop(proc)
+        receiver.shutdown()
 
 
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"  # scripts/setup-verl.sh
