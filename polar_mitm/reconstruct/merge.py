@@ -5,8 +5,10 @@ interleaved in it, not by the whole data set:
 
 1. read the `session_id` column only, to learn where each session's last record is;
 2. stream record batches; buffer each session's records until its last one has been read, then build its
-   sequences (`prefix_merging` or `per_request`), check the invariants, join the reward and hand them to the
-   writer, which writes a shard whenever enough tokens are buffered.
+   sequences (`prefix_merging` or `per_request`), check the invariants, decide how the session ended (its rewards
+   row and its calls: `storage/session_ends.py`, on every sequence as `end`), join the reward — under that end's
+   rule when the caller gives rules (the loop's `--on-*`) — and hand them to the writer, which writes a shard
+   whenever enough tokens are buffered.
 
 Inputs are found and read by the records store (`storage/records.py`), shards written by the merged store
 (`storage/merged.py`). Output is deterministic: inputs are read in sorted path order, and each shard holds its sequences sorted by
@@ -15,6 +17,7 @@ session id then first turn (one shard for moderate inputs, hence fully sorted).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter, defaultdict
@@ -49,6 +52,16 @@ from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.merged import MergedSequence, ShardWriter
 from polar_mitm.storage.records import Source, list_sources, table_source
 from polar_mitm.storage.rewards import Reward, RewardsError, read_rewards
+from polar_mitm.storage.session_ends import (
+    EndRule,
+    EndRules,
+    SessionEnd,
+    combine,
+    end_counts,
+    rule_key,
+    session_end,
+    status_end,
+)
 
 Builder = Callable[..., BuildResult]
 BUILDERS: dict[str, Builder] = {"prefix_merging": build_prefix_merging, "per_request": build_per_request}
@@ -175,6 +188,12 @@ def join_reward(sequences: list[MergedSequence], reward: Reward | None) -> None:
         seq.task_id = seq.task_id if seq.task_id is not None else reward.task_id
 
 
+def joined_end(reward: Reward | None, turns: Sequence[TurnRecord]) -> SessionEnd:
+    """How a session ended: what its rewards row says (its `end`, else its runner status) and its records' calls."""
+    said = None if reward is None else combine(reward.end, status_end(reward.status))
+    return session_end(said, turns)
+
+
 # -- the merge ---------------------------------------------------------------------------------------------------
 
 
@@ -197,6 +216,11 @@ class MergeSummary:
     rewarded_sessions: int = 0
     unrewarded_sessions: int = 0
     dropped_unrewarded_sequences: int = 0
+    # How the sessions ended (storage/session_ends.py), and the rules applied to rewarded ones (`end:rule`, ends other
+    # than completed): `mask` left their sequences out (counted in masked_sequences), `zero` gave the failure reward.
+    session_ends: dict[str, int] = field(default_factory=dict)
+    end_rules: dict[str, int] = field(default_factory=dict)
+    masked_sequences: int = 0
     # Reward rows whose session is in no record (a rewards file of another rollout?): counted, the first few named.
     unknown_reward_sessions: int = 0
     unknown_reward_examples: list[str] = field(default_factory=list)
@@ -320,6 +344,7 @@ class _SessionMerger:
         drop_unrewarded: bool,
         check: bool,
         flush_tokens: int,
+        end_rules: EndRules | None = None,
     ) -> None:
         self.summary, self.sink, self.build, self.eot_token_id = summary, sink, build, eot_token_id
         self.rewards, self.drop_unrewarded, self.check, self.flush_tokens = (
@@ -328,6 +353,9 @@ class _SessionMerger:
             check,
             flush_tokens,
         )
+        self.end_rules = end_rules
+        self.ends: Counter[str] = Counter()
+        self.rules_applied: Counter[str] = Counter()
         self.excluded: Counter[str] = Counter()
         self.breaks: Counter[str] = Counter()
         self.pending: list[MergedSequence] = []
@@ -348,8 +376,13 @@ class _SessionMerger:
 
     def add(self, session_turns: list[TurnRecord]) -> None:
         summary = self.summary
-        if session_turns:
-            self.seen_sessions.add(session_turns[0].session_id)
+        if not session_turns:
+            return
+        session_id = session_turns[0].session_id
+        self.seen_sessions.add(session_id)
+        reward = (self.rewards or {}).get(session_id)
+        end = joined_end(reward, session_turns)  # every record counts: an error record may be the last call
+        self.ends[end] += 1
         kept, left_out = prepare_session(session_turns)
         self.excluded.update(left_out)
         if not kept:
@@ -358,15 +391,19 @@ class _SessionMerger:
         if self.check:
             check_invariants(session_turns, result.sequences)
         self.breaks.update(result.breaks)
-        reward = (self.rewards or {}).get(kept[0].session_id)
+        for seq in result.sequences:
+            seq.end = end
+        rewarded = reward is not None and reward.reward is not None
         if self.rewards is not None:
-            if reward is None:
-                summary.unrewarded_sessions += 1
-            else:
-                summary.rewarded_sessions += 1
-        if reward is None and self.drop_unrewarded:
+            summary.rewarded_sessions += rewarded
+            summary.unrewarded_sessions += not rewarded
+        if not rewarded and self.drop_unrewarded:
             summary.dropped_unrewarded_sequences += len(result.sequences)
             return
+        if rewarded and self.end_rules is not None:
+            reward = self._ruled(reward, end, len(result.sequences))  # type: ignore[arg-type]
+            if reward is None:
+                return
         join_reward(result.sequences, reward)
         fidelity = sequences_fidelity(result.sequences, {t.request_id: t.prompt_ids for t in kept})
         summary.context_exact_tokens += fidelity.exact_tokens
@@ -381,6 +418,17 @@ class _SessionMerger:
         if self.pending_tokens >= self.flush_tokens:
             self.flush()
 
+    def _ruled(self, reward: Reward, end: SessionEnd, sequences: int) -> Reward | None:
+        """A rewarded session's reward under its end's rule (None: masked, its `sequences` left out), counted."""
+        assert self.end_rules is not None and reward.reward is not None
+        rule = self.end_rules.rule(end)
+        if end is not SessionEnd.COMPLETED:
+            self.rules_applied[rule_key(end, rule)] += 1
+        if rule is EndRule.mask:
+            self.summary.masked_sequences += sequences
+            return None
+        return dataclasses.replace(reward, reward=self.end_rules.reward(end, reward.reward))
+
 
 def merge_sources(
     sources: Sequence[Source],
@@ -390,13 +438,15 @@ def merge_sources(
     eot_token_id: int | None = None,
     rewards: dict[str, Reward] | None = None,
     drop_unrewarded: bool = False,
+    end_rules: EndRules | None = None,
     check: bool = True,
     batch_rows: int = 256,
     flush_tokens: int = 16 << 20,
     on_progress: Callable[[int], None] | None = None,
 ) -> MergeSummary:
     """Stream `sources` through a builder (the two passes of the module docstring); `sink` receives sorted groups
-    of finished sequences."""
+    of finished sequences. `end_rules`: what each way a rewarded session ended does to its reward (mask: left
+    out; zero: the failure reward), counted in the summary."""
     if builder not in BUILDERS:
         raise MergeError(f"unknown builder {builder!r}; choose from {', '.join(BUILDERS)}")
     if builder == "prefix_merging" and eot_token_id is None:
@@ -416,6 +466,7 @@ def merge_sources(
         drop_unrewarded=drop_unrewarded,
         check=check,
         flush_tokens=flush_tokens,
+        end_rules=end_rules,
     )
     for session_turns in complete_sessions(sources, index, batch_rows=batch_rows, on_progress=on_progress):
         merger.add(session_turns)
@@ -423,6 +474,8 @@ def merge_sources(
     merger.note_unknown_rewards()
     summary.excluded = dict(sorted(merger.excluded.items()))
     summary.breaks = dict(sorted(merger.breaks.items()))
+    summary.session_ends = end_counts(list(merger.ends.elements()))
+    summary.end_rules = dict(sorted(merger.rules_applied.items()))
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -436,6 +489,7 @@ def merge(
     eot_token: str | None = None,
     tokenizer: str | None = None,
     drop_unrewarded: bool = False,
+    end_rules: EndRules | None = None,
     check: bool = True,
     batch_rows: int = 256,
     flush_tokens: int = 16 << 20,
@@ -469,6 +523,7 @@ def merge(
         eot_token_id=eot_token_id,
         rewards=reward_table,
         drop_unrewarded=drop_unrewarded,
+        end_rules=end_rules,
         check=check,
         batch_rows=batch_rows,
         flush_tokens=flush_tokens,
@@ -488,6 +543,7 @@ def merge_table(
     eot_token_id: int | None = None,
     rewards: dict[str, Reward] | None = None,
     drop_unrewarded: bool = False,
+    end_rules: EndRules | None = None,
     check: bool = True,
 ) -> tuple[pa.Table, MergeSummary]:
     """In-memory merge of a records table (same path as `merge`, one output table)."""
@@ -499,6 +555,7 @@ def merge_table(
         eot_token_id=eot_token_id,
         rewards=rewards,
         drop_unrewarded=drop_unrewarded,
+        end_rules=end_rules,
         check=check,
         flush_tokens=1 << 62,
     )

@@ -24,6 +24,7 @@ from polar_mitm.storage.merged import (
     MergedSequence,
 )
 from polar_mitm.storage.records import version_spans_of
+from polar_mitm.storage.session_ends import unparsed_tool_calls
 
 # Why a record was left out of every sequence; merge reports these counts.
 EXCLUDED_ERROR = "error"
@@ -72,6 +73,9 @@ class TurnRecord:
     # (start in completion_ids, weight version) per span of sampled tokens (record `version_spans`, schema v4);
     # None before v4: one span of `weight_version`.
     version_spans: tuple[tuple[int, str | None], ...] | None = None
+    # The answer the harness got holds a tool call as text, one the parser could not read (storage/session_ends.py);
+    # what decides, with finish_reason and error, how the session ended.
+    unparsed_tool_call: bool = False
 
     def spans(self) -> list[tuple[int, str | None]]:
         """The turn's (start in completion_ids, version) spans: one of `weight_version` for older records."""
@@ -194,6 +198,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
     kinds = strings("call_kind")
     constraints = table.column("output_constraint").to_pylist() if "output_constraint" in names else None
     spans = table.column("version_spans").to_pylist() if "version_spans" in names else [None] * n
+    unparsed = unparsed_tool_calls(table.column("response_json")) if "response_json" in names else [False] * n
     return [
         TurnRecord(
             request_id=request_ids[i],
@@ -213,6 +218,7 @@ def turns_from_table(table: pa.Table | pa.RecordBatch, *, first_position: int = 
             call_kind=kinds[i],
             constrained=None if constraints is None else constraints[i] is not None,
             version_spans=tuple(version_spans_of(spans[i], versions[i])) if spans[i] else None,
+            unparsed_tool_call=unparsed[i],
         )
         for i in range(n)
     ]

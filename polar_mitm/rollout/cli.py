@@ -344,14 +344,16 @@ def local_rollout(
             summary = run_rollout(task_list, harness, config, endpoints, log_format=given.log_format)
     except Interrupted as stop:
         # Finished sessions keep their rewards; the interrupted ones get none (merge drops their records).
-        write_rewards(stop.summary, given.rewards)
+        write_rewards(stop.summary, given.rewards, given.out)
+        stopped = sum(s.status == "cancelled" for s in stop.summary.sessions)
         typer.echo(
-            f"interrupted by {stop}: {len(stop.summary.sessions)} finished session(s) → rewards {given.rewards}",
+            f"interrupted by {stop}: {len(stop.summary.sessions) - stopped} finished session(s), {stopped} "
+            f"cancelled → rewards {given.rewards}",
             err=True,
         )
         raise typer.Exit(128 + stop.signum) from None
     judged(summary, judging or JudgeOptions(), given, config)
-    write_rewards(summary, given.rewards)
+    write_rewards(summary, given.rewards, given.out)
     closing = (
         f"{len(summary.sessions)} sessions in {summary.wall_seconds:.1f}s, RUN utilisation "
         f"{summary.run_utilisation:.0%} → rewards {given.rewards}, records {given.out}"

@@ -64,6 +64,6 @@ def ray_rollout_command(
             gateway_options={**router.gateway_options(engine_set.url), **(gateway_options or {})},
             max_attempts=max_attempts,
         )
-    write_rewards(result.summary, rewards)
+    write_rewards(result.summary, rewards, out)  # the nodes' records say how each session ended
     write_report(result, work_dir / "ray_report.json")
     return result

@@ -8,7 +8,13 @@ the rest are cancelled cleanly (process group killed, workspace removed) and mar
 
 One session's failure never ends the rollout: an unexpected error marks that session `error` (failure reward, the
 reason in `eval_output`) and the others go on. When the rollout itself is cancelled (Ctrl-C, SIGTERM), running
-harnesses are stopped and `Rollout.finished()` still gives the sessions that completed, for their rewards.
+harnesses are stopped and `Rollout.finished()` still gives the sessions that completed, for their rewards, and
+those it stopped, `cancelled` (without a reward).
+
+How each session ended, in the one vocabulary of `storage/session_ends.py`: the runner sets its own part as it
+happens (`SessionRun.end`: cut, cancelled, harness_timeout, harness_crash — a harness is graded only when it exits
+0, so a non-zero exit is a crash), and `settle_ends` adds what its recorded calls say (length, context overflow, an
+unparsed tool call, an engine error) once the records are written; the rewards file holds both `status` and `end`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.sandbox import DEFAULT_SANDBOX, SANDBOX_KINDS, SandboxUnavailable, SessionBox, get_sandbox
 from polar_mitm.sandbox.mounts import Mount
 from polar_mitm.storage.rewards import RewardRow, rewards_table, write_rewards_table
+from polar_mitm.storage.session_ends import SessionEnd, read_recorded_calls, session_end
 from polar_mitm.tasks.answer_check import OUTPUT_ENV as HARNESS_OUTPUT_ENV
 from polar_mitm.tasks.task_file import Task
 
@@ -97,7 +104,9 @@ class SessionRun:
     session_id: str
     workspace: Path | None = None
     stage: SessionStage = "pending"
-    status: str = ""  # ok | failed | timeout | crashed | init_failed | error | cut
+    status: str = ""  # ok | failed | timeout | crashed | init_failed | error | cut | cancelled
+    # How it ended (session_ends.SessionEnd): the runner's part as it happens, its calls' added by `settle_ends`.
+    end: str | None = None
     reward: float | None = None
     exit_code: int | None = None
     eval_output: str = ""
@@ -125,6 +134,7 @@ class RolloutSummary:
                 sample_index=s.index,
                 reward=s.reward,
                 status=s.status,
+                end=s.end,
                 exit_code=s.exit_code,
                 init_seconds=s.seconds("init"),
                 run_seconds=s.seconds("run"),
@@ -278,12 +288,13 @@ class Rollout:
                 if code:
                     raise RuntimeError(f"setup `{command}` failed ({code}): {out[-500:]}")
         except TimeoutError:
-            s.status, s.reward = "init_failed", self.config.failure_reward
+            s.status, s.reward, s.end = "init_failed", self.config.failure_reward, SessionEnd.HARNESS_CRASH
             s.eval_output = f"INIT timed out after {s.task.timeouts.init:g}s"
             s.spans["init"] = (start, time.monotonic())
             return False
         except (OSError, RuntimeError) as exc:
             s.status, s.reward, s.eval_output = "init_failed", self.config.failure_reward, str(exc)
+            s.end = SessionEnd.HARNESS_CRASH
             s.spans["init"] = (start, time.monotonic())
             return False
         s.spans["init"] = (start, time.monotonic())
@@ -325,15 +336,17 @@ class Rollout:
                 try:
                     s.exit_code = await asyncio.wait_for(s.proc.wait(), s.task.timeouts.run)
                     s.status = "crashed" if s.exit_code else "ok"
+                    s.end = SessionEnd.HARNESS_CRASH if s.exit_code else None  # only an exit 0 is graded
                 except TimeoutError:
                     await children.stop_group(s.proc)
-                    s.status = "timeout"
+                    s.status, s.end = "timeout", SessionEnd.HARNESS_TIMEOUT
                 except asyncio.CancelledError:
                     # The rollout is interrupted: the harness must not outlive it.
                     await children.stop_group(s.proc)
                     raise
         except OSError as exc:
             s.status, s.eval_output = "crashed", f"could not start the harness: {exc}"
+            s.end = SessionEnd.HARNESS_CRASH
         finally:
             if (
                 group is not None
@@ -349,7 +362,7 @@ class Rollout:
             if log:
                 log.close()
         if s.cut:
-            s.status = "cut"
+            s.status, s.end = "cut", SessionEnd.CUT
 
     def _box(self, s: SessionRun, env: dict[str, str], gateway: GatewayEndpoints | None = None) -> SessionBox:
         return session_sandbox.session_box(self.sandbox, s.task, s.workspace, env, gateway)  # type: ignore[arg-type]
@@ -455,7 +468,7 @@ class Rollout:
         """An unexpected error in one session: that session fails (failure reward, reason kept), the rest go on."""
         if s.proc is not None:
             await children.stop_group(s.proc)
-        s.status, s.reward = "error", self.config.failure_reward
+        s.status, s.reward, s.end = "error", self.config.failure_reward, SessionEnd.HARNESS_CRASH
         s.eval_output = f"{s.stage}: {type(exc).__name__}: {exc}"
         await self._teardown(s)
 
@@ -478,9 +491,14 @@ class Rollout:
         self.on_update(self.sessions)
 
     def finished(self) -> RolloutSummary:
-        """The sessions that completed so far (all of them after `run`): what an interrupted rollout can report."""
+        """The sessions that completed so far (all of them after `run`) and, once the rollout was interrupted, those
+        it stopped on the way (status and end `cancelled`, no reward): what an interrupted rollout can report."""
         done = [s for s in self.sessions if s.stage == "done" and s.status]
-        return RolloutSummary(done, time.monotonic() - self.started, self._utilisation())
+        for s in self.sessions:
+            if s.stage in ("init", "ready", "run", "post") and s.status in ("", "ok", "failed"):
+                s.status, s.reward, s.end = "cancelled", None, SessionEnd.CANCELLED
+        stopped = [s for s in self.sessions if s.status == "cancelled"]
+        return RolloutSummary(done + stopped, time.monotonic() - self.started, self._utilisation())
 
     def _remove_unfinished_workspaces(self) -> None:
         """After an interruption: the workspaces of sessions that never reached teardown."""
@@ -600,7 +618,7 @@ class Rollout:
         await self._teardown(s)
 
     async def _finish_cut(self, s: SessionRun) -> None:
-        s.status = "cut"
+        s.status, s.end = "cut", SessionEnd.CUT
         await self._teardown(s)
 
     def _utilisation(self) -> float:
@@ -612,6 +630,19 @@ class Rollout:
         return busy / (self.config.concurrency * window) if window > 0 else 1.0
 
 
-def write_rewards(summary: RolloutSummary, path: Path) -> None:
-    """Rewards (and per-session status) as Parquet, or JSONL when the path ends in .jsonl."""
+def settle_ends(sessions: Sequence[SessionRun], records: Path | None) -> None:
+    """Each session's end from the runner's part and its calls recorded under `records` (the gateway's folder;
+    None: not readable here, e.g. a gateway attached elsewhere — the runner's part stays, null where it decides
+    nothing)."""
+    if records is None:
+        return
+    calls = read_recorded_calls(records)
+    for s in sessions:
+        s.end = session_end(s.end, calls.get(s.session_id, []))
+
+
+def write_rewards(summary: RolloutSummary, path: Path, records: Path | None = None) -> None:
+    """Rewards (and per-session status and end) as Parquet, or JSONL when the path ends in .jsonl; `records`: the
+    folder the rollout's gateway wrote, whose calls say how each session ended (`settle_ends`)."""
+    settle_ends(summary.sessions, records)
     write_rewards_table(summary.table(), path)

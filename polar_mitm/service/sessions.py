@@ -63,7 +63,7 @@ class LocalSessions:
     def _traces(self, s: SessionRun, builder: str) -> list[Trace]:
         if self._eot is None:
             self._eot = flows_eot(self.flows)
-        return session_traces(self.flows, s.session_id, s.reward, builder, self._eot)
+        return session_traces(self.flows, s.session_id, s.reward, builder, self._eot, s.status)
 
     def forget(self, s: SessionRun) -> None:
         self.pool.forget(s)

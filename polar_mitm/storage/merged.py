@@ -3,6 +3,7 @@
 The contract, defined once and versioned: `MERGED_SCHEMA` (Arrow) and `MergedSequence` (the typed row), with the
 checks every reader makes (`validate_sequence`). Produced by `polar-mitm merge` (per_request or prefix_merging),
 consumed by `polar-mitm grpo` and `polar-mitm sft`.
+`end` is how the session ended (storage/session_ends.py) and `finish_reason` the engine's reason for its last turn.
 Invariants: `loss_mask[i] == 1` exactly where `input_ids[i]` is a token the model sampled, and there `logprobs[i]`
 is the behaviour logprob recorded when it was sampled; everywhere else `logprobs[i] == 0.0`.
 
@@ -32,6 +33,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from polar_mitm.storage.location import InputNotFound, Location, StorageError, one_line, resolve_path
+from polar_mitm.storage.session_ends import END_VALUES
 
 # -- the contract ------------------------------------------------------------------------------------------------
 
@@ -41,7 +43,9 @@ from polar_mitm.storage.location import InputNotFound, Location, StorageError, o
 # v4: span_starts + span_versions (the weight version of each contiguous span of sampled tokens, from the records'
 # version_spans: a push may land between two tokens of a call); older files read null, which means one span from
 # prompt_len of weight_version_min (`MergedSequence.version_spans`).
-MERGED_SCHEMA_VERSION = 4
+# v5: end (how the session ended, session_ends.SessionEnd: the same on every sequence of a session, which training
+# rules act on); older files read null (not recorded), and `finish_reason` stays the engine's, of the last turn.
+MERGED_SCHEMA_VERSION = 5
 
 MERGED_SCHEMA = pa.schema(
     [
@@ -73,6 +77,8 @@ MERGED_SCHEMA = pa.schema(
         # first at or before the first sampled token) and the version; a span runs to the next span's start.
         pa.field("span_starts", pa.list_(pa.int32())),
         pa.field("span_versions", pa.list_(pa.string())),
+        # v5 — how the session ended (session_ends.SessionEnd), the same on each of its sequences.
+        pa.field("end", pa.string()),
     ],
     metadata={"polar_mitm.merged_schema_version": str(MERGED_SCHEMA_VERSION)},
 )
@@ -103,6 +109,7 @@ class MergedSequence:
     turn_constrained: list[bool | None] | None = None
     span_starts: list[int] | None = None
     span_versions: list[str | None] | None = None
+    end: str | None = None
     schema_version: int = MERGED_SCHEMA_VERSION
     extra: dict = field(default_factory=dict, repr=False)  # not persisted
 
@@ -176,6 +183,8 @@ def validate_sequence(seq: MergedSequence, *, where: str = "") -> None:
             seq.prompt_len <= s < n for s in spans
         ):
             raise MergedDataError(f"{at}: span_starts {spans[:8]} not increasing within [prompt_len, {n})")
+    if seq.end is not None and seq.end not in END_VALUES:
+        raise MergedDataError(f"{at}: end {seq.end!r} is none of {', '.join(END_VALUES)}")
     sampled = mask == 1
     bad_logprob = np.flatnonzero(sampled & ~(np.isfinite(logprobs) & (logprobs <= 1e-6)))
     if bad_logprob.size:
@@ -212,6 +221,7 @@ PARQUET_OPTIONS: dict[str, Any] = {
         "task_id",
         "builder",
         "finish_reason",
+        "end",
         "weight_version_min",
         "weight_version_max",
         "loss_mask",

@@ -322,6 +322,7 @@ OPTIONAL_COLUMNS = (
     "call_kind",
     "output_constraint",
     "version_spans",
+    "response_json",  # the answer the harness got: a tool call left in it as text was not parsed (session_ends.py)
 )
 
 
@@ -392,7 +393,15 @@ def _is_number(t: pa.DataType) -> bool:
 COLUMN_KINDS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
     **{
         name: (_is_text, "text")
-        for name in ("request_id", "session_id", "task_id", "finish_reason", "weight_version", "error")
+        for name in (
+            "request_id",
+            "session_id",
+            "task_id",
+            "finish_reason",
+            "weight_version",
+            "error",
+            "response_json",
+        )
     },
     "seq": (pa.types.is_integer, "an integer"),
     "prompt_ids": (_list_of(pa.types.is_integer), "a list of integers"),

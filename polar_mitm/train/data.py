@@ -67,7 +67,7 @@ def truncate(seq: MergedSequence, max_length: int | None) -> MergedSequence | No
         input_ids=seq.input_ids[:max_length],
         loss_mask=seq.loss_mask[:max_length],
         logprobs=seq.logprobs[:max_length],
-        finish_reason="truncated",
+        # finish_reason and end stay the recorded ones: --max-length cuts the training row, not the session
         extra={**seq.extra, "truncated_from": len(seq.input_ids)},
     )
 
