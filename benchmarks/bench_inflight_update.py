@@ -7,7 +7,10 @@ Chat wire format), and a push every `--push-every` seconds alternating two check
 lands between two tokens of the running generation (engine/generation.py), so no session waits it out or is
 dropped. Per push: its latency (request → the engine serves the new version: the checkpoint load, then the next
 token boundary) and the stall the streams saw (the longest gap between two chunks of any stream minus the median
-gap). At the end: the records' version spans summed per version, and the engine's own count (`/engine_stats`).
+gap). At the end: the records' version spans summed per version, and the engine's own count (`/engine_stats`);
+and what a trainer's step-0 check would see (train/behaviour_check.py's `logp_diff`): every recorded logprob scored
+again by the weights its own span names, beside the same tokens scored by the one version the record's
+`weight_version` names (what a record without spans says) — the second is the error per-token versions remove.
 
     .venv/bin/python benchmarks/bench_inflight_update.py [--sessions 8] [--sampled 256] [--push-every 3]
 """
@@ -75,6 +78,32 @@ def record_tokens_by_version(flows: Path) -> Counter:
     return counts
 
 
+def step0_logp_diff(flows: Path, checkpoint_of: dict[str, Path]) -> tuple[float, float, int, int]:
+    """Mean |recomputed - recorded| over the sampled tokens of the records a push split (the tokens a version
+    change touches), scored per span's version and by the record's one version; and the records and tokens so
+    compared."""
+    from polar_mitm.engine.generation import Engine
+
+    engines = {version: Engine(path) for version, path in checkpoint_of.items()}
+    per_span, per_record, tokens, records = 0.0, 0.0, 0, 0
+    for row in read_all(flows).to_pylist():
+        spans = version_spans_of(row["version_spans"], row["weight_version"])
+        if len(spans) < 2:
+            continue
+        records += 1
+        prompt, sampled, recorded = row["prompt_ids"], row["completion_ids"], row["completion_logprobs"]
+        whole = {
+            v: engines[v].score(prompt, sampled) for v in {row["weight_version"], *(v for _, v in spans)}
+        }
+        ends = [s for s, _ in spans[1:]] + [len(sampled)]
+        for (start, version), end in zip(spans, ends, strict=True):
+            for i in range(start, end):
+                per_span += abs(whole[version][i] - recorded[i])
+                per_record += abs(whole[row["weight_version"]][i] - recorded[i])
+        tokens += len(sampled)
+    return per_span / max(tokens, 1), per_record / max(tokens, 1), records, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -95,6 +124,10 @@ def main() -> None:
         engine_url, root / "flows", confdir=root / "conf", log=root / "gw.log"
     )
     checkpoints = [resolve_model("tiny", seed=1), resolve_model("tiny")]
+    first_version = httpx.get(
+        f"{engine_url}/model_info", headers=engine_keys.auth_headers(engine_url), timeout=10
+    ).json()["weight_version"]
+    checkpoint_of = {str(first_version): resolve_model("tiny")}
     body = {
         "model": "gpt-4.1",
         "stream": True,
@@ -118,7 +151,8 @@ def main() -> None:
             if not any(t.is_alive() for t in threads):
                 break
             start = time.perf_counter()
-            push_weights(engine_url, checkpoints[len(pushes) % 2])
+            version = push_weights(engine_url, checkpoints[len(pushes) % 2])
+            checkpoint_of[str(version)] = checkpoints[len(pushes) % 2]
             pushes.append((start, time.perf_counter()))
         for t in threads:
             t.join()
@@ -154,6 +188,12 @@ def main() -> None:
     print(f"tokens per version, records: {dict(sorted(recorded.items()))}")
     print(f"tokens per version, engine:  {dict(sorted(engine_counts.items()))}")
     print("equal" if dict(recorded) == engine_counts else "DIFFERENT")
+    per_span, per_record, records, tokens = step0_logp_diff(root / "flows", checkpoint_of)
+    print(
+        f"step-0 logp_diff over the {tokens} sampled tokens of the {records} records a push split: "
+        f"{per_span:.2e} scored per span's version, {per_record:.2e} scored by the record's one version "
+        f"({per_record / max(per_span, 1e-12):.0f}x)"
+    )
 
 
 if __name__ == "__main__":
