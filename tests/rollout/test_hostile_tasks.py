@@ -284,8 +284,16 @@ def test_an_interrupted_rollout_writes_the_rewards_of_finished_sessions(gateway,
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 128 + sig, stderr
         assert "Traceback" not in stderr
-        [row] = rewards(work)
-        assert row["task_id"] == "fast" and row["status"] == "ok" and row["reward"] == 1.0
+        fast, slow = sorted(rewards(work), key=lambda row: row["task_id"])
+        assert fast["task_id"] == "fast" and fast["status"] == "ok" and fast["reward"] == 1.0
+        assert fast["end"] == "completed"
+        # the session the signal stopped: a row saying so, without a reward (merge never trains on it)
+        assert (slow["task_id"], slow["status"], slow["end"], slow["reward"]) == (
+            "slow",
+            "cancelled",
+            "cancelled",
+            None,
+        )
         time.sleep(0.5)
         assert not Path(f"/proc/{harness_pid}").exists() or _zombie(harness_pid)  # the harness was stopped
     finally:
