@@ -7,9 +7,11 @@ session's group before it execs (`join_argv`), so everything it starts is born i
 the whole group: cgroup v2's `cgroup.kill` (one write, atomic against forks), else v1's `pids` controller with
 new forks refused first.
 
-Where no cgroup file system is writable (a container without it, not root) `SessionCgroups.open` says so once and
-sessions fall back to the process group and the marker. What stays open without a sandbox: a process running as
-root can write its own pid into another cgroup's `cgroup.procs`; the sandbox's PID namespace closes that.
+Where no cgroup file system is writable (a container without it, not root), or `POLAR_SESSION_CGROUPS=off` asks
+for none (to run as such a machine does), `SessionCgroups.open` says so once and sessions fall back to the process
+group and the marker, and their memory and process limits to rlimits (sandbox/limits.py). What stays open without
+a sandbox: a process running as root can write its own pid into another cgroup's `cgroup.procs`; the sandbox's PID
+namespace closes that.
 
 Limits (`SessionCgroup.limit`): a sandboxed session's memory and process count are its group's (`memory.max`,
 `pids.max`). Where the v2 group lacks those controllers (a hybrid machine: v2 for the kill, v1 for the rest), the
@@ -29,6 +31,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MOUNTS = Path("/proc/self/mounts")
+# "off": no session cgroups in this process (as on a machine without them); unset or "auto": where writable.
+CGROUPS_ENV = "POLAR_SESSION_CGROUPS"
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class SessionCgroup:
         joins = "".join(f'echo 0 2>/dev/null >"${i}"; ' for i in range(1, len(procs_files) + 1))
         return ["/bin/sh", "-c", f'{joins}shift {len(procs_files)}; exec "$@"', "polar-session", *procs_files]
 
-    def limit(self, memory_bytes: int, pids: int) -> list[str]:
-        """Bound the group's memory and process count where a file for it is writable; the limits set."""
+    def limit(self, memory_bytes: int, pids: int) -> frozenset[str]:
+        """Bound the group's memory and process count where a file for it is writable; which of "memory" and
+        "pids" are bounded (the others are left to the rlimit fallback, sandbox/limits.py)."""
         wanted = {
             "memory.max": str(memory_bytes),
             "memory.limit_in_bytes": str(memory_bytes),
@@ -70,7 +75,8 @@ class SessionCgroup:
                         done.append(name)
                     except OSError as exc:
                         log.debug("cannot set %s: %s", target, exc)
-        return done
+        held = {"memory"} if {"memory.max", "memory.limit_in_bytes"} & set(done) else set()
+        return frozenset(held | ({"pids"} if "pids.max" in done else set()))
 
     def pids(self) -> list[int]:
         try:
@@ -107,7 +113,18 @@ class SessionCgroups:
 
     @classmethod
     def open(cls) -> SessionCgroups:
-        """A parent group where one can be made (cgroup v2, else v1 `pids`); else one that makes none."""
+        """A parent group where one can be made (cgroup v2, else v1 `pids`) and `CGROUPS_ENV` allows; else one that
+        makes none."""
+        wanted = os.environ.get(CGROUPS_ENV) or "auto"
+        if wanted == "off":
+            log.warning(
+                "%s=off: no session cgroups; memory and process limits fall back to rlimits", CGROUPS_ENV
+            )
+            return cls(None, False)
+        if wanted != "auto":
+            log.warning(
+                "%s=%r is neither 'off' nor 'auto': cgroups are used where writable", CGROUPS_ENV, wanted
+            )
         for v2, where in ((True, _v2_home()), (False, _v1_pids_home())):
             if where is None:
                 continue
@@ -121,7 +138,8 @@ class SessionCgroups:
                 continue
             return cls(root, v2, _v1_limit_roots(root) if v2 else _v1_limit_roots(root, ("memory",)))
         log.info(
-            "no writable cgroup file system: a session's processes are found by process group and marker"
+            "no writable cgroup file system: a session's processes are found by process group and marker, its "
+            "memory and process count bounded by rlimits"
         )
         return cls(None, False)
 

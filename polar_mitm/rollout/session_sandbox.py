@@ -46,20 +46,20 @@ def session_group(sandbox: Sandbox, box: SessionBox, session_id: str) -> session
     in a thread."""
     group = session_cgroup.for_sessions().new(session_cgroup.group_name(session_id))
     if group is not None and sandbox.confines:
-        group.limit(box.limits.memory_mb * MIB, box.limits.pids)
+        box.held_by_cgroup = group.limit(box.limits.memory_mb * MIB, box.limits.pids)
     return group
 
 
 def launch_prefix(sandbox: Sandbox, box: SessionBox, group: session_cgroup.SessionCgroup | None) -> list[str]:
     """What a session's process is started through: a shell that joins its cgroup (`session_group`), then
-    `prlimit` lowering its rlimits, then the sandbox. Exec wrappers rather than a `preexec_fn`: Python code between
-    fork and exec makes every spawn a full fork of the runner's process with its event loop stopped (a spawn with a
-    no-op preexec 11.4 ms, without 4.7 ms, measured here)."""
+    `prlimit` lowering its rlimits (memory too where the cgroup does not hold it), then the sandbox. Exec wrappers
+    rather than a `preexec_fn`: Python code between fork and exec makes every spawn a full fork of the runner's
+    process with its event loop stopped (a spawn with a no-op preexec 11.4 ms, without 4.7 ms, measured here)."""
     prefix: list[str] = []
     if group is not None:
         prefix += group.join_argv()
     if sandbox.confines:
-        prefix += box.limits.prlimit_argv()
+        prefix += box.limits.prlimit_argv(memory="memory" not in box.held_by_cgroup)
     return prefix
 
 

@@ -1,15 +1,15 @@
 """Sandboxes: every rollout session (its agent, then its evaluation) in one, picked once by this registry.
 
-    none     the host, unconfined (must be asked for; a warning says so)          none.py
-    bwrap    bubblewrap namespaces, the default (a few ms per session)            bwrap.py
-    podman   a container from --image, same contract (not exercised here)        container.py
-    docker   likewise
+    none     the host, unconfined (must be asked for; a warning says so)           none.py
+    bwrap    bubblewrap namespaces, the default (a few ms per session)             bwrap.py
+    podman   a container from --image, same contract (run: test_podman.py)        container.py
+    docker   likewise (its command line tested: no docker engine runs here)
 
 Why: a session runs an agent we do not trust on a machine that holds what grades it, the engine it could sample
 from unrecorded and the other sessions' workspaces. Each kind shows a session only its workspace, a private /tmp
 and HOME, the system and the harness installs read-only (mounts.py), and no network but its gateway's ports
-through a Unix-socket tunnel (tunnel.py); its memory and processes are bounded by the session cgroup and its open
-files and file sizes by rlimits (limits.py). See recipes/sandboxes.md.
+through a Unix-socket tunnel (tunnel.py); its memory and processes are bounded by the session cgroup (rlimits where
+none can be made) and its open files and file sizes by rlimits (limits.py). See recipes/sandboxes.md.
 """
 
 from __future__ import annotations

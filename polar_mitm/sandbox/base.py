@@ -31,7 +31,8 @@ class SandboxUnavailable(RuntimeError):
 class SessionBox:
     """One session's sandbox: its workspace (read-write at `workspace_inside`), what else it may see, its gateway
     ports (none: no network at all) and its limits. `home` is a prepared HOME to bind read-write (a preset's
-    config files); without one the session gets a private tmpfs HOME."""
+    config files); without one the session gets a private tmpfs HOME. `held_by_cgroup` names the limits
+    ("memory", "pids") the session's cgroup enforces; the others fall back to rlimits (limits.py)."""
 
     workspace: Path
     workspace_inside: Path | None = None
@@ -41,6 +42,7 @@ class SessionBox:
     sockets: Path | None = None  # the tunnel's host folder, bound at SOCKETS_INSIDE
     limits: Limits = field(default_factory=Limits)
     binds: list[Mount] = field(default_factory=list)  # more, at paths of their own (a grader's /tests, /logs)
+    held_by_cgroup: frozenset[str] = frozenset()  # set by the one who limits the session's cgroup
 
     @property
     def inside(self) -> Path:

@@ -7,7 +7,8 @@ every rollout can have one. Per session: new mount, PID, IPC, UTS, cgroup, user 
 `--cap-drop ALL`), `--die-with-parent` and `--new-session` (no TIOCSTI into our terminal); the allow-list of
 mounts.py read-only; a private `/proc`, `/dev`, `/tmp` and HOME (tmpfs with a size); the workspace read-write.
 When the harness (bwrap's child) exits, the namespace's init goes and the kernel kills everything left in it:
-a `setsid` daemon with a cleaned environment included.
+a `setsid` daemon with a cleaned environment included. Where no cgroup holds the session's process count, the first
+command inside is `prlimit --nproc` (limits.py says where it binds and where it does not).
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ class Bwrap(Sandbox):
         self, box: SessionBox, argv: list[str], env: dict[str, str], cwd: Path
     ) -> tuple[list[str], dict[str, str]]:
         # bwrap's child inherits bwrap's environment, so the host env of bwrap is the session's, nothing more.
-        return [self.binary, *self.arguments(box, cwd), "--", *self.inner_command(box, argv)], self.inner_env(
-            box, env
-        )
+        inner = self.inner_command(box, argv)
+        # No cgroup counts its processes: RLIMIT_NPROC, set in its user namespace.
+        if "pids" not in box.held_by_cgroup:
+            inner = [*box.limits.process_limit_argv(), *inner]
+        return [self.binary, *self.arguments(box, cwd), "--", *inner], self.inner_env(box, env)
 
     def arguments(self, box: SessionBox, cwd: Path) -> list[str]:
         """bwrap's options for `box`: namespaces, then the file system in mount order (later binds sit on top)."""

@@ -5,8 +5,9 @@ workspace read-write and the harness installs read-only at their own paths, a pr
 limits as the engine's own flags (`--memory`, `--pids-limit`, `--ulimit`), the container removed with the session
 (`--rm`, `--init` reaps what the harness left). The image must hold bash and socat.
 
-Not exercised here: these machines run no container engine (docker is only the client), so this kind is tested on
-the command line it builds (tests/sandbox/test_container_argv.py).
+podman runs for real where scripts/setup-podman.sh has made its root file system (rootful, runc on a hybrid cgroup
+machine; tests/sandbox/test_podman.py, skipped where it is missing). docker is tested on the command line it builds
+only (tests/sandbox/test_choosing_a_sandbox.py): these machines run no docker engine.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from polar_mitm.sandbox import DEFAULT_SANDBOX
 from polar_mitm.tasks.swe import DEFAULT_PROMPT, InstanceError, SweOptions, load_instances, write_tasks
 from polar_mitm.tasks.task_file import TaskFileError, load_tasks
 
@@ -182,12 +183,22 @@ def harbor_command(
 def check_command(
     tasks_file: Annotated[Path, typer.Argument(help="Task file (JSONL) with Harbor tasks (eval.harbor).")],
     parallel: Annotated[int, typer.Option(help="Tasks checked at a time.")] = 2,
+    sandbox: Annotated[
+        str,
+        typer.Option(
+            help="bwrap | podman | docker: the sandbox each oracle and verifier runs in, a rollout session's "
+            "(recipes/sandboxes.md)."
+        ),
+    ] = DEFAULT_SANDBOX,
+    image: Annotated[str | None, typer.Option(help="The container image of --sandbox podman|docker.")] = None,
 ) -> None:
-    """Run each Harbor task's oracle (solution/solve.sh: must score 1.0) and a no-op agent (must score 0.0)."""
+    """Run each Harbor task's oracle (solution/solve.sh: must score 1.0) and a no-op agent (must score 0.0), each in
+    the sandbox a rollout session of the task gets."""
     import asyncio
 
-    from polar_mitm.tasks.harbor_check import check_tasks, table
+    from polar_mitm.tasks.harbor_check import check_sandbox, check_tasks, table
 
+    confined = check_sandbox(sandbox, image)  # one that cannot run here: one line and exit 2, before any task
     try:
         tasks = load_tasks(tasks_file)
     except TaskFileError as exc:
@@ -199,7 +210,7 @@ def check_command(
         raise typer.Exit(2)
     if skipped := len(tasks) - len(harbor_tasks):
         typer.echo(f"note: {skipped} tasks without eval.harbor are not checked", err=True)
-    results = asyncio.run(check_tasks(harbor_tasks, parallel))
+    results = asyncio.run(check_tasks(confined, harbor_tasks, parallel))
     typer.echo(table(results))
     failing = [result.task_id for result in results if result.problems]
     if failing:

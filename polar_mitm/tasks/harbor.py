@@ -4,7 +4,7 @@
 Harbor's layout (Terminal-Bench 2.0; read from Harbor's `models/task/config.py` and its docs):
 
     task-name/
-      task.toml         [task] name…, [metadata] (free-form), [verifier] timeout_sec/env/user, [agent] timeout_sec,
+      task.toml         [task] name…, [metadata] (free-form), [verifier] timeout_sec/env/user, [agent] timeout_sec/user,
                         [environment] build_timeout_sec, docker_image, cpus, memory_mb, storage_mb, gpus…, [solution] env
       instruction.md    the prompt
       environment/      Dockerfile (or docker-compose.yaml with the service `main`): the image the task runs in
@@ -16,6 +16,7 @@ refused, is polar_mitm/tasks/harbor_environment.py's rule.
 
 Every bad folder is one error naming its file and field (`HarborTaskError`), and every folder is read before any
 error is raised, so one run names them all. `[metadata] reward_rule = "mean"` overrides `--reward-rule` per task.
+`[verifier].user` and `[agent].user` are read but cannot be applied (a sandbox has one user): each is a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from polar_mitm.harness.base import id_problem
 from polar_mitm.tasks.harbor_environment import Environment, HarborTaskError, read_environment
-from polar_mitm.tasks.task_file import check_reward_rule
+from polar_mitm.tasks.task_file import USER_NOT_APPLIED, check_reward_rule
 from polar_mitm.tasks.terminal_bench import TaskYamlError, is_task_yaml_folder, stage
 
 TASK_TOML = "task.toml"
@@ -264,8 +265,6 @@ def task_line(task: HarborTask, store: Path, out_dir: Path, reward_rule: str) ->
     }
     if task.has_solution:
         harbor["solution"] = _relative(target / "solution", out_dir)
-    if config.verifier.user is not None:
-        harbor["user"] = str(config.verifier.user)
     timeouts = {"init": config.environment.build_timeout_sec, "eval": config.verifier.timeout_sec}
     if config.agent.timeout_sec is not None:
         timeouts["run"] = config.agent.timeout_sec
@@ -372,5 +371,11 @@ def _write(
     warnings += [f"{task.task_id}: skipped {s}" for task in tasks for s in task.environment.skipped]
     warnings += [
         f"{task.task_id}: no solution/solve.sh (no oracle)" for task in tasks if not task.has_solution
+    ]
+    warnings += [
+        f"{task.task_id}: task.toml [{section}].user = {user!r} {USER_NOT_APPLIED}"
+        for task in tasks
+        for section, user in (("verifier", task.config.verifier.user), ("agent", task.config.agent.user))
+        if user is not None
     ]
     return lines, warnings

@@ -96,7 +96,7 @@ class HarborEval:
     solution: Path | None = None  # solution/solve.sh: the oracle `polar-mitm tasks check` runs
     env: dict[str, str] = field(default_factory=dict)  # the verifier's environment variables
     reward_rule: str = "only"  # how reward.json's named numbers become one reward (HarborSpec.reward_rule)
-    user: str | None = None  # [verifier].user: whom the verifier runs as (the sandbox's to apply)
+    user: str | None = None  # always None: a line's eval.harbor.user is refused (USER_NOT_APPLIED)
 
 
 # A harbor task's `eval_command`, for a runner that does not grade harbor tasks: it fails, never rewards.
@@ -198,6 +198,15 @@ def check_reward_rule(value: str) -> str:
 
 
 REWARD_RULES = ("only", "mean", "min", "max", "sum")
+# Why a Harbor task's [verifier].user / [agent].user cannot be honoured: a sandbox maps a single uid, and a named
+# user's rights (root's capabilities, another user's files) do not exist in it.
+USER_NOT_APPLIED = (
+    "is not applied: every command of a session runs as its sandbox's one user (uid 1000, no capabilities)"
+)
+
+
+def _no_verifier_user(value: str) -> str:
+    raise ValueError(f"{value!r} {USER_NOT_APPLIED}; remove it")
 
 
 class HarborSpec(_Schema):
@@ -210,7 +219,7 @@ class HarborSpec(_Schema):
     # reward.txt is one number; reward.json names several: "only" (exactly one entry, else refused), "mean",
     # "min", "max", "sum" of them all, or "key:NAME" (that entry).
     reward_rule: Annotated[StrictStr, AfterValidator(check_reward_rule)] = "only"
-    user: Text | None = None  # [verifier].user
+    user: Annotated[Text, AfterValidator(_no_verifier_user)] | None = None  # [verifier].user: refused
 
 
 class CheckSpec(_Schema):

@@ -1,7 +1,8 @@
 """Harbor tasks (issue 41, part 2): `polar-mitm tasks harbor` reads Harbor task folders into task lines, refusing
 each bad folder in one line naming its file and field; the grading runs tests/test.sh as Harbor's verifier does and
 accepts its reward only on exit 0; `polar-mitm tasks check` runs every example's oracle (1.0) and a no-op (0.0).
-Commands run as a user runs them (`.venv/bin/polar-mitm`), the verifier under bwrap with private /tests and /logs."""
+Commands run as a user runs them (`.venv/bin/polar-mitm`), the verifier in a session's bwrap sandbox with private
+/tests and /logs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.tasks.harbor_check import bwrap_run
+from polar_mitm.sandbox import SessionBox, get_sandbox
+from polar_mitm.tasks.harbor_check import sandboxed_run
 from polar_mitm.tasks.harbor_grading import RewardFileError, combine, grade, read_rewards
 from polar_mitm.tasks.task_file import HARBOR_UNGRADED, HarborEval, TaskLine, load_tasks, parse_task
 
@@ -204,7 +206,8 @@ def test_an_ambiguous_or_bad_reward_file_is_refused(tmp_path):
 
 
 def grade_in_bwrap(tmp_path: Path, test_sh: str, reward_rule: str = "only"):
-    """grade() as the rollout will call it, its commands in bwrap with this test's own /app, /tests and /logs."""
+    """grade() as the rollout calls it, its commands in a session's bwrap sandbox with this test's own /app, /tests
+    and /logs."""
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "test.sh").write_text(test_sh)
     workspace, tests, logs = tmp_path / "ws", tmp_path / "tests", tmp_path / "logs"
@@ -212,7 +215,8 @@ def grade_in_bwrap(tmp_path: Path, test_sh: str, reward_rule: str = "only"):
     harbor = HarborEval(
         tests=tmp_path / "src", workdir="/app", reward_rule=reward_rule, env={"WHO": "verifier"}
     )
-    run = bwrap_run({"/app": workspace, "/tests": tests, "/logs": logs})
+    box = SessionBox(workspace, workspace_inside=Path("/app"))
+    run = sandboxed_run(get_sandbox("bwrap"), box, {"/tests": tests, "/logs": logs})
     return asyncio.run(grade(harbor, 30, tests_dir=tests, logs_dir=logs, run=run, failure_reward=-1.0))
 
 
@@ -329,3 +333,20 @@ def test_the_memory_a_task_gives_its_container_is_its_sessions_limit(tmp_path, e
     assert polar("tasks", "harbor", str(folder), "-o", str(tmp_path / "tasks.jsonl")).returncode == 0
     [task] = load_tasks(tmp_path / "tasks.jsonl")
     assert task.limits.memory_mb == memory_mb  # unset: the sandbox's own default
+
+
+def test_a_verifier_or_agent_user_is_warned_as_not_applied_and_refused_in_a_task_line(tmp_path):
+    toml = '[task]\nname = "test/t"\n\n[verifier]\nuser = "root"\n\n[agent]\nuser = 1000\n'
+    folder = task_folder(tmp_path, **{"task.toml": toml})
+    out = tmp_path / "tasks.jsonl"
+    result = polar("tasks", "harbor", str(folder), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "warning: t: task.toml [verifier].user = 'root' is not applied: every command" in result.stderr
+    assert "warning: t: task.toml [agent].user = 1000 is not applied" in result.stderr
+    line = json.loads(out.read_text())
+    assert "user" not in line["eval"]["harbor"]
+    line["eval"]["harbor"]["user"] = "root"
+    out.write_text(json.dumps(line) + "\n")
+    refused = polar("tasks", "check", str(out))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "eval.harbor.user" in refused.stderr and "'root' is not applied" in refused.stderr, refused.stderr
