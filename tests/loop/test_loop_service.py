@@ -2,7 +2,7 @@
 
 A real `serve-rollouts` process (embedded engine playing the demo's scripted policy, its gateway, uvicorn) serves
 every rollout; the loop trains on the traces it answers and pushes its weights through `POST /rollout/weights`.
-Checked: through the service, the demo's rewards and merged sequences (turns, first prompt) equal the in-process runner's (greedy, so both
+Checked: through the service, the demo's rewards and merged sequences (ids, masks, turns; logprobs to 1e-4) equal the in-process runner's (greedy, so both
 sample the same); a two-iteration run trains, pushes, and its second rollout is sampled by the pushed version; a
 service that samples at another temperature, and options only the service can honour, are one line and exit 2.
 """
@@ -62,7 +62,7 @@ def rollout_only(run_dir: Path, **changes) -> Path:
 
 
 def per_task(it: Path) -> tuple[dict, dict]:
-    """Each task's rewards and merged sequences (ids, mask, logprobs to 1e-6), order-free within the group."""
+    """Each task's rewards and merged sequences (ids, mask, logprobs, turns, reward), order-free within the group."""
     task_of = {r["session_id"]: r["task_id"] for r in pq.read_table(it / "rewards.parquet").to_pylist()}
     rewards: dict[str, list] = defaultdict(list)
     for row in pq.read_table(it / "rewards.parquet").to_pylist():
@@ -70,7 +70,7 @@ def per_task(it: Path) -> tuple[dict, dict]:
     merged: dict[str, list] = defaultdict(list)
     for row in read_merged(it / "merged").to_pylist():
         assert row["task_id"] == task_of[row["session_id"]]
-        logprobs = tuple(round(lp, 6) for lp in row["logprobs"])
+        logprobs = tuple(row["logprobs"])
         merged[row["task_id"]].append(
             (tuple(row["input_ids"]), tuple(row["loss_mask"]), logprobs, row["n_turns"], row["reward"])
         )
@@ -92,16 +92,14 @@ def test_through_the_service_rewards_and_merged_tokens_equal_the_in_process_runn
     served_rewards, served_merged = per_task(served)
     assert served_rewards == local_rewards and len(served_rewards) == 3
 
-    # Whole-sequence token equality held in most runs but not all (a fix-typo session's later turns differed once in
-    # CI and once here; under investigation): held here is what was stable — each group's sequences, their turn
-    # counts and rewards, and the tokens of their first prompt.
-    def shape(merged: dict) -> dict:
-        return {
-            task: sorted((ids[:64], turns, reward) for ids, _, _, turns, reward in seqs)
-            for task, seqs in merged.items()
-        }
-
-    assert shape(served_merged) == shape(local_merged)
+    # Whole sequences: ids and loss masks equal, logprobs within 1e-4 (the engine's prefix cache may prefill a turn
+    # in another split, which moves a float32 logprob by an ulp or so: equal ids, not equal bits).
+    assert {t: [(ids, mask, turns, r) for ids, mask, _, turns, r in v] for t, v in served_merged.items()} == {
+        t: [(ids, mask, turns, r) for ids, mask, _, turns, r in v] for t, v in local_merged.items()
+    }
+    for task, seqs in served_merged.items():
+        for (*_, served_lps, _, _), (*_, local_lps, _, _) in zip(seqs, local_merged[task], strict=True):
+            assert max((abs(a - b) for a, b in zip(served_lps, local_lps, strict=True)), default=0.0) < 1e-4
     assert sum(len(v) for v in served_merged.values()) == 6
     assert any(any(mask) for seqs in served_merged.values() for _, mask, *_ in seqs)
 
