@@ -18,9 +18,11 @@ from typing import Any
 import pyarrow.compute as pc
 
 from polar_mitm.dashboard.run_files import Stage
+from polar_mitm.dashboard.sessions import judgments
 from polar_mitm.report.trajectories import COLUMNS as MERGED_COLUMNS
 from polar_mitm.report.trajectories import Trajectory, to_trajectory
 from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
+from polar_mitm.storage.judgments import JUDGMENTS_DIR
 from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.merged import MergedShards
 from polar_mitm.storage.records import read_session
@@ -28,7 +30,8 @@ from polar_mitm.storage.records import read_session
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_TOKENS = 1200  # the report's: a longer prompt shows its head and tail
-MERGED_EXTRA = ("request_ids", "weight_version_min", "weight_version_max", "builder", "finish_reason")
+# `end`: how the session ended, on merged sequences of runs that record it (absent before: read as None).
+MERGED_EXTRA = ("request_ids", "weight_version_min", "weight_version_max", "builder", "finish_reason", "end")
 
 
 def stage_tokenizer(stage: Stage):
@@ -103,6 +106,7 @@ def call_view(row: dict[str, Any], tokenizer) -> dict[str, Any]:
         "model_used": row.get("model_used"),
         "finish_reason": row.get("finish_reason"),
         "weight_version": row.get("weight_version"),
+        "version_spans": row.get("version_spans"),  # [{start, version}]: several where a push landed mid-call
         "status_code": row.get("status_code"),
         "error": row.get("error"),
         "call_kind": row.get("call_kind"),
@@ -140,8 +144,26 @@ def merged_views(stage: Stage, session_id: str, tokenizer) -> list[dict[str, Any
     return views
 
 
+def judgment_view(stage: Stage, session_id: str) -> dict[str, Any] | None:
+    """What a judge said of the session (its mode, score, rationale, the reward it made), and the judge call's
+    answer as the judge wrote it; None when no judge scored it."""
+    judgment = judgments(stage).get(session_id)
+    if judgment is None:
+        return None
+    view = asdict(judgment)
+    folder = (stage.root / JUDGMENTS_DIR).resolve()
+    call = (folder / judgment.call).resolve() if judgment.call else None
+    view["answer"] = None
+    if call is not None and call.is_relative_to(folder) and call.is_file():
+        try:
+            view["answer"] = json.loads(call.read_text()).get("answer")
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("%s: %s", call, exc)
+    return view
+
+
 def session_view(stage: Stage, session: dict[str, Any]) -> dict[str, Any]:
-    """The Session page: the session's row, its calls in `seq` order, its merged sequences."""
+    """The Session page: the session's row, its judgment, its calls in `seq` order, its merged sequences."""
     tokenizer = stage_tokenizer(stage)
     rows: list[dict[str, Any]] = []
     if stage.flows_dir.is_dir():
@@ -151,5 +173,6 @@ def session_view(stage: Stage, session: dict[str, Any]) -> dict[str, Any]:
         "session": session,
         "calls": [call_view(row, tokenizer) for row in rows],
         "merged": merged_views(stage, session["session_id"], tokenizer),
+        "judgment": judgment_view(stage, session["session_id"]),
         "decoded": tokenizer is not None,
     }

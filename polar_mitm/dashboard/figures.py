@@ -1,21 +1,18 @@
 """The dashboard's run-level pages, read from the files the loop writes: Overview (loop.json's `IterationStats`
-rows, training metrics, the stage in progress), Discarded (what did not train, and why), Engines (each engine's
-calls on a time axis, with the weight pushes), Evaluation (held-out pass@k per evaluation and per task) and a
-rollout service's tasks.
+rows, training metrics, the stage in progress), Discarded (what did not train, and why: a session's status or
+`end`, a flat group, the merge's exclusions, the tokens `--max-staleness` masked), Evaluation (held-out pass@k per
+evaluation and per task) and a rollout service's tasks. The Engines page is `timeline.py`.
 
-Everything here is a pure read of small files plus the record columns of times; nothing is kept between calls
-except by the session index (`sessions.py`), whose table Discarded reuses.
+Everything here is a pure read of small files; nothing is kept between calls except by the session index
+(`sessions.py`), whose table Discarded reuses.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
-
-import pyarrow as pa
 
 from polar_mitm.dashboard.run_files import (
     Stage,
@@ -25,8 +22,7 @@ from polar_mitm.dashboard.run_files import (
     service_tasks,
     stages,
 )
-from polar_mitm.dashboard.sessions import SessionIndex, record_tables, run_harness
-from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
+from polar_mitm.dashboard.sessions import SessionIndex, run_harness
 from polar_mitm.storage.run_layout import (
     EVENTS_FILE,
     LOOP_FILE,
@@ -39,18 +35,44 @@ from polar_mitm.storage.run_layout import (
 log = logging.getLogger(__name__)
 
 TRAINED_STATUSES = ("ok", "failed", "passed", "completed")  # evaluated sessions: their reward trains
-TIMELINE_CALLS = 5000  # the latest calls drawn per engine
-FIRST_TOKEN_KEYS = ("first_token_at", "first_token_time", "ttft_s", "ttft")
+DISCARD_KEYS = (
+    "stage",
+    "iteration",
+    "session_id",
+    "task_id",
+    "status",
+    "end",
+    "reward",
+    "calls",
+    "finish_reason",
+)
+MASKED_KEY = "staleness/masked_tokens"  # train/staleness.py: sampled tokens over --max-staleness, per step
+
+
+def training_lines(stage_root: Path) -> list[dict[str, Any]]:
+    """A training's per-step metrics lines (`train/metrics.jsonl`), without its closing summary."""
+    return [r for r in read_json_lines(stage_root / TRAIN_DIR / "metrics.jsonl") if "train_runtime" not in r]
 
 
 def training_metrics(stage_root: Path) -> dict[str, float | None]:
-    """The last training step's KL and clip ratio (`train/metrics.jsonl`), when it trained."""
-    rows = read_json_lines(stage_root / TRAIN_DIR / "metrics.jsonl")
+    """The last training step's KL and clip ratio, and the tokens `--max-staleness` masked over its steps."""
+    rows = training_lines(stage_root)
     if not rows:
-        return {"kl": None, "clip_ratio": None, "steps": 0}
+        return {"kl": None, "clip_ratio": None, "steps": 0, "masked_tokens": None}
     last = rows[-1]
     kl = next((v for k, v in last.items() if k == "kl" or k.endswith("/kl") or k.startswith("kl")), None)
-    return {"kl": kl, "clip_ratio": last.get("clip_ratio/region_mean"), "steps": len(rows)}
+    return {
+        "kl": kl,
+        "clip_ratio": last.get("clip_ratio/region_mean"),
+        "steps": len(rows),
+        "masked_tokens": masked_tokens(rows),
+    }
+
+
+def masked_tokens(rows: list[dict[str, Any]]) -> float | None:
+    """Sampled tokens masked for staleness, summed over the steps (None: no step counted them, i.e. no limit)."""
+    counts = [r[MASKED_KEY] for r in rows if isinstance(r.get(MASKED_KEY), int | float)]
+    return sum(counts) if counts else None
 
 
 def mean_staleness(call_staleness: dict[str, int]) -> float | None:
@@ -103,8 +125,12 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _discard(session: dict[str, Any], reason: str, detail: str = "") -> dict[str, Any]:
-    keys = ("stage", "iteration", "session_id", "task_id", "status", "reward", "calls", "finish_reason")
-    return {**{k: session.get(k) for k in keys}, "reason": reason, "detail": detail}
+    """A Discarded row; a session that ended otherwise than completed is discarded for that end (`end`, when the
+    run's rewards hold it), the check's word kept in the detail."""
+    end = session.get("end")
+    if end and end != "completed" and reason not in ("flat group", "held-out", "training skipped"):
+        detail, reason = f"{reason}: {detail}" if detail else reason, end
+    return {**{k: session.get(k) for k in DISCARD_KEYS}, "reason": reason, "detail": detail}
 
 
 def merged_sessions(stage: Stage) -> set[str] | None:
@@ -121,7 +147,8 @@ def merged_sessions(stage: Stage) -> set[str] | None:
 
 
 def discarded(run_dir: Path, index: SessionIndex) -> dict[str, Any]:
-    """Every session or group that did not train, with its reason, and each merge's own exclusion counts."""
+    """Every session or group that did not train, with its reason; each merge's own exclusion counts; how the
+    sessions of each stage ended (`end`, where the rewards hold it); and the tokens `--max-staleness` masked."""
     record = read_json(run_dir / RUN_RECORD, {}) or {}
     keep_flat = bool(((record.get("config") or {}).get("grpo") or {}).get("keep_zero_advantage_groups"))
     table = index.table().to_pylist()
@@ -147,7 +174,43 @@ def discarded(run_dir: Path, index: SessionIndex) -> dict[str, Any]:
                     "problems": summary.get("problems") or [],
                 }
             )
-    return {"rows": rows, "merges": merges}
+    ends = [
+        {"stage": label, "ends": dict(Counter(s["end"] for s in sessions if s.get("end")))}
+        for label, sessions in by_stage.items()
+        if any(s.get("end") for s in sessions)
+    ]
+    return {"rows": rows, "merges": merges, "ends": ends, "staleness": staleness_masks(run_dir)}
+
+
+def staleness_masks(run_dir: Path) -> dict[str, Any]:
+    """Per trained iteration, the sampled tokens `--max-staleness K` left out of the loss (`staleness/masked_tokens`
+    of each step's metrics line, summed: a row trained in two epochs counts twice) and the call staleness the loop
+    counted (loop.json's `call_staleness`: calls by weight updates behind)."""
+    config = (read_json(run_dir / RUN_RECORD, {}) or {}).get("config") or {}
+    limit = (config.get("grpo") or {}).get("max_staleness")
+    by_iteration = {r.get("iteration"): r for r in read_json(run_dir / LOOP_FILE, []) or []}
+    found = []
+    for stage in stages(run_dir):
+        if stage.kind != "iteration":
+            continue
+        lines = training_lines(stage.root)
+        if not lines:
+            continue
+        masking = [r for r in lines if (r.get(MASKED_KEY) or 0) > 0]
+        trained = sum(r.get("batch/loss_tokens") or 0 for r in lines)  # the loss mask's, after masking
+        found.append(
+            {
+                "stage": stage.label,
+                "iteration": stage.iteration,
+                "steps": len(lines),
+                "steps_masking": len(masking),
+                "masked_tokens": masked_tokens(lines),
+                "trained_tokens": trained or None,
+                "staleness_max": max((r.get("staleness/max") or 0 for r in lines), default=None),
+                "call_staleness": (by_iteration.get(stage.iteration) or {}).get("call_staleness") or {},
+            }
+        )
+    return {"max_staleness": limit, "iterations": found}
 
 
 def stage_discards(stage: Stage, sessions: list[dict[str, Any]], keep_flat: bool) -> list[dict[str, Any]]:
@@ -184,74 +247,6 @@ def stage_discards(stage: Stage, sessions: list[dict[str, Any]], keep_flat: bool
             if s["session_id"] not in listed and s["status"] != "running":
                 rows.append(_discard(s, "training skipped", "every group flat: no optimizer step"))
     return rows
-
-
-def first_token(meta_json: str | None, started: float) -> float | None:
-    """The first token's time, from the engine's timings when it gave them (seconds after start or epoch)."""
-    if not meta_json:
-        return None
-    try:
-        meta = json.loads(meta_json)
-    except ValueError:
-        return None
-    for key in FIRST_TOKEN_KEYS:
-        value = meta.get(key) if isinstance(meta, dict) else None
-        if isinstance(value, int | float):
-            return float(value) if value > 1e9 else started + float(value)
-    return None
-
-
-def engine_name(stage: Stage) -> tuple[str, dict[str, Any]]:
-    """The engine a stage's gateways spoke to: its backend URL (and kind) from the records' `_engine.json`."""
-    for engine_file in sorted(stage.flows_dir.rglob(ENGINE_FILE)) if stage.flows_dir.is_dir() else []:
-        info = read_engine_file(str(engine_file.parent)) or {}
-        if info.get("backend"):
-            return str(info["backend"]), {
-                "kind": info.get("engine_kind"),
-                "model": info.get("served_model_name"),
-            }
-    return "engine", {}
-
-
-def engines(run_dir: Path) -> dict[str, Any]:
-    """Per engine, its calls (start, first token when known, end), and the weight pushes (state.json's push stage,
-    with the version pushed); times are epoch seconds."""
-    lanes: dict[str, dict[str, Any]] = {}
-    pushes = []
-    columns = ("session_id", "seq", "started_at", "finished_at", "weight_version", "engine_meta_json")
-    for stage in stages(run_dir):
-        state = read_json(stage.root / STATE_FILE, {}) or {}
-        push = (state.get("stages") or {}).get("push")
-        if push and push.get("time"):
-            pushes.append(
-                {"time": push["time"], "weight_version": push.get("weight_version"), "stage": stage.label}
-            )
-        tables = record_tables(stage, columns)
-        if not tables:
-            continue
-        name, info = engine_name(stage)
-        lane = lanes.setdefault(name, {"engine": name, **info, "calls": []})
-        table = pa.concat_tables(tables, promote_options="permissive")
-        for row in table.to_pylist():
-            if row.get("started_at") is None or row.get("finished_at") is None:
-                continue
-            start = row["started_at"].timestamp()
-            lane["calls"].append(
-                {
-                    "stage": stage.label,
-                    "session_id": row["session_id"],
-                    "seq": row["seq"],
-                    "start": start,
-                    "first_token": first_token(row.get("engine_meta_json"), start),
-                    "end": row["finished_at"].timestamp(),
-                    "weight_version": row.get("weight_version"),
-                }
-            )
-    for lane in lanes.values():
-        lane["calls"].sort(key=lambda c: c["start"])
-        lane["total_calls"] = len(lane["calls"])
-        lane["calls"] = lane["calls"][-TIMELINE_CALLS:]
-    return {"engines": list(lanes.values()), "pushes": sorted(pushes, key=lambda p: p["time"])}
 
 
 def evaluations(run_dir: Path) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from polar_mitm.dashboard import calls, figures
+from polar_mitm.dashboard import calls, figures, timeline
 from polar_mitm.dashboard.live import ChangeFeed
 from polar_mitm.dashboard.run_files import stage_named
 from polar_mitm.dashboard.sessions import FILTERS, SessionIndex, SessionQuery
@@ -147,7 +147,7 @@ def dashboard_app(run_dir: Path, *, token: str | None = None, feed: ChangeFeed |
         Route("/api/sessions", json_route(lambda r: index.page(session_query(r)))),
         Route("/api/session/{session_id:path}", json_route(session)),
         Route("/api/discarded", json_route(lambda r: figures.discarded(run_dir, index))),
-        Route("/api/engines", json_route(lambda r: figures.engines(run_dir))),
+        Route("/api/engines", json_route(lambda r: timeline.engines(run_dir))),
         Route("/api/evaluation", json_route(lambda r: figures.evaluations(run_dir))),
         Route("/api/service", json_route(lambda r: figures.service(run_dir))),
         Route("/api/stream", stream),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.storage import service_layout
+from polar_mitm.storage.judgments import JUDGE_SUMMARY_FILE, JUDGMENTS_DIR
 from polar_mitm.storage.run_layout import (
     EVENTS_FILE,
     FLOWS_DIR,
@@ -130,10 +131,12 @@ def _folder_stamps(folder: Path, depth: int = 3) -> list[tuple[str, tuple[int, i
 
 
 def watched_stage(stage: Stage) -> tuple[Any, ...]:
-    """A fingerprint of one stage's session files (stat only, no reads): outcomes and records."""
+    """A fingerprint of one stage's session files (stat only, no reads): outcomes, judgments and records."""
     stamps: list[Any] = [
         _stamp(stage.root / name) for name in (REWARDS_FILE, SESSIONS_FILE, SERVICE_RESULTS_FILE)
     ]
+    # A judge's summary is written once the rollout's judging ends.
+    stamps.append(_stamp(stage.root / JUDGMENTS_DIR / JUDGE_SUMMARY_FILE))
     stamps += _folder_stamps(stage.flows_dir)
     if stage.kind == "service":
         stamps += _folder_stamps(stage.root / service_layout.TASKS_DIR, 1)
@@ -160,7 +163,7 @@ def service_result_lines(out: Path) -> list[dict[str, Any]]:
 
 
 def service_tasks(out: Path) -> list[dict[str, Any]]:
-    """A rollout service's tasks: id, state, sessions asked and finished, mean reward."""
+    """A rollout service's tasks: id, state, sessions asked and finished (by status), mean reward."""
     tasks = []
     for folder in sorted((out / service_layout.TASKS_DIR).glob("*")):
         request = read_json(folder / service_layout.REQUEST_FILE, {}) or {}
@@ -172,12 +175,17 @@ def service_tasks(out: Path) -> list[dict[str, Any]]:
             for t in ((r.get("trajectory") or {}).get("traces") or [])[:1]
             if t.get("reward") is not None
         ]
+        statuses: dict[str, int] = {}
+        for result in results:
+            status = str(result.get("status"))
+            statuses[status] = statuses.get(status, 0) + 1
         tasks.append(
             {
                 "task_id": request.get("task_id") or folder.name,
                 "status": state.get("status"),
                 "sessions_asked": request.get("num_samples") or request.get("n"),
                 "sessions_finished": len(results),
+                "statuses": statuses,
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             }
         )

@@ -2,7 +2,8 @@
 
 A stage's rows are built from its records' small columns only (ids, `seq`, times, finish reason, weight version,
 token counts — never prompts) summed up per session by Arrow's group-by, joined with what the rollout said of each
-session (rewards.parquet, or sessions.jsonl while it runs, or the service's results). The table is kept per stage
+session (rewards.parquet — with its `end` where the run wrote one —, or sessions.jsonl while it runs, or the
+service's results) and what a judge said of it (ROLLOUT/judgments/: its mode and score). The table is kept per stage
 and rebuilt only when that stage's files change (their mtimes and sizes), so paging through 100k calls reads
 nothing twice. Text search reads the prompt and answer columns on demand and keeps its last answers.
 """
@@ -21,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from polar_mitm.dashboard.run_files import Stage, read_json, read_json_lines, stages, watched_stage
+from polar_mitm.storage.judgments import JUDGMENTS_DIR, Judgment, read_judgments
 from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.records import RECORD_SCHEMA, Source, list_sources
 from polar_mitm.storage.rewards import read_rewards_table
@@ -40,6 +42,7 @@ RECORD_COLUMNS = (
     "completion_tokens",
     "error",
     "provider",
+    "version_spans",  # a push that landed mid-call: the versions after the first
 )
 TEXT_COLUMNS = ("request_json", "messages_json", "response_json")
 SESSION_SCHEMA = pa.schema(
@@ -52,7 +55,11 @@ SESSION_SCHEMA = pa.schema(
         ("harness", pa.string()),
         ("status", pa.string()),
         ("finish_reason", pa.string()),  # of the last call
-        ("reward", pa.float64()),
+        ("end", pa.string()),  # how the session ended (the rewards' `end`: completed, unparsed_tool_call, …)
+        ("reward", pa.float64()),  # what trains: the judged reward where a judge scored the session
+        ("outcome", pa.float64()),  # the check's reward before the judge (judged sessions only)
+        ("judge_score", pa.float64()),  # the judge's normalised score
+        ("judge_mode", pa.string()),  # rubric | group | reference
         ("calls", pa.int64()),
         ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()),
@@ -66,7 +73,7 @@ SESSION_SCHEMA = pa.schema(
     ]
 )
 SORTABLE = tuple(SESSION_SCHEMA.names)
-FILTERS = ("stage", "kind", "task_id", "harness", "status", "finish_reason")
+FILTERS = ("stage", "kind", "task_id", "harness", "status", "end", "finish_reason", "judge_mode")
 MAX_PAGE = 500
 SEARCHES_KEPT = 32
 
@@ -129,8 +136,11 @@ def per_session_records(stage: Stage) -> dict[str, dict[str, Any]]:
             ("weight_version", "distinct"),
         ]
     )
+    mid_call = span_versions(table)
     rows = {}
     for row in grouped.to_pylist():
+        versions = {v for v in row["weight_version_distinct"] if v is not None}
+        versions |= mid_call.get(row["session_id"], set())
         rows[row["session_id"]] = {
             "task_id": row["task_id_first"],
             "provider": row["provider_first"],
@@ -141,9 +151,34 @@ def per_session_records(stage: Stage) -> dict[str, dict[str, Any]]:
             "started_at": row["started_at_min"].timestamp() if row["started_at_min"] else None,
             "finished_at": row["finished_at_max"].timestamp() if row["finished_at_max"] else None,
             "finish_reason": row["finish_reason_last"],
-            "weight_versions": ",".join(sorted(v for v in row["weight_version_distinct"] if v is not None)),
+            "weight_versions": ",".join(sorted(versions, key=version_order)),
         }
     return rows
+
+
+def span_versions(table: pa.Table) -> dict[str, set[str]]:
+    """Per session, the versions of its calls' sampled-token spans (a push may land mid-call: `version_spans`)."""
+    spans = table["version_spans"].combine_chunks()
+    if spans.null_count == len(spans):
+        return {}
+    flat = pc.list_flatten(spans)
+    pairs = pa.table(
+        {
+            "session_id": pc.take(table["session_id"], pc.list_parent_indices(spans)),
+            "version": pc.struct_field(flat, "version"),
+        }
+    )
+    found: dict[str, set[str]] = {}
+    for row in (
+        pairs.group_by("session_id", use_threads=False).aggregate([("version", "distinct")]).to_pylist()
+    ):
+        found[row["session_id"]] = {v for v in row["version_distinct"] if v is not None}
+    return found
+
+
+def version_order(version: str) -> tuple[bool, int, str]:
+    """Numbers by value (9 before 10), then labels as text."""
+    return (not version.isdigit(), int(version) if version.isdigit() else 0, version)
 
 
 def outcomes(stage: Stage) -> dict[str, dict[str, Any]]:
@@ -184,6 +219,18 @@ def service_outcome(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def judgments(stage: Stage) -> dict[str, Judgment]:
+    """What a judge said of the stage's sessions (ROLLOUT/judgments/), by session; none without a judge."""
+    folder = stage.root / JUDGMENTS_DIR
+    if not folder.is_dir():
+        return {}
+    try:
+        return read_judgments(folder)
+    except (OSError, ValueError, TypeError) as exc:  # a file of another version: said, the table still shown
+        log.warning("%s: %s", folder, exc)
+        return {}
+
+
 def run_harness(run_dir: Path) -> str | None:
     """The harness the run was started with (`run.json`), e.g. `sdk:openai_chat`."""
     record = read_json(run_dir / RUN_RECORD, {}) or {}
@@ -196,9 +243,10 @@ def stage_table(stage: Stage, harness: str | None) -> pa.Table:
     """The stage's SESSION_SCHEMA rows: every session with records or an outcome."""
     records = per_session_records(stage)
     said = outcomes(stage)
+    judged = judgments(stage)
     rows = []
     for session_id in sorted(set(records) | set(said)):
-        rec, out = records.get(session_id, {}), said.get(session_id, {})
+        rec, out, judgment = records.get(session_id, {}), said.get(session_id, {}), judged.get(session_id)
         rows.append(
             {
                 "stage": stage.label,
@@ -209,7 +257,11 @@ def stage_table(stage: Stage, harness: str | None) -> pa.Table:
                 "harness": harness or rec.get("provider"),
                 "status": out.get("status") or "running",
                 "finish_reason": rec.get("finish_reason"),
+                "end": out.get("end"),  # absent from the rewards of runs before the session-end vocabulary
                 "reward": out.get("reward"),
+                "outcome": judgment.outcome if judgment else None,
+                "judge_score": judgment.score if judgment else None,
+                "judge_mode": judgment.mode if judgment else None,
                 "calls": rec.get("calls", 0),
                 "prompt_tokens": rec.get("prompt_tokens", 0),
                 "completion_tokens": rec.get("completion_tokens", 0),

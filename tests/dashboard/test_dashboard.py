@@ -1,9 +1,10 @@
 """`polar-mitm dashboard` in a real headless Chromium (Debian's, scripts/setup-browser.sh; driven by Playwright, as
 tests/report/test_browser.py does), over one short loop on the CPU demo tasks (-n 1 -g 2, the scripted policy,
-one held-out task) that runs while the page is open: its iteration appears without a reload. Then every page of the
-finished run renders with no console error and nothing fetched from elsewhere, a session row opens its calls and
-tokens, a prompt carrying `<script>` (planted in a task prompt, so it reaches every record) shows as text and never
-runs, and the server keeps to loopback, GET and its token.
+one held-out task, a push after every optimizer step, flat groups kept so that it always trains) that runs while the page is open: its iteration appears
+without a reload. Then every page of the finished run renders with no console error and nothing fetched from
+elsewhere, a session row opens its calls and tokens, the Engines page marks the training's pushes and the loop's,
+a prompt carrying `<script>` (planted in a task prompt, so it reaches every record) shows as text and never runs,
+and the server keeps to loopback, GET and its token.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ EXAMPLES = ROOT / "examples" / "cpu_tasks"
 BIN = Path(sys.executable).parent
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 HELD_OUT = "append-done"
-LOOP_SECONDS = 150
+LOOP_SECONDS = 240  # ~120 s alone; more on a machine shared with other work
 
 
 def free_port() -> int:
@@ -147,6 +148,7 @@ def finished_run(run_dir, dashboard, browser, tmp_path_factory):
             str(BIN / "polar-mitm"), "loop", str(train), "-o", str(run_dir), "-n", "1", "-g", "2", "-c", "2",
             "--model", "tiny", "--script", str(EXAMPLES / "policy.json"), "--max-tokens", "128",
             "--eval-tasks", str(held_out), "--eval-samples", "2", "--sandbox", "none",
+            "--push-every-steps", "1", "--keep-zero-advantage-groups",  # it always trains, so it always pushes
         ],
         env=environment(),
         stdout=log.open("w"),
@@ -175,6 +177,7 @@ PAGES = {
     "discarded": "#discarded",
     "engines": "svg.timeline rect.call",
     "evaluation": "#evaluations tbody tr",
+    "service": "#service-none",  # a loop run without --service: the page says so (a service's: test_run_layouts)
 }
 
 
@@ -254,6 +257,32 @@ def test_discarded_lists_the_held_out_and_flat_sessions(finished_run, dashboard)
     }
     assert len([r for r in rows if r["reason"] == "held-out"]) == 2
     assert {r["reason"] for r in rows} <= {"held-out", "flat group", "training skipped", "not merged"}
+
+
+def test_engines_mark_the_pushes_of_each_training_step_and_of_the_iteration(
+    finished_run, run_dir, dashboard, browser
+):
+    page, errors, _ = browser
+    steps = [
+        json.loads(line) for line in (run_dir / "iter-0" / "train" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [line for line in steps if "train_runtime" not in line]
+    assert steps, "the loop's iteration trained no step: nothing was pushed"
+    page.goto(f"{dashboard}/#/engines")
+    page.wait_for_selector("svg.timeline rect.call")
+    assert page.locator("svg.timeline line.push-step").count() == len(steps)
+    assert page.locator("svg.timeline line.push-iteration").count() == 1
+    found_by = page.locator("#pushes tbody tr").evaluate_all("rows => rows.map(r => r.dataset.source)")
+    assert found_by.count("training step") == len(steps) and found_by.count("iteration end") == 1
+    assert errors == []
+
+
+def test_discarded_shows_the_staleness_masking_of_each_trained_iteration(finished_run, dashboard, browser):
+    page, _, _ = browser
+    page.goto(f"{dashboard}/#/discarded")
+    page.wait_for_selector("#staleness tbody tr")
+    assert page.locator("#staleness tbody tr").first.locator("td").first.inner_text() == "iter-0"
+    assert "no --max-staleness" in page.locator("main").inner_text()
 
 
 def test_an_unknown_session_is_404(finished_run, dashboard):

@@ -82,7 +82,8 @@ function lineChart(title, series, opts = {}) {
   series.forEach((ser, i) => {
     const pts = ser.points.filter(p => p[1] !== null && p[1] !== undefined);
     if (!pts.length) return;
-    svg.append(s("path", { d: pts.map((p, j) => `${j ? "L" : "M"}${X(p[0])},${Y(p[1])}`).join(" "), fill: "none", stroke: colours[i % 4], "stroke-width": 2 }));
+    // Later series dashed, so one lying on another (reward mean = pass rate for 0/1 rewards) still shows.
+    svg.append(s("path", { d: pts.map((p, j) => `${j ? "L" : "M"}${X(p[0])},${Y(p[1])}`).join(" "), fill: "none", stroke: colours[i % 4], "stroke-width": 2, "stroke-dasharray": i ? "6 4" : "none" }));
     for (const p of pts) { const dot = s("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3, fill: colours[i % 4] }); dot.append(s("title", {}, `${ser.label} @ ${p[0]}: ${fmt.num(p[1])}`)); svg.append(dot); }
   });
   box.append(svg, h("div", { class: "legend" }, series.map((ser, i) => h("span", { style: `color:${colours[i % 4]};margin-right:1em` }, `■ ${ser.label}`))));
@@ -112,6 +113,7 @@ pages.overview = async () => {
     ...ks.map(k => ({ key: k, label: `held-out ${k}`, num: true, cell: r => fmt.num((r.pass_at || {})[k]) })),
     { key: "kl", label: "KL", num: true, cell: r => fmt.num(r.kl, 4) }, { key: "clip_fraction", label: "clip", num: true, cell: r => fmt.num(r.clip_fraction ?? r.clip_ratio, 4) },
     { key: "staleness", label: "staleness", num: true, cell: r => fmt.num(r.staleness, 2) },
+    ...(its.some(r => r.masked_tokens !== null && r.masked_tokens !== undefined) ? [{ key: "masked_tokens", label: "stale tokens masked", num: true, cell: r => fmt.int(r.masked_tokens) }] : []),
     { key: "groups", label: "groups (flat)", num: true, cell: r => `${r.groups} (${r.uninformative_groups})` },
     { key: "trainable_tokens", label: "tokens trained / all", num: true, cell: r => `${r.trainable_tokens} / ${r.total_tokens}` },
     ...stagesSeen.map(st => ({ key: `s-${st}`, label: `${st} s`, num: true, cell: r => fmt.num((r.seconds || {})[st], 1) })),
@@ -123,14 +125,16 @@ pages.overview = async () => {
 
 const SESSION_COLUMNS = [
   { key: "stage", label: "stage" }, { key: "session_id", label: "session" }, { key: "task_id", label: "task" },
-  { key: "harness", label: "harness" }, { key: "status", label: "status" }, { key: "finish_reason", label: "finish" },
-  { key: "reward", label: "reward", num: true, cell: r => fmt.num(r.reward) }, { key: "calls", label: "calls", num: true },
+  { key: "harness", label: "harness" }, { key: "status", label: "status" }, { key: "end", label: "end" }, { key: "finish_reason", label: "finish" },
+  { key: "reward", label: "reward", num: true, cell: r => fmt.num(r.reward) },
+  { key: "judge_score", label: "judge", num: true, cell: r => r.judge_mode ? `${fmt.num(r.judge_score)} (${r.judge_mode}; check ${fmt.num(r.outcome)})` : "—" },
+  { key: "calls", label: "calls", num: true },
   { key: "prompt_tokens", label: "prompt tok", num: true }, { key: "completion_tokens", label: "sampled tok", num: true },
   { key: "init_seconds", label: "init", num: true, cell: r => fmt.secs(r.init_seconds) }, { key: "run_seconds", label: "run", num: true, cell: r => fmt.secs(r.run_seconds) },
   { key: "eval_seconds", label: "eval", num: true, cell: r => fmt.secs(r.eval_seconds) }, { key: "weight_versions", label: "weights" },
   { key: "started_at", label: "started", cell: r => fmt.time(r.started_at) },
 ];
-const FILTER_NAMES = ["stage", "task_id", "harness", "status", "finish_reason"];
+const FILTER_NAMES = ["stage", "task_id", "harness", "status", "end", "finish_reason", "judge_mode"];
 
 function go(page, params) { const q = params && params.toString(); location.hash = `#/${page}${q ? "?" + q : ""}`; }
 
@@ -170,19 +174,34 @@ function tokenViewer(seq, id) {
   return h("div", {}, h("div", { class: "legend" }, `${seq.sampled} sampled of ${seq.total} tokens · grey: context (mask 0) · green: sampled (mask 1) · hover a token for its id and logprob `, mode), box);
 }
 
+// A call's weights: one version, or each span's where a push landed mid-call ("1 → 2 at token 6").
+function callVersions(c) {
+  const spans = c.version_spans || [];
+  if (spans.length < 2) return fmt.text(c.weight_version);
+  return spans.map((sp, i) => i ? `${sp.version} at token ${sp.start}` : String(sp.version)).join(" → ");
+}
+
+function judgmentView(j) {
+  return [h("h2", {}, "Judgment"), h("div", { id: "judgment" },
+    facts([["mode", j.mode], ["judged", j.status], ["score (normalised)", fmt.num(j.score)], ["score as given", fmt.num(j.raw_score)], ["check's reward (outcome)", fmt.num(j.outcome)], ["reward trained", fmt.num(j.reward)], ["error", j.error || null]]),
+    h("h3", {}, "Rationale"), h("pre", { class: "rationale" }, fmt.text(j.rationale)),
+    j.answer ? h("details", {}, h("summary", {}, "the judge's answer as written"), h("pre", {}, j.answer)) : null)];
+}
+
 pages.session = async id => {
   const data = await api(`/api/session/${encodeURIComponent(id)}`);
   const r = data.session;
   const out = [h("p", {}, h("a", { href: "#/sessions" }, "← sessions")), h("h2", {}, `Session ${r.session_id}`),
-    facts([["stage", r.stage], ["task", r.task_id], ["harness", r.harness], ["status", r.status], ["reward", fmt.num(r.reward)], ["calls", r.calls], ["finish reason (last call)", r.finish_reason], ["weight versions", r.weight_versions], ["init / run / eval", `${fmt.secs(r.init_seconds)} / ${fmt.secs(r.run_seconds)} / ${fmt.secs(r.eval_seconds)}`]])];
+    facts([["stage", r.stage], ["task", r.task_id], ["harness", r.harness], ["status", r.status], ["end", r.end], ["reward", fmt.num(r.reward)], ["calls", r.calls], ["finish reason (last call)", r.finish_reason], ["weight versions", r.weight_versions], ["init / run / eval", `${fmt.secs(r.init_seconds)} / ${fmt.secs(r.run_seconds)} / ${fmt.secs(r.eval_seconds)}`]])];
+  if (data.judgment) out.push(...judgmentView(data.judgment));
   if (!data.decoded) out.push(h("p", { class: "muted" }, "no tokenizer found: tokens shown as ids"));
   out.push(h("h2", {}, `Merged sequences (${data.merged.length})`));
   if (!data.merged.length) out.push(h("p", { class: "muted" }, "none: this session was not merged into a training sequence (see Discarded)"));
-  data.merged.forEach((m, i) => out.push(h("h3", {}, `${m.sequence_id} · ${m.n_turns} turns · reward ${fmt.num(m.reward)} · weights ${fmt.text(m.weight_version_min)}…${fmt.text(m.weight_version_max)}`), tokenViewer(m, `merged-${i}`)));
+  data.merged.forEach((m, i) => out.push(h("h3", {}, `${m.sequence_id} · ${m.n_turns} turns · reward ${fmt.num(m.reward)}${m.end ? ` · ended ${m.end}` : ""} · weights ${fmt.text(m.weight_version_min)}…${fmt.text(m.weight_version_max)}`), tokenViewer(m, `merged-${i}`)));
   out.push(h("h2", {}, `Calls (${data.calls.length})`));
   data.calls.forEach((c, i) => {
     const block = h("details", { class: "call", id: `call-${c.seq}`, open: i === 0 },
-      h("summary", {}, `#${c.seq} · ${fmt.text(c.call_kind)} · ${c.finish_reason} · ${c.prompt_tokens} + ${c.completion_tokens} tokens · ${fmt.secs(c.seconds)} · weights ${fmt.text(c.weight_version)}`),
+      h("summary", {}, `#${c.seq} · ${fmt.text(c.call_kind)} · ${c.finish_reason} · ${c.prompt_tokens} + ${c.completion_tokens} tokens · ${fmt.secs(c.seconds)} · weights ${callVersions(c)}`),
       facts([["request id", c.request_id], ["provider / path", `${c.provider} ${c.path}`], ["model asked / used", `${fmt.text(c.model_requested)} / ${fmt.text(c.model_used)}`], ["prompt mode", `${fmt.text(c.prompt_mode)}${c.splice_reason ? " (" + c.splice_reason + ")" : ""}`], ["temperature", c.temperature], ["started", fmt.time(c.started_at)], ["error", c.error]]),
       h("h3", {}, "Tokens"), tokenViewer(c.tokens, `tokens-${c.seq}`),
       h("h3", {}, "Request as the harness sent it"), h("pre", { class: "request-sent" }, fmt.text(c.request_as_sent)),
@@ -198,10 +217,27 @@ pages.discarded = async () => {
   const data = await api("/api/discarded");
   const counts = {};
   data.rows.forEach(r => { counts[r.reason] = (counts[r.reason] || 0) + 1; });
-  const out = [h("h2", {}, `Discarded (${data.rows.length})`), h("p", {}, Object.entries(counts).map(([k, v]) => h("span", { class: "tag" }, `${k}: ${v}`)))];
-  out.push(table([{ key: "stage", label: "stage" }, { key: "session_id", label: "session" }, { key: "task_id", label: "task" }, { key: "reason", label: "reason" }, { key: "status", label: "status" }, { key: "reward", label: "reward", num: true, cell: r => fmt.num(r.reward) }, { key: "detail", label: "why" }], data.rows, { id: "discarded", onRow: r => go(`session/${encodeURIComponent(r.session_id)}`) }));
+  const masked = data.staleness.iterations.reduce((sum, r) => sum + (r.masked_tokens || 0), 0);
+  const tags = Object.entries(counts).map(([k, v]) => h("span", { class: "tag" }, `${k}: ${v} sessions`));
+  if (masked) tags.push(h("span", { class: "tag", id: "masked-tag" }, `masked for staleness: ${fmt.int(masked)} tokens`));
+  const out = [h("h2", {}, `Discarded (${data.rows.length})`), h("p", { id: "reasons" }, tags)];
+  out.push(table([{ key: "stage", label: "stage" }, { key: "session_id", label: "session" }, { key: "task_id", label: "task" }, { key: "reason", label: "reason" }, { key: "status", label: "status" }, { key: "end", label: "end" }, { key: "reward", label: "reward", num: true, cell: r => fmt.num(r.reward) }, { key: "detail", label: "why" }], data.rows, { id: "discarded", onRow: r => go(`session/${encodeURIComponent(r.session_id)}`) }));
+  const stale = data.staleness;
+  out.push(h("h2", {}, "Masked for staleness"), h("p", { class: "legend" }, stale.max_staleness === null || stale.max_staleness === undefined
+    ? "no --max-staleness: no sampled token was masked for its age (the calls' staleness below)"
+    : `--max-staleness ${stale.max_staleness}: sampled tokens more than ${stale.max_staleness} weight versions older than the weights trained leave the loss (staleness/masked_tokens, summed over each training's steps: a token trained in two epochs counts twice)`));
+  out.push(table([{ key: "stage", label: "iteration" }, { key: "steps", label: "steps", num: true }, { key: "steps_masking", label: "steps masking", num: true }, { key: "masked_tokens", label: "tokens masked", num: true, cell: r => fmt.int(r.masked_tokens) }, { key: "trained_tokens", label: "tokens trained", num: true, cell: r => fmt.int(r.trained_tokens) }, { key: "staleness_max", label: "max staleness", num: true, cell: r => fmt.int(r.staleness_max) }, { key: "call_staleness", label: "calls by updates behind", cell: r => Object.entries(r.call_staleness).map(([k, v]) => `${k}: ${v}`).join(", ") || "—" }], stale.iterations, { id: "staleness" }));
+  if (data.ends.length) out.push(h("h2", {}, "How sessions ended"), table([{ key: "stage", label: "stage" }, { key: "ends", label: "sessions by end", cell: r => Object.entries(r.ends).map(([k, v]) => `${k}: ${v}`).join(", ") }], data.ends, { id: "ends" }));
   out.push(h("h2", {}, "Merge exclusions"), table([{ key: "stage", label: "stage" }, { key: "excluded", label: "calls excluded", cell: r => JSON.stringify(r.excluded) }, { key: "breaks", label: "chain breaks", cell: r => JSON.stringify(r.breaks) }, { key: "dropped_unrewarded_sequences", label: "unrewarded sequences dropped", num: true }, { key: "problems", label: "problems", cell: r => r.problems.join("; ") || "—" }], data.merges, { id: "merges" }));
   return out;
+};
+
+// How each kind of push is found (timeline.py): the loop's push stage, a training's --push-every-steps, a call
+// whose tokens span two versions.
+const PUSH_STYLES = {
+  "iteration end": { colour: "#dc2626", dash: "", width: 2, kind: "push-iteration" },
+  "training step": { colour: "#dc2626", dash: "4 3", width: 1, kind: "push-step" },
+  "in flight": { colour: "#ea580c", dash: "1 3", width: 2, kind: "push-inflight" },
 };
 
 pages.engines = async () => {
@@ -219,18 +255,23 @@ pages.engines = async () => {
     const svg = s("svg", { width, height, class: "timeline" });
     for (const [c, row] of placed) {
       const rect = s("rect", { x: X(c.start), y: 10 + row * rowH, width: Math.max(1.5, X(c.end) - X(c.start)), height: rowH - 3, fill: "#93c5fd", class: "call" });
-      rect.append(s("title", {}, `${c.session_id} #${c.seq} · ${c.stage} · weights ${c.weight_version} · ${(c.end - c.start).toFixed(2)}s${c.first_token ? ` · first token +${(c.first_token - c.start).toFixed(2)}s` : ""}`));
+      rect.append(s("title", {}, `${c.session_id} #${c.seq} · ${c.stage} · weights ${c.weight_version} · ${(c.end - c.start).toFixed(2)}s${c.first_token ? ` · first token +${(c.first_token - c.start).toFixed(2)}s (engine's queue + prefill)` : ""}`));
       svg.append(rect);
       if (c.first_token) svg.append(s("line", { x1: X(c.first_token), x2: X(c.first_token), y1: 10 + row * rowH, y2: 10 + row * rowH + rowH - 3, stroke: "#1e3a8a" }));
     }
+    const labelled = new Set(); // a version's label once, at its first mark
     for (const p of data.pushes) {
-      svg.append(s("line", { x1: X(p.time), x2: X(p.time), y1: 0, y2: height - 20, stroke: "#dc2626", "stroke-dasharray": "4 3", class: "push" }));
-      svg.append(s("text", { x: X(p.time) + 3, y: height - 6, "font-size": 10, fill: "#dc2626" }, `push v${p.weight_version} (${p.stage})`));
+      const style = PUSH_STYLES[p.source] || PUSH_STYLES["iteration end"];
+      const line = s("line", { x1: X(p.time), x2: X(p.time), y1: 0, y2: height - 20, stroke: style.colour, "stroke-dasharray": style.dash, "stroke-width": style.width, class: `push ${style.kind}` });
+      line.append(s("title", {}, `v${p.weight_version} · ${p.source} · ${p.stage} · ${p.detail}`));
+      svg.append(line);
+      if (!labelled.has(p.weight_version)) { labelled.add(p.weight_version); svg.append(s("text", { x: X(p.time) + 2, y: height - 6, "font-size": 10, fill: style.colour }, `v${p.weight_version}`)); }
     }
     out.push(h("h3", {}, `${lane.engine} · ${fmt.text(lane.kind)} · ${lane.total_calls} calls${lane.total_calls > calls.length ? ` (latest ${calls.length} drawn)` : ""}`),
-      h("p", { class: "legend" }, `${fmt.time(t0)} → ${fmt.time(t1)} · a bar per call (start → end; a dark tick at the first token when the engine timed it) · red: weight pushes`), svg);
+      h("p", { class: "legend" }, `${fmt.time(t0)} → ${fmt.time(t1)} · a bar per call (start → end; a dark tick at the first token where the engine reported its queue and prefill times: calls answered whole, not streamed — ${calls.filter(c => c.first_token).length} of ${calls.length} here) · weight pushes: `,
+        ...Object.entries(PUSH_STYLES).map(([name, st]) => h("span", { style: `color:${st.colour};margin-right:1em` }, `┆ ${name}`))), svg);
   }
-  out.push(h("h3", {}, "Weight pushes"), table([{ key: "stage", label: "stage" }, { key: "weight_version", label: "version" }, { key: "time", label: "at", cell: r => fmt.time(r.time) }], data.pushes, { id: "pushes" }));
+  out.push(h("h3", {}, `Weight pushes (${data.pushes.length})`), table([{ key: "time", label: "at", cell: r => fmt.time(r.time) }, { key: "weight_version", label: "version" }, { key: "source", label: "found by" }, { key: "stage", label: "stage" }, { key: "detail", label: "detail" }], data.pushes, { id: "pushes", rowData: r => ({ source: r.source }) }));
   return out;
 };
 
@@ -249,7 +290,8 @@ pages.evaluation = async () => {
 
 pages.service = async () => {
   const data = await api("/api/service");
-  return [h("h2", {}, `Rollout service tasks (${data.tasks.length})`), data.tasks.length ? table([{ key: "stage", label: "stage" }, { key: "task_id", label: "task" }, { key: "status", label: "state" }, { key: "sessions_asked", label: "asked", num: true }, { key: "sessions_finished", label: "finished", num: true }, { key: "reward_mean", label: "reward", num: true, cell: r => fmt.num(r.reward_mean) }, { key: "statuses", label: "statuses", cell: r => r.statuses ? JSON.stringify(r.statuses) : "—" }], data.tasks, { id: "service-tasks", onRow: r => go("sessions", new URLSearchParams({ task_id: r.task_id })) }) : h("p", { class: "muted" }, "not a service run")];
+  const staged = data.tasks.some(t => t.stage); // loop --service: per iteration; a serve-rollouts folder: none
+  return [h("h2", {}, `Rollout service tasks (${data.tasks.length})`), data.tasks.length ? table([...(staged ? [{ key: "stage", label: "stage" }] : []), { key: "task_id", label: "task" }, { key: "status", label: "state" }, { key: "sessions_asked", label: "asked", num: true }, { key: "sessions_finished", label: "finished", num: true }, { key: "reward_mean", label: "reward", num: true, cell: r => fmt.num(r.reward_mean) }, { key: "statuses", label: "sessions by status", cell: r => Object.entries(r.statuses || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "—" }], data.tasks, { id: "service-tasks", onRow: r => go("sessions", new URLSearchParams({ task_id: r.task_id })) }) : h("p", { class: "muted", id: "service-none" }, "not a service run: no rollout service's tasks (serve-rollouts --out, or loop --service)")];
 };
 
 // -- routing and live updates ---------------------------------------------------------------------------------
