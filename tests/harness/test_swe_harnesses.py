@@ -4,7 +4,8 @@
 The scripted tiny engine makes the harness's shell tool (mini-swe-agent's `bash`, the OpenHands CLI's `terminal`)
 apply the instance's gold patch, then end the run — mini-swe-agent by its submit command, OpenHands by a final
 answer; the rollout clones the bundle, builds the task's venv, runs the harness through the gateway (proxy mode),
-grades with swebench and must give reward 1.0. The fixtures and helpers are tests/tasks/test_swe_tasks.py's.
+grades with swebench and must give reward 1.0, every sampled token trained in the exact context it was sampled in
+(the session runs in the default bwrap sandbox). The fixtures and helpers are tests/tasks/test_swe_tasks.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from polar_mitm.harness import get_harness
 from polar_mitm.harness.mini_swe_agent import SUBMIT_COMMAND
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.storage.records import read_all
+from tests.harness.test_harnesses import fidelity
 from tests.tasks.test_swe_tasks import INSTANCES, one_task_file, rollout_cli, swe_file  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -55,3 +57,5 @@ def test_harness_applies_the_gold_patch_and_scores_one_through_polar_mitm_rollou
     else:
         assert '"name": "terminal"' in decoded[0]
         assert tiny_engine.tokenizer.decode(records[1]["completion_ids"], skip_special_tokens=True) == FINAL
+    result = fidelity(records, tiny_engine)  # in the default bwrap sandbox, as the other 11 in tests/sandbox
+    assert result["exact"] == result["sampled"] > 0, result
