@@ -16,6 +16,7 @@ from polar_mitm.engines import router
 from polar_mitm.judges.judging import judge_problem
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.cli import fail, load_inputs
+from polar_mitm.storage.session_ends import ends_line
 from polar_mitm.train.config_options import GRPO_OPTIONS, TRL_OPTIONS, grpo_options
 
 LOOP_OPTIONS = "loop"  # the group of `loop`'s generated options that are LoopConfig fields (`option_values`)
@@ -60,7 +61,8 @@ def iteration_table(results):
     caption = (
         "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); clip/cap: "
         "loss tokens PPO clipped / stale tokens at the TIS cap; "
-        "groups: informative / all (+ drawn to replace flat ones)"
+        "groups: informative / all (+ drawn to replace flat ones); ends: sessions that did not complete, by how they "
+        "ended, with the --on-* rules that masked or zeroed them"
     )
     if evaluated:
         caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
@@ -78,6 +80,7 @@ def iteration_table(results):
         "sampled/total tok",
         "clip/cap",
         "seconds",
+        "ends",
     ]
     for col in [*columns, *(["held-out"] if evaluated else [])]:
         table.add_column(col, justify="right")
@@ -97,6 +100,7 @@ def iteration_table(results):
             f"{r.trainable_tokens}/{r.total_tokens}",
             trust_region_cell(r),
             f"{s['rollout']:.0f}/{s['merge']:.0f}/" + ("skip" if r.train_skipped else f"{s['train']:.0f}"),
+            ends_line(r.session_ends, r.end_rules),
             *held_out,
         )
     return table

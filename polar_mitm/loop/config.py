@@ -17,6 +17,7 @@ from polar_mitm.reconstruct.builders import BuilderName
 from polar_mitm.rollout.cli import RolloutCommandOptions
 from polar_mitm.rollout.runner import RolloutConfig
 from polar_mitm.storage.run_layout import RUN_STATE_DIR
+from polar_mitm.storage.session_ends import RULED_ENDS, EndRule, EndRules
 from polar_mitm.train.config_options import LORA_HELP
 from polar_mitm.train.learning_rate import LEARNING_RATE_HELP
 
@@ -114,6 +115,51 @@ class LoopConfig:
         ),
     )
     keep: int | None = field(default=RolloutConfig.keep, metadata=field_metadata(RolloutConfig, "keep"))
+    # What training does with a rewarded session by how it ended (storage/session_ends.py): keep = as recorded,
+    # zero = the failure reward, mask = left out (its group uses the others). Applied where the merge joins rewards.
+    on_length: EndRule = field(
+        default=EndRule.keep,
+        metadata=option(
+            "A session whose last answer hit --max-tokens. keep: the check's reward already "
+            "says whether the cut answer did the job, and masking would hide the overlong habit from training "
+            "(mask is DAPO's overlong filtering)."
+        ),
+    )
+    on_unparsed_tool_call: EndRule = field(
+        default=EndRule.zero,
+        metadata=option(
+            "A session whose last answer held a tool call the parser could not read. zero: "
+            "breaking the tool protocol is a failure whatever the workspace shows, and the group learns it."
+        ),
+    )
+    on_context_overflow: EndRule = field(
+        default=EndRule.mask,
+        metadata=option(
+            "A session whose last call's prompt overflowed the engine's context. mask: the "
+            "run's context limit, not the policy's last answer, stopped it mid-work."
+        ),
+    )
+    on_harness_timeout: EndRule = field(
+        default=EndRule.zero,
+        metadata=option(
+            "A session killed by its run timeout. zero: a policy that does not finish in "
+            "time fails (the runner's failure reward, as before)."
+        ),
+    )
+    on_harness_crash: EndRule = field(
+        default=EndRule.zero,
+        metadata=option(
+            "A session whose harness exited non-zero (never graded), or whose setup failed. "
+            "zero: the failure reward it had before; mask where a harness crashes for reasons of its own."
+        ),
+    )
+    on_engine_error: EndRule = field(
+        default=EndRule.mask,
+        metadata=option(
+            "A session whose last call the engine answered with an error. mask: the engine "
+            "failed, not the policy; nothing to learn from it."
+        ),
+    )
     sandbox: str = field(default=RolloutConfig.sandbox, metadata=field_metadata(RolloutConfig, "sandbox"))
     image: str | None = field(default=RolloutConfig.image, metadata=field_metadata(RolloutConfig, "image"))
     seed: int = field(
@@ -237,6 +283,11 @@ class LoopConfig:
             "--yes",
         ),
     )
+
+    def end_rules(self) -> EndRules:
+        """The `--on-*` rules, as the merge applies them (zero gives the rollout's failure reward)."""
+        rules = {end: EndRule(getattr(self, f"on_{end}")) for end in RULED_ENDS}
+        return EndRules(rules, failure_reward=RolloutConfig.failure_reward)
 
     def judge_options(self) -> JudgeOptions:
         """The judge settings, as rollout takes them (polar_mitm/judges/options.py)."""

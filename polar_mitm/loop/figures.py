@@ -15,6 +15,7 @@ from polar_mitm.loop.informative import group_figures
 from polar_mitm.loop.trackers import numeric_metrics
 from polar_mitm.rollout.runner import RolloutSummary
 from polar_mitm.storage.run_layout import SERVICE_RESULTS_FILE
+from polar_mitm.storage.session_ends import end_counts
 from polar_mitm.tasks.task_file import passed
 
 
@@ -33,6 +34,10 @@ class IterationStats:
     seconds: dict[str, float] = field(default_factory=dict)
     # --keep: sessions stopped once K of their group were done; no reward, so left out of the group (and of training)
     cut_sessions: int = 0
+    # How the sessions ended (storage/session_ends.py: end → sessions), and the --on-* rules the merge applied to the
+    # rewarded ones that did not complete (`end:rule` → sessions; mask left them out, zero gave the failure reward)
+    session_ends: dict[str, int] = field(default_factory=dict)
+    end_rules: dict[str, int] = field(default_factory=dict)
     # --eval-tasks: the held-out evaluation of the weights this iteration's training produced, when one was due
     eval: EvalResult | None = None
     # task groups rolled out, those with zero advantage (all rewards equal: not trained on), and the groups drawn to
@@ -104,6 +109,8 @@ def iteration_stats(
         total_tokens=merged.total_tokens,
         seconds=seconds,
         cut_sessions=cut_sessions(summary),
+        session_ends=end_counts([s.end for s in summary.sessions]),
+        end_rules=dict(merged.end_rules),
         **group_figures(summary),
     )
 
@@ -116,10 +123,19 @@ class MergeFigures:
     trainable_records: int
     trainable_tokens: int
     total_tokens: int
+    end_rules: dict[str, int] = field(
+        default_factory=dict
+    )  # the --on-* rules applied (`end:rule` → sessions)
 
     @classmethod
     def of(cls, merged: Any) -> MergeFigures:
-        return cls(merged.sequences, merged.trainable_records, merged.trainable_tokens, merged.total_tokens)
+        return cls(
+            merged.sequences,
+            merged.trainable_records,
+            merged.trainable_tokens,
+            merged.total_tokens,
+            dict(merged.end_rules),
+        )
 
 
 def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:

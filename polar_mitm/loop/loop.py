@@ -340,7 +340,7 @@ class Loop:
         merged = it / "merged"
         shutil.rmtree(merged, ignore_errors=True)  # what a merge a kill interrupted left
         if (it / SERVICE_RESULTS_FILE).exists():  # --service: the traces it answered are the merged rows
-            summary = merge_results(it, merged, BuilderName(self.cfg.builder).value)
+            summary = merge_results(it, merged, BuilderName(self.cfg.builder).value, self.cfg.end_rules())
             return MergeOutcome(MergeFigures.of(summary), time.monotonic() - started)
         summary = merge(
             [str(rolled.flows)],
@@ -351,6 +351,7 @@ class Loop:
             tokenizer=str(self.initial_model_dir),
             # Sessions a killed rollout left unfinished have records but no reward: never trained on.
             drop_unrewarded=True,
+            end_rules=self.cfg.end_rules(),  # --on-*: what each way a session ended does to its reward
         )
         return MergeOutcome(MergeFigures.of(summary), time.monotonic() - started)
 

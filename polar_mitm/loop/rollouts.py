@@ -146,7 +146,7 @@ class LoopRollouts:
             engine_url=self.engine_url,
             gateway_options=self.gateway_options(),
         )
-        write_rewards(result.summary, it / "rewards.parquet")
+        write_rewards(result.summary, it / "rewards.parquet", it / "flows")
         write_report(result, it / "ray_report.json")
         if result.interrupted is not None:
             raise KeyboardInterrupt
@@ -157,7 +157,7 @@ class LoopRollouts:
     def _rewarded(self, it: Path, summary: RolloutSummary, started: float) -> RolloutOutcome:
         """A local rollout's outcome once its sessions are judged and its rewards file is written."""
         self._judged(it, summary)
-        write_rewards(summary, it / "rewards.parquet")
+        write_rewards(summary, it / "rewards.parquet", it / "flows")  # the records say how each session ended
         return RolloutOutcome(summary, it / "flows", it / "rewards.parquet", time.monotonic() - started)
 
     def _judged(self, it: Path, summary: RolloutSummary) -> None:
@@ -180,7 +180,7 @@ class LoopRollouts:
         temperature = 0.0 if cfg.eval_greedy else cfg.temperature
         summary = self._local(it, self.eval_tasks, cfg.eval_samples, self.gateway_options(temperature))
         self._judged(it, summary)
-        write_rewards(summary, it / "rewards.parquet")
+        write_rewards(summary, it / "rewards.parquet", it / "flows")
         result = evaluation_result(
             summary,
             iteration=k,

@@ -258,6 +258,7 @@ def session_from_row(row: dict[str, Any], tasks: dict[str, Task]) -> SessionRun:
         session_id=row["session_id"],
         stage="done",
         status=row["status"],
+        end=row.get("end"),  # null in a rewards file written before ends were recorded
         reward=row["reward"],
         exit_code=row["exit_code"],
         eval_output=row["eval_output"] or "",

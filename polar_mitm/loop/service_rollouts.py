@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,14 @@ from polar_mitm.service.traces import merged_sequence
 from polar_mitm.storage import json_lines
 from polar_mitm.storage.merged import MergedSequence
 from polar_mitm.storage.run_layout import SERVICE_RESULTS_FILE
+from polar_mitm.storage.session_ends import (
+    EndRule,
+    EndRules,
+    SessionEnd,
+    combine,
+    rule_key,
+    status_end,
+)
 from polar_mitm.tasks.task_file import Task
 
 if TYPE_CHECKING:
@@ -192,6 +201,9 @@ def session_of(result: SessionResult, task: Task) -> SessionRun:
     meta = result.trajectory.metadata
     s = SessionRun(task=task, index=int(result.metadata.get("sample_index", 0)), session_id=result.session_id)
     s.stage, s.status = "done", str(meta.get("outcome") or "error")
+    # How it ended: the runner's status there, and what its calls said (each trace carries its session's end)
+    traced = next((t.metadata.get("end") for t in result.trajectory.traces if t.metadata.get("end")), None)
+    s.end = combine(status_end(s.status), traced)
     s.reward, s.exit_code = meta.get("reward"), meta.get("exit_code")
     s.eval_output = result.error or ""
     at = 0.0
@@ -215,8 +227,9 @@ def loop_task_id(submitted: str) -> str:
     return submitted.split(":", 2)[-1]
 
 
-def merge_results(it: Path, output: Path, builder: str) -> MergeSummary:
-    """Iteration folder `it`'s service results as merged shards under `output`, with the summary `merge` writes."""
+def merge_results(it: Path, output: Path, builder: str, end_rules: EndRules | None = None) -> MergeSummary:
+    """Iteration folder `it`'s service results as merged shards under `output`, with the summary `merge` writes;
+    `end_rules` applied to each rewarded session as the in-process merge applies them (counted the same way)."""
     from polar_mitm.reconstruct.merge import MergeSummary
     from polar_mitm.reconstruct.turns import sequences_to_table
     from polar_mitm.storage.merged import ShardWriter
@@ -225,17 +238,22 @@ def merge_results(it: Path, output: Path, builder: str) -> MergeSummary:
     results = recorded_results(it)
     sequences: list[MergedSequence] = []
     summary = MergeSummary(builder=builder, inputs=1, sessions=len(results))
+    rules_applied: Counter[str] = Counter()
     for result in results:
         traces = result.trajectory.traces
         summary.records += len({r for t in traces for r in t.metadata.get("request_ids", [])})
-        for trace in traces:
-            seq = merged_sequence(trace)
-            seq.task_id = loop_task_id(result.task_id)
-            sequences.append(seq)
+        mine = [merged_sequence(trace) for trace in traces]
+        end = combine(status_end(result.trajectory.metadata.get("outcome")), *(seq.end for seq in mine))
+        for seq in mine:
+            seq.task_id, seq.end = loop_task_id(result.task_id), end
         if traces:
             rewarded = result.trajectory.metadata.get("reward") is not None
             summary.rewarded_sessions += rewarded
             summary.unrewarded_sessions += not rewarded
+            if rewarded and end_rules is not None:
+                mine = ruled(mine, end_rules, rules_applied, summary)
+        sequences += mine
+    summary.end_rules = dict(sorted(rules_applied.items()))
     sequences = [seq for seq in sequences if seq.reward is not None]  # as the loop's merge: --drop-unrewarded
     writer = ShardWriter(str(output))
     if sequences:
@@ -247,6 +265,24 @@ def merge_results(it: Path, output: Path, builder: str) -> MergeSummary:
     summary.shards, summary.seconds = writer.shards, time.perf_counter() - started
     writer.write_summary(summary.to_json())
     return summary
+
+
+def ruled(
+    sequences: list[MergedSequence], rules: EndRules, applied: Counter[str], summary: MergeSummary
+) -> list[MergedSequence]:
+    """A rewarded session's sequences under its end's rule (reconstruct/merge.py's, counted the same way): none when
+    masked, the failure reward when zeroed."""
+    end = sequences[0].end if sequences else None
+    if end is None or end == SessionEnd.COMPLETED:
+        return sequences
+    rule = rules.rule(end)
+    applied[rule_key(end, rule)] += 1
+    if rule is EndRule.mask:
+        summary.masked_sequences += len(sequences)
+        return []
+    for seq in sequences:
+        seq.reward = rules.reward(end, seq.reward)  # type: ignore[arg-type]
+    return sequences
 
 
 def call_versions(it: Path, sessions: set[str]) -> list[str | None]:

@@ -141,7 +141,9 @@ def read_stage(root: Path, label: str, stats: dict[str, Any] | None = None) -> S
         stage.merge_summary = json.loads((stage.merged_dir / "_summary.json").read_text())
     rewards = root / REWARDS_FILE
     if rewards.exists():
-        stage.rewards = read_rewards_table(rewards, ["session_id", "task_id", "reward", "status"]).to_pylist()
+        stage.rewards = read_rewards_table(
+            rewards, ["session_id", "task_id", "reward", "status", "end"]
+        ).to_pylist()
     elif stage.merged_dir is not None:  # a merge directory alone: the rewards joined into its sequences
         stage.rewards = merged_session_rewards(stage.merged_dir)
     flows = root / FLOWS_DIR

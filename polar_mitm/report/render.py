@@ -13,6 +13,7 @@ from polar_mitm.report.collect import RunData, engine_info, pass_rates, reward_s
 from polar_mitm.report.inputs import INPUT_KINDS, collect_inputs
 from polar_mitm.report.sessions import records_context
 from polar_mitm.report.trajectories import load_report_tokenizer, read_trajectories
+from polar_mitm.storage.session_ends import ends_line
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -120,6 +121,8 @@ def iteration_rows(run: RunData) -> list[dict[str, str]]:
                 "seconds": " / ".join(f"{seconds.get(k, 0):.0f}" for k in ("rollout", "merge", "train")),
                 "groups": groups_cell(s),
                 "held_out": held_out_cell(s),
+                # loop.json rows written before ends were counted have none: `—`
+                "ends": ends_line(s.get("session_ends") or {}, s.get("end_rules")),
             }
         )
     return rows
@@ -201,6 +204,7 @@ def merge_rows(run: RunData) -> list[dict[str, str]]:
                 "trainable": f"{m.get('trainable_tokens', 0)} / {m.get('total_tokens', 0)}",
                 "context_exact": f"{exact}/{checked} ({exact / checked:.0%})" if checked else "—",
                 "breaks": ", ".join(f"{k} {v}" for k, v in (m.get("breaks") or {}).items()) or "none",
+                "ends": ends_line(m.get("session_ends") or {}, m.get("end_rules")),
                 "eot": f"{m.get('eot_token_id')} ({m.get('eot_source')})"
                 if m.get("eot_token_id") is not None
                 else "—",

@@ -32,6 +32,7 @@ class SessionRow:
     errors: int = 0
     finish_reasons: list[str] = field(default_factory=list)  # per call, in seq order
     reward: float | None = None
+    end: str | None = None  # how it ended (storage/session_ends.py), from the rewards file
 
 
 @dataclass
@@ -63,17 +64,20 @@ def read_stage_records(stage: Stage) -> StageRecords | None:
         sampled = pc.fill_null(pc.list_value_length(table["completion_ids"]), 0).to_pylist()
         for row, tokens in zip(table.drop_columns(["completion_ids"]).to_pylist(), sampled, strict=True):
             rows.append({**dict.fromkeys(COLUMNS), **row, "sampled": tokens})
-    rewards = {r["session_id"]: r["reward"] for r in stage.rewards}
-    return StageRecords(stage.label, stage.flows_dir, len(rows), per_session(rows, rewards), problems)
+    rewarded = {r["session_id"]: r for r in stage.rewards}
+    return StageRecords(stage.label, stage.flows_dir, len(rows), per_session(rows, rewarded), problems)
 
 
-def per_session(rows: list[dict[str, Any]], rewards: dict[str, float | None]) -> list[SessionRow]:
-    """One row per session, sorted by task then session."""
+def per_session(rows: list[dict[str, Any]], rewarded: dict[str, dict[str, Any]]) -> list[SessionRow]:
+    """One row per session (its reward and end from its rewards row `rewarded[id]`), sorted by task then session."""
     sessions: dict[str, SessionRow] = {}
     for row in sorted(rows, key=lambda r: (r["session_id"], r["seq"])):
+        said = rewarded.get(row["session_id"], {})
         session = sessions.setdefault(
             row["session_id"],
-            SessionRow(row["session_id"], row["task_id"] or "", reward=rewards.get(row["session_id"])),
+            SessionRow(
+                row["session_id"], row["task_id"] or "", reward=said.get("reward"), end=said.get("end")
+            ),
         )
         session.calls += 1
         session.sampled_tokens += row["sampled"]
@@ -115,6 +119,7 @@ def session_cells(session: SessionRow) -> dict[str, str]:
         "sampled": str(session.sampled_tokens),
         "finish": finish_runs(session.finish_reasons),
         "errors": str(session.errors),
+        "end": session.end or "—",
         "reward": "—" if session.reward is None else f"{session.reward:.2f}",
     }
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from polar_mitm.log_format import EventLog
 from polar_mitm.rollout.runner import SessionRun
+from polar_mitm.storage.session_ends import end_counts, ends_line
 from polar_mitm.terminal import plain, printable
 
 STAGES = ("pending", "init", "ready", "run", "post", "done")
@@ -36,10 +37,11 @@ def render(sessions: list[SessionRun], started: float) -> Table:
 
 
 def summary_table(sessions: list[SessionRun]) -> Table:
-    """Per task: sessions, outcomes, reward mean."""
+    """Per task: sessions, outcomes, reward mean, and how the sessions that did not complete ended (once the records
+    have said: `settle_ends`)."""
     table = Table(title="rewards by task")
-    for col in ("task", "sessions", "ok", "failed", "timeout/crashed", "cut", "reward mean"):
-        table.add_column(col, justify="right" if col != "task" else "left")
+    for col in ("task", "sessions", "ok", "failed", "timeout/crashed", "cut", "reward mean", "ends"):
+        table.add_column(col, justify="left" if col in ("task", "ends") else "right")
     by_task: dict[str, list[SessionRun]] = {}
     for s in sessions:
         by_task.setdefault(s.task.task_id, []).append(s)
@@ -54,6 +56,7 @@ def summary_table(sessions: list[SessionRun]) -> Table:
             str(c["timeout"] + c["crashed"] + c["init_failed"] + c["error"]),
             str(c["cut"]),
             f"{sum(rewards) / len(rewards):.3f}" if rewards else "–",
+            ends_line(end_counts([s.end for s in group])),
         )
     return table
 
@@ -115,6 +118,7 @@ def summary_rows(sessions: list[SessionRun]) -> list[dict]:
                 "task_id": task_id,
                 "sessions": len(group),
                 "statuses": dict(Counter(s.status for s in group)),
+                "ends": end_counts([s.end for s in group]),
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             }
         )

@@ -78,8 +78,17 @@ def write_rewards_table(table: pa.Table, path: Path) -> None:
 
 
 def read_rewards_table(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """A rollout's rewards Parquet file as a table (`columns` only, when given)."""
-    return pq.read_table(path, columns=columns)
+    """A rollout's rewards Parquet file as a table (`columns` only, when given; a column an older file lacks, such as
+    `end`, reads null)."""
+    if columns is None:
+        return pq.read_table(path)
+    present = set(pq.read_schema(path).names)
+    table = pq.read_table(path, columns=[c for c in columns if c in present])
+    for name in columns:
+        if name not in present:
+            kind = REWARDS_SCHEMA.field(name).type if name in REWARDS_SCHEMA.names else pa.null()
+            table = table.append_column(name, pa.nulls(table.num_rows, kind))
+    return table.select(columns)
 
 
 # -- rewards by session, for merge -------------------------------------------------------------------------------

@@ -328,3 +328,19 @@ def end_counts(ends: Sequence[SessionEnd | str | None]) -> dict[str, int]:
         if n:
             counts["unknown" if end is None else str(end)] = n
     return counts
+
+
+def ends_line(session_ends: Mapping[str, int], end_rules: Mapping[str, int] | None = None) -> str:
+    """The sessions that did not complete, by end, with the rules that acted on them (the loop's table, the report):
+    `2 length · 2 unparsed_tool_call (2 zero)`; `all completed`, or `—` where nothing was counted."""
+    applied: dict[str, list[str]] = defaultdict(list)
+    for key, n in (end_rules or {}).items():
+        end, _, rule = key.partition(":")
+        if rule != EndRule.keep:
+            applied[end].append(f"{n} {rule}")
+    parts = [
+        f"{n} {end}" + (f" ({', '.join(applied[end])})" if applied.get(end) else "")
+        for end, n in session_ends.items()
+        if end != SessionEnd.COMPLETED
+    ]
+    return " · ".join(parts) or ("all completed" if session_ends else "—")

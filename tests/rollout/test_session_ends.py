@@ -61,7 +61,8 @@ open("out.txt", "w").write("done\\n")
 SCRIPT = {
     "turns": ["Done."],
     "replies": [
-        {"when": "case:length", "text": "One two three four five six seven eight nine ten eleven twelve."},
+        # longer than any completion budget here (the loop's --max-tokens too)
+        {"when": "case:length", "text": " ".join(["Counting on and on."] * 40)},
         {
             "when": "case:unparsed",
             "text": '<tool_call>\n{"name": "shell", "arguments": {"command": "ls"\n</tool_call>',
