@@ -78,7 +78,19 @@ def write_run(run_dir: Path, calls: int, per_session: int, prompt_tokens: int) -
             )
             pending.append(writer.write(record.to_journal()))
         rewards.append(
-            RewardRow(session_id, task_id, s // TASKS, float(s % 3 == 0), "ok", 0, 0.1, 5.0, 0.2, "")
+            RewardRow(
+                session_id=session_id,
+                task_id=task_id,
+                sample_index=s // TASKS,
+                reward=float(s % 3 == 0),
+                status="ok",
+                end="completed",
+                exit_code=0,
+                init_seconds=0.1,
+                run_seconds=5.0,
+                eval_seconds=0.2,
+                eval_output="",
+            )
         )
         if len(pending) > 5000:
             for future in pending:
