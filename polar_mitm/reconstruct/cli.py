@@ -21,6 +21,7 @@ from polar_mitm.reconstruct.merge import MergeSummary, merge
 from polar_mitm.reconstruct.turns import ListColumn, sequences_from_table
 from polar_mitm.storage.location import Location, StorageError
 from polar_mitm.storage.merged import SHARD_PREFIX, SUMMARY_FILE, MergedSequence, read_merged
+from polar_mitm.storage.session_ends import ends_line
 from polar_mitm.terminal import markup_safe, plain, printable
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # full tables in logs and CI too
@@ -208,6 +209,10 @@ def summary_table(summary: MergeSummary, output: str) -> Table:
         if summary.dropped_unrewarded_sequences:
             unrewarded += f" ({summary.dropped_unrewarded_sequences:,} sequences dropped)"
         rows.append(("rewards", f"{summary.rewarded_sessions:,} sessions rewarded, {unrewarded}"))
+    if (
+        summary.session_ends
+    ):  # how the sessions ended (storage/session_ends.py), and the rules a caller applied
+        rows.append(("session ends", ends_line(summary.session_ends, summary.end_rules)))
     if summary.skipped_files:
         rows.append(("skipped (not records)", "\n".join(markup_safe(f) for f in summary.skipped_files)))
     if summary.problems:
@@ -311,7 +316,8 @@ def _header(seq: MergedSequence) -> Table:
         ("turns", f"{seq.n_turns}  ({', '.join(seq.request_ids)})"),
         ("tokens", f"{len(mask):,} ({int(mask.sum()):,} trainable, prompt {seq.prompt_len:,})"),
         ("weights", f"{seq.weight_version_min} … {seq.weight_version_max}"),
-        ("finish", seq.finish_reason),
+        ("finish", seq.finish_reason),  # the engine's, of the last turn
+        ("session end", seq.end or "not recorded"),
         ("reward", "null" if seq.reward is None else f"{seq.reward:g}"),
     ):
         table.add_row(name, plain(value))

@@ -364,7 +364,9 @@ class _SessionMerger:
 
     def note_unknown_rewards(self) -> None:
         """Count (and name a few of) the reward rows no session of the records matched."""
-        unknown = sorted(set(self.rewards or {}) - self.seen_sessions)
+        # (a row without a reward, e.g. a cut session stopped before its first call, joins nothing: not named)
+        rewarded = {sid for sid, row in (self.rewards or {}).items() if row.reward is not None}
+        unknown = sorted(rewarded - self.seen_sessions)
         self.summary.unknown_reward_sessions = len(unknown)
         self.summary.unknown_reward_examples = unknown[:5]
 
