@@ -11,6 +11,8 @@ Each contract keeps its schema, typed row, validation, writer and reader togethe
 - `journal_format`: the journal's frames and file names, shared by the writer and the reader.
 - `merged`: the merged sequence (MERGED_SCHEMA, `MergedSequence`, its checks) and the merged store's shards.
 - `rewards`: a rollout's rewards file (REWARDS_SCHEMA, `RewardRow`), its writer, and the rewards merge joins.
+- `session_ends`: how a session ended (`SessionEnd`: on rewards rows, merged sequences and service traces), how it is
+  decided from the runner's status and the recorded calls, and the rules (`EndRules`) that act on each end.
 - `engine_info`: `_engine.json`, the description of the engine the records came from.
 - `judgments`: what an LLM judge said about a rollout's sessions (per session, per call), and its answer cache.
 """

@@ -23,8 +23,8 @@ hung up, say nothing of how the agent's conversation ended). A harness is graded
 rule), so an exit != 0 is always `harness_crash` unless an end above it applies. A service trace's end is its
 session's end (`service/traces.py`).
 
-The rules (`EndRule`, one per end that is not `completed`, `cut` or `cancelled` — those two have no reward and are
-never trained on): `keep` trains the session as recorded with its reward; `zero` trains it with the failure reward
+The rules (`EndRule`, one per end in `RULED_ENDS`: not `completed`, always kept, nor `cut` and `cancelled`, which
+have no reward and are never trained on): `keep` trains the session as recorded with its reward; `zero` trains it with the failure reward
 instead; `mask` leaves it out (its sequences excluded and counted; its group's advantages use the other sessions).
 The loop declares one option per rule (`loop/config.py`) and merge applies them where rewards meet sequences
 (`reconstruct/merge.py`).

@@ -124,3 +124,14 @@ def test_a_merged_shard_of_version_4_reads_with_end_null(tmp_path):
     )
     with pytest.raises(MergedDataError, match="end 'finished' is none of"):
         list(MergedShards.at(tmp_path).sequences())
+
+
+def test_docs_records_md_lists_every_end_with_its_meaning_in_precedence_order():
+    from pathlib import Path
+
+    from polar_mitm.storage.session_ends import MEANINGS
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "records.md").read_text()
+    rows = [f"| `{end}` | {MEANINGS[end]} |" for end in PRECEDENCE]
+    assert all(row in docs for row in rows), [row for row in rows if row not in docs]
+    assert [docs.index(row) for row in rows] == sorted(docs.index(row) for row in rows)
