@@ -28,7 +28,7 @@ from polar_mitm.judges.options import JudgeFailure, JudgeOptions
 from polar_mitm.judges.prompt import JudgeAnswerError, json_answer
 from polar_mitm.judges.trace import session_trace
 from polar_mitm.storage import judgments as stored
-from polar_mitm.storage.records import read_all
+from polar_mitm.storage.records import read_all, read_session
 from polar_mitm.tasks.task_file import Task
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class JudgePlaces:
     judgments: Path  # ROLLOUT/judgments (storage/judgments.py)
     cache: Path  # RUN/judge-cache
     harness_logs: Path | None = None  # the harness logs, SESSION_ID.log
+    # Read each judged session's records alone (storage.records.read_session), not the whole folder: the rollout
+    # service's records folder grows for days while it judges a few sessions at a time.
+    records_per_session: bool = False
 
 
 @dataclass
@@ -226,11 +229,16 @@ def _traces(sessions: list[FinishedSession], places: JudgePlaces, budget: int) -
     """Each session's trace, from the rollout's records and its harness log."""
     by_session: dict[str, list[dict[str, Any]]] = {s.session_id: [] for s in sessions}
     if places.records.exists():
-        table = read_all(places.records)
-        table = table.select([c for c in TRACE_COLUMNS if c in table.column_names])
-        for row in table.to_pylist():
-            if row["session_id"] in by_session:
-                by_session[row["session_id"]].append(row)
+        tables = (
+            [read_session(places.records, session_id) for session_id in by_session]
+            if places.records_per_session
+            else [read_all(places.records)]
+        )
+        for table in tables:
+            table = table.select([c for c in TRACE_COLUMNS if c in table.column_names])
+            for row in table.to_pylist():
+                if row["session_id"] in by_session:
+                    by_session[row["session_id"]].append(row)
     traces = {}
     for s in sessions:
         harness_log = ""

@@ -217,11 +217,12 @@ def checked_loop(cfg: LoopConfig):
     tasks, _ = load_inputs(cfg.tasks, cfg.harness, cfg.script)
     if cfg.eval_tasks is not None:
         tasks += load_inputs(cfg.eval_tasks, cfg.harness)[0]
-    if (problem := judge_problem(tasks, cfg.judge_options())) is not None:  # polar_mitm/judges/
+    # With --service the service judges (serve-rollouts --judge-url …): its own options, checked at submit.
+    if cfg.service_url is None and (problem := judge_problem(tasks, cfg.judge_options())) is not None:
         raise fail(problem)
-    if (cfg.ray_address or cfg.service_url) and any(task.judge is not None for task in tasks):
+    if cfg.ray_address and any(task.judge is not None for task in tasks):
         raise fail(
-            "tasks with a judge are judged on the loop's own rollouts only, not with --ray or --service yet"
+            "tasks with a judge are judged on the loop's own rollouts or a --service's, not with --ray yet"
         )
     if cfg.engine_url is not None:  # before the run starts: every session would score 0.0
         try:

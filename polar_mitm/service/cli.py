@@ -3,6 +3,9 @@ gateways in front of it recording to OUT/flows, and the HTTP routes of server.py
 
 The token comes from `POLAR_SERVICE_TOKEN` and is taken out of this process's environment before any session
 starts, so no harness inherits it. Without one the service listens on loopback only, and says so.
+
+The judge of tasks with evaluator strategy `rubric` (`--judge-url`, `--judge-model`, `--judge-failure`, …) is
+`polar-mitm rollout`'s: the same declarations (judges/options.py, JudgeOptions), generated here too.
 """
 
 from __future__ import annotations
@@ -14,22 +17,26 @@ from typing import Annotated
 
 import typer
 
-from polar_mitm.config_options import ConfigOptionsCommand
+from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
+from polar_mitm.judges.options import JudgeOptions
 from polar_mitm.service import TOKEN_ENV
 from polar_mitm.user_errors import UserInputError
 
 SHUTDOWN_GRACE_S = 5  # a request still running when the service is stopped gets this long
+JUDGE_OPTIONS = "judges"  # the group of generated options: JudgeOptions' fields
+JUDGES_PANEL = "Judges (JudgeOptions: tasks of evaluator strategy rubric)"
 
 
 class ServiceCommand(ConfigOptionsCommand):
     """`serve-rollouts` with `--config FILE.yaml` and `--show-config`, as rollout, loop and grpo have them (its own
-    options are all hand-written: none generated)."""
+    options hand-written, the judge's generated from JudgeOptions)."""
 
     def generated_options(self) -> dict[str, list]:
-        return {}
+        return {JUDGE_OPTIONS: field_options(JudgeOptions, panel=JUDGES_PANEL)}
 
 
 def serve_rollouts_command(
+    ctx: typer.Context,
     engine: Annotated[
         str | None, typer.Option(help="Engine URL[,URL…] (default: start the embedded one).")
     ] = None,
@@ -110,6 +117,9 @@ def serve_rollouts_command(
     from polar_mitm.sandbox import get_sandbox
 
     get_sandbox(sandbox, image)  # one that cannot run here: a one-line error before anything starts
+    judging = JudgeOptions(**option_values(ctx, JUDGE_OPTIONS))
+    if (problem := judging.problem()) is not None:
+        raise UserInputError(problem)
     run_service(
         out=out,
         engine=engine,
@@ -126,6 +136,7 @@ def serve_rollouts_command(
         resume=resume,
         sampling=sampling,
         sandbox=(sandbox, image),
+        judging=judging,
     )
 
 
@@ -163,6 +174,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             gateway_options=gateway_options,
             sessions=sessions,
             sandbox=options["sandbox"],
+            judging=options["judging"],
         )
         if options["resume"]:
             rerun = service.resume()

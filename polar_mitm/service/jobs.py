@@ -16,6 +16,10 @@ Durability (storage/service_layout.py): the request is on disk before the submit
 it is reported. After a kill, `resume()` reports each finished session again exactly once (from `results.jsonl`),
 runs the sessions a task still lacks under the sample indices no result holds, and sends again every result its
 callback never acknowledged (callbacks.py); a cancelled or finished task stays as it was.
+
+Judged tasks (evaluator strategy `rubric`, judging.py) are judged before their results are written: each session
+as it finishes, or with mode `group` the task's finished sessions together once none is left to finish (they hold
+no RUN slot meanwhile, and `early_stop_min_usable_sessions` counts them).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.judges.options import JudgeOptions
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import RolloutConfig, SessionRun
 from polar_mitm.service.callbacks import Callbacks, delivered
+from polar_mitm.service.judging import ServiceJudge, Verdict
 from polar_mitm.service.models import (
     SessionResult,
     SessionStatus,
@@ -92,6 +98,9 @@ class Job:
     )  # sample indices given to a session (a result's, after --resume)
     submitted_at: float = field(default_factory=time.time)  # what timeout_seconds counts from, while it waits
     writing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    held: list[SessionRun] = field(
+        default_factory=list
+    )  # finished, waiting for their group's judge (mode group)
 
     def claim_index(self) -> int:
         """The lowest sample index no session of this task holds."""
@@ -173,6 +182,7 @@ class RolloutService:
         gateway_options: dict[str, str] | None = None,
         sessions: LocalSessions | RaySessions | None = None,
         sandbox: tuple[str, str | None] = ("bwrap", None),
+        judging: JudgeOptions | None = None,
     ) -> None:
         self.out, self.endpoints, self.task_root, self.sandbox = out, endpoints, task_root, sandbox
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
@@ -200,6 +210,8 @@ class RolloutService:
             endpoints, runner_config(self.work, max_sessions, sandbox), self.flows
         )
         self.pool.watch(self._on_update)
+        harness_logs = runner_config(self.work, max_sessions, sandbox).log_dir
+        self.judge = ServiceJudge(judging or JudgeOptions(), out, self.flows, harness_logs)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -268,6 +280,11 @@ class RolloutService:
         )  # HarnessSpecError: an unknown harness, before anything is kept
         task = request_task(request, self.task_root)
         check_runtime(request.runtime, self.sandbox)
+        self.judge.check(task)
+        if task.judge is not None and isinstance(self.pool, RaySessions):
+            raise RequestError(
+                "evaluator.strategy rubric: not judged with --ray yet (the records stay on the nodes)"
+            )
         if request.min_weight_version is not None and self.engine_url is None:
             raise RequestError(
                 "metadata.min_weight_version: this service has no engine whose version it can read"
@@ -437,18 +454,37 @@ class RolloutService:
     async def _session(self, job: Job, s: SessionRun) -> None:
         try:
             await self.pool.run(s, job.harness)
-            if s.status and s.status != "cut":
-                await self._finished(job, s)
+            if s.status and s.status != "cut" and self.judge.holds_group(job.task):
+                job.held.append(s)  # still in `inflight`: the task is not done before its group is reported
+            elif s.status and s.status != "cut":
+                await self._finished(job, [s])
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug of ours: the session is lost, said; the service goes on
             logger.exception("session %s of task %s", s.session_id, job.request.task_id)
         finally:
-            job.inflight.discard(s.session_id)
+            if s not in job.held:
+                job.inflight.discard(s.session_id)
             self._owner.pop(s.session_id, None)
             self._stages.pop(s.session_id, None)
             self.pool.forget(s)
             self._early_stop(job)
+            assert self._wake is not None
+            self._wake.set()
+        await self._group_finished(job)
+
+    async def _group_finished(self, job: Job) -> None:
+        """Mode group: once no session of `job` is left to finish, its held sessions judged together, reported."""
+        held_ids = {h.session_id for h in job.held}
+        if not job.held or job.unsent or not job.inflight <= held_ids:
+            return
+        held, job.held = job.held, []
+        try:
+            await self._finished(job, held)
+        except Exception:  # a bug of ours: the group is lost, said; the service goes on
+            logger.exception("the group of task %s", job.request.task_id)
+        finally:
+            job.inflight -= held_ids
             assert self._wake is not None
             self._wake.set()
 
@@ -457,7 +493,7 @@ class RolloutService:
         if (
             wanted is not None
             and job.state == "running"
-            and len(job.results) >= wanted
+            and len(job.results) + len(job.held) >= wanted
             and job.unsent + len(job.inflight)
         ):
             job.unsent = 0
@@ -478,12 +514,15 @@ class RolloutService:
             if s.stage in ("post", "done") and self._wake is not None:
                 self._wake.set()  # its RUN slot is free
 
-    async def _finished(self, job: Job, s: SessionRun) -> None:
-        try:
-            traces, problem = await self.pool.traces(s, job.request.builder.strategy), None
-        except Exception as exc:  # noqa: BLE001 — a session whose records cannot be merged is an ERROR, named
-            traces, problem = [], f"its records could not be merged: {exc}"
-        await self._report(job, self._result(job, s, traces, problem))
+    async def _finished(self, job: Job, sessions: list[SessionRun]) -> None:
+        """Finished sessions of `job` judged (their rewards become the judged ones), merged and reported."""
+        verdicts = await self.judge.judge(job.folder, sessions)
+        for s in sessions:
+            try:
+                traces, problem = await self.pool.traces(s, job.request.builder.strategy), None
+            except Exception as exc:  # noqa: BLE001 — a session whose records cannot be merged is an ERROR, named
+                traces, problem = [], f"its records could not be merged: {exc}"
+            await self._report(job, self._result(job, s, traces, problem, verdicts.get(s.session_id)))
 
     async def _report(self, job: Job, result: SessionResult) -> None:
         """A finished session: on disk first, then in the task's status, on /events and at its callback."""
@@ -495,11 +534,20 @@ class RolloutService:
         if job.request.callback_url:
             self.callbacks.send(job.request.callback_url, result, job.folder)
 
-    def _result(self, job: Job, s: SessionRun, traces: list[Trace], problem: str | None) -> SessionResult:
+    def _result(
+        self,
+        job: Job,
+        s: SessionRun,
+        traces: list[Trace],
+        problem: str | None,
+        verdict: Verdict | None = None,
+    ) -> SessionResult:
         status = OUTCOME_STATUS.get(s.status, SessionStatus.ERROR)
         error = None if status is SessionStatus.COMPLETED else f"{s.status}: {s.eval_output[-500:]}".strip()
-        if problem is not None:
-            status, error = SessionStatus.ERROR, problem
+        for why in (verdict.error if verdict else None, problem):
+            if why is not None:
+                status, error = SessionStatus.ERROR, why
+        judged = {"judge": verdict.judge} if verdict is not None else {}
         return SessionResult(
             session_id=s.session_id,
             task_id=job.request.task_id,
@@ -508,7 +556,7 @@ class RolloutService:
                 status=status.value,
                 traces=traces,
                 error=error,
-                metadata={"reward": s.reward, "outcome": s.status, "exit_code": s.exit_code},
+                metadata={"reward": s.reward, "outcome": s.status, "exit_code": s.exit_code, **judged},
             ),
             timing=_timing(s),
             error=error,

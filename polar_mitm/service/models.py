@@ -69,9 +69,10 @@ class BuilderSpec(StrategySpec):
 class EvaluatorSpec(StrategySpec):
     """How a session is rewarded: `command` runs `config.command` in the workspace (our task file's `eval`);
     `harbor` runs a Harbor task's verifier (`config`: our task file's `eval.harbor`: tests, solution, workdir, env,
-    reward_rule)."""
+    reward_rule); `rubric` adds an LLM judge's score to an outcome check (`config`: {judge: our task file's
+    `judge`, command and reward, or harbor}; judged by the service's `--judge-url`: service/judging.py)."""
 
-    strategy: Literal["command", "harbor"] = "command"
+    strategy: Literal["command", "harbor", "rubric"] = "command"
     env: dict[str, str] = Field(default_factory=dict)
     refresh_runtime: bool = False
 

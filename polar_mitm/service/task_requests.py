@@ -6,6 +6,8 @@ to the service and a submitted task runs exactly as that line would under `polar
     prompt                        instruction
     eval {command, reward}        evaluator {strategy: command, config: {command, reward}}
     eval {harbor: {tests, …}}     evaluator {strategy: harbor, config: {tests, solution, workdir, env, …}}
+    eval + judge {mode, …}        evaluator {strategy: rubric, config: {judge: {mode, …}, command, reward}}
+                                  (or config: {judge, harbor: {…}}: a Harbor verifier's outcome, judged)
     workspace {dir, git, setup}   metadata.workspace
     limits {memory_mb, …}         metadata.limits
     timeouts {init, run, eval}    metadata.timeouts (timeout_seconds: their sum)
@@ -17,6 +19,11 @@ A relative `workspace.dir` (and a Harbor verifier's `tests`, `solution`) is reso
 root (`--task-root`), never the caller's folder. Polar's `runtime` (a container per session) has no task-line
 field: every session runs in the service's own sandbox, so a request's runtime must be null or name that sandbox's
 image (`check_runtime`).
+
+Strategy `rubric` is a task with a `judge` (tasks/judge_spec.py): its outcome check (`config.command`, or
+`config.harbor`) rewards the session as `command`/`harbor` would, then the service's judge (`serve-rollouts
+--judge-url`) adds `weight · score` (service/judging.py). A rubric evaluator without a check has the outcome
+`true` (1.0 for every session that finished): the judge alone tells the group's sessions apart.
 """
 
 from __future__ import annotations
@@ -49,7 +56,13 @@ def line_to_request(
     metadata.update({key: line[key] for key in CARRIED if line.get(key) is not None})
     if "limits" in line:
         metadata["limits"] = checked.limits.model_dump(exclude_defaults=True)
-    if checked.eval.harbor is not None:
+    if checked.judge is not None:
+        check = checked.eval.model_dump()
+        if checked.eval.harbor is not None:
+            check = {"harbor": checked.eval.harbor.model_dump(exclude_defaults=True)}
+        judge = checked.judge.model_dump(exclude_unset=True)
+        evaluator = EvaluatorSpec(strategy="rubric", config={"judge": judge, **check})
+    elif checked.eval.harbor is not None:
         evaluator = EvaluatorSpec(
             strategy="harbor", config=checked.eval.harbor.model_dump(exclude_defaults=True)
         )
@@ -93,6 +106,7 @@ def task_to_request(
         "timeouts": {"init": task.timeouts.init, "run": task.timeouts.run, "eval": task.timeouts.eval},
         **({"workspace": workspace} if workspace else {}),
         **{key: task.meta[key] for key in CARRIED if task.meta.get(key) is not None},
+        **({"judge": _task_judge(task)} if task.judge is not None else {}),
     }
     request = line_to_request(line, harness, num_samples, builder)
     update: dict[str, Any] = {"metadata": {**request.metadata, **(metadata or {})}}
@@ -117,6 +131,52 @@ def _task_eval(task: Task) -> dict[str, Any]:
     return {"harbor": spec}
 
 
+def _task_judge(task: Task) -> dict[str, Any]:
+    """A loaded task's `judge` as its line said it (the fields its mode takes)."""
+    judge = task.judge
+    assert judge is not None
+    spec: dict[str, Any] = {"mode": judge.mode, "weight": judge.weight}
+    spec.update({"rubric": judge.rubric} if judge.rubric is not None else {})
+    spec.update({"reference": judge.reference} if judge.reference is not None else {})
+    spec.update({"scale": list(judge.scale)} if judge.mode == "rubric" else {})
+    return spec
+
+
+def _check(strategy: str, config: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """A command or harbor evaluator's `config` as a task line's `eval`."""
+    if strategy == "harbor":
+        if env:
+            raise RequestError(
+                "evaluator.env is not supported: a Harbor verifier's variables go in config.env"
+            )
+        return {"harbor": dict(config)}
+    if env:
+        raise RequestError("evaluator.env is not supported: put the variables in evaluator.config.command")
+    unknown = set(config) - {"command", "reward"}
+    if unknown or "command" not in config:
+        raise RequestError(
+            f"evaluator.config takes command (required) and reward (exit | stdout), not {sorted(unknown)}"
+        )
+    return dict(config)
+
+
+def _rubric_check(config: dict[str, Any], env: dict[str, str]) -> tuple[dict[str, Any], Any]:
+    """A rubric evaluator's (`eval`, `judge`): its outcome check (`command` and `reward`, or `harbor`; without
+    one, `true`) and its judge (checked as a task line's `judge` is)."""
+    unknown = set(config) - {"judge", "command", "reward", "harbor"}
+    if unknown or "judge" not in config:
+        raise RequestError(
+            "evaluator.config of strategy rubric takes judge (required: {mode, rubric, weight, reference, "
+            f"scale}}) and command, reward or harbor (the outcome check), not {sorted(unknown)}"
+        )
+    if "harbor" in config:
+        if {"command", "reward"} & set(config):
+            raise RequestError("evaluator.config takes either command (and reward) or harbor, not both")
+        return _check("harbor", config["harbor"], env), config["judge"]
+    outcome = {key: config[key] for key in ("command", "reward") if key in config}
+    return _check("command", {"command": "true", **outcome}, env), config["judge"]
+
+
 def request_to_line(request: TaskRequest) -> dict[str, Any]:
     """The task-file line of a TaskRequest; a RequestError names what no task line can say."""
     if request.evaluator is None:
@@ -124,25 +184,15 @@ def request_to_line(request: TaskRequest) -> dict[str, Any]:
             "evaluator is required: {'strategy': 'command', 'config': {'command': CHECK}} (a session nothing "
             "checks would be rewarded like every other)"
         )
-    if request.evaluator.strategy == "harbor":
-        if request.evaluator.env:
-            raise RequestError(
-                "evaluator.env is not supported: a Harbor verifier's variables go in config.env"
-            )
-        check: dict[str, Any] = {"harbor": dict(request.evaluator.config)}
+    evaluator, judge = request.evaluator, None
+    if evaluator.strategy == "rubric":
+        check, judge = _rubric_check(evaluator.config, evaluator.env)
     else:
-        if request.evaluator.env:
-            raise RequestError(
-                "evaluator.env is not supported: put the variables in evaluator.config.command"
-            )
-        unknown = set(request.evaluator.config) - {"command", "reward"}
-        if unknown or "command" not in request.evaluator.config:
-            raise RequestError(
-                f"evaluator.config takes command (required) and reward (exit | stdout), not {sorted(unknown)}"
-            )
-        check = dict(request.evaluator.config)
+        check = _check(evaluator.strategy, evaluator.config, evaluator.env)
     meta = request.metadata
     line: dict[str, Any] = {"task_id": request.task_id, "prompt": request.instruction, "eval": check}
+    if judge is not None:
+        line["judge"] = judge
     if meta.get("workspace"):
         line["workspace"] = meta["workspace"]
     line["timeouts"] = meta.get("timeouts") or {"run": request.timeout_seconds}

@@ -7,6 +7,9 @@
     OUT/tasks/<task>/delivered.jsonl  {"session_id"} of each result its callback_url acknowledged (fsynced): what
                                     `--resume` need not send again
     OUT/tasks/<task>/state.json     {"status": running | completed | failed | cancelled, "submitted_at": unix s}
+    OUT/tasks/<task>/judgments/     what the judge said of its sessions (evaluator strategy rubric): one file per
+                                    session, the calls, summary.json (the layout of storage/judgments.py)
+    OUT/judge-cache/                the judge's answers by judged content (storage/judgments.py), for every task
     OUT/work/                       workspaces, harness logs, the gateway's and engine's logs, mitmproxy's confdir
 
 `<task>` is the task id made safe for a file name, with a hash of the id so two ids never share a folder.
@@ -21,8 +24,9 @@ from pathlib import Path
 
 from polar_mitm.storage.journal import fsync_dir
 from polar_mitm.storage.json_lines import append_line, read_lines
+from polar_mitm.storage.judgments import JUDGE_CACHE_DIR, JUDGMENTS_DIR
 
-__all__ = ["append_line", "read_lines", "task_dir", "write_durable"]
+__all__ = ["JUDGE_CACHE_DIR", "append_line", "judgments_dir", "read_lines", "task_dir", "write_durable"]
 
 FLOWS_DIR = "flows"
 TASKS_DIR = "tasks"
@@ -37,6 +41,11 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 def task_dir(out: Path, task_id: str) -> Path:
     digest = hashlib.sha256(task_id.encode()).hexdigest()[:12]
     return out / TASKS_DIR / f"{_UNSAFE.sub('_', task_id)[:80]}-{digest}"
+
+
+def judgments_dir(folder: Path) -> Path:
+    """A task's judgments (`folder`: its task_dir)."""
+    return folder / JUDGMENTS_DIR
 
 
 def write_durable(path: Path, text: str) -> None:
