@@ -15,7 +15,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, Protocol
 from polar_mitm.judges import MODES
 from polar_mitm.judges.base import JudgeCall, JudgedSession
 from polar_mitm.judges.client import JudgeClient, JudgeUnavailable
-from polar_mitm.judges.options import JudgeFailure, JudgeOptions
+from polar_mitm.judges.options import JudgeFailure, JudgeOptions, judge_api_key
 from polar_mitm.judges.prompt import JudgeAnswerError, json_answer
 from polar_mitm.judges.trace import session_trace
 from polar_mitm.storage import judgments as stored
@@ -114,7 +113,7 @@ async def _judge_all(
     async with JudgeClient(
         options.judge_url or "",
         options.judge_model,
-        api_key=os.environ.get(options.judge_api_key_env) or None,
+        api_key=judge_api_key(options.judge_api_key_env),
         timeout=options.judge_timeout,
         attempts=options.judge_retries,
         concurrency=options.judge_concurrency,

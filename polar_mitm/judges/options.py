@@ -3,6 +3,7 @@ options are generated from these declarations: polar_mitm/config_options.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -63,3 +64,15 @@ class JudgeOptions:
         if self.judge_budget < 500:
             return f"--judge-budget {self.judge_budget}: must be at least 500 characters"
         return None
+
+
+_TAKEN_KEYS: dict[str, str | None] = {}
+
+
+def judge_api_key(env_name: str) -> str | None:
+    """The judge's API key from `$env_name`, taken out of this process's environment the first time it is asked for
+    (and remembered): a session started afterwards, under `--sandbox none` too, inherits no judge key. The commands
+    that judge ask for it before their first session starts."""
+    if env_name not in _TAKEN_KEYS:
+        _TAKEN_KEYS[env_name] = (os.environ.pop(env_name, None) or "").strip() or None
+    return _TAKEN_KEYS[env_name]

@@ -14,6 +14,7 @@ from rich.console import Console
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
 from polar_mitm.engines import router
 from polar_mitm.judges.judging import judge_problem
+from polar_mitm.judges.options import judge_api_key
 from polar_mitm.loop.config import LOOP_SETS, LOOP_TRAINER_DEFAULTS, LoopConfig
 from polar_mitm.rollout.cli import fail, load_inputs
 from polar_mitm.storage.session_ends import ends_line
@@ -220,6 +221,7 @@ def checked_loop(cfg: LoopConfig):
     # With --service the service judges (serve-rollouts --judge-url …): its own options, checked at submit.
     if cfg.service_url is None and (problem := judge_problem(tasks, cfg.judge_options())) is not None:
         raise fail(problem)
+    judge_api_key(cfg.judge_api_key_env)  # out of the environment before any session inherits it
     if cfg.ray_address and any(task.judge is not None for task in tasks):
         raise fail(
             "tasks with a judge are judged on the loop's own rollouts or a --service's, not with --ray yet"

@@ -26,7 +26,7 @@ from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
 from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.judges.judging import JudgeFailed, JudgePlaces, judge_problem, judge_sessions
-from polar_mitm.judges.options import JudgeOptions
+from polar_mitm.judges.options import JudgeOptions, judge_api_key
 from polar_mitm.log_format import LOG_FORMAT_HELP, EventLog, LogFormat, events_stdout, resolved
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import Rollout, RolloutConfig, RolloutSummary, write_rewards
@@ -271,6 +271,7 @@ def rollout_command(ctx: typer.Context) -> None:
     judging = JudgeOptions(**option_values(ctx, JUDGE_OPTIONS))
     if (problem := judge_problem(task_list, judging)) is not None:
         raise fail(problem)
+    judge_api_key(judging.judge_api_key_env)  # out of the environment before any session inherits it
     if given.ray_address is not None and any(task.judge is not None for task in task_list):
         raise fail("tasks with a judge are judged on this machine's rollouts only, not with --ray yet")
     if given.engine_url is not None and given.gateway_url is None:  # before any session: each would score 0.0

@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
-from polar_mitm.judges.options import JudgeOptions
+from polar_mitm.judges.options import JudgeOptions, judge_api_key
 from polar_mitm.service import TOKEN_ENV
 from polar_mitm.user_errors import UserInputError
 
@@ -118,6 +118,7 @@ def serve_rollouts_command(
 
     get_sandbox(sandbox, image)  # one that cannot run here: a one-line error before anything starts
     judging = JudgeOptions(**option_values(ctx, JUDGE_OPTIONS))
+    judge_api_key(judging.judge_api_key_env)  # out of the environment before any session inherits it
     if (problem := judging.problem()) is not None:
         raise UserInputError(problem)
     run_service(

@@ -334,3 +334,45 @@ def test_a_long_trace_keeps_its_ends_and_says_the_middle_is_elided():
     short = elided(text, 1000)
     assert len(short) <= 1000 and short.startswith("BEGIN") and short.endswith("END")
     assert "characters of the trace elided here" in short
+
+
+def test_the_judge_key_is_sent_to_the_judge_and_never_seen_by_a_session(judge, tmp_path):
+    """Even unsandboxed (`--sandbox none` inherits this process's environment), a session's environment holds no
+    judge key: `rollout` takes it out of its environment before the first session starts."""
+    task = {
+        "task_id": "key",
+        "prompt": "Write hello",
+        "eval": HELLO_CHECK,
+        "judge": {"mode": "rubric", "rubric": "out.txt holds hello."},
+    }
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(task) + "\n")
+    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "-g", "1", "--sandbox", "none"]
+    argv += [
+        "--harness",
+        "cmd:env > seen-env.txt; echo hello > out.txt",
+        "--gateway-url",
+        "http://127.0.0.1:9",
+    ]
+    argv += ["--work-dir", str(tmp_path / "run"), "--keep-workspaces", "--out", str(tmp_path / "flows")]
+    argv += [
+        "--rewards",
+        str(tmp_path / "rewards.jsonl"),
+        "--judge-url",
+        judge.url,
+        "--judge-model",
+        "scripted",
+    ]
+    calls_before = len(judge_log(judge.log))
+    done = subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "POLAR_JUDGE_API_KEY": SECRET},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    [seen] = (tmp_path / "run" / "workspaces").glob("*/seen-env.txt")
+    assert "PATH=" in seen.read_text() and SECRET not in seen.read_text()
+    assert [c["authorization"] for c in judge_log(judge.log)[calls_before:]] == [f"Bearer {SECRET}"]
