@@ -95,6 +95,13 @@ def serve(
     stream_weight_version: Annotated[
         bool, typer.Option(help="Test knob: off, streamed answers omit their weight_version (as SGLang's).")
     ] = True,
+    on_push: Annotated[
+        str,
+        typer.Option(
+            help="What a weight push does to a running generation: swap (the new weights from its next token) "
+            "or abort (SGLang's default: the call ends with finish abort and the gateway resumes it)."
+        ),
+    ] = "swap",
     api_key_file: Annotated[
         Path | None,
         typer.Option(
@@ -110,6 +117,13 @@ def serve(
 
     if tool_call_parser is not None:
         tool_call_format(tool_call_parser)  # before the model loads: an unknown name is said at once
+    from polar_mitm.engine.server import ON_PUSH
+
+    if on_push not in ON_PUSH:
+        typer.echo(
+            f"polar-mitm serve: --on-push must be one of {' | '.join(ON_PUSH)}, not {on_push!r}", err=True
+        )
+        raise typer.Exit(2)
     try:  # before the model loads: a bad key file is said at once
         api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()
     except engine_keys.KeyFileError as exc:
@@ -140,7 +154,9 @@ def serve(
     if api_key is None:
         console.print("[yellow]no API key[/] (--api-key-file): sampling routes only, weight pushes are off")
     pacing = Pacing(token_delay=token_delay, first_token_delay=first_token_delay)
-    app = build_app(engine, pacing, api_key=api_key, stream_weight_version=stream_weight_version)
+    app = build_app(
+        engine, pacing, api_key=api_key, stream_weight_version=stream_weight_version, on_push=on_push
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 

@@ -38,6 +38,11 @@ class ChatJob:
     tool_names: list[str] = field(default_factory=list)  # for a scripted policy (see engine/script.py)
     tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → parameters, for the parser
 
+    def reasoning_parser(self, engine: Engine) -> str:
+        """The engine's reasoning parser, or none when the request asks for the reasoning inline (SGLang's
+        `separate_reasoning: false`: the gateway's resumed calls parse the raw text themselves)."""
+        return "none" if self.body.get("separate_reasoning") is False else engine.reasoning_parser
+
     @property
     def include_usage(self) -> bool:
         return bool((self.body.get("stream_options") or {}).get("include_usage"))
@@ -149,7 +154,7 @@ def build_job(engine: Engine, body: dict[str, Any]) -> ChatJob:
         params=params,
         logprobs=bool(body.get("logprobs")),
         top_logprobs=top,
-        tools_given=bool(tools),
+        tools_given=bool(tools) and body.get("tool_choice") != "none",  # SGLang parses no calls under "none"
         stream=bool(body.get("stream")),
         tool_names=tool_names_of(tools),
         tool_schemas=tool_parameters(tools),
@@ -209,7 +214,7 @@ def chat_response(engine: Engine, job: ChatJob, gen: Generation) -> dict[str, An
     parsed = parse_output(
         gen.text,
         tool_call_parser=engine.tool_call_parser,
-        reasoning_parser=engine.reasoning_parser,
+        reasoning_parser=job.reasoning_parser(engine),
         tools_given=job.tools_given,
         offered=job.tool_schemas,
     )

@@ -8,6 +8,10 @@ A weight push lands between two tokens of a running generation (`update_weights_
 loaded off the generation lock and handed over; the generation swaps them in at its next token boundary, re-prefills
 its context (prompt + tokens so far) under them, so every later token's logprob is exactly the new weights', and
 starts a new version span (`Generation.version_spans`). Without a running generation the push swaps at once.
+
+A push may instead abort the running generation (`abort_running`, SGLang's default behaviour, `polar-mitm serve
+--on-push abort`): it ends at its next token boundary with finish `abort`, and the weights are swapped before any
+other generation starts — the gateway then resumes the call from the tokens sampled so far (gateway/live.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ from polar_mitm.engine.tool_call_formats import DEFAULT_TOOL_CALL_PARSER, tool_c
 from polar_mitm.engines.greedy import GREEDY_SCORING_TEMPERATURE, scoring_temperature
 
 PREFILL_CHUNK = 8192  # bounds attention memory on 30k+ token prompts
+
+
+def continued(candidates: list[list[int]], answered: list[int]) -> list[list[int]]:
+    """What is left of each scripted candidate the prompt has begun (`answered`: a resumed call's tokens so far);
+    the candidates as they are when none has begun."""
+    n = len(answered)
+    left = [ids[n:] for ids in candidates if n and ids[:n] == answered and len(ids) > n]
+    return left or candidates
 
 
 class ContextOverflow(ValueError):
@@ -133,6 +145,9 @@ class Engine:
         self._pending: tuple[Any, str] | None = None
         self._swapped = threading.Event()
         self._push_lock = threading.Lock()  # one push at a time
+        # The waiting push aborts the running generation instead of landing in it.
+        self._abort_for_push = False
+        self.last_push_pause = 0.0  # seconds the last push stalled a running generation (its re-prefill)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)  # used under the lock only
         self.grammars = GrammarCompiler(self.tokenizer, int(self.model.config.vocab_size), self.eos_ids)
         self.script = None
@@ -163,9 +178,12 @@ class Engine:
 
     # -- weights -------------------------------------------------------------------------------------------------
 
-    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> str:
+    def update_weights_from_disk(
+        self, model_path: str | Path, weight_version: str | None = None, *, abort_running: bool = False
+    ) -> str:
         """Load weights from a checkpoint directory (same architecture) and swap them in with a new weight version:
-        at once when no generation runs, else at the running generation's next token boundary (returns then)."""
+        at once when no generation runs, else at the running generation's next token boundary (returns then) —
+        where `abort_running` ends that generation there (finish `abort`) instead of continuing it."""
         model = self._load_model(Path(model_path))
         with self._push_lock:
             version = (
@@ -174,6 +192,8 @@ class Engine:
                 else str(int(self.weight_version) + 1 if self.weight_version.isdigit() else 1)
             )
             self._swapped.clear()
+            self._abort_for_push = abort_running
+            self.last_push_pause = 0.0
             self._pending = (model, version)
             while not self._swapped.is_set():
                 if self._lock.acquire(blocking=False):  # no generation holds it: swap now
@@ -185,14 +205,16 @@ class Engine:
                 self._swapped.wait(0.01)  # the generation swaps at its next token, or ends and frees the lock
         return version
 
-    def _swap_pending(self) -> bool:
-        """Swap in a pushed model, if one waits (caller holds the lock); True when it did."""
+    def _swap_pending(self, *, done: bool = True) -> bool:
+        """Swap in a pushed model, if one waits (caller holds the lock); True when it did. `done=False`: the push
+        is told later (after the running generation's re-prefill, whose time it reports)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return False
         self.model, self.weight_version = pending
         self.prefix_cache.clear()  # those keys and values came from the old weights
-        self._swapped.set()
+        if done:
+            self._swapped.set()
         return True
 
     # -- forward passes ------------------------------------------------------------------------------------------
@@ -291,7 +313,9 @@ class Engine:
                 return gen
             forced = None
             if self.script is not None:
-                candidates = self.script.candidate_ids_for(prompt_ids, tool_names)
+                candidates = continued(
+                    self.script.candidate_ids_for(prompt_ids, tool_names), self.script.answered(prompt_ids)
+                )
                 forced = (
                     candidates[0]
                     if len(candidates) == 1
@@ -309,11 +333,18 @@ class Engine:
                 if cancelled is not None and cancelled.is_set():
                     gen.finish_reason = {"type": "abort", "message": "client disconnected"}
                     break
-                if self._pending is not None and self._swap_pending():
+                if self._pending is not None and self._abort_for_push:
+                    # SGLang's default: the push aborts the call (whoever holds the lock next swaps the weights).
+                    gen.finish_reason = {"type": "abort", "message": "aborted by a weight update"}
+                    break
+                if self._pending is not None and self._swap_pending(done=False):
                     # A push landed between two tokens: the rest is sampled by the new weights, from their own
                     # keys and values of the whole context.
+                    stalled = time.perf_counter()
                     cache = self._new_cache()
                     logits = self._prefill(prompt_ids + gen.output_ids, cache)
+                    self.last_push_pause = time.perf_counter() - stalled
+                    self._swapped.set()
                     if gen.output_ids:
                         gen.version_spans.append((len(gen.output_ids), self.weight_version))
                     else:  # before the first token: the whole generation is the new weights'

@@ -216,6 +216,15 @@ class Script:
         count = sum(1 for i in range(len(prompt_ids) - n + 1) if prompt_ids[i : i + n] == m)
         return max(count - 1, 0)
 
+    def answered(self, prompt_ids: list[int]) -> list[int]:
+        """The tokens of the current turn the prompt already holds after its assistant header (and newline): a
+        call resumed after an abort (the gateway resubmits prompt + the tokens sampled so far) continues the turn."""
+        m, n = self.marker, len(self.marker)
+        for i in range(len(prompt_ids) - n, -1, -1):
+            if prompt_ids[i : i + n] == m:
+                return prompt_ids[i + n + 1 :]
+        return []
+
     def texts_for(self, prompt_ids: list[int], tool_names: Sequence[str] | None = None) -> list[str]:
         """Candidate assistant texts of the next turn (one unless the turn is a `choices` turn).
 

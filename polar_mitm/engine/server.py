@@ -7,7 +7,9 @@ event loop keeps answering while a long prompt prefills, and streamed tokens are
 
 Every route but /health needs the engine's API key (`engine_keys.KeyGuard`), and a weight push must carry a label
 this engine has never served: records are labelled by it, so weights pushed under a served label would pass as
-the weights that label names.
+the weights that label names. A push lands between two tokens of the running generation (`on_push="swap"`), or
+aborts it as SGLang does by default (`"abort"`, `polar-mitm serve --on-push abort`; per push: SGLang's
+`abort_all_requests` field), which is how the gateway's resume of an aborted call is tested for real.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from polar_mitm.engine.streaming import IncrementalDecoder, IncrementalText
 from polar_mitm.engines.keys import KeyGuard
 
 BAD_INPUT = (chat.ChatRequestError, SamplingError, ContextOverflow)
+ON_PUSH = ("swap", "abort")  # what a weight push does to a running generation (see the module docstring)
 
 
 def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
@@ -106,11 +109,17 @@ class EngineServer:
     """Routes bound to one Engine."""
 
     def __init__(
-        self, engine: Engine, pacing: Pacing | None = None, *, stream_weight_version: bool = True
+        self,
+        engine: Engine,
+        pacing: Pacing | None = None,
+        *,
+        stream_weight_version: bool = True,
+        on_push: str = "swap",
     ) -> None:
         self.engine = engine
         self.pacing = pacing or Pacing()
         self.stream_weight_version = stream_weight_version  # False: streams say no version, as SGLang's
+        self.on_push = on_push
         self.stats = EngineStats()
         self._cancels: dict[
             str, threading.Event
@@ -309,11 +318,12 @@ class EngineServer:
             if not path:
                 raise chat.ChatRequestError("model_path is required")
             label = self._push_label(body.get("weight_version"))
+            abort = body.get("abort_all_requests", self.on_push == "abort")
         except BAD_INPUT as exc:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         try:
             version = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.update_weights_from_disk, path, label
+                None, lambda: self.engine.update_weights_from_disk(path, label, abort_running=bool(abort))
             )
         except Exception as exc:  # a bad checkpoint must not take the server down
             return JSONResponse(
@@ -326,6 +336,8 @@ class EngineServer:
                 "message": "Succeeded to update model weights.",
                 "weight_version": version,
                 "num_paused_requests": 0,
+                "on_push": "abort" if abort else "swap",
+                "pause_seconds": self.engine.last_push_pause,  # the running generation's stall (its re-prefill)
             }
         )
 
@@ -385,7 +397,7 @@ class EngineServer:
         decoder = IncrementalText(engine.tokenizer, job.params)
         parse = TextStreamParser(  # deltas that add up to the non-streamed answer's content and reasoning
             tool_call_parser=engine.tool_call_parser,
-            reasoning_parser=engine.reasoning_parser,
+            reasoning_parser=job.reasoning_parser(engine),
             tools_given=job.tools_given,
             offered=job.tool_schemas,
         ).feed
@@ -401,9 +413,11 @@ class EngineServer:
                     )
                     break
                 if isinstance(item, Generation):
-                    for event in self._closing_events(
-                        job, item, parse(decoder.finish(item), final=True), calls, request_id, model, created
-                    ):
+                    # An aborted generation's undecided tail (a tag begun, whitespace) is held back, not shown as
+                    # text: a resumed call (the gateway's) goes on from it.
+                    ended = (item.finish_reason or {}).get("type") != "abort"
+                    pieces = parse(decoder.finish(item), final=ended)
+                    for event in self._closing_events(job, item, pieces, calls, request_id, model, created):
                         yield event
                     break
                 step: TokenStep = item
@@ -599,7 +613,8 @@ def build_app(
     *,
     api_key: str | None = None,
     stream_weight_version: bool = True,
+    on_push: str = "swap",
 ) -> Starlette:
     """The engine's app; every route but /health needs `api_key` (without one: sampling routes only)."""
-    server = EngineServer(engine, pacing, stream_weight_version=stream_weight_version)
+    server = EngineServer(engine, pacing, stream_weight_version=stream_weight_version, on_push=on_push)
     return Starlette(routes=server.routes(), middleware=[Middleware(KeyGuard, key=api_key)])

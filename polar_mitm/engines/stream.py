@@ -7,6 +7,10 @@ each with the logprobs of the tokens it covers; a finish chunk (`finish_reason`,
 chunk (`choices: []`, `sglext: {input_ids, output_ids}`, plus `meta` from the vLLM dialect: what its answers'
 meta info says about the engine); the usage chunk; `[DONE]`. A tool call is handed on
 once it has closed (another call, text, or the finish follows), never half-written.
+
+A call the engine aborted and the gateway resumed (engines/resume.py) streams in parts: `begin_part` makes what
+was sampled so far the call's first tokens, the next stream adds the rest, and the Completion is one answer — the
+ids and logprobs joined, one version span (at least) per part.
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ class StreamAssembler:
         # chunk's `version_spans` when it has them, else gathered from each token chunk's `weight_version`.
         self.version_spans: list[dict[str, Any]] | None = None
         self._chunk_spans: list[dict[str, Any]] = []
+        # A resumed call's earlier parts: their sampled ids, version spans (absolute), the first part's prompt and
+        # version; `part_version` is the version read before this part's request (engines whose streams say none).
+        self.parts = 0
+        self.part_version: str | None = None
+        self._prior_ids: list[int] = []
+        self._prior_spans: list[dict[str, Any]] = []
+        self._prompt_ids: list[int] | None = None
+        self._first_version: str | None = None
+        self._logprob_base = (
+            0  # logprobs of the earlier parts (chunk spans start from this part's first token)
+        )
         self.usage: dict[str, Any] = {}
         # SGLang's logprobs are after temperature; an engine that says otherwise does so in sglext's `meta`.
         self.engine_meta: dict[str, Any] = {"logprobs_temperature_scaled": True}
@@ -75,6 +90,51 @@ class StreamAssembler:
         """The stream ended: close the calls still open."""
         return self._close_calls()
 
+    def begin_part(self, next_version: str | None) -> None:
+        """The engine aborted the call and the gateway resumes it: the tokens streamed so far become the call's
+        first ones, the next stream (prompt + those tokens in) continues them; `next_version` is the version read
+        before its request (None where the stream says its own)."""
+        offset = len(self._prior_ids)
+        self._prior_spans = _merged(self._prior_spans + _shifted(self._part_spans(), offset))
+        self._prior_ids += self.output_ids or []
+        if self.parts == 0:
+            self._prompt_ids, self._first_version = self.input_ids, self.weight_version
+        self.parts += 1
+        self.part_version = next_version
+        self._logprob_base = len(self.logprobs)
+        self.input_ids = self.output_ids = self.version_spans = None
+        self._chunk_spans = []
+        self.finish_reason = self.matched_stop = None
+
+    @property
+    def sampled_ids(self) -> list[int]:
+        """Every token sampled for the call so far (the current part's once its sglext chunk came)."""
+        return self._prior_ids + list(self.output_ids or ())
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The call's prompt (the first part's)."""
+        return self._prompt_ids if self.parts else self.input_ids
+
+    def _part_spans(self) -> list[dict[str, Any]]:
+        """This part's version spans, relative to its first token: the engine's, else its version read before."""
+        spans = self.version_spans or self._chunk_spans
+        if spans:
+            return [dict(span) for span in spans]
+        version = self.weight_version if self.weight_version is not None else self.part_version
+        return [] if version is None else [{"start": 0, "version": str(version)}]
+
+    def _spans(self) -> list[dict[str, Any]]:
+        """The call's version spans: this stream's own, or — for a resumed call — every part's, joined."""
+        if not self.parts:
+            return self.version_spans or self._chunk_spans
+        tail = self._part_spans()
+        if not tail or not self._prior_spans:
+            return []  # a part of unknown version: the record keeps one version (its weight_version)
+        sampled = len(self.sampled_ids)
+        spans = _merged(self._prior_spans + _shifted(tail, len(self._prior_ids)))
+        return [span for span in spans if span["start"] < max(sampled, 1)]
+
     def _take_extras(self, chunk: dict[str, Any]) -> None:
         ext = chunk.get("sglext")
         if isinstance(ext, dict):
@@ -92,7 +152,9 @@ class StreamAssembler:
         if version is not None and (
             not self._chunk_spans or self._chunk_spans[-1]["version"] != str(version)
         ):
-            self._chunk_spans.append({"start": len(self.logprobs), "version": str(version)})
+            self._chunk_spans.append(
+                {"start": len(self.logprobs) - self._logprob_base, "version": str(version)}
+            )
         metadata = chunk.get("metadata")
         if isinstance(metadata, dict) and metadata.get("weight_version") is not None:
             self.weight_version = str(metadata["weight_version"])
@@ -150,19 +212,25 @@ class StreamAssembler:
     def engine_response(self) -> dict[str, Any]:
         """The stream as the non-streamed engine answer would have said it (`Completion.from_engine_response`)."""
         finish = self.finish_reason or "stop"
+        prompt_ids = self.prompt_ids
+        output_ids = self.sampled_ids if self.output_ids is not None else None
         meta = {
             **self.engine_meta,
             "id": self.id,
-            "prompt_tokens": len(self.input_ids or ()),
-            "completion_tokens": len(self.output_ids or ()),
+            "prompt_tokens": len(prompt_ids or ()),
+            "completion_tokens": len(output_ids or ()),
             "finish_reason": {
                 "type": "stop" if finish == "tool_calls" else finish,
                 "matched": self.matched_stop,
             },
-            "weight_version": self.weight_version,
+            "weight_version": self._first_version if self.parts else self.weight_version,
             "streamed": True,
         }
-        spans = self.version_spans or self._chunk_spans
+        if self.parts:
+            meta["resumed"] = (
+                self.parts
+            )  # the engine aborted the call this many times; the gateway resumed it
+        spans = self._spans()
         if spans:
             meta["version_spans"] = spans
         cached = (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -184,8 +252,8 @@ class StreamAssembler:
                 {
                     "message": message,
                     "finish_reason": finish,
-                    "prompt_token_ids": self.input_ids,
-                    "response_token_ids": self.output_ids,
+                    "prompt_token_ids": prompt_ids,
+                    "response_token_ids": output_ids,
                     "logprobs": {"content": self.logprobs},
                     "meta_info": meta,
                 }
@@ -219,10 +287,10 @@ class StreamAssembler:
             reasoning="".join(self.reasoning) or None,
             tool_calls=list(self.calls),
             finish_reason=finish,  # type: ignore[arg-type]
-            prompt_ids=list(self.input_ids or ()),
-            completion_ids=list(self.output_ids or ()),
+            prompt_ids=list(self.prompt_ids or ()),
+            completion_ids=self.sampled_ids,
             completion_logprobs=[],
-            weight_version=self.weight_version,
+            weight_version=self._first_version if self.parts else self.weight_version,
         )
 
 
@@ -231,3 +299,18 @@ def _flat(ids: Any) -> list[int]:
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
         return ids[0]
     return ids
+
+
+def _shifted(spans: list[dict[str, Any]], offset: int) -> list[dict[str, Any]]:
+    return [{"start": span["start"] + offset, "version": span["version"]} for span in spans]
+
+
+def _merged(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Spans in order with neighbours of one version joined (a part resumed under the weights that began it)."""
+    out: list[dict[str, Any]] = []
+    for span in spans:
+        while out and span["start"] <= out[-1]["start"]:
+            out.pop()  # an empty span (a part that sampled nothing) gives way to the next
+        if not (out and str(out[-1]["version"]) == str(span["version"])):
+            out.append(span)
+    return out

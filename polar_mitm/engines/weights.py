@@ -9,6 +9,11 @@ the dialect says what to send, `HttpxEngine` here sends it (blocking httpx calls
 
 Behind a router every worker is pushed, and each worker's `weight_version` is read back afterwards: a worker that is
 down or lags fails the push with its URL in the message.
+
+A push lands under running calls (issue 43): each dialect pauses with the calls kept, or swaps between two tokens,
+or aborts them for the gateway to resume, and says what that cost the running calls (`PushReport.pause_seconds`).
+`push_weights_reported` returns that report (behind a router: the longest pause of the workers);
+`push_weights` only the new version.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ from polar_mitm.engines.dialects import (
     SERVER_VERSION_PATH,
     engine_kind,
 )
-from polar_mitm.engines.dialects.base import EngineDialect, EngineSyncError, next_version, weight_version_of
+from polar_mitm.engines.dialects.base import (
+    EngineDialect,
+    EngineSyncError,
+    PushReport,
+    next_version,
+    weight_version_of,
+)
 from polar_mitm.engines.keys import auth_headers
 from polar_mitm.engines.router import EngineSetError, engine_workers, model_info
 
@@ -110,7 +121,18 @@ def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
 def push_weights(
     engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
 ) -> str:
-    """Load `model_dir` into the engine(s) of `engine_url`; return the new weight_version.
+    """Load `model_dir` into the engine(s) of `engine_url`; return the new weight_version (`push_weights_reported`
+    says what the push cost the running calls as well)."""
+    return push_weights_reported(
+        engine_url, model_dir, weight_version=weight_version, timeout=timeout
+    ).weight_version
+
+
+def push_weights_reported(
+    engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
+) -> PushReport:
+    """Load `model_dir` into the engine(s) of `engine_url`; what was done (`PushReport`: the new version, the pause
+    running calls saw, how they were treated).
 
     `engine_url` may be SGLang's router or a comma list of engines: the router does not forward weight updates, so
     every worker is pushed and checked (`push_to_workers`; a lagging worker raises, named).
@@ -123,9 +145,8 @@ def push_weights(
 
 def push_weights_to_engine(
     engine_url: str, model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
-) -> str:
-    """Tell the one engine at `engine_url` to load the checkpoint in `model_dir`, in its dialect; return its new
-    weight_version.
+) -> PushReport:
+    """Tell the one engine at `engine_url` to load the checkpoint in `model_dir`, in its dialect.
 
     `model_dir` must be readable by the engine at that path (same machine or a shared filesystem).
     """
@@ -137,34 +158,42 @@ def push_weights_to_engine(
 
 def push_to_workers(
     workers: list[str], model_dir: str | Path, *, weight_version: str | None = None, timeout: float = 600.0
-) -> str:
+) -> PushReport:
     """Load `model_dir` into every worker (in parallel), then check each one serves the same new version.
 
     Raises `EngineSyncError` naming every worker that is down, refused, or reports another version — after the
-    others were pushed, so the message also says which workers do hold the new weights.
+    others were pushed, so the message also says which workers do hold the new weights. The report: the longest
+    pause and push of the workers.
     """
     if weight_version is None:
         weight_version = next_version(worker_versions(workers))
 
-    def push(url: str) -> str | None:
+    def push(url: str) -> PushReport | str:
         try:
-            push_weights_to_engine(url, model_dir, weight_version=weight_version, timeout=timeout)
-            return None
+            return push_weights_to_engine(url, model_dir, weight_version=weight_version, timeout=timeout)
         except EngineSyncError as exc:
             return str(exc)
 
     with ThreadPoolExecutor(max_workers=len(workers)) as pool:
-        errors = dict(zip(workers, pool.map(push, workers), strict=True))
+        outcomes = dict(zip(workers, pool.map(push, workers), strict=True))
     versions = worker_versions(workers)
     expected = weight_version or next(iter(v for v in versions.values() if v is not None), None)
     problems = []
     for url in workers:
-        if errors[url]:
-            problems.append(f"worker {url} did not take the weights: {errors[url]}")
+        if isinstance(outcomes[url], str):
+            problems.append(f"worker {url} did not take the weights: {outcomes[url]}")
         elif versions[url] != expected:
             state = "is down" if versions[url] is None else f"serves weight_version {versions[url]}"
             problems.append(f"worker {url} {state}, expected {expected}")
     if problems:
-        current = [url for url in workers if not errors[url] and versions[url] == expected]
+        current = [
+            url for url in workers if isinstance(outcomes[url], PushReport) and versions[url] == expected
+        ]
         raise EngineSyncError("; ".join(problems) + f" (up to date: {', '.join(current) or 'none'})")
-    return str(expected)
+    reports = [r for r in outcomes.values() if isinstance(r, PushReport)]
+    return PushReport(
+        str(expected),
+        max(r.pause_seconds for r in reports),
+        reports[0].mode,
+        max(r.seconds for r in reports),
+    )

@@ -15,6 +15,12 @@ recorded as `abort` with those ids.
 A stream that does not say its weight version (SGLang's, vLLM's) is labelled with the version read *before* the
 engine was called; when the version read after the end differs (a push landed meanwhile, `--overlap`), the record
 keeps the older label and its meta says `weight_version_after`, so the trainer counts the call as stale.
+
+A call the *engine* ends with finish `abort` while the harness still reads (SGLang's weight update aborts running
+requests by default) is resumed (engines/resume.py): prompt + the tokens sampled so far go back through the
+token-in path with the rest of the budget, at most `MAX_RESUMES` times, and the harness's stream goes on with the
+next token — never broken, never a token twice; one record joins the parts, a version span per part (a part whose
+stream says no version is labelled with the version read at its first chunk: it waited out the update).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from polar_mitm.codecs.live import Delta, LiveStream, StreamHead, live_stream
 from polar_mitm.conversation import Completion, Conversation, ToolCall, harness_safe
 from polar_mitm.engines.client import sse_frames
 from polar_mitm.engines.dialects.base import version_change
+from polar_mitm.engines.resume import MAX_RESUMES, ResumedText, continuation_request, seen_text
 from polar_mitm.engines.stream import StreamAssembler
 from polar_mitm.gateway.calls import ID_BYTES, CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of
@@ -144,6 +151,10 @@ class LiveCall:
         self.row: dict[str, Any] | None = None
         self.stop_reason: str | None = None  # set by `stop`; else the disconnect event's reason
         self.version_before: str | None = None  # the engine's weight version when the call was sent
+        self.rid = record.request_id  # the engine's name for the running part (a resumed part has its own)
+        self.resumed: ResumedText | None = None  # parses a resumed part's raw text (None: the engine parses)
+        # A resumed part of an engine whose streams say no version: its version is read at its first chunk.
+        self._label_part = False
 
     # -- the whole call ----------------------------------------------------------------------------------------
 
@@ -175,19 +186,59 @@ class LiveCall:
         return await self._failed(err)
 
     async def _run(self) -> dict[str, Any]:
-        if not getattr(self.calls.engine, "streams_say_version", False):
+        if not self._streams_say_version():
             self.version_before = await self._weight_version()  # before the engine starts: a push may land
-        async with self.calls.engine.open_stream(self.engine_body) as resp:
-            reader = asyncio.ensure_future(self._read(resp))
-            watcher = asyncio.ensure_future(self._watch())
-            try:
-                await self._pump()
-                return await self._finished()
-            except _ClientGone:
-                return await self._aborted()
-            finally:
-                watcher.cancel()
-                reader.cancel()
+            self.assembler.part_version = self.version_before
+        body = self.engine_body
+        while True:  # one pass per part: more than one when the engine aborts the call and it is resumed
+            async with self.calls.engine.open_stream(body) as resp:
+                reader = asyncio.ensure_future(self._read(resp))
+                watcher = asyncio.ensure_future(self._watch())
+                try:
+                    await self._pump()
+                    resumed = await self._continuation()
+                    if resumed is None:
+                        return await self._finished()
+                    body = resumed
+                except _ClientGone:
+                    return await self._aborted()
+                finally:
+                    watcher.cancel()
+                    reader.cancel()
+
+    def _streams_say_version(self) -> bool:
+        return bool(getattr(self.calls.engine, "streams_say_version", False))
+
+    async def _continuation(self) -> bytes | None:
+        """The next part's engine body when the engine aborted the call on its own (and the budget is not
+        spent); None when the call is over. GatewayError `engine_error` after `MAX_RESUMES` resumes."""
+        sampled, prompt = self.assembler.sampled_ids, self.assembler.prompt_ids  # so far
+        gone = self.stop_reason is not None or (self.disconnected is not None and self.disconnected.is_set())
+        if self.assembler.finish_reason != "abort" or gone or self.assembler.output_ids is None or not prompt:
+            return None
+        if self.assembler.parts >= MAX_RESUMES:
+            raise GatewayError(
+                "engine_error",
+                f"the engine aborted the call {MAX_RESUMES + 1} times ({len(sampled)} tokens sampled); "
+                f"gave up after {MAX_RESUMES} resumes",
+            )
+        request = orjson.loads(self.engine_body)
+        rid = f"{self.record.request_id}-resume{self.assembler.parts + 1}"
+        body = continuation_request(request, prompt, sampled, rid=rid)
+        if body is None:  # the abort came with the last token of the budget
+            self.assembler.finish_reason = "length"
+            return None
+        assembler = self.assembler
+        calls = len(assembler.calls)
+        seen = seen_text(assembler.logprobs, "".join(assembler.reasoning), "".join(assembler.content), calls)
+        self.resumed = ResumedText(request, await self.calls.engine.model_info(), seen, calls)
+        assembler.begin_part(None)
+        self._label_part = not self._streams_say_version()
+        self.rid = rid
+        log.info(
+            "%s: the engine aborted the call after %d tokens; resuming", self.record.request_id, len(sampled)
+        )
+        return orjson.dumps(body)
 
     # -- reading the engine ------------------------------------------------------------------------------------
 
@@ -244,12 +295,21 @@ class LiveCall:
                 elif isinstance(item, GatewayError):
                     raise item
                 else:
-                    deltas = self.assembler.feed(item)
+                    deltas = await self._feed(item)
                     data += self._commit_bytes()  # the engine's first chunk commits the answer
                     data += self._encode(deltas)
             await self._send(bytes(data))
             if done:
                 return
+
+    async def _feed(self, chunk: Any) -> list[Delta]:
+        """One engine chunk into the assembler (a resumed part's raw text parsed first); the deltas it brings."""
+        if self._label_part:  # a resumed part starts once the update it waited on is done: its version is now
+            self._label_part = False
+            self.assembler.part_version = await self._weight_version()
+        if self.resumed is None:
+            return self.assembler.feed(chunk)
+        return [delta for piece in self.resumed.rewrite(chunk) for delta in self.assembler.feed(piece)]
 
     def _encoder(self) -> LiveStream:
         if self.encoder is None:
@@ -351,9 +411,9 @@ class LiveCall:
         """The harness left: abort the engine, read its last chunks for the ids so far, record `abort`."""
         self.calls.abandon(self.step)
         try:
-            await self.calls.engine.abort_request(self.record.request_id)
+            await self.calls.engine.abort_request(self.rid)
         except GatewayError as exc:  # an engine without /abort_request stops when the connection closes
-            log.info("abort_request for %s: %s", self.record.request_id, exc.message)
+            log.info("abort_request for %s: %s", self.rid, exc.message)
         completion = await self._drain()
         record = self.record
         if completion is not None:
@@ -389,7 +449,7 @@ class LiveCall:
                 return None
             if isinstance(item, dict):
                 try:
-                    self.assembler.feed(item)
+                    await self._feed(item)
                 except GatewayError:
                     return None
         return None
@@ -439,7 +499,8 @@ class LiveCall:
             return
         after = await self._weight_version()
         completion.weight_version = self.version_before
-        completion.meta_info.update(version_change(self.version_before, after))
+        spans = completion.meta_info.get("version_spans") or [{"version": self.version_before}]
+        completion.meta_info.update(version_change(spans[-1]["version"], after))
 
     async def _weight_version(self) -> str | None:
         """SGLang's streamed chunks do not carry the weight version: ask the engine (weights change between RL

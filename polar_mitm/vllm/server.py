@@ -6,7 +6,9 @@ extension for weight reloads that keep a tied head right (worker_extension.py), 
 pushes, versions and aborts by request id (`VLLM_SERVER_DEV_MODE=1`), the model family's tool-call parser (named
 to the gateway through `--additional-config`: the gateway parses the answers itself), no reasoning parser (`<think>`
 text comes back as text and the gateway splits it with the embedded engine's parser, so the three engines' answers
-are split alike), and the model's generation_config ignored (the gateway sends every sampling field itself). On CPU
+are split alike), the model's generation_config ignored (the gateway sends every sampling field itself), and the
+scale-out endpoints on (the gateway's calls go to `/inference/v1/generate`, whose answers say which weight version
+sampled which tokens; engines/dialects/vllm.py). On CPU
 also what was measured to work here: fp32 (bf16 was ~3× slower), `--enforce-eager`, a 1 GiB KV cache. vLLM runs
 in its own venv (scripts/setup-vllm.sh) through `polar_mitm.vllm.launcher`, with this repository on PYTHONPATH so
 its processes can import the worker extension. Every route but /health needs the engine's API key: vLLM's own
@@ -48,6 +50,8 @@ COMMON_FLAGS = [
     WORKER_EXTENSION,
     "--generation-config",
     "vllm",
+    # /inference/v1/generate and the render endpoints: answers that say which tokens each weight version sampled
+    "--enable-scale-out",
 ]
 # Our tool-call parser names → vLLM's for the same notation (hermes = the `<tool_call>{json}</tool_call>` one).
 VLLM_TOOL_CALL_PARSERS = {"hermes": "hermes", "qwen25": "hermes", "qwen3_coder": "qwen3_coder"}

@@ -3,7 +3,8 @@
 A dialect is what differs between engine kinds, declared on its class: how the engine is recognised from what it
 answers, where its model info and weight version are read, how a chat call, a token-in call and a stream are sent
 and their answers brought into SGLang's shape (the gateway's own), how a call is aborted, and how new weights are
-pushed (pausing and resuming the engine where it needs that). A dialect does no I/O of its own: the callers hand it
+pushed under running calls (pausing with the calls kept and resuming where the engine has that; `PushReport`
+says the pause they saw). A dialect does no I/O of its own: the callers hand it
 their transport — the gateway's pooled aiohttp client (`engines/client.py`, `AsyncEngine`) and the weight pushes'
 blocking httpx calls (`engines/weights.py`, `BlockingEngine`) — and it says which paths and bodies to send and how
 to read what comes back. The registry (`dialects/__init__.py`) picks a dialect once per engine.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -27,6 +29,26 @@ T = TypeVar("T")
 
 class EngineSyncError(RuntimeError):
     """The engine did not take the new weights (unreachable, or it answered success=false)."""
+
+
+@dataclass
+class PushReport:
+    """What one weight push did: the version the engine then serves, how long running calls sampled nothing
+    because of it (`pause_seconds`: vLLM's pause→resume, SGLang's pause→continue, the embedded engine's swap and
+    re-prefill; 0 when nothing ran), how running calls were treated (`mode`), and the push's whole time."""
+
+    weight_version: str
+    pause_seconds: float
+    mode: str  # keep | wait | swap | retract | abort (aborted calls are resumed by the gateway)
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "pause_seconds": round(self.pause_seconds, 4),
+            "mode": self.mode,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 class AsyncEngine(Protocol):
@@ -105,8 +127,9 @@ class EngineDialect:
 
     def push_weights(
         self, engine: BlockingEngine, model_dir: str | Path, *, weight_version: str | None, timeout: float
-    ) -> str:
-        """Load the checkpoint in `model_dir` into the engine; return the weight_version it then serves."""
+    ) -> PushReport:
+        """Load the checkpoint in `model_dir` into the engine without waiting for the calls it is running; what was
+        done (the weight_version it then serves, the pause running calls saw)."""
         raise NotImplementedError
 
     def read_weight_version(self, engine: BlockingEngine, *, timeout: float = 30.0) -> str | None:

