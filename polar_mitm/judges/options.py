@@ -73,6 +73,6 @@ def judge_api_key(env_name: str) -> str | None:
     """The judge's API key from `$env_name`, taken out of this process's environment the first time it is asked for
     (and remembered): a session started afterwards, under `--sandbox none` too, inherits no judge key. The commands
     that judge ask for it before their first session starts."""
-    if env_name not in _TAKEN_KEYS:
-        _TAKEN_KEYS[env_name] = (os.environ.pop(env_name, None) or "").strip() or None
-    return _TAKEN_KEYS[env_name]
+    if env_name in os.environ:  # set (again) since last asked: the newest value wins
+        _TAKEN_KEYS[env_name] = (os.environ.pop(env_name) or "").strip() or None
+    return _TAKEN_KEYS.get(env_name)

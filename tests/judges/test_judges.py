@@ -376,3 +376,15 @@ def test_the_judge_key_is_sent_to_the_judge_and_never_seen_by_a_session(judge, t
     [seen] = (tmp_path / "run" / "workspaces").glob("*/seen-env.txt")
     assert "PATH=" in seen.read_text() and SECRET not in seen.read_text()
     assert [c["authorization"] for c in judge_log(judge.log)[calls_before:]] == [f"Bearer {SECRET}"]
+
+
+def test_the_judge_key_is_taken_out_of_the_environment_and_a_newer_one_wins(monkeypatch):
+    """In one process (pytest's worker, a notebook) a command may run again with another key: the newest key set
+    wins, and each is gone from the environment once taken."""
+    from polar_mitm.judges.options import judge_api_key
+
+    monkeypatch.setenv("POLAR_TEST_JUDGE_KEY", "first")
+    assert judge_api_key("POLAR_TEST_JUDGE_KEY") == "first" and "POLAR_TEST_JUDGE_KEY" not in os.environ
+    assert judge_api_key("POLAR_TEST_JUDGE_KEY") == "first"  # remembered once taken
+    monkeypatch.setenv("POLAR_TEST_JUDGE_KEY", "second")
+    assert judge_api_key("POLAR_TEST_JUDGE_KEY") == "second" and "POLAR_TEST_JUDGE_KEY" not in os.environ
