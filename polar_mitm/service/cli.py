@@ -191,6 +191,10 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # asyncio's loop, not uvloop: each session starts processes, and uvloop's spawn is a full fork() of
+            # this process where CPython's is a vfork (2.4 vs 1.15 ms a process measured idle, more under load): the
+            # service's largest cost over the in-process runner (benchmarks/bench_service.py: +9.9 → +2.7 ms)
+            loop="asyncio",
         )
         server = uvicorn.Server(config)
         server.run()

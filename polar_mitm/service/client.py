@@ -94,7 +94,9 @@ class Client:
         """Each task's final status as it finishes (completed or failed), in finishing order: told by `/events`,
         so each task's status is fetched once, not polled."""
         waiting, deadline = set(task_ids), time.monotonic() + timeout
-        with self.http.stream("GET", "/events", timeout=httpx.Timeout(timeout, connect=30.0)) as events:
+        with self.http.stream(
+            "GET", "/events", params={"type": "task"}, timeout=httpx.Timeout(timeout, connect=30.0)
+        ) as events:
             lines = events.iter_lines()
             next(lines)  # the stream's opening comment: subscribed, so no later change is missed
             for task_id in sorted(waiting):  # those done before we listened

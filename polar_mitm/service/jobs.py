@@ -124,21 +124,28 @@ class EventBus:
     oldest events, never holds up a session)."""
 
     def __init__(self) -> None:
-        self.subscribers: set[asyncio.Queue] = set()
+        self.subscribers: dict[
+            asyncio.Queue, frozenset[str]
+        ] = {}  # each one's queue → the event types it wants
         self.ids = itertools.count(1)
 
     def publish(self, event: dict[str, Any]) -> None:
         event = {"id": next(self.ids), "time": time.time(), **event}
-        for queue in list(self.subscribers):
+        for queue, kinds in list(self.subscribers.items()):
+            if kinds and event["type"] not in kinds:
+                continue
             if queue.full():
                 with contextlib.suppress(asyncio.QueueEmpty):
                     queue.get_nowait()
             queue.put_nowait(event)
 
-    async def stream(self, stopping: Callable[[], bool] = lambda: False) -> AsyncIterator[dict[str, Any]]:
-        """Every event from now on, until `stopping()` (checked each `STREAM_CHECK_S` while none comes)."""
+    async def stream(
+        self, stopping: Callable[[], bool] = lambda: False, kinds: frozenset[str] = frozenset()
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every event (of `kinds`, if given) from now on, until `stopping()` (checked each `STREAM_CHECK_S` while
+        none comes)."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
-        self.subscribers.add(queue)
+        self.subscribers[queue] = kinds
         try:
             while not stopping():
                 try:
@@ -146,7 +153,7 @@ class EventBus:
                 except TimeoutError:
                     continue
         finally:
-            self.subscribers.discard(queue)
+            self.subscribers.pop(queue, None)
 
 
 def runner_config(
@@ -205,6 +212,7 @@ class RolloutService:
         self._sessions: set[asyncio.Task] = set()
         self._stages: dict[str, str] = {}  # session id → the last stage published
         self._owner: dict[str, Job] = {}  # session id → its job, while it runs
+        self._accepting: set[str] = set()  # task ids whose files are being written (submit)
         # Where sessions run: here against `endpoints` unless given (RaySessions: on a cluster's nodes).
         self.pool = sessions or LocalSessions(
             endpoints, runner_config(self.work, max_sessions, sandbox), self.flows
@@ -273,8 +281,9 @@ class RolloutService:
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def submit(self, request: TaskRequest) -> None:
-        """Accept a task (on disk before this returns); RequestError, Conflict or QueueFull refuse it."""
+    async def submit(self, request: TaskRequest) -> None:
+        """Accept a task (on disk before this returns); RequestError, Conflict or QueueFull refuse it. Its files
+        are written off the event loop (fsyncs under load would hold up every running session)."""
         harness = HarnessSpec(
             request.agent.harness
         )  # HarnessSpecError: an unknown harness, before anything is kept
@@ -290,18 +299,18 @@ class RolloutService:
                 "metadata.min_weight_version: this service has no engine whose version it can read"
             )
         known = self.jobs.get(request.task_id)
-        if known is not None and known.state in ("queued", "running"):
+        if request.task_id in self._accepting or (known is not None and known.state in ("queued", "running")):
             raise Conflict(f"task {request.task_id!r} is still running")
-        if sum(job.state == "queued" for job in self.jobs.values()) >= self.queue_limit:
+        waiting = sum(job.state == "queued" for job in self.jobs.values()) + len(self._accepting)
+        if waiting >= self.queue_limit:
             raise QueueFull(f"{self.queue_limit} tasks already wait")
         folder = layout.task_dir(self.out, request.task_id)
-        if folder.exists():  # a finished task of the same id, submitted again: a new run of it
-            for name in (layout.RESULTS_FILE, layout.STATE_FILE, layout.DELIVERED_FILE):
-                (folder / name).unlink(missing_ok=True)
         job = Job(request, task, harness, folder, order=next(self.order), unsent=request.num_samples)
-        layout.write_durable(folder / layout.REQUEST_FILE, request.model_dump_json())
-        state = {"status": "running", "submitted_at": job.submitted_at}
-        layout.write_durable(folder / layout.STATE_FILE, json.dumps(state))
+        self._accepting.add(request.task_id)  # while its files are written: a second submit of it conflicts
+        try:
+            await asyncio.to_thread(layout.write_task, folder, request.model_dump_json(), job.submitted_at)
+        finally:
+            self._accepting.discard(request.task_id)
         self.jobs[request.task_id] = job
         self.events.publish({"type": "task", "task_id": request.task_id, "status": "queued"})
         assert self._wake is not None
@@ -321,7 +330,7 @@ class RolloutService:
             await self.pool.cut_group(task_id)
             while job.inflight:  # cut sessions end at once; results being written are kept
                 await asyncio.sleep(0.05)
-            self._set_state(job, "cancelled")
+            await self._write_state(job, "cancelled")
         return job.status()
 
     def health(self) -> dict[str, Any]:
@@ -500,7 +509,8 @@ class RolloutService:
             asyncio.get_running_loop().create_task(self.pool.cut_group(job.task.task_id))
 
     def _maybe_done(self, job: Job) -> None:
-        if job.state == "running" and not job.unsent and not job.inflight:
+        # "queued" too: after --resume, a task all of whose results were written before the kill (its state not yet)
+        if job.state in ("queued", "running") and not job.unsent and not job.inflight:
             self._set_state(job, "completed")
 
     def _on_update(self, sessions: list[SessionRun]) -> None:
@@ -574,9 +584,20 @@ class RolloutService:
             }
         )
 
-    def _set_state(self, job: Job, state: str, **extra: Any) -> None:
+    def _set_state(self, job: Job, state: str) -> None:
+        """`job` is `state` now; on disk (off the event loop) before /events says so."""
         job.state = state
-        layout.write_durable(job.folder / layout.STATE_FILE, json.dumps({"status": state, **extra}))
+        background = asyncio.get_running_loop().create_task(self._write_state(job, state))
+        self._sessions.add(background)  # kept until done; close() waits for it
+        background.add_done_callback(self._sessions.discard)
+
+    async def _write_state(self, job: Job, state: str) -> None:
+        async with job.writing:
+            await asyncio.to_thread(
+                layout.write_durable,
+                job.folder / layout.STATE_FILE,
+                json.dumps({"status": state, "submitted_at": job.submitted_at}),
+            )
         self.events.publish({"type": "task", "task_id": job.request.task_id, "status": state})
 
 

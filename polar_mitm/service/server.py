@@ -3,7 +3,7 @@
     POST   /rollout/task/submit     TaskRequest → {task_id, status: running}   422 bad field · 409 running · 429 full
     GET    /rollout/task/{task_id}  TaskStatus                                  404 unknown
     DELETE /rollout/task/{task_id}  cancel: harnesses stopped, finished sessions kept → TaskStatus
-    GET    /events                  server-sent events: every task and session state change
+    GET    /events                  server-sent events: every task and session state change (?type=task: tasks only)
     POST   /rollout/weights         {path, weight_version?}: the engine loads a checkpoint → {weight_version}
     GET    /health                  sessions, tasks, the engine's weight_version, what the gateways are given
 
@@ -57,7 +57,7 @@ def build_app(
     async def submit(request: Request) -> Response:
         try:
             task = TaskRequest.model_validate_json(await request.body())
-            service.submit(task)
+            await service.submit(task)
         except ValidationError as exc:
             return JSONResponse({"detail": _fields(exc)}, status_code=422)
         except (RequestError, HarnessSpecError) as exc:
@@ -82,9 +82,13 @@ def build_app(
         return Response(status.model_dump_json(), media_type="application/json")
 
     async def events(request: Request) -> Response:
+        # ?type=task (repeatable): only those events — a trainer waiting for whole tasks is not sent (and cannot
+        # fall behind on) every session's stage changes
+        kinds = frozenset(request.query_params.getlist("type"))
+
         async def stream():
             yield ": polar-mitm rollout events\n\n"
-            async for event in service.events.stream(stopping):
+            async for event in service.events.stream(stopping, kinds):
                 yield f"id: {event['id']}\nevent: {event['type']}\ndata: {json.dumps(event, default=str)}\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)

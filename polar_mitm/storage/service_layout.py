@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -26,7 +27,15 @@ from polar_mitm.storage.journal import fsync_dir
 from polar_mitm.storage.json_lines import append_line, read_lines
 from polar_mitm.storage.judgments import JUDGE_CACHE_DIR, JUDGMENTS_DIR
 
-__all__ = ["JUDGE_CACHE_DIR", "append_line", "judgments_dir", "read_lines", "task_dir", "write_durable"]
+__all__ = [
+    "JUDGE_CACHE_DIR",
+    "append_line",
+    "judgments_dir",
+    "read_lines",
+    "task_dir",
+    "write_durable",
+    "write_task",
+]
 
 FLOWS_DIR = "flows"
 TASKS_DIR = "tasks"
@@ -58,3 +67,12 @@ def write_durable(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_task(folder: Path, request_json: str, submitted_at: float) -> None:
+    """A submitted task's folder: its request and a running state, each durable (a task of the same id submitted
+    again after it finished starts a new run: its old results, state and deliveries go first)."""
+    for name in (RESULTS_FILE, STATE_FILE, DELIVERED_FILE):
+        (folder / name).unlink(missing_ok=True)
+    write_durable(folder / REQUEST_FILE, request_json)
+    write_durable(folder / STATE_FILE, json.dumps({"status": "running", "submitted_at": submitted_at}))

@@ -29,7 +29,7 @@ from polar_mitm.service.models import AgentSpec
 from polar_mitm.service.task_requests import line_to_request, request_to_line
 from polar_mitm.storage.merged import sequences_in
 from polar_mitm.storage.records import read_all
-from polar_mitm.storage.service_layout import FLOWS_DIR
+from polar_mitm.storage.service_layout import FLOWS_DIR, STATE_FILE, task_dir
 from polar_mitm.tasks.task_file import TaskLine
 
 pytestmark = pytest.mark.slow
@@ -273,8 +273,24 @@ def test_events_come_in_order_and_the_callback_is_retried(service):
                     if events[-1].get("task_id") == "evented" and events[-1].get("status") == "completed":
                         return
 
-    listener = threading.Thread(target=listen, daemon=True)
+    task_events: list[dict] = []
+
+    def listen_to_tasks():  # ?type=task: a trainer waiting for whole tasks is sent no session's stage changes
+        with httpx.stream(
+            "GET", url + "/events", params={"type": "task"}, headers=AUTH, timeout=None
+        ) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    task_events.append(json.loads(line[6:]))
+                    if (
+                        task_events[-1].get("task_id") == "evented"
+                        and task_events[-1]["status"] == "completed"
+                    ):
+                        return
+
+    listener, task_listener = (threading.Thread(target=f, daemon=True) for f in (listen, listen_to_tasks))
     listener.start()
+    task_listener.start()
     time.sleep(0.5)
     callback = f"http://127.0.0.1:{server.server_port}/done"
     with Client(url, token=TOKEN) as client:
@@ -283,6 +299,9 @@ def test_events_come_in_order_and_the_callback_is_retried(service):
         )
         [result] = client.wait("evented", timeout=60).results
     listener.join(timeout=30)
+    task_listener.join(timeout=30)
+    assert {e["type"] for e in task_events} == {"task"}
+    assert [e["status"] for e in task_events if e["task_id"] == "evented"] == ["queued", "completed"]
     mine = [e for e in events if e.get("task_id") == "evented"]
     sessions = [e["status"] for e in mine if e["type"] == "session"]
     assert sessions[0] == "REGISTERED" and sessions[-1] == "COMPLETED", sessions
@@ -519,11 +538,17 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             time.sleep(0.1)
         assert sorted(Acknowledging.received) == sorted(ids)
         stop(proc, signal.SIGKILL)  # acknowledged is on disk: another kill and resume sends none again
+        # A kill after a task's last result was written and before its state was: all its results, state running.
+        state = task_dir(out, "fast") / STATE_FILE
+        state.write_text(json.dumps({**json.loads(state.read_text()), "status": "running"}))
         proc = serve("--resume")
         time.sleep(1.5)
         assert sorted(Acknowledging.received) == sorted(ids)
         with Client(url, token=TOKEN) as client:
             assert [r.session_id for r in client.status("part").results] == ids
+            again = client.wait("fast", timeout=30)  # completed with what it had, nothing run again
+            assert [r.session_id for r in again.results] == [r.session_id for r in fast.results]
+        assert json.loads(state.read_text())["status"] == "completed"
     finally:
         stop(proc)
         receiver.shutdown()
