@@ -55,6 +55,16 @@ def trust_region_cell(r) -> str:
     return f"{pct(r.clip_fraction)}/{pct(r.tis_capped_fraction)}"
 
 
+def update_cell(r) -> str:
+    """The iteration's push (the pause running sessions saw, and how they were treated) / the share of its trained
+    tokens sampled by older weights than the training started from ("–" where none)."""
+    from polar_mitm.loop.figures import stale_share
+
+    push = f"{r.push['pause_seconds'] * 1000:.0f}ms {r.push['mode']}" if r.push else "–"
+    share = stale_share(r.token_staleness)
+    return f"{push} / {'–' if share is None else f'{share:.0%}'}"
+
+
 def iteration_table(results):
     from rich.table import Table
 
@@ -63,7 +73,8 @@ def iteration_table(results):
         "seconds per stage: rollout / merge / train (skip: every group flat, no optimizer step); clip/cap: "
         "loss tokens PPO clipped / stale tokens at the TIS cap; "
         "groups: informative / all (+ drawn to replace flat ones); ends: sessions that did not complete, by how they "
-        "ended, with the --on-* rules that masked or zeroed them"
+        "ended, with the --on-* rules that masked or zeroed them; push / stale: the pause the weight push caused "
+        "running sessions (and how they were treated) / trained tokens sampled by older weights"
     )
     if evaluated:
         caption += "; held-out: pass@1 / pass@N (N = --eval-samples)"
@@ -80,6 +91,7 @@ def iteration_table(results):
         "seqs",
         "sampled/total tok",
         "clip/cap",
+        "push / stale",
         "seconds",
         "ends",
     ]
@@ -100,6 +112,7 @@ def iteration_table(results):
             str(r.sequences),
             f"{r.trainable_tokens}/{r.total_tokens}",
             trust_region_cell(r),
+            update_cell(r),
             f"{s['rollout']:.0f}/{s['merge']:.0f}/" + ("skip" if r.train_skipped else f"{s['train']:.0f}"),
             ends_line(r.session_ends, r.end_rules),
             *held_out,

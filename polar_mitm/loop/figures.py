@@ -55,6 +55,12 @@ class IterationStats:
     # None: no training, or no stale token.
     clip_fraction: float | None = None
     tis_capped_fraction: float | None = None
+    # the trained (sampled) tokens by staleness, per token: a push that landed mid-call splits the call's tokens
+    # between versions (the merged rows' version spans); `call_staleness` counts each call once, by its record
+    token_staleness: dict[str, int] = field(default_factory=dict)
+    # the push of this iteration's weights (engines' PushReport: pause_seconds the running calls saw, mode, seconds);
+    # None: nothing pushed (no engine, every group flat, or the engine already served them)
+    push: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "eval": self.eval.to_json() if self.eval else None}
@@ -164,6 +170,32 @@ def call_staleness(it: Path, base_version: str | None) -> dict[str, int]:
             if row["session_id"] in trained:
                 counts[str(version_distance(base_version, row["weight_version"]))] += 1
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+def token_staleness(it: Path, base_version: str | None) -> dict[str, int]:
+    """Iteration `it`'s trained tokens (loss_mask 1 in its merged rows) counted by staleness against
+    `base_version`, span by span: a push between two tokens of a call counts each side at its own version."""
+    import pyarrow.parquet as pq
+
+    from polar_mitm.storage.merged import sequences_in
+    from polar_mitm.train.stats import version_distance
+
+    counts: Counter = Counter()
+    for shard in sorted((it / "merged").rglob("*.parquet")):
+        for seq in sequences_in(pq.read_table(shard), str(shard)):
+            spans = seq.version_spans()
+            ends = [start for start, _ in spans[1:]] + [len(seq.loss_mask)]
+            for (start, version), end in zip(spans, ends, strict=True):
+                tokens = sum(seq.loss_mask[start:end])
+                if tokens:
+                    counts[str(version_distance(base_version, version))] += tokens
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+def stale_share(staleness: dict[str, int]) -> float | None:
+    """The share of a staleness histogram at least one version behind (None: empty)."""
+    total = sum(staleness.values())
+    return sum(n for k, n in staleness.items() if int(k) > 0) / total if total else None
 
 
 def training_fractions(metrics_file: Path) -> dict[str, float | None]:

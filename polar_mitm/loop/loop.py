@@ -40,6 +40,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router, weights
@@ -52,6 +53,7 @@ from polar_mitm.loop.figures import (
     eval_metrics,
     iteration_stats,
     stats_from_json,
+    token_staleness,
     training_fractions,
 )
 from polar_mitm.loop.overlap import RolloutsAhead
@@ -257,6 +259,10 @@ class Loop:
         seconds = {"rollout": data.rollout.seconds, "merge": data.merge.seconds, "train": trained.seconds}
         stats = iteration_stats(k, trained.weight_version, data.rollout.summary, data.merge.figures, seconds)
         stats.call_staleness = call_staleness(iteration_dir(self.cfg.run_dir, k), trained.base_weight_version)
+        stats.token_staleness = token_staleness(
+            iteration_dir(self.cfg.run_dir, k), trained.base_weight_version
+        )
+        stats.push = trained.push
         stats.train_skipped = trained.skipped
         if (
             not trained.skipped
@@ -374,15 +380,15 @@ class Loop:
         info = state.info("train")
         if not state.done("push"):
             state.begin("push")
-            if not info.get("skipped"):  # the engine already serves these weights
-                self._push(it, info["weight_version"])
-            state.finish("push", weight_version=info["weight_version"])
+            pushed = None if info.get("skipped") else self._push(it, info["weight_version"])
+            state.finish("push", weight_version=info["weight_version"], report=pushed)
         return TrainedModel(
             self._in_run(info["model_dir"]),
             info["weight_version"],
             info["seconds"],
             skipped=bool(info.get("skipped")),
             base_weight_version=info.get("base_weight_version"),
+            push=state.info("push").get("report"),
         )
 
     def _training(self, k: int) -> IterationTraining:
@@ -401,17 +407,19 @@ class Loop:
             recorded_run_dir=self.recorded_run_dir,
         )
 
-    def _push(self, it: Path, version: str | None) -> None:
-        """The engine serves `version` (the trained weights of `it`) after this: pushed unless it already does."""
+    def _push(self, it: Path, version: str | None) -> dict[str, Any] | None:
+        """The engine serves `version` (the trained weights of `it`) after this: pushed unless it already does.
+        What the push did (PushReport's fields: the pause running sessions saw, the mode), or None: no push."""
         if self.service is not None and version is not None:  # --service: through it, to its engine
             if self.service.weight_version() != version:
-                self.service.push(it / "train" / ENGINE_WEIGHTS_DIR, version)
-            return
+                return self.service.push(it / "train" / ENGINE_WEIGHTS_DIR, version)
+            return None
         if version is None or self.engine_url is None:  # no engine: a training driven alone (tests)
-            return
+            return None
         if weights.common_weight_version(self.engine_url) == version:
-            return
-        weights.push_weights(self.engine_url, it / "train" / ENGINE_WEIGHTS_DIR, weight_version=version)
+            return None
+        folder = it / "train" / ENGINE_WEIGHTS_DIR
+        return weights.push_weights_reported(self.engine_url, folder, weight_version=version).as_json()
 
     def _eval_stage(self, k: int) -> EvalResult | None:
         cfg, state = self.cfg, self._state(k)

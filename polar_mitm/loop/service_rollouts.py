@@ -138,9 +138,10 @@ class LoopService:
     def weight_version(self) -> str | None:
         return self.client.health().get("weight_version")
 
-    def push(self, path: Path, version: str | None) -> str:
-        """The service's engine loads `path` (read by the service, so on its machine) as `version`."""
-        return self.client.push_weights(str(path.resolve()), version)
+    def push(self, path: Path, version: str | None) -> dict[str, Any]:
+        """The service's engine loads `path` (read by the service, so on its machine) as `version`; what the push
+        did (PushReport's fields)."""
+        return self.client.push_weights_reported(str(path.resolve()), version)
 
     # -- rollouts -----------------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from polar_mitm.loop.figures import MergeFigures
 from polar_mitm.rollout.runner import RolloutSummary
@@ -52,3 +53,5 @@ class TrainedModel:
     skipped: bool = False
     # the weights the training started from: the trained calls' staleness is measured against them
     base_weight_version: str | None = None
+    # what pushing them to the engine did (PushReport's fields), None when nothing was pushed
+    push: dict[str, Any] | None = None

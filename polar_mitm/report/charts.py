@@ -66,6 +66,7 @@ def build_charts(run: RunData) -> list[Chart]:
     charts = [reward_chart(run)]
     if run.kind == "loop":
         charts.append(groups_chart(run))
+        charts.append(updates_chart(run))
     rows, boundaries = step_series(run)
     for chart_id, title, ylabel, keys in STEP_CHARTS:
         series = {key: [(r["global_step"], r[key]) for r in rows if _finite(r.get(key))] for key in keys}
@@ -168,6 +169,38 @@ def groups_chart(run: RunData) -> Chart:
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize="small")
     return Chart("groups", title, _svg(plt, fig, "groups"))
+
+
+def updates_chart(run: RunData) -> Chart:
+    """Per iteration: the pause its weight push caused the running sessions (ms), and the share of its trained
+    tokens that older weights sampled (a push mid-call splits a call's tokens between versions)."""
+    title = "weight updates: push pause (ms) and trained tokens sampled by older weights (%)"
+    rows = [(i, stage.stats or {}) for i, stage in enumerate(run.stages)]
+    pauses = [(i, s["push"]["pause_seconds"] * 1000) for i, s in rows if isinstance(s.get("push"), dict)]
+    stale = []
+    for i, s in rows:
+        counts = s.get("token_staleness") or {}
+        total = sum(counts.values())
+        if total:
+            stale.append((i, 100 * sum(n for k, n in counts.items() if int(k) > 0) / total))
+    if not pauses and not stale:
+        return Chart("updates", title, None, "no push or per-token staleness in this run's loop.json")
+    plt, fig, ax = _figure()
+    if pauses:
+        ax.bar([i for i, _ in pauses], [p for _, p in pauses], width=0.4, label="push pause (ms)")
+        ax.set_ylabel("ms")
+    if stale:
+        other = ax.twinx()
+        other.plot(
+            [i for i, _ in stale], [p for _, p in stale], marker="o", color="C1", label="stale tokens (%)"
+        )
+        other.set_ylabel("% of trained tokens")
+        other.set_ylim(0, 100)
+        other.legend(fontsize="small", loc="upper right")
+    ax.set_xlabel("iteration")
+    if pauses:
+        ax.legend(fontsize="small", loc="upper left")
+    return Chart("updates", title, _svg(plt, fig, "updates"))
 
 
 def errorbar_svg(

@@ -77,8 +77,12 @@ class Client:
         return _checked(self.http.get("/health"))
 
     def push_weights(self, path: str, weight_version: str | None = None) -> str:
+        return self.push_weights_reported(path, weight_version)["weight_version"]
+
+    def push_weights_reported(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
+        """The push and what it cost the running sessions: {weight_version, pause_seconds, mode, seconds}."""
         body = {"path": path, "weight_version": weight_version}
-        return _checked(self.http.post("/rollout/weights", json=body, timeout=600))["weight_version"]
+        return _checked(self.http.post("/rollout/weights", json=body, timeout=600))
 
     def wait(self, task_id: str, *, timeout: float = 3600.0, poll: float = 0.5) -> TaskStatus:
         deadline = time.monotonic() + timeout

@@ -103,16 +103,19 @@ def build_app(
         from polar_mitm.engines import weights as engine_weights
 
         try:
-            version = await asyncio.to_thread(
-                engine_weights.push_weights,
+            report = await asyncio.to_thread(
+                engine_weights.push_weights_reported,
                 service.engine_url,
                 update.path,
                 weight_version=update.weight_version,
             )
         except Exception as exc:  # noqa: BLE001 — the engine's refusal, said to the caller
             return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=502)
-        service.weights_pushed(version)  # tasks waiting for it (metadata.min_weight_version) start now
-        return JSONResponse({"weight_version": version})
+        service.weights_pushed(
+            report.weight_version
+        )  # tasks waiting for it (metadata.min_weight_version) start now
+        # what the push cost running sessions (pause_seconds, mode) beside the version: the loop reports it
+        return JSONResponse(report.as_json())
 
     async def health(request: Request) -> Response:
         """The service's state, with the weight version its engine serves (what a trainer resumes from)."""

@@ -144,6 +144,11 @@ def test_overlap_2_trains_calls_up_to_two_versions_stale(overlapped_run):
     for row in loop:
         calls = read_all(overlapped_run / f"iter-{row['iteration']}" / "flows").num_rows
         assert sum(row["call_staleness"].values()) == calls  # every call of every trained session
+        # and every trained token, once, by the version of its span
+        assert sum(row["token_staleness"].values()) == row["trainable_tokens"]
+        # each push's cost to the sessions running under it: the embedded engine swaps between two tokens
+        assert row["train_skipped"] or (row["push"]["mode"] == "swap" and row["push"]["pause_seconds"] >= 0)
+    assert set(loop[1]["token_staleness"]) == {"1"}
     # The trainer's own metric (per sequence, from its oldest call) reaches the overlap and no further; in the
     # last iteration only the gated sessions started on version 0, so 2 is reached when their group is trained.
     for k, expected in enumerate((0, 1, 2)):

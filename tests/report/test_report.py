@@ -60,12 +60,18 @@ def test_report_shows_iterations_curves_merge_tasks(report_html, demo_run):
     _, results = demo_run
     ids = {attrs.get("id") for _, attrs in parse(report_html)}
     assert {"iterations", "charts", "merge", "tasks", "viewer", "tip"} <= ids
-    assert {f"chart-{name}" for name in ("reward", "loss", "kl", "clip", "staleness")} <= ids
+    assert {f"chart-{name}" for name in ("reward", "loss", "kl", "clip", "staleness", "updates")} <= ids
     iteration_table = report_html.split('id="iterations"')[1].split("</table>")[0]
     assert iteration_table.count("<tr>") == 1 + len(results)
     assert f"{results[-1].reward_mean:.3f}" in iteration_table
     # Curves are drawn (inline SVG with paths), KL says why it is empty (beta = 0 in the loop).
-    for name in ("reward", "loss", "clip", "staleness"):
+    for name in (
+        "reward",
+        "loss",
+        "clip",
+        "staleness",
+        "updates",
+    ):  # updates: each push's pause, stale tokens
         figure = report_html.split(f'id="chart-{name}"')[1].split("</figure>")[0]
         assert "<svg" in figure and "<path" in figure, name
     assert "beta = 0" in report_html.split('id="chart-kl"')[1].split("</figure>")[0]
