@@ -352,3 +352,39 @@ def test_keep_checkpoints_never_prunes_the_weights_a_skipped_training_left_in_se
     }
     assert (tmp_path / "iter-1" / "train" / "model.safetensors").exists()
     assert (tmp_path / "iter-2" / "train" / "skipped.json").exists()
+
+
+@pytest.mark.slow
+def test_a_loop_killed_in_a_push_under_running_sessions_resumes(task_file, tmp_path):
+    """--overlap 1: iteration 1's sessions run while iteration 0's weights are pushed. SIGKILL in that push (the
+    loop, its engine mid-swap, the sessions mid-call), then `--resume`: the push is done again on the restarted
+    engine, iteration 1's finished sessions are kept and the rest run again, each iteration is trained once, and
+    every call of iteration 1 was sampled by the initial weights or by iteration 0's, never anything else."""
+    run_dir = tmp_path / "run"
+    argv = [str(task_file), "-o", str(run_dir), "-n", "2", "--overlap", "1"]
+    proc = start_loop(run_dir, *argv, *LOOP_ARGS)
+    kill = kill_at(run_dir, proc, 0, "push")
+    assert "rollout" in state(run_dir, 1)["stages"] or state(run_dir, 1)["running"] == "rollout"
+    journalled = [r["session_id"] for r in read_lines(run_dir / "iter-1" / "sessions.jsonl")]
+    proc = start_loop(run_dir, "-o", str(run_dir), "--resume")
+    assert proc.wait(timeout=DEADLINE_S) == 0, proc.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    loop = json.loads((run_dir / "loop.json").read_text())
+    assert [row["iteration"] for row in loop] == [0, 1]
+    assert kill["state"]["running"] == "push" and "push" in state(run_dir, 0)["stages"]
+    # The restarted engine was given iteration 0's weights as the resumed loop started, so its push stage found
+    # them served (nothing to report); iteration 1's push ran under no kill.
+    assert loop[0]["push"] is None and loop[1]["push"]["mode"] == "swap"
+    assert RunState.load(run_dir / "trainer-state").trainings == 2
+    for k in (0, 1):
+        rows = rewarded(run_dir, k)
+        assert len(rows) == TASKS * GROUP and len({r["session_id"] for r in rows}) == TASKS * GROUP
+        assert set(merged_sessions(run_dir, k)) == {r["session_id"] for r in rows}
+    kept = {r["session_id"] for r in rewarded(run_dir, 1)}
+    assert set(journalled) <= kept  # finished before the kill: kept, not run again
+    sampled = {
+        row["weight_version"]
+        for row in read_all(run_dir / "iter-1" / "flows").to_pylist()
+        if row["session_id"] in kept
+    }
+    assert sampled <= {"0", loop[0]["weight_version"]}, sampled
+    assert sum(loop[1]["token_staleness"].values()) == loop[1]["trainable_tokens"]
