@@ -21,6 +21,7 @@ session also joins a group of its own in each v1 `memory` and `pids` hierarchy t
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -99,9 +100,18 @@ class SessionCgroup:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
                 time.sleep(0.02)
+        # A killed process leaves its group's procs list before the kernel lets the group go: rmdir answers EBUSY
+        # until its parent (init, for a daemon that left its session) has reaped it. Seen on CI's hybrid machine.
+        deadline = time.monotonic() + timeout
         for folder in (*self.v1_limits, self.path):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+            while True:
+                try:
+                    folder.rmdir()
+                except OSError as e:
+                    if e.errno == errno.EBUSY and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                        continue
+                break
         return len(found)
 
 
