@@ -84,13 +84,51 @@ class EvaluatorSpec(StrategySpec):
         )
 
 
+# Polar's preset names (its `polar/agent/factory.py`) that differ from ours; codex, hermes, openclaw, opencode and pi
+# are the same in both. Its `shell` preset runs `agent.custom_shell.command`: our `cmd:` template.
+POLAR_HARNESS_NAMES = {
+    "claude_code": "claude-code",
+    "gemini_cli": "gemini",
+    "mini_swe_agent": "mini-swe-agent",
+    "openhands_sdk": "openhands",
+    "qwen_code": "qwen",
+}
+
+
+class ShellCommand(_Request):
+    """Polar's `agent.custom_shell` (an ExecInput): the command its `shell` harness runs. It runs as our `cmd:`
+    template, in the session's workspace and environment, so only `command` may be set."""
+
+    command: str = Field(min_length=1)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    timeout_sec: float | None = None
+
+    @field_validator("cwd")
+    @classmethod
+    def _no_cwd(cls, value: str | None) -> str | None:
+        return _unsupported(value, None, "the command runs in the session's workspace ({workspace})")
+
+    @field_validator("env")
+    @classmethod
+    def _no_env(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _unsupported(value, {}, "a session's environment is the sandbox's and the gateway's")
+
+    @field_validator("timeout_sec")
+    @classmethod
+    def _no_timeout(cls, value: float | None) -> float | None:
+        return _unsupported(value, None, "the harness's time is metadata.agent_timeout (or timeout_seconds)")
+
+
 class AgentSpec(BaseModel):
-    """Which harness runs the sessions: any of ours (`claude-code`, `sdk:openai_chat`, `cmd:…`). Polar's own fields
-    are accepted at their defaults (see the module's docstring)."""
+    """Which harness runs the sessions: any of ours (`claude-code`, `sdk:openai_chat`, `cmd:…`), or Polar's name
+    for it (`claude_code`, `gemini_cli`, `qwen_code`, …; `shell` with `custom_shell.command`), which becomes ours
+    here. Polar's own fields are accepted at their defaults (see the module's docstring)."""
 
     model_config = ConfigDict(extra="allow")
 
     harness: str
+    custom_shell: ShellCommand | None = None
     config: dict[str, Any] = Field(default_factory=dict)
     import_path: str | None = None
     model_name: str | None = None  # taken, not used: the service's engine samples every session
@@ -120,6 +158,18 @@ class AgentSpec(BaseModel):
     @classmethod
     def _no_mcp(cls, value: list[Any]) -> list[Any]:
         return _unsupported(value, [], "MCP servers are not wired into our harnesses")
+
+    @model_validator(mode="after")
+    def _our_harness_name(self) -> AgentSpec:
+        """Polar's preset names as ours; `shell` as the `cmd:` template of its custom_shell."""
+        if self.harness == "shell":
+            if self.custom_shell is None:
+                raise ValueError("harness shell runs agent.custom_shell.command: give custom_shell {command}")
+            self.harness, self.custom_shell = f"cmd:{self.custom_shell.command}", None
+        elif self.custom_shell is not None:
+            raise ValueError(f"custom_shell is the command of harness shell, not of {self.harness}")
+        self.harness = POLAR_HARNESS_NAMES.get(self.harness, self.harness)
+        return self
 
 
 class RuntimeSpec(_Request):
@@ -180,11 +230,31 @@ class TaskRequest(_Request):
             )
         return value
 
+    @field_validator("metadata")
+    @classmethod
+    def _agent_timeout_positive(cls, value: dict[str, Any]) -> dict[str, Any]:
+        limit = value.get("agent_timeout")
+        if limit is not None and (
+            isinstance(limit, bool)
+            or not isinstance(limit, int | float)
+            or not math.isfinite(limit)
+            or limit <= 0
+        ):
+            raise ValueError(f"agent_timeout must be a positive number of seconds, not {limit!r}")
+        return value
+
     @model_validator(mode="after")
     def _early_stop_within_samples(self) -> TaskRequest:
         if (self.early_stop_min_usable_sessions or 0) > self.num_samples:
             raise ValueError("early_stop_min_usable_sessions cannot exceed num_samples")
         return self
+
+    @property
+    def agent_timeout(self) -> float | None:
+        """`metadata.agent_timeout`: Polar's budget for the harness's run alone (RUN), beside the whole session's
+        `timeout_seconds`; the run stops at whichever comes first."""
+        limit = self.metadata.get("agent_timeout")
+        return None if limit is None else float(limit)
 
     @property
     def min_weight_version(self) -> int | None:

@@ -10,7 +10,8 @@ to the service and a submitted task runs exactly as that line would under `polar
                                   (or config: {judge, harbor: {…}}: a Harbor verifier's outcome, judged)
     workspace {dir, git, setup}   metadata.workspace
     limits {memory_mb, …}         metadata.limits
-    timeouts {init, run, eval}    metadata.timeouts (timeout_seconds: their sum)
+    timeouts {init, run, eval}    metadata.timeouts (timeout_seconds: their sum; without them, timeouts.run;
+                                  metadata.agent_timeout, Polar's budget for the run, caps timeouts.run)
     family, swe, meta             metadata.family, metadata.swe, metadata.meta
     (the command's --harness, -g) agent.harness, num_samples
 
@@ -195,7 +196,10 @@ def request_to_line(request: TaskRequest) -> dict[str, Any]:
         line["judge"] = judge
     if meta.get("workspace"):
         line["workspace"] = meta["workspace"]
-    line["timeouts"] = meta.get("timeouts") or {"run": request.timeout_seconds}
+    timeouts = dict(meta.get("timeouts") or {"run": request.timeout_seconds})
+    if request.agent_timeout is not None:  # Polar's budget for the run alone: the run stops at the sooner
+        timeouts["run"] = min(float(timeouts.get("run") or request.agent_timeout), request.agent_timeout)
+    line["timeouts"] = timeouts
     if meta.get("limits"):
         line["limits"] = meta["limits"]
     line.update({key: meta[key] for key in CARRIED if meta.get(key) is not None})

@@ -107,6 +107,33 @@ def test_a_task_line_and_a_request_are_the_same_task_both_ways():
         assert line_to_request(back, "claude-code", num_samples=4) == request
 
 
+def test_polars_harness_names_are_ours_and_agent_timeout_caps_the_run():
+    from polar_mitm.harness import HARNESSES
+    from polar_mitm.service.models import POLAR_HARNESS_NAMES
+
+    assert set(POLAR_HARNESS_NAMES.values()) <= set(HARNESSES)
+    for polar in (
+        "claude_code",
+        "codex",
+        "gemini_cli",
+        "hermes",
+        "mini_swe_agent",
+        "openclaw",
+        "openhands_sdk",
+        "opencode",
+        "pi",
+        "qwen_code",
+    ):
+        assert AgentSpec(harness=polar).harness in HARNESSES, polar
+    assert (
+        AgentSpec(harness="shell", custom_shell={"command": "echo {prompt}"}).harness == "cmd:echo {prompt}"
+    )
+    request = cmd_request("capped", "true")  # timeouts.run 120
+    assert request_to_line(request)["timeouts"]["run"] == 120
+    capped = request.model_copy(update={"metadata": {**request.metadata, "agent_timeout": 30}})
+    assert request_to_line(capped)["timeouts"] == {**request.metadata["timeouts"], "run": 30}
+
+
 ROUTES = [
     ("GET", "/health"),
     ("GET", "/rollout/task/x"),
@@ -138,6 +165,15 @@ def test_bad_requests_are_refused_with_the_field_named(service):
         ({**good, "metadata": {"min_weight_version": "step-3"}}, 422, "min_weight_version"),
         ({**good, "agent": {"harness": "cmd:true", "env": {"A": "1"}}}, 422, "agent.env"),
         ({**good, "agent": {"harness": "cmd:true", "import_path": "my.Harness"}}, 422, "agent.import_path"),
+        ({**good, "agent": {"harness": "shell"}}, 422, "custom_shell"),
+        (
+            {**good, "agent": {"harness": "shell", "custom_shell": {"command": "true", "cwd": "/"}}},
+            422,
+            "cwd",
+        ),
+        ({**good, "agent": {"harness": "pi", "custom_shell": {"command": "true"}}}, 422, "not of pi"),
+        ({**good, "metadata": {"agent_timeout": 0}}, 422, "agent_timeout"),
+        ({**good, "metadata": {"agent_timeout": True}}, 422, "agent_timeout"),
         ({**good, "evaluator": {**good["evaluator"], "refresh_runtime": True}}, 422, "refresh_runtime"),
         (
             {**good, "runtime": {"image": "python:3.12", "prepare": [{"type": "exec"}]}},
@@ -382,6 +418,25 @@ def test_a_client_written_from_polars_wire_format_alone(service):
         headers=AUTH,
     )
     assert refused.status_code == 422 and "runtime" in refused.text, refused.text
+    # Polar's own harness names: its `shell` preset with custom_shell; metadata.agent_timeout stops the run alone.
+    shell = {"harness": "shell", "custom_shell": {"command": "echo hi > said.txt; sleep 30", "cwd": None}}
+    timed = {
+        **body,
+        "task_id": "polar-shell",
+        "num_samples": 1,
+        "agent": {**body["agent"], **shell},
+        "evaluator": {**body["evaluator"], "config": {"command": "grep -q hi said.txt"}},
+        "metadata": {"agent_timeout": 1.5},
+    }
+    began = time.monotonic()
+    assert httpx.post(url + "/rollout/task/submit", json=timed, headers=AUTH).status_code == 200
+    while (status := httpx.get(url + "/rollout/task/polar-shell", headers=AUTH).json())[
+        "status"
+    ] == "running":
+        assert time.monotonic() - began < 25, "agent_timeout did not stop the run"
+        time.sleep(0.2)
+    [result] = status["results"]
+    assert result["status"] == "TIMEOUT" and 1000 <= result["timing"]["run_ms"] < 10_000, result
 
 
 def test_a_task_waits_for_its_min_weight_version_and_its_traces_say_the_version(service, tiny_model_dir):
