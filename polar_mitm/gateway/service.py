@@ -27,6 +27,7 @@ from polar_mitm.codecs.base import Codec, GatewayError, HttpAnswer
 from polar_mitm.codecs.common import parse_body
 from polar_mitm.conversation import Completion, Conversation, harness_safe
 from polar_mitm.engines.client import EngineClient
+from polar_mitm.engines.resume import MAX_RESUMES, continuation_request, joined_answer
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
 from polar_mitm.gateway.calls import CallContext, fill_record, offload
@@ -38,6 +39,7 @@ from polar_mitm.gateway.prompts import PromptBuilder, PromptStep
 from polar_mitm.storage.journal import RecordWriter
 from polar_mitm.storage.records import Record
 
+ABORTED = b'"abort"'  # an aborted whole answer's finish_reason value, however its JSON is spaced
 log = logging.getLogger(__name__)
 
 READY_PATH = "/_polar/ready"  # the readiness answer (`gateway.processes.start_gateway` waits on it)
@@ -286,6 +288,8 @@ class Gateway:
             live = conv.stream and self.config.stream == "live"
             if live:  # the engine streams too; the harness gets tokens as they are sampled
                 live_engine_request(engine_request, record.request_id)
+            else:  # our request id, as a live call's: the engine's log and stats name the call as the record does
+                engine_request["rid"] = record.request_id
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
             # (a compaction's commit marks the session for the next main call's new chain, replay and live alike)
             step, engine_body = await self.prompts.prepare(
@@ -307,6 +311,10 @@ class Gateway:
                     )
                 )
             raw = await self._ask_engine(engine_body, req.disconnected)
+            if (
+                ABORTED in raw
+            ):  # a byte search: a whole answer is parsed once, in _finish, unless it was aborted
+                raw = await self._resumed(raw, engine_body, record.request_id, req.disconnected)
             answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
             await self.prompts.complete(step, completion)
             record.spliced_turns, record.splice_reason = step.spliced_turns, step.reason
@@ -376,6 +384,46 @@ class Gateway:
         if call.cancelled():
             raise ClientDisconnected
         return call.result()
+
+    async def _resumed(
+        self, raw: bytes, engine_body: bytes, request_id: str, disconnected: asyncio.Event | None
+    ) -> bytes:
+        """A whole answer the engine aborted on its own (SGLang's weight update aborts running requests by
+        default), resumed as a live call is (engines/resume.py): prompt + the tokens sampled so far go back with the
+        rest of the budget, at most MAX_RESUMES times, and the parts are joined into one answer before the harness
+        sees any of it. GatewayError `engine_error` after MAX_RESUMES resumes."""
+        try:
+            answer = orjson.loads(raw)
+            if answer["choices"][0].get("finish_reason") != "abort":
+                return raw
+            request = orjson.loads(engine_body)
+            for part in range(1, MAX_RESUMES + 2):
+                choice = answer["choices"][0]
+                if choice.get("finish_reason") != "abort":
+                    break
+                sampled = choice["response_token_ids"]
+                if part > MAX_RESUMES:
+                    raise GatewayError(
+                        "engine_error",
+                        f"the engine aborted the call {part} times ({len(sampled)} tokens sampled); "
+                        f"gave up after {MAX_RESUMES} resumes",
+                    )
+                body = continuation_request(
+                    request, choice["prompt_token_ids"], sampled, rid=f"{request_id}-resume{part}"
+                )
+                if body is None:  # the abort came with the last token of the budget
+                    choice["finish_reason"] = "length"
+                    break
+                log.info(
+                    "%s: the engine aborted the call after %d tokens; resuming", request_id, len(sampled)
+                )
+                rest = orjson.loads(await self._ask_engine(orjson.dumps(body), disconnected))
+                answer = joined_answer(answer, rest, request, await self.engine.model_info())
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise GatewayError(
+                "engine_error", f"the engine's aborted answer cannot be resumed: {exc!r}"
+            ) from exc
+        return orjson.dumps(answer)
 
     def _prepare(
         self, codec: Codec, raw: bytes, path: str, query: dict[str, str]

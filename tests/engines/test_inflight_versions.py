@@ -6,8 +6,11 @@ part stopped (reasoning cut by the abort stays reasoning)."""
 
 from __future__ import annotations
 
+import json
+
+from polar_mitm.conversation import Completion
 from polar_mitm.engines.dialects.vllm import VllmStream, generate_call, sglang_answer, to_vllm
-from polar_mitm.engines.resume import ResumedText, continuation_request, seen_text
+from polar_mitm.engines.resume import ResumedText, continuation_request, joined_answer, seen_text
 from polar_mitm.engines.stream import StreamAssembler
 from tests.engines.test_vllm_dialect import MODEL_INFO, PROMPT, sglang_request
 
@@ -115,3 +118,44 @@ def test_a_continuation_cut_mid_reasoning_goes_on_as_reasoning_then_text():
     }
     deltas = [c["choices"][0]["delta"] for c in resumed.rewrite(chunk)]
     assert deltas[:2] == [{"reasoning_content": " think."}, {"content": "Done."}]
+
+
+def whole(ids: list[int], tokens: list[str], version: str, finish: str, prompt=PROMPT, **message) -> dict:
+    """A whole SGLang chat answer (return_token_ids, return_meta_info, logprobs)."""
+    return {
+        "id": "c",
+        "model": "m",
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "", **message},
+                "finish_reason": finish,
+                "prompt_token_ids": prompt,
+                "response_token_ids": ids,
+                "logprobs": {"content": [{"token": t, "logprob": -0.5} for t in tokens]},
+                "meta_info": {"weight_version": version},
+            }
+        ],
+    }
+
+
+def test_a_whole_answer_cut_in_its_reasoning_is_joined_into_one_parsed_answer():
+    """joined_answer: the first part as the engine parsed it (reasoning only: cut inside it), the continuation as
+    raw text; the join is parsed again — reasoning, content, a tool call whole — with a version span a part."""
+    info = {"tool_call_parser": "qwen25", "reasoning_parser": "qwen3"}
+    request = {"tools": [{"type": "function", "function": {"name": "shell", "parameters": {}}}]}
+    first = whole([1, 2, 3], ["<think>", "\nLet", " me"], "3", "abort", reasoning_content="Let me")
+    call = '<tool_call>\n{"name": "shell", "arguments": {"command": "ls"}}\n</tool_call>'
+    rest = whole([4, 5, 6], [" look", "</think>\n\nOk", call], "4", "stop", PROMPT + [1, 2, 3])
+    rest["choices"][0]["message"]["content"] = f" look</think>\n\nOk{call}"
+    completion = Completion.from_engine_response(joined_answer(first, rest, request, info))
+    assert completion.reasoning == "Let me look" and completion.content == "Ok"
+    assert [(c.name, json.loads(c.arguments)) for c in completion.tool_calls] == [
+        ("shell", {"command": "ls"})
+    ]
+    assert completion.finish_reason == "tool_calls" and completion.weight_version == "3"
+    assert completion.prompt_ids == PROMPT and completion.completion_ids == [1, 2, 3, 4, 5, 6]
+    assert completion.meta_info["version_spans"] == [
+        {"start": 0, "version": "3"},
+        {"start": 3, "version": "4"},
+    ]
+    assert completion.meta_info["resumed"] == 1 and len(completion.completion_logprobs) == 6

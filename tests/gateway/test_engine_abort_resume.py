@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 
 import httpx
@@ -148,3 +149,50 @@ def test_a_call_aborted_a_fourth_time_ends_as_an_engine_error(aborting):
     assert "gave up after 3 resumes" in row["error"]
     parts = [g for g in engine_stats(engine_url)["recent"] if g["request_id"].startswith(row["request_id"])]
     assert [g["finish_reason"] for g in parts] == ["abort"] * 4
+
+
+def test_an_aborted_whole_answer_is_resumed_before_the_harness_sees_it(aborting):
+    """The same abort on a call the harness does not stream: the gateway resumes it and joins the parts, so the
+    SDK gets one answer (the text, then the tool call written after the abort) and the record one span a part."""
+    engine_url, gw, checkpoint_of = aborting
+    old_version = max(checkpoint_of, key=int)
+    new_weights = resolve_model("tiny", seed=1 if checkpoint_of[old_version] == resolve_model("tiny") else 0)
+    session = f"abort-whole-{uuid.uuid4().hex[:6]}"
+    client = openai.OpenAI(
+        api_key=API_KEY, base_url=SessionId(session).base_url(gw.reverse_url, "/v1"), max_retries=0
+    )
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TEXT}]
+    answer: dict = {}
+    caller = threading.Thread(
+        target=lambda: answer.update(
+            r=client.chat.completions.create(model="gpt-4.1", messages=messages, tools=TOOLS, temperature=1.0)
+        )
+    )
+    caller.start()
+    deadline = time.monotonic() + 60
+    while not any(n >= 3 for n in engine_stats(engine_url)["running"].values()):  # a few tokens in
+        assert caller.is_alive() and time.monotonic() < deadline, "the call never ran long enough"
+        time.sleep(0.02)
+    version = push_weights(engine_url, new_weights)
+    checkpoint_of[version] = new_weights
+    caller.join(60)
+    [choice] = answer["r"].choices
+    assert choice.message.content == "Let me write the file." and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("shell", {"command": "echo hello > out.txt"})
+    ]
+
+    [row] = _records(gw, session)
+    assert row["error"] is None and row["finish_reason"] == "tool_calls" and not row["stream"]
+    [first] = [g for g in engine_stats(engine_url)["recent"] if g["request_id"] == row["request_id"]]
+    k = first["completion_tokens"]
+    assert first["finish_reason"] == "abort" and k >= 3
+    assert row["weight_version"] == old_version
+    assert row["version_spans"] == [{"start": 0, "version": old_version}, {"start": k, "version": version}]
+    assert json.loads(row["engine_meta_json"])["resumed"] == 1
+    ids = row["prompt_ids"] + row["completion_ids"]
+    start, recorded = len(row["prompt_ids"]), torch.tensor(row["completion_logprobs"])
+    after = fresh_logprobs(new_weights, ids, start + k, row["temperature"])
+    before = fresh_logprobs(checkpoint_of[old_version], ids[: start + k], start, row["temperature"])
+    assert float((recorded[k:] - after).abs().max()) <= 1e-5
+    assert float((recorded[:k] - before).abs().max()) <= 1e-5
