@@ -241,12 +241,19 @@ def _traces(sessions: list[FinishedSession], places: JudgePlaces, budget: int) -
     traces = {}
     for s in sessions:
         harness_log = ""
-        if (
-            places.harness_logs is not None
-            and (path := places.harness_logs / f"{s.session_id}.log").is_file()
-        ):
+        if (path := harness_log_path(places.harness_logs, s.session_id)) is not None:
             harness_log = path.read_bytes()[-budget:].decode("utf-8", "replace")
         traces[s.session_id] = session_trace(
             by_session[s.session_id], harness_log, s.eval_output[-2000:], budget
         )
     return traces
+
+
+def harness_log_path(logs: Path | None, session_id: str) -> Path | None:
+    """A session's harness log: `logs/SESSION.log`, or one folder down (`logs/NODE/SESSION.log`: a Ray rollout's
+    nodes each log under their own folder); None when there is none."""
+    if logs is None:
+        return None
+    if (path := logs / f"{session_id}.log").is_file():
+        return path
+    return next((p for p in logs.glob(f"*/{session_id}.log") if p.is_file()), None)

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import typer
@@ -272,8 +272,6 @@ def rollout_command(ctx: typer.Context) -> None:
     if (problem := judge_problem(task_list, judging)) is not None:
         raise fail(problem)
     judge_api_key(judging.judge_api_key_env)  # out of the environment before any session inherits it
-    if given.ray_address is not None and any(task.judge is not None for task in task_list):
-        raise fail("tasks with a judge are judged on this machine's rollouts only, not with --ray yet")
     if given.engine_url is not None and given.gateway_url is None:  # before any session: each would score 0.0
         try:
             router.check_answering(given.engine_url)
@@ -294,6 +292,10 @@ def rollout_command(ctx: typer.Context) -> None:
             work_dir=given.work_dir,
             max_attempts=given.max_attempts,
             gateway_options=given.sampling_options(),
+            # the nodes' harness logs are under WORK_DIR/logs/NODE (judging looks one folder down)
+            judge=lambda summary: judged(
+                summary, judging, given, replace(config, log_dir=given.work_dir / "logs")
+            ),
         )
     else:
         with events_stdout(resolved(given.log_format, console.is_terminal)):

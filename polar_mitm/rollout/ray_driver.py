@@ -239,6 +239,7 @@ class RayRollout:
         self.pending = deque(
             SessionSpec(t, i, new_session_id(t, i)) for t in tasks for i in range(config.group_size)
         )
+        self.tasks = {t.task_id: t for t in tasks}  # a finished session's task, whole (its judge, for judging)
         self.inflight: dict[Any, tuple[SessionSpec, NodeHandle]] = {}
         self.outcomes: dict[tuple[str, int], SessionOutcome] = {}
         self.lost: list[dict[str, Any]] = []
@@ -456,9 +457,7 @@ class RayRollout:
         return s
 
     def _task(self, task_id: str) -> Task:
-        if not hasattr(self, "_tasks"):
-            self._tasks: dict[str, Task] = {}
-        return self._tasks.setdefault(task_id, Task(task_id=task_id, prompt=""))
+        return self.tasks.get(task_id) or Task(task_id=task_id, prompt="")
 
     def _utilisation(self, outcomes: list[SessionOutcome]) -> float:
         spans = [o.run_span for o in outcomes if o.run_span]

@@ -14,11 +14,12 @@ Rollout nodes, fault handling (dead nodes, re-runs, `node_lost`) and signals: ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.rollout.ray_driver import RayPool, RayRolloutResult, write_report
-from polar_mitm.rollout.runner import RolloutConfig
+from polar_mitm.rollout.runner import RolloutConfig, RolloutSummary
 from polar_mitm.tasks.task_file import Task
 
 
@@ -36,8 +37,11 @@ def ray_rollout_command(
     work_dir: Path,
     max_attempts: int = 2,
     gateway_options: dict[str, str] | None = None,
+    judge: Callable[[RolloutSummary], None] | None = None,
 ) -> RayRolloutResult:
-    """Start (or attach to) the engines, run the rollout on the cluster, write rewards + `ray_report.json`."""
+    """Start (or attach to) the engines, run the rollout on the cluster, write rewards + `ray_report.json`.
+    `judge` (tasks with a `judge`) combines the finished sessions' rewards with its scores before they are written:
+    the nodes' records and logs are read where they were written (`out/node-*`, `work_dir/logs/NODE`)."""
     from contextlib import ExitStack
 
     from polar_mitm.engines import router
@@ -64,6 +68,8 @@ def ray_rollout_command(
             gateway_options={**router.gateway_options(engine_set.url), **(gateway_options or {})},
             max_attempts=max_attempts,
         )
+    if judge is not None and result.interrupted is None:
+        judge(result.summary)
     write_rewards(result.summary, rewards, out)  # the nodes' records say how each session ended
     write_report(result, work_dir / "ray_report.json")
     return result

@@ -18,7 +18,9 @@ from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import weights
 from polar_mitm.processes import children
+from polar_mitm.storage.judgments import read_judgments
 from polar_mitm.storage.records import read_all
+from tests.judges.test_judges import judge  # noqa: F401  (the scripted judge server, a fixture)
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cpu_tasks"
@@ -204,6 +206,53 @@ def test_a_worker_node_killed_mid_rollout_loses_nothing_finished_and_counts_noth
     dead_rows = read_all(out / f"node-{dead}", include_journal=False).to_pylist()
     assert {o["session_id"] for o in finished_on_dead} <= {r["session_id"] for r in dead_rows}
     assert all(r["status"] == "ok" for r in rewards)
+
+
+def test_judged_tasks_on_the_cluster_read_each_nodes_records_and_harness_logs(
+    cluster,
+    scripted_engines,
+    judge,  # noqa: F811
+    tmp_path,
+):
+    """`rollout --ray` with a judged task: the judge reads each session's records (out/node-*) and its harness log
+    (WORK_DIR/logs/NODE/): the log's `echo hello >` is what the scripted judge scores 4 of 5 (rubric, weight 0.2)."""
+    ray_cluster, _ = cluster
+    tasks = tmp_path / "tasks.jsonl"
+    judged = {"mode": "rubric", "rubric": "out.txt holds hello."}
+    tasks.write_text(json.dumps({"task_id": "j", "prompt": "p", "eval": "true", "judge": judged}) + "\n")
+    harness = CURL_THEN_SLEEP.replace("sleep 3", "echo 'ran: echo hello > out.txt'")
+    work, out, rewards = tmp_path / "work", tmp_path / "flows", tmp_path / "r.parquet"
+    argv = [
+        "rollout",
+        str(tasks),
+        "--harness",
+        harness,
+        "-g",
+        "2",
+        "-c",
+        "1",
+        "--engine",
+        scripted_engines[0],
+    ]
+    argv += [
+        "--ray",
+        ray_cluster.address,
+        "--out",
+        str(out),
+        "--rewards",
+        str(rewards),
+        "--work-dir",
+        str(work),
+    ]
+    argv += ["--judge-url", judge.url, "--judge-model", "scripted"]
+    done = subprocess.run(cli(*argv), capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = pq.read_table(rewards).to_pylist()
+    judgments = read_judgments(work / "judgments")
+    assert len(rows) == 2 and {r["session_id"] for r in rows} == set(judgments)
+    for row in rows:
+        assert judgments[row["session_id"]].outcome == 1.0
+        assert row["reward"] == pytest.approx(1 + 0.2 * 4 / 5)  # the log was read on its node's folder
 
 
 def _env() -> dict[str, str]:
