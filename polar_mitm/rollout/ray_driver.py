@@ -239,7 +239,9 @@ class RayRollout:
         self.pending = deque(
             SessionSpec(t, i, new_session_id(t, i)) for t in tasks for i in range(config.group_size)
         )
-        self.tasks = {t.task_id: t for t in tasks}  # a finished session's task, whole (its judge, for judging)
+        self.tasks = {
+            t.task_id: t for t in tasks
+        }  # a finished session's task, whole (its judge, for judging)
         self.inflight: dict[Any, tuple[SessionSpec, NodeHandle]] = {}
         self.outcomes: dict[tuple[str, int], SessionOutcome] = {}
         self.lost: list[dict[str, Any]] = []
