@@ -21,6 +21,8 @@ from typing import Any
 
 import orjson
 
+from polar_mitm.codecs import DEFAULT_CODEC
+from polar_mitm.codecs.base import GatewayError, HttpAnswer
 from polar_mitm.gateway.options import PREFIX, STARTUP_ONLY, GatewayOptions
 from polar_mitm.processes import secret_handover
 
@@ -92,3 +94,15 @@ def _same_folder(a: str, b: str) -> bool:
         return Path(a).resolve() == Path(b).resolve()
     except (OSError, ValueError):  # not a path the writer could open: refused as a move
         return False
+
+
+def refused(status: int, message: str) -> HttpAnswer:
+    """A control call's refusal (or any answer no codec was chosen for): OpenAI-shaped, with `status`."""
+    answer = DEFAULT_CODEC.encode_error(GatewayError("internal", message))
+    answer.status = status
+    return answer
+
+
+def control_refused() -> HttpAnswer:
+    """A control call without the token: the same answer whatever is wrong (nothing for a guesser to learn)."""
+    return refused(403, "polar-mitm: control call refused")

@@ -36,7 +36,7 @@ from polar_mitm.codecs import sdk_base_url
 from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines import router
-from polar_mitm.gateway.processes import addon_path, wait_gateway_ready, write_ca_bundle
+from polar_mitm.gateway.processes import addon_path, base_url_listener, wait_gateway_ready, write_ca_bundle
 from polar_mitm.harness.base import PROXY_VARS, Runtime, ca_env
 from polar_mitm.processes import children, secret_handover
 from polar_mitm.user_errors import UserInputError
@@ -156,8 +156,7 @@ def mitmdump_command(
         str(addon_path()),
         "--mode",
         f"regular@{listeners.proxy_port}",
-        "--mode",
-        f"reverse:{DEAD_UPSTREAM}@{listeners.reverse_port}",
+        *base_url_listener(listeners.reverse_port, DEAD_UPSTREAM, given),
     ]
     for setting in settings:
         cmd += ["--set", setting]

@@ -33,7 +33,7 @@ StreamMode = Literal["live", "replay"]
 EngineKind = Literal[("auto", *ENGINE_KINDS)]  # type: ignore[valid-type]
 
 # What a control call may do is decided when the gateway starts: these are never changed while it runs.
-STARTUP_ONLY = ("control_may_weaken", "control_may_move_out")
+STARTUP_ONLY = ("control_may_weaken", "control_may_move_out", "base_url_port")
 
 # Default completion budget per call (polar_max_tokens): long enough for any real agent turn (a large file written
 # in one tool call), short enough that a degenerate sample cannot hold the engine for its whole context.
@@ -205,6 +205,16 @@ class GatewayOptions:
             "help": "Largest total size in KiB of a request's header names and values; larger gets a "
             "provider-shaped 431 at the headers. ≥ 1.",
             "range": Range(1),
+        },
+    )
+    base_url_port: int = field(
+        default=0,
+        metadata={
+            "help": "Start-up only: serve base-URL calls on the gateway's own HTTP server at this port (on "
+            "mitmproxy's listen_host), not through mitmproxy (`--mode reverse:`), whose request handling costs "
+            "more CPU than the gateway; 0: off. No proxyauth there: a base URL a password must guard uses "
+            "`--mode reverse:`.",
+            "range": Range(high=65535),
         },
     )
     control_may_weaken: bool = field(

@@ -14,7 +14,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import control
 from polar_mitm.processes import children, ports, secret_handover
+from polar_mitm.user_errors import UserInputError
 
 if TYPE_CHECKING:
     from polar_mitm.harness.netns import LoopbackNamespace
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class GatewayProcess:
-    """A running `mitmdump -s addon/polar.py` with a regular (HTTPS_PROXY) and a reverse (base URL) listener."""
+    """A running `mitmdump -s addon/polar.py` with a regular (HTTPS_PROXY) and a base-URL listener (our own server,
+    or mitmproxy's reverse mode: `base_url_listener`)."""
 
     proc: subprocess.Popen
     proxy_port: int
@@ -122,8 +124,7 @@ def mitmdump_command(
         str(addon_path()),
         "--mode",
         f"regular@{proxy_port}",
-        "--mode",
-        f"reverse:http://127.0.0.1:9@{reverse_port}",
+        *base_url_listener(reverse_port, "http://127.0.0.1:9", options or {}),
         "--set",
         f"confdir={confdir}",
         "--set",
@@ -136,6 +137,21 @@ def mitmdump_command(
     for key, value in (options or {}).items():
         cmd += ["--set", f"{key}={value}"]
     return cmd
+
+
+BASE_URL_SERVER_ENV = "POLAR_BASE_URL_SERVER"  # `mitmproxy`: base URLs through mitmproxy's reverse mode
+
+
+def base_url_listener(port: int, dead_upstream: str, option_names: Iterable[str]) -> list[str]:
+    """mitmdump's arguments for the base-URL listener: the gateway's own server (`polar_base_url_port`,
+    gateway/base_url_server.py), or mitmproxy's reverse mode where flows are saved (`-w` files are mitmproxy's) or
+    `$POLAR_BASE_URL_SERVER=mitmproxy` asks for it. Nothing is forwarded to `dead_upstream`."""
+    chosen = os.environ.get(BASE_URL_SERVER_ENV, "polar") or "polar"
+    if chosen not in ("polar", "mitmproxy"):
+        raise UserInputError(f"${BASE_URL_SERVER_ENV}={chosen!r}: use `polar` (the default) or `mitmproxy`")
+    if chosen == "mitmproxy" or "save_stream_file" in set(option_names):
+        return ["--mode", f"reverse:{dead_upstream}@{port}"]
+    return ["--set", f"polar_base_url_port={port}"]
 
 
 def start_gateway(

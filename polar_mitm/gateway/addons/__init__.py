@@ -2,13 +2,14 @@
 
 mitmproxy runs each hook on the addons in list order, so the list reads like a flow's life: the options and the
 running core they build, who is calling (refusals at the headers, credentials taken), the control path, model
-calls, what flow files keep, and shutdown. An addon skips a flow an earlier one answered (a response set, a flow
+calls, what flow files keep, shutdown, and the base-URL server (started with mitmproxy, closed last). An addon skips a flow an earlier one answered (a response set, a flow
 sent to the loopback hop, a control call); the addons share one `GatewayCore` rather than reaching into each other.
 """
 
 from __future__ import annotations
 
 from polar_mitm.gateway.addons.admission import Admission
+from polar_mitm.gateway.addons.base_url_calls import BaseUrlCalls
 from polar_mitm.gateway.addons.configuration import Configuration
 from polar_mitm.gateway.addons.control_calls import ControlCalls
 from polar_mitm.gateway.addons.core import GatewayCore
@@ -27,4 +28,5 @@ def gateway_addons(core: GatewayCore | None = None) -> list[object]:
         ModelCalls(core),
         FlowFiles(core),
         Shutdown(core),
+        BaseUrlCalls(core),  # its server closes once Shutdown has waited for the calls in flight
     ]

@@ -15,19 +15,11 @@ import orjson
 from mitmproxy import ctx, http
 from mitmproxy.exceptions import OptionsError
 
-from polar_mitm.codecs import DEFAULT_CODEC
-from polar_mitm.codecs.base import GatewayError, HttpAnswer
+from polar_mitm.codecs.base import HttpAnswer
 from polar_mitm.gateway import control
-from polar_mitm.gateway.addons.core import GatewayCore, answer_internal_error, error_answer, make_response
+from polar_mitm.gateway.addons.core import GatewayCore, answer_internal_error, make_response
 
 log = logging.getLogger(__name__)
-
-
-def control_refused() -> HttpAnswer:
-    """A control call without the token: the same answer whatever is wrong (nothing for a guesser to learn)."""
-    answer = DEFAULT_CODEC.encode_error(GatewayError("internal", "polar-mitm: control call refused"))
-    answer.status = 403
-    return answer
 
 
 class ControlCalls:
@@ -46,7 +38,7 @@ class ControlCalls:
             flow.metadata["polar_control"] = True  # `request` answers it, with its whole body
             return
         del self.core.credentials[flow.id]
-        await self.core.hop.refuse_at_headers(flow, control_refused())
+        await self.core.hop.refuse_at_headers(flow, control.control_refused())
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or self.core.hop.holds(flow) or not self.core.is_control(flow):
@@ -57,31 +49,35 @@ class ControlCalls:
             answer_internal_error(flow, exc)
 
     async def _answer(self, flow: http.HTTPFlow) -> http.Response:
-        """Once the calls still running have ended, apply the options (a new records folder: the old journal is
-        compacted into shards before this answers). The token was checked at the headers."""
-        core = self.core
         flow.request.headers.pop(control.TOKEN_HEADER, None)
         if not flow.metadata.get("polar_control"):
-            return make_response(control_refused())
-        try:
-            texts = control.option_texts(flow.request.raw_content or b"")
-        except ValueError as exc:
-            return error_answer(400, f"polar-mitm: control call: {exc}")
-        refusal = control.refusal(texts, core.options) if core.options is not None else None
-        if refusal is not None:
-            return error_answer(403, f"polar-mitm: control call refused: {refusal}")
-        await core.wait_calls(control.DRAIN_SECONDS)
-        if core.calls_running:
-            return error_answer(409, "polar-mitm: calls are still running; nothing changed")
-        try:
-            # mitmproxy's parser, then configure (refused: rolled back, nothing changed)
-            ctx.options.set(*texts)
-        except OptionsError as exc:
-            return error_answer(400, f"polar-mitm: control call: {exc}")
-        if core.engine_task is not None:  # the new folder's _engine.json, before the caller sends calls there
-            written = asyncio.ensure_future(asyncio.shield(core.engine_task))
-            done, _ = await asyncio.wait({written}, timeout=30)
-            if not done:
-                log.warning("the engine description for %s is not written yet", core.options.out)
-        body = {"out": core.options.out if core.options else None, "applied": texts}
-        return http.Response.make(200, orjson.dumps(body), {"content-type": "application/json"})
+            return make_response(control.control_refused())
+        return make_response(await control_answer(self.core, flow.request.raw_content or b""))
+
+
+async def control_answer(core: GatewayCore, body: bytes) -> HttpAnswer:
+    """Once the calls still running have ended, apply the options (a new records folder: the old journal is
+    compacted into shards before this answers). The token was checked at the headers; the base-URL server
+    (gateway/base_url_server.py) answers its control calls here too."""
+    try:
+        texts = control.option_texts(body)
+    except ValueError as exc:
+        return control.refused(400, f"polar-mitm: control call: {exc}")
+    refusal = control.refusal(texts, core.options) if core.options is not None else None
+    if refusal is not None:
+        return control.refused(403, f"polar-mitm: control call refused: {refusal}")
+    await core.wait_calls(control.DRAIN_SECONDS)
+    if core.calls_running:
+        return control.refused(409, "polar-mitm: calls are still running; nothing changed")
+    try:
+        # mitmproxy's parser, then configure (refused: rolled back, nothing changed)
+        ctx.options.set(*texts)
+    except OptionsError as exc:
+        return control.refused(400, f"polar-mitm: control call: {exc}")
+    if core.engine_task is not None:  # the new folder's _engine.json, before the caller sends calls there
+        written = asyncio.ensure_future(asyncio.shield(core.engine_task))
+        done, _ = await asyncio.wait({written}, timeout=30)
+        if not done:
+            log.warning("the engine description for %s is not written yet", core.options.out)
+    body = {"out": core.options.out if core.options else None, "applied": texts}
+    return HttpAnswer(200, orjson.dumps(body), "application/json")
