@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -35,6 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route as StarletteRoute
 
 from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.gateway import processes as gateway_processes
@@ -71,8 +75,8 @@ class ReplayEngine:
         ] = {}  # the engine's own rendering, memoised (same cost for all)
         app = Starlette(
             routes=[
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                Route("/model_info", self.model_info, methods=["GET"]),
+                StarletteRoute("/v1/chat/completions", self.chat, methods=["POST"]),
+                StarletteRoute("/model_info", self.model_info, methods=["GET"]),
             ]
         )
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
@@ -149,7 +153,21 @@ def session_bodies(n_tokens: int, calls: int = CALLS_PER_SESSION) -> list[bytes]
     return bodies
 
 
-def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Popen:
+def serve_replay_engine(port: int) -> None:
+    ReplayEngine(port)
+    threading.Event().wait()
+
+
+def start_replay_engine(port: int) -> multiprocessing.Process:
+    """The replay engine in a process of its own (as a real engine is: no GIL shared with the clients)."""
+    proc = multiprocessing.get_context("fork").Process(target=serve_replay_engine, args=(port,), daemon=True)
+    proc.start()
+    ports.wait_port(port, timeout=120)
+    return proc
+
+
+def bare_mitmdump(mode: str, port: int, confdir: Path) -> subprocess.Popen:
+    """mitmdump with no addon in `mode` (`reverse:ENGINE` or `regular`) at `port`."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -157,7 +175,7 @@ def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Pope
             "polar_mitm.gateway.launch",  # on the same event loop as the gateways (`--event-loop`)
             "-q",
             "--mode",
-            f"reverse:http://127.0.0.1:{engine_port}@{port}",
+            f"{mode}@{port}",
             "--set",
             f"confdir={confdir}",
         ],
@@ -166,6 +184,30 @@ def bare_mitmdump(engine_port: int, port: int, confdir: Path) -> subprocess.Pope
     )
     ports.wait_port(port, proc=proc)
     return proc
+
+
+@contextmanager
+def base_url_server(server: str) -> Iterator[None]:
+    """Gateways started in this block serve base URLs on `server` (`polar` or `mitmproxy`)."""
+    before = os.environ.get(gateway_processes.BASE_URL_SERVER_ENV)
+    os.environ[gateway_processes.BASE_URL_SERVER_ENV] = server
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(gateway_processes.BASE_URL_SERVER_ENV)
+        else:
+            os.environ[gateway_processes.BASE_URL_SERVER_ENV] = before
+
+
+@dataclass
+class Route:
+    """One way to the engine: the client and URL for a session (`via`), the proxy process in the way (for its
+    CPU), and the route its added latency is measured against."""
+
+    via: Callable[[str], tuple[httpx.Client, str]]
+    pid: int | None = None
+    baseline: str | None = None
 
 
 def run_session(client: httpx.Client, url: str, bodies: list[bytes], times: list[float]) -> None:
@@ -183,20 +225,22 @@ def cpu_seconds(pid: int) -> float:
 
 
 def sequential(
-    urls: dict[str, Any], pids: dict[str, int], bodies: list[bytes], sessions: int
+    routes: dict[str, Route], bodies: list[bytes], sessions: int
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Per-call latencies (ms) of `sessions` sessions through each path, interleaved session by session
-    (`urls[name](session)` is the path's URL for that session; one warm-up session each first), and each path's
-    proxy process CPU per call (ms)."""
-    times: dict[str, list[float]] = {name: [] for name in urls}
-    with httpx.Client(timeout=60, trust_env=False) as client:
-        for url_of in urls.values():
-            run_session(client, url_of("warm"), bodies, [])
-        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        for s in range(sessions):
-            for name, url_of in urls.items():
-                run_session(client, url_of(str(s)), bodies, times[name])
-    per_call = {name: (cpu_seconds(pid) - cpu[name]) * 1e3 / len(times[name]) for name, pid in pids.items()}
+    """Per-call latencies (ms) of `sessions` sessions through each route, interleaved session by session (one
+    warm-up session each first), and the CPU per call (ms) of each route's proxy process."""
+    times: dict[str, list[float]] = {name: [] for name in routes}
+    for route in routes.values():
+        run_session(*route.via("warm"), bodies, [])
+    cpu = {name: cpu_seconds(route.pid) for name, route in routes.items() if route.pid}
+    for s in range(sessions):
+        for name, route in routes.items():
+            run_session(*route.via(str(s)), bodies, times[name])
+    per_call = {
+        name: (cpu_seconds(route.pid) - cpu[name]) * 1e3 / len(times[name])
+        for name, route in routes.items()
+        if route.pid
+    }
     return times, per_call
 
 
@@ -228,7 +272,9 @@ def main() -> None:
     parser.add_argument(
         "--concurrent", default="64x1000", help="SESSIONSxTOKENS cases, comma-separated ('' for none)"
     )
-    parser.add_argument("--processes", default="1,2", help="gateway processes for the concurrent cases")
+    parser.add_argument(
+        "--processes", default="1,auto", help="gateway processes for the concurrent cases (auto: the cores)"
+    )
     parser.add_argument(
         "--event-loop",
         choices=("uvloop", "asyncio"),
@@ -244,98 +290,130 @@ def main() -> None:
     )
     args = parser.parse_args()
     os.environ["POLAR_EVENT_LOOP"] = args.event_loop  # the proxies started below inherit it
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         root = Path(tmp)
-        engine_port, bare_port = ports.free_port(), ports.free_port()
-        ReplayEngine(engine_port)
+        engine_port, reverse_port, regular_port = ports.free_port(), ports.free_port(), ports.free_port()
+        engine_proc = start_replay_engine(engine_port)
+        stack.callback(engine_proc.kill)
         engine = f"http://127.0.0.1:{engine_port}"
-        bare = bare_mitmdump(engine_port, bare_port, root / "conf-bare")
+        bare_reverse = bare_mitmdump(f"reverse:{engine}", reverse_port, root / "conf-bare")
+        bare_regular = bare_mitmdump("regular", regular_port, root / "conf-bare")
+        stack.callback(children.stop, bare_reverse)
+        stack.callback(children.stop, bare_regular)
         options = dict(item.split("=", 1) for item in args.set)
-        gw_tokens = gateway_processes.start_gateway(
-            engine, root / "flows", confdir=root / "conf", options=options
+        ours = gateway_processes.start_gateway(engine, root / "flows", confdir=root / "conf", options=options)
+        stack.callback(ours.stop)
+        with base_url_server("mitmproxy"):
+            mitm = gateway_processes.start_gateway(
+                engine, root / "flows-mitm", confdir=root / "conf", options=options
+            )
+        stack.callback(mitm.stop)
+        proxying = gateway_processes.start_gateway(  # its own process: each route's CPU is its own
+            engine, root / "flows-proxy", confdir=root / "conf", options=options
         )
-        gw_messages = gateway_processes.start_gateway(
-            engine,
-            root / "flows-messages",
-            confdir=root / "conf",
-            options={**options, "polar_prompt_mode": "messages"},
+        stack.callback(proxying.stop)
+        plain = stack.enter_context(httpx.Client(timeout=60, trust_env=False))
+        via_bare = stack.enter_context(
+            httpx.Client(timeout=60, trust_env=False, proxy=f"http://127.0.0.1:{regular_port}")
         )
-        pids = {"bare": bare.pid, "polar messages": gw_messages.proc.pid, "polar tokens": gw_tokens.proc.pid}
-        urls = {
-            "bare": lambda s: f"http://127.0.0.1:{bare_port}/v1/chat/completions",
-            "polar messages": lambda s: f"{gw_messages.reverse_url}/s/m{s}/v1/chat/completions",
-            "polar tokens": lambda s: f"{gw_tokens.reverse_url}/s/t{s}/v1/chat/completions",
+        proxied: dict[str, httpx.Client] = {}
+
+        def proxy_mode(session: str) -> tuple[httpx.Client, str]:
+            """A client per session: the session rides in its proxy user, as a harness's does."""
+            if session not in proxied:
+                proxy = f"http://p{session}:x@127.0.0.1:{proxying.proxy_port}"
+                proxied[session] = stack.enter_context(httpx.Client(timeout=60, trust_env=False, proxy=proxy))
+            return proxied[session], "http://api.openai.com/v1/chat/completions"
+
+        chat = "/v1/chat/completions"
+        routes = {
+            "engine": Route(lambda s: (plain, f"{engine}{chat}")),
+            "bare mitmdump reverse": Route(
+                lambda s: (plain, f"http://127.0.0.1:{reverse_port}{chat}"), bare_reverse.pid
+            ),
+            "base URL, ours": Route(
+                lambda s: (plain, f"{ours.reverse_url}/s/o{s}{chat}"), ours.proc.pid, "engine"
+            ),
+            "base URL, mitmproxy": Route(
+                lambda s: (plain, f"{mitm.reverse_url}/s/m{s}{chat}"), mitm.proc.pid, "engine"
+            ),
+            "bare mitmdump proxy": Route(lambda s: (via_bare, f"{engine}{chat}"), bare_regular.pid),
+            "proxy mode": Route(proxy_mode, proxying.proc.pid, "bare mitmdump proxy"),
         }
-        try:
-            print(
-                f"sessions of {CALLS_PER_SESSION} calls (each adds the answer and a {TURN_WORDS}-token turn)"
-            )
-            print(
-                f"{'case':<30}{'bare p50':>10}{'bare p99':>10}  "
-                f"{'messages p50/p99 added':>26}  {'tokens p50/p99 added':>24}  "
-                f"{'proxy CPU per call bare/messages/tokens':>40}"
-            )
-            for size in (int(s) for s in args.sizes.split(",")):
-                sessions = max(2, args.calls // CALLS_PER_SESSION // (1 + size // 8000))
-                times, cpu = sequential(urls, pids, session_bodies(size), sessions)
-                report(f"{size} tokens × {sessions * CALLS_PER_SESSION} sequential", times, cpu)
-            concurrent_cases(args, engine, bare_port, root, options)
-        finally:
-            gw_tokens.stop()
-            gw_messages.stop()
-            children.stop(bare)
+        print(f"sessions of {CALLS_PER_SESSION} calls (each adds the answer and a {TURN_WORDS}-token turn)")
+        print(
+            f"{'case':<18}{'route':<24}{'p50':>9}{'p99':>9}{'added p50':>11}{'added p99':>11}{'CPU/call':>10}"
+        )
+        for size in (int(s) for s in args.sizes.split(",")):
+            sessions = max(2, args.calls // CALLS_PER_SESSION // (1 + size // 8000))
+            times, cpu = sequential(routes, session_bodies(size), sessions)
+            report(f"{size} tok × {sessions * CALLS_PER_SESSION}", routes, times, cpu)
+        concurrent_cases(args, engine, reverse_port, root, options)
 
 
-def concurrent_cases(args, engine: str, bare_port: int, root: Path, options: dict[str, str]) -> None:
-    """Each SESSIONSxTOKENS case (5 calls per session) through the bare mitmdump, then 1 and N gateways."""
+def concurrent_cases(args, engine: str, reverse_port: int, root: Path, options: dict[str, str]) -> None:
+    """Each SESSIONSxTOKENS case (5 calls per session) straight to the engine, through the bare mitmdump, then
+    through 1 and N gateways (base URLs on our server; ×1 on mitmproxy's reverse mode too)."""
     cases = [tuple(int(x) for x in case.split("x")) for case in args.concurrent.split(",") if case.strip()]
     if not cases:
         return
-    bare_runs = {}
-    bare_url = f"http://127.0.0.1:{bare_port}/v1/chat/completions"
+    print(
+        f"\n{'concurrent case (tokens mode)':<40}{'calls/s':>9}{'p50':>10}{'p99':>10}"
+        f"{'added p50 (engine)':>20}{'× engine calls/s':>18}"
+    )
+    straight: dict[tuple[int, int], tuple[list[float], float]] = {}
+    chat = "/v1/chat/completions"
     for sessions, tokens in cases:
         bodies = session_bodies(tokens, 5)
-        asyncio.run(concurrent(lambda i: bare_url, bodies, 1))  # warm: the engine renders each prompt once
-        bare_runs[sessions, tokens] = asyncio.run(concurrent(lambda i: bare_url, bodies, sessions))
-    print(
-        f"\n{'concurrent case (tokens mode)':<34}{'calls/s':>9}{'p50':>10}{'p99':>10}{'added p50':>11}"
-        f"{'× bare calls/s':>16}"
-    )
-    for (sessions, tokens), (times, rate) in bare_runs.items():
-        print(
-            f"{f'{sessions} × 5, {tokens} tokens, bare':<34}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
-        )
-    for n in (int(x) for x in args.processes.split(",")):
-        with gateway_processes.gateways_running(
-            [engine] * n, root / f"flows-{n}", confdir=root / "conf", options=options
-        ) as gateways:
+        asyncio.run(
+            concurrent(lambda i: f"{engine}{chat}", bodies, 1)
+        )  # warm: the engine renders each prompt
+        straight[sessions, tokens] = asyncio.run(concurrent(lambda i: f"{engine}{chat}", bodies, sessions))
+        bare = asyncio.run(concurrent(lambda i: f"http://127.0.0.1:{reverse_port}{chat}", bodies, sessions))
+        show(f"{sessions} × 5, {tokens} tok, engine", straight[sessions, tokens], straight[sessions, tokens])
+        show(f"{sessions} × 5, {tokens} tok, bare mitmdump", bare, straight[sessions, tokens])
+    counts = [os.cpu_count() or 1 if x == "auto" else int(x) for x in args.processes.split(",")]
+    runs = [("ours", n) for n in dict.fromkeys(counts)] + [("mitmproxy", 1)]
+    for server, n in runs:
+        with (
+            base_url_server("polar" if server == "ours" else "mitmproxy"),
+            gateway_processes.gateways_running(
+                [engine] * n, root / f"flows-{server}-{n}", confdir=root / "conf", options=options
+            ) as gateways,
+        ):
+            urls = [gw.reverse_url for gw in gateways]
             for sessions, tokens in cases:
-                urls = [gw.reverse_url for gw in gateways]
-                bodies = session_bodies(tokens, 5)
-                times, rate = asyncio.run(
+                run = asyncio.run(
                     concurrent(
-                        lambda i, urls=urls, n=n: f"{urls[i % n]}/s/c{i}/v1/chat/completions",
-                        bodies,
+                        lambda i, urls=urls, n=n: f"{urls[i % n]}/s/c{i}{chat}",
+                        session_bodies(tokens, 5),
                         sessions,
                     )
                 )
-                bare_times, bare_rate = bare_runs[sessions, tokens]
-                label = f"{sessions} × 5, {tokens} tokens, polar ×{n}"
-                print(
-                    f"{label:<34}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
-                    f"{pct(times, 50) - pct(bare_times, 50):>10.1f}m{rate / bare_rate:>16.2f}"
-                )
+                show(f"{sessions} × 5, {tokens} tok, polar ×{n} ({server})", run, straight[sessions, tokens])
 
 
-def report(label: str, times: dict[str, list[float]], cpu: dict[str, float]) -> None:
-    bare = times["bare"]
-    b50, b99 = pct(bare, 50), pct(bare, 99)
-    cells = []
-    for name in ("polar messages", "polar tokens"):
+def show(label: str, run: tuple[list[float], float], engine: tuple[list[float], float]) -> None:
+    (times, rate), (engine_times, engine_rate) = run, engine
+    print(
+        f"{label:<40}{rate:>9.1f}{pct(times, 50):>9.1f}m{pct(times, 99):>9.1f}m"
+        f"{pct(times, 50) - pct(engine_times, 50):>+19.1f}m{rate / engine_rate:>18.2f}"
+    )
+
+
+def report(
+    label: str, routes: dict[str, Route], times: dict[str, list[float]], cpu: dict[str, float]
+) -> None:
+    for i, (name, route) in enumerate(routes.items()):
         p50, p99 = pct(times[name], 50), pct(times[name], 99)
-        cells.append(f"{p50:>7.2f}/{p99:>6.2f}m {p50 - b50:>+7.2f}m")
-    cpu_cells = " / ".join(f"{cpu[name]:.2f}" for name in ("bare", "polar messages", "polar tokens"))
-    print(f"{label:<30}{b50:>9.2f}m{b99:>9.2f}m  {cells[0]:>26}  {cells[1]:>24}  {cpu_cells + ' ms':>40}")
+        added = ""
+        if route.baseline is not None:
+            base = times[route.baseline]
+            added = f"{p50 - pct(base, 50):>+10.2f}m{p99 - pct(base, 99):>+10.2f}m"
+        else:
+            added = f"{'':>22}"
+        cpu_cell = f"{cpu[name]:>8.2f}ms" if name in cpu else ""
+        print(f"{label if i == 0 else '':<18}{name:<24}{p50:>8.2f}m{p99:>8.2f}m{added}{cpu_cell:>10}")
 
 
 if __name__ == "__main__":

@@ -91,8 +91,9 @@ class BaseUrlServer:
             max_line_size=PARSER_FIELD_BYTES,
             max_field_size=PARSER_FIELD_BYTES,
             max_headers=PARSER_HEADERS,
+            access_log=None,  # a handler's own option for a low-level server (the runner's is not passed on)
         )
-        self._runner = web.ServerRunner(server, access_log=None, shutdown_timeout=1.0)
+        self._runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or None, port, reuse_address=True)
         await site.start()

@@ -91,8 +91,8 @@ class LiveServer:
 
     async def _start(self) -> None:
         # auto_decompress off: a body read over the hop is decoded by the gateway, within its size limit.
-        server = web.Server(self._handle, handler_cancellation=True, auto_decompress=False)
-        self._runner = web.ServerRunner(server, access_log=None)
+        server = web.Server(self._handle, handler_cancellation=True, auto_decompress=False, access_log=None)
+        self._runner = web.ServerRunner(server)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
