@@ -235,10 +235,6 @@ def checked_loop(cfg: LoopConfig):
     if cfg.service_url is None and (problem := judge_problem(tasks, cfg.judge_options())) is not None:
         raise fail(problem)
     judge_api_key(cfg.judge_api_key_env)  # out of the environment before any session inherits it
-    if cfg.ray_address and any(task.judge is not None for task in tasks):
-        raise fail(
-            "tasks with a judge are judged on the loop's own rollouts or a --service's, not with --ray yet"
-        )
     if cfg.engine_url is not None:  # before the run starts: every session would score 0.0
         try:
             router.check_answering(cfg.engine_url)

@@ -146,6 +146,10 @@ class LoopRollouts:
             engine_url=self.engine_url,
             gateway_options=self.gateway_options(),
         )
+        if (
+            result.interrupted is None
+        ):  # judged on the driver: each node's records (flows/node-*), logs (logs/NODE)
+            self._judged(it, result.summary)
         write_rewards(result.summary, it / "rewards.parquet", it / "flows")
         write_report(result, it / "ray_report.json")
         if result.interrupted is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,14 +78,25 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "polar_mitm.cli", *args]
 
 
-def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_engines, tmp_path):
+def test_one_loop_iteration_on_two_nodes_behind_the_router(
+    cluster,
+    scripted_engines,
+    judge,  # noqa: F811
+    tmp_path,
+):
+    """A loop iteration on two nodes, one of its tasks judged (rubric, weight 0.2) on the driver from the
+    nodes' records and harness logs."""
     ray_cluster, _ = cluster
     before = weights.worker_versions(scripted_engines)
     run = tmp_path / "run"
+    tasks = shutil.copytree(EXAMPLES, tmp_path / "tasks") / "tasks.jsonl"
+    lines = [json.loads(line) for line in tasks.read_text().splitlines() if line.strip()]
+    lines[0]["judge"] = {"mode": "rubric", "rubric": "out.txt holds hello."}
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
     done = subprocess.run(
         cli(
             "loop",
-            str(EXAMPLES / "tasks.jsonl"),
+            str(tasks),
             "--iterations",
             "1",
             "-g",
@@ -99,6 +111,10 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
             str(run),
             "--learning-rate",
             "1e-2",
+            "--judge-url",
+            judge.url,
+            "--judge-model",
+            "scripted",
         ),
         capture_output=True,
         text=True,
@@ -116,6 +132,13 @@ def test_one_loop_iteration_on_two_nodes_behind_the_router(cluster, scripted_eng
     assert len({r["session_id"] for r in rewards}) == 12
     recorded = {r["session_id"] for rows in records.values() for r in rows}
     assert {r["session_id"] for r in rewards} == recorded  # every session: records and exactly one reward
+    judgments = read_judgments(it / "judgments")  # the judged task's four sessions, wherever they ran
+    judged = [r for r in rewards if r["task_id"] == lines[0]["task_id"]]
+    assert len(judged) == 4 and {r["session_id"] for r in judged} == set(judgments)
+    for row in judged:
+        judgment = judgments[row["session_id"]]
+        assert judgment.status in ("judged", "cached") and judgment.score is not None, judgment
+        assert row["reward"] == pytest.approx(judgment.outcome + 0.2 * judgment.score)
     report = json.loads((it / "ray_report.json").read_text())
     assert len(report["per_node"]) == 2 and not report["dead_nodes"]
     # The weights were pushed to both engines (the router does not forward the push): same new version.
