@@ -290,10 +290,6 @@ class RolloutService:
         task = request_task(request, self.task_root)
         check_runtime(request.runtime, self.sandbox)
         self.judge.check(task)
-        if task.judge is not None and isinstance(self.pool, RaySessions):
-            raise RequestError(
-                "evaluator.strategy rubric: not judged with --ray yet (the records stay on the nodes)"
-            )
         if request.min_weight_version is not None and self.engine_url is None:
             raise RequestError(
                 "metadata.min_weight_version: this service has no engine whose version it can read"

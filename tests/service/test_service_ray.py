@@ -11,18 +11,28 @@ import pytest
 from polar_mitm.processes import ports
 from polar_mitm.reconstruct.merge import merge_table
 from polar_mitm.service.client import Client
+from polar_mitm.storage import service_layout as layout
+from polar_mitm.storage.judgments import read_judgments
 from polar_mitm.storage.merged import sequences_in
 from polar_mitm.storage.records import read_all
 from polar_mitm.storage.service_layout import FLOWS_DIR
 from tests.service.test_service import TOKEN, demo_request, start_service, stop
+from tests.service.test_service_judges import (  # noqa: F401  (judge_url: the scripted judge, a fixture)
+    RUBRIC_SCORE,
+    judge_url,
+    judged_request,
+    outcome,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def test_sessions_on_ray_nodes_come_back_as_the_merge_of_their_node_records(tmp_path):
+def test_sessions_on_ray_nodes_come_back_as_the_merge_of_their_node_records(judge_url, tmp_path):  # noqa: F811
+    """…and a judged task (rubric) is judged from its node's records and harness log."""
     port = ports.free_port()
     out = tmp_path / "out"
-    proc = start_service(out, port, "--ray", "local", "--max-sessions", "2")
+    judge = ["--judge-url", judge_url[0], "--judge-model", "scripted"]
+    proc = start_service(out, port, "--ray", "local", "--max-sessions", "2", *judge)
     try:
         with Client(f"http://127.0.0.1:{port}", token=TOKEN) as client:
             assert client.health()["gateways"] == 1  # one node, one gateway of its own
@@ -31,6 +41,9 @@ def test_sessions_on_ray_nodes_come_back_as_the_merge_of_their_node_records(tmp_
             again = client.submit(demo_request("on-ray-again", 1))
             assert again.task_id == "on-ray-again"
             second = client.wait("on-ray-again", timeout=240)
+            rubric = {"mode": "rubric", "rubric": "out.txt holds hello"}
+            client.submit(judged_request("on-ray-judged", 1, rubric))
+            judged = client.wait("on-ray-judged", timeout=240)
     finally:
         stop(proc)
     assert (status.status, status.completed_sessions) == ("completed", 2), status
@@ -48,3 +61,9 @@ def test_sessions_on_ray_nodes_come_back_as_the_merge_of_their_node_records(tmp_
         assert trace.prompt_ids + trace.response_ids == expected.input_ids
         assert trace.loss_mask == expected.loss_mask[expected.prompt_len :]
         assert trace.reward == result.trajectory.metadata["reward"] in (0.0, 1.0)
+    [result] = judged.results
+    assert judged.status == "completed" and result.status == "COMPLETED", result.error
+    kept = read_judgments(layout.judgments_dir(layout.task_dir(out, "on-ray-judged")))
+    assert kept[result.session_id].status == "judged", kept  # read from the node's records
+    [trace] = result.trajectory.traces
+    assert trace.reward == pytest.approx(outcome(result) + 0.2 * RUBRIC_SCORE[outcome(result)] / 5)
