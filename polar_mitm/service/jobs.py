@@ -227,6 +227,11 @@ class RolloutService:
         await self.pool.start()
         self._wake = asyncio.Event()
         self._dispatcher = asyncio.create_task(self._dispatch())
+        for job in self.jobs.values():  # after --resume: a group whose every session was held is judged now
+            if job.held:
+                judging = asyncio.create_task(self._group_finished(job))
+                self._sessions.add(judging)
+                judging.add_done_callback(self._sessions.discard)
         self._weights_watch = asyncio.create_task(self._watch_weights())
         for job, result in self._unacknowledged:
             assert job.request.callback_url is not None
@@ -262,13 +267,21 @@ class RolloutService:
             job.taken = {
                 int(r.metadata["sample_index"]) for r in job.results.values() if "sample_index" in r.metadata
             }
-            job.unsent = max(request.num_samples - len(job.results), 0)
+            # Finished sessions that waited for their group's judge: held again, judged with their group.
+            for row in layout.read_lines(folder / layout.HELD_FILE):
+                if row["session_id"] not in job.results and row["index"] not in job.taken:
+                    job.held.append(held_session(row, task))
+                    job.inflight.add(row["session_id"])
+                    job.taken.add(row["index"])
+            job.unsent = max(request.num_samples - len(job.results) - len(job.held), 0)
             saved = json.loads((folder / layout.STATE_FILE).read_text())
             job.submitted_at = saved.get("submitted_at", job.submitted_at)
             state = saved.get("status", "running")
             job.state = state if state in ("completed", "failed", "cancelled") else "queued"
             if job.state == "queued":
                 rerun += job.unsent
+            else:
+                job.held, job.inflight = [], set()  # a finished task's held sessions were reported
             if request.callback_url:
                 acknowledged = delivered(folder)
                 self._unacknowledged += [
@@ -460,7 +473,10 @@ class RolloutService:
         try:
             await self.pool.run(s, job.harness)
             if s.status and s.status != "cut" and self.judge.holds_group(job.task):
-                job.held.append(s)  # still in `inflight`: the task is not done before its group is reported
+                # On disk first (a kill before its group is judged must not run it again), then held: still in
+                # `inflight`, so the task is not done before its group is reported.
+                await asyncio.to_thread(layout.append_line, job.folder / layout.HELD_FILE, held_row(s))
+                job.held.append(s)
             elif s.status and s.status != "cut":
                 await self._finished(job, [s])
         except asyncio.CancelledError:
@@ -595,6 +611,35 @@ class RolloutService:
                 json.dumps({"status": state, "submitted_at": job.submitted_at}),
             )
         self.events.publish({"type": "task", "task_id": job.request.task_id, "status": state})
+
+
+def held_row(s: SessionRun) -> dict[str, Any]:
+    """What `--resume` needs of a held session to judge and report it with its group."""
+    return {
+        "session_id": s.session_id,
+        "index": s.index,
+        "status": s.status,
+        "end": s.end,
+        "reward": s.reward,
+        "exit_code": s.exit_code,
+        "eval_output": s.eval_output,
+        "spans": {stage: list(span) for stage, span in s.spans.items()},
+    }
+
+
+def held_session(row: dict[str, Any], task: Task) -> SessionRun:
+    return SessionRun(
+        task=task,
+        index=int(row["index"]),
+        session_id=row["session_id"],
+        stage="done",
+        status=row["status"],
+        end=row.get("end"),
+        reward=row.get("reward"),
+        exit_code=row.get("exit_code"),
+        eval_output=row.get("eval_output") or "",
+        spans={stage: (float(a), float(b)) for stage, (a, b) in (row.get("spans") or {}).items()},
+    )
 
 
 def _reward(result: SessionResult) -> float | None:

@@ -6,6 +6,9 @@
                                     hears of it (status, events, callback): what `--resume` reports again
     OUT/tasks/<task>/delivered.jsonl  {"session_id"} of each result its callback_url acknowledged (fsynced): what
                                     `--resume` need not send again
+    OUT/tasks/<task>/held.jsonl     one finished session per line that waits for its group's judge (mode group),
+                                    appended and fsynced as it is held: `--resume` judges it with its group instead
+                                    of running it again (`HeldSession`)
     OUT/tasks/<task>/state.json     {"status": running | completed | failed | cancelled, "submitted_at": unix s}
     OUT/tasks/<task>/judgments/     what the judge said of its sessions (evaluator strategy rubric): one file per
                                     session, the calls, summary.json (the layout of storage/judgments.py)
@@ -44,6 +47,7 @@ REQUEST_FILE = "request.json"
 RESULTS_FILE = "results.jsonl"
 STATE_FILE = "state.json"
 DELIVERED_FILE = "delivered.jsonl"
+HELD_FILE = "held.jsonl"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -72,7 +76,7 @@ def write_durable(path: Path, text: str) -> None:
 def write_task(folder: Path, request_json: str, submitted_at: float) -> None:
     """A submitted task's folder: its request and a running state, each durable (a task of the same id submitted
     again after it finished starts a new run: its old results, state and deliveries go first)."""
-    for name in (RESULTS_FILE, STATE_FILE, DELIVERED_FILE):
+    for name in (RESULTS_FILE, STATE_FILE, DELIVERED_FILE, HELD_FILE):
         (folder / name).unlink(missing_ok=True)
     write_durable(folder / REQUEST_FILE, request_json)
     write_durable(folder / STATE_FILE, json.dumps({"status": "running", "submitted_at": submitted_at}))

@@ -8,6 +8,7 @@ sessions are done, and a judge that is down leaves the outcome under `--judge-fa
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from polar_mitm.processes import ports
 from polar_mitm.service.client import Client
 from polar_mitm.storage import service_layout as layout
 from polar_mitm.storage.judgments import JUDGE_SUMMARY_FILE, read_judgments
-from tests.service.test_service import TOKEN, demo_request, start_service, stop
+from tests.service.test_service import TOKEN, cmd_request, demo_request, start_service, stop
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +136,41 @@ def test_a_judge_that_is_down_leaves_the_outcome_and_is_counted(services):
         (layout.judgments_dir(layout.task_dir(out, "down")) / JUDGE_SUMMARY_FILE).read_text()
     )
     assert (summary["sessions"], summary["failed"], summary["failure"]) == (0, 1, "outcome")
+
+
+def test_a_session_held_for_its_groups_judge_is_judged_after_a_kill_not_run_again(judge_url, tmp_path):
+    """Mode group: sample 0 finishes and waits (held) for sample 1; kill -9, then `--resume`. The held session is
+    judged with its group from what was kept of it (held.jsonl, its harness log), not run again; sample 1 runs
+    again; one judge call ranks both."""
+    out, port = tmp_path / "out", ports.free_port()
+    judge = ["--judge-url", judge_url[0], "--judge-model", "scripted", "--max-sessions", "2"]
+    script = "echo 'ran: echo hello > out.txt'; echo hello > out.txt; if [ {index} = 1 ]; then sleep 8; fi"
+    request = cmd_request("held", script, check="grep -qx hello out.txt", samples=2)
+    config = {"judge": {"mode": "group", "weight": 0.5}, **request.evaluator.config}
+    evaluator = request.evaluator.model_copy(update={"strategy": "rubric", "config": config})
+    held_file = layout.task_dir(out, "held") / layout.HELD_FILE
+    proc = start_service(out, port, *judge)
+    try:
+        with Client(f"http://127.0.0.1:{port}", token=TOKEN) as client:
+            client.submit(request.model_copy(update={"evaluator": evaluator}))
+            deadline = time.monotonic() + 60
+            while not (held_file.exists() and held_file.read_text().strip()):
+                assert time.monotonic() < deadline, "no session was held"
+                time.sleep(0.1)
+            [held] = [json.loads(line) for line in held_file.read_text().splitlines()]
+            assert held["index"] == 0 and client.status("held").completed_sessions == 0
+        stop(proc, signal.SIGKILL)
+        proc = start_service(out, port, "--resume", *judge)
+        with Client(f"http://127.0.0.1:{port}", token=TOKEN) as client:
+            status = client.wait("held", timeout=120)
+    finally:
+        stop(proc)
+    assert (status.status, status.completed_sessions) == ("completed", 2)
+    by_index = {r.metadata["sample_index"]: r for r in status.results}
+    assert by_index[0].session_id == held["session_id"]  # the held session, not a new run of sample 0
+    kept = read_judgments(layout.judgments_dir(layout.task_dir(out, "held")))
+    assert set(kept) == {r.session_id for r in status.results}
+    assert len({judgment.call for judgment in kept.values()}) == 1  # one call ranked both
+    for result in status.results:
+        assert result.status == "COMPLETED", result.error
+        assert result.trajectory.metadata["reward"] == pytest.approx(1.0 + 0.5 * GROUP_SCORE[1.0])
