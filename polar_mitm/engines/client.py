@@ -79,6 +79,7 @@ class EngineClient:
         max_connections: int = 512,
         kind: str = "auto",
         api_key: str | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         if kind != "auto" and kind not in DIALECTS:
             raise ValueError(f"engine kind must be auto or one of {ENGINE_KINDS}, got {kind!r}")
@@ -95,6 +96,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._served_model: str | None = None
         self._model_info: dict[str, Any] | None = None
+        self.tool_call_parser = tool_call_parser  # `auto`: the engine's own (see `model_info`)
         self.streams_say_version = False  # learnt from a stream: its sglext carries the weight version
 
     def _client(self) -> aiohttp.ClientSession:
@@ -171,7 +173,10 @@ class EngineClient:
         with `engine_kind`; vLLM's is assembled from its own endpoints."""
         if self._model_info is None:
             dialect = await self.dialect()
-            self._model_info = {**await dialect.read_model_info(self), "engine_kind": dialect.kind}
+            info = {**await dialect.read_model_info(self), "engine_kind": dialect.kind}
+            if self.tool_call_parser != "auto":  # polar_tool_call_parser: what vLLM's raw text is parsed with
+                info["tool_call_parser"] = self.tool_call_parser
+            self._model_info = info
         return self._model_info
 
     async def weight_version(self) -> str | None:

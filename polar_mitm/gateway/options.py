@@ -22,6 +22,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from polar_mitm.engine.tool_call_formats import TOOL_CALL_PARSER_NAMES
 from polar_mitm.engines.dialects import ENGINE_KINDS
 
 PREFIX = "polar_"
@@ -31,6 +32,8 @@ PromptMode = Literal["tokens", "messages"]
 StreamMode = Literal["live", "replay"]
 # `auto` or a kind of the engine dialect registry, which declares the kinds (a new dialect is a new choice here).
 EngineKind = Literal[("auto", *ENGINE_KINDS)]  # type: ignore[valid-type]
+# `auto` or a tool-call notation of the parser registry (engine/tool_call_formats.py), or `none`.
+ToolCallParser = Literal[("auto", *TOOL_CALL_PARSER_NAMES)]  # type: ignore[valid-type]
 
 # What a control call may do is decided when the gateway starts: these are never changed while it runs.
 STARTUP_ONLY = ("control_may_weaken", "control_may_move_out", "base_url_port")
@@ -165,6 +168,15 @@ class GatewayOptions:
         default="",
         metadata={
             "help": "Engine tokenizer for tokens mode (a local path; empty: the engine's /model_info path)."
+        },
+    )
+    tool_call_parser: ToolCallParser = field(
+        default="auto",
+        metadata={
+            "help": "vLLM: the tool-call notation the gateway parses vLLM's raw text with (vLLM returns it "
+            "unparsed on the token-in path), e.g. `qwen3_coder` for Qwen3-Coder's XML; `auto`: the one "
+            "`polar-mitm vllm serve --tool-call-parser` named, `hermes` for a vLLM started otherwise. SGLang and "
+            "the embedded engine parse with their own `--tool-call-parser`."
         },
     )
     stream: StreamMode = field(

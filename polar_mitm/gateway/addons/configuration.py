@@ -47,8 +47,8 @@ WRITER_OPTIONS = (
     "rotate_seconds",
     "fsync",
 )  # GatewayOptions fields the writer is made from
-ENGINE_OPTIONS = ("backend", "engine", "engine_timeout")
-PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend", "engine")
+ENGINE_OPTIONS = ("backend", "engine", "engine_timeout", "tool_call_parser")
+PROMPT_OPTIONS = ("prompt_mode", "tokenizer", "backend", "engine", "tool_call_parser")
 
 
 def stop_process(message: str) -> NoReturn:
@@ -158,7 +158,12 @@ class Configuration:
         engine = core.engine
         if engine is None or changed & set(ENGINE_OPTIONS):
             try:
-                engine = EngineClient(options.backend, timeout=options.engine_timeout, kind=options.engine)
+                engine = EngineClient(
+                    options.backend,
+                    timeout=options.engine_timeout,
+                    kind=options.engine,
+                    tool_call_parser=options.tool_call_parser,
+                )
             except (
                 engine_keys.KeyFileError
             ) as exc:  # $POLAR_ENGINE_KEY_FILE unusable: one line, not a traceback
