@@ -95,8 +95,13 @@ class BaseUrlServer:
         )
         self._runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or None, port, reuse_address=True)
-        await site.start()
+        try:
+            await web.TCPSite(self._runner, host or None, port, reuse_address=True).start()
+        except OSError:
+            if host:
+                raise
+            # Every interface means IPv4 and IPv6; a host (or namespace) without IPv6 gets IPv4's alone.
+            await web.TCPSite(self._runner, "0.0.0.0", port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
 
     async def close(self) -> None:
