@@ -137,12 +137,9 @@ class BaseUrlServer:
             given = headers.pop(control.TOKEN_HEADER, "")
             if request.method != "POST" or not control.authorized(core.control_token, given):
                 return whole(control.control_refused())
-            body = (
-                bytearray()
-            )  # an authorized caller's, whatever the body limit (aiohttp's `read` stops at 1 MiB)
-            async for chunk in request.content.iter_any():
-                body += chunk
-            return whole(await self.control_answer(bytes(body)))
+            # An authorized caller's body, whatever the body limit (aiohttp's `read` stops at 1 MiB).
+            body, _ = await read_bounded(request.content, None)
+            return whole(await self.control_answer(body))
         gateway = core.gateway
         if gateway is None:
             return whole(error(503, "polar-mitm: the gateway is not configured; nothing is forwarded"))
@@ -220,6 +217,17 @@ class RunningCall:
         return answer
 
 
+async def read_bounded(content: Any, limit: int | None) -> tuple[bytes, bool]:
+    """A request body (an aiohttp `StreamReader`) as it arrives, up to `limit` bytes: (the body, False), or (b"",
+    True) once it is past the limit, the rest left unread. `limit` None: no limit."""
+    body = bytearray()
+    async for chunk in content.iter_any():
+        body += chunk
+        if limit is not None and len(body) > limit:
+            return b"", True
+    return bytes(body), False
+
+
 async def gateway_request(
     request: web.BaseRequest,
     headers: CIMultiDict,
@@ -233,15 +241,8 @@ async def gateway_request(
     safe = ident.safe_text
     length = request.content_length
     body, too_large = b"", length is not None and length > max_body
-    if not too_large:
-        read = bytearray()
-        async for chunk in request.content.iter_any():
-            read += chunk
-            if len(read) > max_body:
-                too_large = True
-                read.clear()
-                break
-        body = bytes(read)
+    if not too_large:  # a declared length over the limit is refused unread
+        body, too_large = await read_bounded(request.content, max_body)
     user = ident.proxy_user(headers.get("proxy-authorization") or credentials.header("proxy-authorization"))
     pairs = [*headers.items(), *credentials.headers]
     return GatewayRequest(

@@ -11,6 +11,7 @@ from typing import Any
 from polar_mitm.codecs import DEFAULT_CODEC
 from polar_mitm.codecs.base import GatewayError, HttpAnswer
 from polar_mitm.gateway.addons.core import GatewayCore
+from polar_mitm.gateway.base_url_server import read_bounded
 from polar_mitm.gateway.cancel import CallCancel
 from polar_mitm.gateway.live import LiveAnswer, Responder
 from polar_mitm.gateway.service import GatewayRequest
@@ -74,11 +75,5 @@ class DeferredCall:
     async def _read_body(self, request: Any) -> None:
         """The body as it arrives over the hop, up to the gateway's limit (past it: refused, rest not read)."""
         limit = self.core.gateway.config.max_body_bytes if self.core.gateway is not None else 0
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                self.req.body_too_large = True
-                body.clear()
-                break
-        self.req.body = bytes(body)
+        self.req.body, too_large = await read_bounded(request.content, limit)
+        self.req.body_too_large = self.req.body_too_large or too_large
