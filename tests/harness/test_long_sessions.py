@@ -21,6 +21,7 @@ import json
 import shutil
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,30 @@ def start_stack(root: Path, script: dict[str, Any], *, context_length: int | Non
     )
 
 
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory):
+    """The stack of every run that plays SCRIPT on the model's own context (four long sessions and Codex's remote
+    compaction): one engine and gateway for them all, each run in a folder of its own, its records by session."""
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed: the harness CLIs need it")
+    stack = start_stack(tmp_path_factory.mktemp("long-shared"), SCRIPT, context_length=None)
+    yield stack
+    stack.stop()
+
+
+@contextmanager
+def stack_for(request, root: Path, script: dict[str, Any], context_length: int | None):
+    """The shared stack where it plays this script on the model's context; a stack of the run's own otherwise."""
+    if script is SCRIPT and context_length is None:
+        yield request.getfixturevalue("shared_stack")
+        return
+    stack = start_stack(root, script, context_length=context_length)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report_table(request):
     yield
@@ -232,16 +257,14 @@ def merge_session(rows: list[dict[str, Any]], eot_id: int) -> tuple[list, dict[s
 
 # The six with a long-session plan (plans()); the later presets' recipes say how, or whether, they compact.
 @pytest.mark.parametrize("name", ["claude-code", "codex", "gemini", "qwen", "pi", "opencode"])
-def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_engine, name):
+def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_engine, request, name):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
     plan = plans()[name]
-    stack = start_stack(
-        tmp_path_factory.mktemp(f"long-{name}"), plan.script, context_length=plan.context_length
-    )
-    try:
+    own = tmp_path_factory.mktemp(f"long-{name}")
+    with stack_for(request, own, plan.script, plan.context_length) as stack:
         session = f"long-{name}-{uuid.uuid4().hex[:8]}"
-        work = stack.root / "work"
+        work, home = own / "work", own / "home"
         run = stack.run(
             plan.harness,
             PROMPT,
@@ -249,7 +272,7 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
             session=session,
             task="long-task",
             workspace=work,
-            home=stack.root / "home",
+            home=home,
             timeout=420,
         )
         if plan.resume is not None and run.returncode == 0:
@@ -261,14 +284,12 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
                 session=session,
                 task="long-task",
                 workspace=work,
-                home=stack.root / "home",
+                home=home,
                 timeout=300,
                 args=plan.resume,
             )
             run.wall_s += first_wall
         rows = stack.records(session)
-    finally:
-        stack.stop()
     eot = tiny_engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     sequences, breaks, drops = merge_session(rows, eot)
     kinds = Counter(r["call_kind"] for r in rows)
@@ -286,7 +307,7 @@ def test_long_session_compacts_and_merges_without_drops(tmp_path_factory, tiny_e
     RESULTS.append(result)
     context = (
         run.describe()
-        + f"\nlogs: {stack.root}\n{result}\n"
+        + f"\nlogs: {stack.root} (this run's folder: {own})\n{result}\n"
         + "\n".join(
             f"{r['seq']:3} {r['call_kind']:10} {r['status_code']} {r['prompt_tokens']!s:>6} "
             f"{r['finish_reason']}"
@@ -518,11 +539,11 @@ def test_context_overflow_reaction(tmp_path_factory, tiny_engine, name):
 # -- Codex's remote compaction, proxy mode ---------------------------------------------------------------------
 
 
-def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine):
+def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine, request):
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the harness CLIs need it")
-    stack = start_stack(tmp_path_factory.mktemp("codex-v2"), SCRIPT, context_length=None)
-    try:
+    own = tmp_path_factory.mktemp("codex-v2")
+    with stack_for(request, own, SCRIPT, None) as stack:
         session = f"codex-v2-{uuid.uuid4().hex[:8]}"
         run = stack.run(
             plans()["codex"].harness,
@@ -530,13 +551,11 @@ def test_codex_remote_compaction_v2_in_proxy_mode(tmp_path_factory, tiny_engine)
             mode="proxy",
             session=session,
             task="long-task",
-            workspace=stack.root / "work",
-            home=stack.root / "home",
+            workspace=own / "work",
+            home=own / "home",
             timeout=300,
         )
         rows = stack.records(session)
-    finally:
-        stack.stop()
     context = (
         run.describe()
         + "\n"
