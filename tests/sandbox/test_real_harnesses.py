@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm.engines import processes as engine_processes
 from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.storage.records import read_all
@@ -44,24 +45,41 @@ OWN_INSTALLS = [
 ]  # scripts/setup-<name>.sh: a prefix or venv each
 
 
+@pytest.fixture(scope="module")
+def shell_engine(tmp_path_factory):
+    """One scripted tiny engine for every CLI harness here (the script is the same; each `polar-mitm rollout` still
+    starts its own gateway and sandboxes): an engine start per harness was half of each test's time."""
+    root = tmp_path_factory.mktemp("shell-engine")
+    script = root / "policy.json"
+    script.write_text(json.dumps(shell_script(COMMANDS, FINAL)))
+    with engine_processes.engine_running(
+        model="tiny", log=root / "engine.log", extra_args=["--script", str(script)]
+    ) as url:
+        yield url
+
+
 @pytest.mark.parametrize(
     "harness",
     ["sdk:openai_chat", *(pytest.param(name, marks=pytest.mark.slow) for name in NPM_PRESETS + OWN_INSTALLS)],
     ids=["sdk", *NPM_PRESETS, *OWN_INSTALLS],
 )
-def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(harness, tmp_path: Path, tiny_engine):
+def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(
+    harness, tmp_path: Path, tiny_engine, request
+):
     if harness in NPM_PRESETS and shutil.which("node") is None:
         pytest.skip("Node.js is not installed: the npm CLIs need it")
     if harness in OWN_INSTALLS:
         get_harness(harness).executable()  # installed by scripts/setup-<name>.sh, or this fails
-    script = tmp_path / "policy.json"
-    script.write_text(json.dumps(policy(harness)))
+    if harness.startswith("sdk:"):  # its own engine, started by the rollout (the SDK agent's script differs)
+        script = tmp_path / "policy.json"
+        script.write_text(json.dumps(policy(harness)))
+        engine = ["--script", str(script)]
+    else:
+        engine = ["--engine", request.getfixturevalue("shell_engine")]
     tasks = tmp_path / "tasks.jsonl"
     line = {"task_id": "hello", "prompt": "Write hello into out.txt", "eval": "grep -qx hello out.txt"}
     tasks.write_text(json.dumps(line) + "\n")
-    [row] = rollout_cli(
-        tasks, harness, tmp_path, "-g", "1", "-c", "1", "--script", str(script), "--sandbox", "bwrap"
-    )
+    [row] = rollout_cli(tasks, harness, tmp_path, "-g", "1", "-c", "1", *engine, "--sandbox", "bwrap")
     log = next((tmp_path / "run" / "logs").glob("*.log")).read_text(errors="replace")[-3000:]
     assert (row["status"], row["reward"]) == ("ok", 1.0), f"{row}\n--- harness log ---\n{log}"
     rows = [r for r in read_all(tmp_path / "flows").to_pylist() if r["session_id"] == row["session_id"]]
