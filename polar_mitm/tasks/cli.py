@@ -25,7 +25,11 @@ def generate_command(
         Path, typer.Option("--out", "-o", help="Directory: train.jsonl, held_out.jsonl, workspace/.")
     ],
     family: Annotated[
-        str, typer.Option(help="Comma list of families: add (answer a sum), write (create a file).")
+        str,
+        typer.Option(
+            help="Comma list of families: add (answer a sum); write, append, rename, fix (create, extend, rename or "
+            "correct a file)."
+        ),
     ] = "add",
     train: Annotated[int, typer.Option(help="Training tasks per family.")] = 16,
     held_out: Annotated[int, typer.Option(help="Held-out tasks per family (never trained on).")] = 8,

@@ -11,13 +11,17 @@ Families (each task's own check grades it):
   `polar_mitm.tasks.answer_check`, run from the installed package (1.0 the number alone, 0.5 a short reply
   whose only number it is, 0.0 otherwise, negations and lists of candidates included); A, B in 0..ADD_MAX.
   Nothing in the task folder is run: a check script there was one an agent could replace for every later run.
-- `write`: "Create a file NAME that contains the single line: WORD" — checked in the workspace (exit code), with
-  the harness's own tools.
+- File tasks, each checked in the workspace (exit code) once the harness's own tools have acted; the files a task
+  starts from are made by its `workspace.setup`:
+  - `write`: "Create a file NAME that contains the single line: WORD";
+  - `append`: "Append the line WORD to the end of the file NAME." (NAME holds `first line`);
+  - `rename`: "Rename the file OLD to NEW." (OLD holds `keep me`; NEW must, and OLD must be gone);
+  - `fix`: "In the file NAME, replace the word WRONG with RIGHT." (NAME holds `The WRONG is ready.`).
 
-The split: each family's items (the (A, B) pairs; the names and the words) are shuffled with the seed and cut
-once, so held-out tasks use pairs, names and words no training prompt contains (`check_split` proves it on the
-written prompts; the loop's `check_held_out` also refuses a shared task id). Everything is a pure function of
-(families, sizes, seed): the same command writes the same files.
+The split: the sums, and the file names and words every file family draws from, are shuffled with the seed and cut
+once, so held-out tasks use sums (hence no commuted twin: A + B is B + A), names and words no training prompt
+contains or answers (`check_split` proves it on the written prompts; the loop's `check_held_out` also refuses a shared
+task id). Everything is a pure function of (families, sizes, seed): the same command writes the same files.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 
 from polar_mitm.tasks import answer_check
 
-FAMILIES = ("add", "write")
+FAMILIES = ("add", "write", "append", "rename", "fix")
+FILE_FAMILIES = FAMILIES[1:]
 ADD_MAX = 9
 NAMES = (
     "out.txt", "note.txt", "todo.txt", "word.txt", "answer.txt", "memo.txt", "list.txt", "data.txt",
@@ -76,14 +81,62 @@ def add_task(a: int, b: int) -> dict[str, Any]:
 
 
 def write_task(name: str, word: str) -> dict[str, Any]:
+    return file_task(
+        "write",
+        f"write-{stem(name)}-{word}",
+        f"Create a file {name} that contains the single line: {word}",
+        check=f'test "$(cat {name} 2>/dev/null)" = {word}',
+    )
+
+
+APPEND_FIRST_LINE = "first line"
+RENAME_CONTENT = "keep me"
+
+
+def append_task(name: str, word: str) -> dict[str, Any]:
+    return file_task(
+        "append",
+        f"append-{stem(name)}-{word}",
+        f"Append the line {word} to the end of the file {name}.",
+        setup=[f"printf '%s\\n' {shlex.quote(APPEND_FIRST_LINE)} > {name}"],
+        check=f'test "$(cat {name} 2>/dev/null)" = "$(printf \'%s\\n%s\' {shlex.quote(APPEND_FIRST_LINE)} {word})"',
+    )
+
+
+def rename_task(old: str, new: str) -> dict[str, Any]:
+    return file_task(
+        "rename",
+        f"rename-{stem(old)}-{stem(new)}",
+        f"Rename the file {old} to {new}.",
+        setup=[f"printf '%s\\n' {shlex.quote(RENAME_CONTENT)} > {old}"],
+        check=f'test ! -e {old} && test "$(cat {new} 2>/dev/null)" = {shlex.quote(RENAME_CONTENT)}',
+    )
+
+
+def fix_task(name: str, wrong: str, right: str) -> dict[str, Any]:
+    return file_task(
+        "fix",
+        f"fix-{stem(name)}-{wrong}-{right}",
+        f"In the file {name}, replace the word {wrong} with {right}.",
+        setup=[f"printf '%s\\n' 'The {wrong} is ready.' > {name}"],
+        check=f"test \"$(cat {name} 2>/dev/null)\" = 'The {right} is ready.'",
+    )
+
+
+def file_task(family: str, task_id: str, prompt: str, *, check: str, setup: list[str] | None = None) -> dict:
+    """A file task: the empty workspace (plus the files `setup` makes), graded by `check`'s exit code."""
     return {
-        "task_id": f"write-{name.split('.')[0]}-{word}",
-        "prompt": f"Create a file {name} that contains the single line: {word}",
-        "workspace": {"dir": WORKSPACE_DIR},
-        "eval": {"command": f'test "$(cat {name} 2>/dev/null)" = {word}'},
+        "task_id": task_id,
+        "prompt": prompt,
+        "workspace": {"dir": WORKSPACE_DIR, **({"setup": setup} if setup else {})},
+        "eval": {"command": check},
         "timeouts": TIMEOUTS,
-        "family": "write",
+        "family": family,
     }
+
+
+def stem(name: str) -> str:
+    return name.split(".")[0]
 
 
 def generate(
@@ -97,17 +150,20 @@ def generate(
         )
     rng = random.Random(seed)
     split = TaskSplit([], [])
+    names = words = (
+        None  # cut once, at the first file family: every file family draws from the same two sides
+    )
     for family in families:
         if family == "add":
-            pairs = [(a, b) for a in range(ADD_MAX + 1) for b in range(ADD_MAX + 1)]
-            train_pool, held_pool = _cut(pairs, held_out_share, rng)
+            train_pool, held_pool = _add_pools(held_out_share, rng)
             make = [add_task(a, b) for a, b in train_pool], [add_task(a, b) for a, b in held_pool]
         else:
-            train_names, held_names = _cut(list(NAMES), held_out_share, rng)
-            train_words, held_words = _cut(list(WORDS), held_out_share, rng)
+            if names is None:
+                names = _cut(list(NAMES), held_out_share, rng)
+                words = _cut(list(WORDS), held_out_share, rng)
             make = (
-                [write_task(n, w) for n, w in _pairs(train_names, train_words, rng)],
-                [write_task(n, w) for n, w in _pairs(held_names, held_words, rng)],
+                _file_tasks(family, names[0], words[0], rng),
+                _file_tasks(family, names[1], words[1], rng),
             )
         for pool, wanted, out in ((make[0], train, split.train), (make[1], held_out, split.held_out)):
             if wanted > len(pool):
@@ -117,23 +173,61 @@ def generate(
     return split
 
 
-def _pairs(names: list[str], words: list[str], rng: random.Random) -> list[tuple[str, str]]:
-    pairs = [(n, w) for n in names for w in words]
-    rng.shuffle(pairs)
-    return pairs
+def _add_pools(held_out_share: float, rng: random.Random) -> tuple[list, list]:
+    """(A, B) pairs cut by their sum: whole sums are held out (in a shuffled order, until the share of pairs is
+    reached), so a held-out task's answer is no training task's answer, and its commuted twin (B, A) is held out
+    with it."""
+    by_sum: dict[int, list[tuple[int, int]]] = {}
+    for a in range(ADD_MAX + 1):
+        for b in range(ADD_MAX + 1):
+            by_sum.setdefault(a + b, []).append((a, b))
+    sums = list(by_sum)
+    rng.shuffle(sums)
+    wanted = max(1, round((ADD_MAX + 1) ** 2 * held_out_share))
+    held: list[tuple[int, int]] = []
+    train: list[tuple[int, int]] = []
+    for total in sums:
+        (held if len(held) < wanted else train).extend(by_sum[total])
+    rng.shuffle(train)
+    rng.shuffle(held)
+    return train, held
+
+
+def _file_tasks(family: str, names: list[str], words: list[str], rng: random.Random) -> list[dict[str, Any]]:
+    """Every task of a file family from one side's names and words, shuffled."""
+    if family == "write":
+        tasks = [write_task(n, w) for n in names for w in words]
+    elif family == "append":
+        tasks = [append_task(n, w) for n in names for w in words]
+    elif family == "rename":
+        tasks = [rename_task(old, new) for old in names for new in names if old != new]
+    else:
+        tasks = [
+            fix_task(n, wrong, right) for n in names for wrong in words for right in words if wrong != right
+        ]
+    rng.shuffle(tasks)
+    return tasks
 
 
 def check_split(split: TaskSplit) -> None:
-    """No held-out prompt appears in a training prompt, no held-out (A, B) pair or (NAME, WORD) is trained on, and
-    no held-out file name or word appears in any training prompt; no task id is in both splits."""
+    """No held-out prompt appears in a training prompt; no held-out (A, B) pair, its twin (B, A) or its sum, and no
+    file task's items, are trained on; no held-out file name or word appears in any training prompt; no task id is
+    in both splits."""
     train_prompts = [t["prompt"] for t in split.train]
     trained_items = {_items(t["prompt"]) for t in split.train}
     trained_words = {word for p in train_prompts for word in re.findall(r"[\w.]+", p)}
+    trained_sums = {sum(map(int, _items(t["prompt"]))) for t in split.train if t.get("family") == "add"}
     for task in split.held_out:
         prompt, items = task["prompt"], _items(task["prompt"])
         if items in trained_items or any(prompt in p for p in train_prompts):
             raise ValueError(f"held-out task {task['task_id']} is also a training task")
-        if task.get("family") == "write" and (leaked := set(items) & trained_words):
+        if task.get("family") == "add" and (
+            items[::-1] in trained_items or sum(map(int, items)) in trained_sums
+        ):
+            raise ValueError(
+                f"held-out task {task['task_id']}: its commuted twin or its answer is a training task's"
+            )
+        if task.get("family") in FILE_FAMILIES and (leaked := set(items) & trained_words):
             raise ValueError(f"held-out task {task['task_id']}: {sorted(leaked)} appear in training prompts")
     shared = {t["task_id"] for t in split.train} & {t["task_id"] for t in split.held_out}
     if shared:
@@ -144,9 +238,18 @@ def _items(prompt: str) -> tuple[str, ...]:
     """What tells a generated prompt from the others of its family: (A, B), or (NAME, WORD)."""
     if match := re.fullmatch(r"What is (\d+) \+ (\d+)\? Reply with the number only\.", prompt):
         return match.groups()
-    if match := re.fullmatch(r"Create a file (\S+) that contains the single line: (\S+)", prompt):
-        return match.groups()
+    for pattern in ITEM_PATTERNS:
+        if match := re.fullmatch(pattern, prompt):
+            return match.groups()
     return (prompt,)
+
+
+ITEM_PATTERNS = (
+    r"Create a file (\S+) that contains the single line: (\S+)",
+    r"Append the line (\S+) to the end of the file (\S+)\.",
+    r"Rename the file (\S+) to (\S+)\.",
+    r"In the file (\S+), replace the word (\S+) with (\S+)\.",
+)
 
 
 def write_split(split: TaskSplit, root: Path) -> tuple[Path, Path]:

@@ -16,7 +16,7 @@ import pytest
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec
 from polar_mitm.rollout.runner import Rollout, RolloutConfig
 from polar_mitm.tasks.answer_check import grade
-from polar_mitm.tasks.generated import FAMILIES, TaskSplit, check_split, generate, write_split
+from polar_mitm.tasks.generated import FAMILIES, TaskSplit, add_task, check_split, generate, write_split
 from polar_mitm.tasks.task_file import load_tasks, passed
 
 
@@ -69,19 +69,72 @@ def test_the_answer_check_grades_the_reply(reply, reward):
 
 def test_held_out_tasks_share_nothing_with_the_training_prompts(tmp_path):
     split = generate(list(FAMILIES), 20, 10, seed=3)
-    assert len(split.train) == len(split.held_out) * 2 == 40
+    assert len(split.train) == len(split.held_out) * 2 == 20 * len(FAMILIES)
+    assert {t["family"] for t in split.held_out} == set(FAMILIES)
     train_prompts = " ".join(t["prompt"] for t in split.train)
-    pairs = {tuple(t["task_id"].split("-")[1:]) for t in split.train if t["family"] == "add"}
+    pairs = {tuple(map(int, t["task_id"].split("-")[1:])) for t in split.train if t["family"] == "add"}
+    sums = {a + b for a, b in pairs}
     for task in split.held_out:
         assert task["prompt"] not in train_prompts
-        if task["family"] == "add":
-            assert tuple(task["task_id"].split("-")[1:]) not in pairs
-        else:  # neither its file name nor its word is in any training prompt
-            name, word = task["prompt"].split()[3], task["prompt"].split()[-1]
-            assert name not in train_prompts and word not in train_prompts
+        if task["family"] == "add":  # neither the pair, its commuted twin nor its answer is trained on
+            a, b = map(int, task["task_id"].split("-")[1:])
+            assert (a, b) not in pairs and (b, a) not in pairs and a + b not in sums
+        else:  # none of its file names and words is in any training prompt
+            items = ITEMS[task["family"]](task["prompt"])
+            assert items and not [item for item in items if item in train_prompts], task
     leaked = TaskSplit(split.train, [*split.held_out, split.train[0]])
     with pytest.raises(ValueError, match="also a training task"):
         check_split(leaked)
+    a, b = next(map(int, t["task_id"].split("-")[1:]) for t in split.train if t["family"] == "add")
+    twin = TaskSplit(split.train, [*split.held_out, add_task(b, a)] if a != b else split.held_out)
+    with pytest.raises(ValueError, match="commuted twin or its answer"):
+        check_split(twin if a != b else TaskSplit(split.train, [*split.held_out, add_task(a + b, 0)]))
+
+
+ITEMS = {  # the names and words of a file task's prompt
+    "write": lambda p: [p.split()[3], p.split()[-1]],
+    "append": lambda p: [p.split()[3], p.split()[-1].rstrip(".")],
+    "rename": lambda p: [p.split()[3], p.split()[-1].rstrip(".")],
+    "fix": lambda p: [p.split()[3].rstrip(","), p.split()[-3], p.split()[-1].rstrip(".")],
+}
+
+EDITOR = """import re, sys
+from pathlib import Path
+prompt, index = sys.argv[1], int(sys.argv[2])
+if index == 1:
+    sys.exit(0)  # does nothing
+if m := re.fullmatch(r"Create a file (\\S+) that contains the single line: (\\S+)", prompt):
+    Path(m[1]).write_text(m[2] + ("\\n" if index == 0 else "x\\n"))
+elif m := re.fullmatch(r"Append the line (\\S+) to the end of the file (\\S+)\\.", prompt):
+    path = Path(m[2])
+    path.write_text(path.read_text() + m[1] + "\\n" if index == 0 else m[1] + "\\n")  # 2: overwrites
+elif m := re.fullmatch(r"Rename the file (\\S+) to (\\S+)\\.", prompt):
+    if index == 0:
+        Path(m[1]).rename(m[2])
+    else:  # 2: copies, leaving the old name
+        Path(m[2]).write_text(Path(m[1]).read_text())
+elif m := re.fullmatch(r"In the file (\\S+), replace the word (\\S+) with (\\S+)\\.", prompt):
+    path = Path(m[1])
+    path.write_text(path.read_text().replace(m[2], m[3] if index == 0 else m[3] + " " + m[2]))
+"""
+
+
+def test_each_file_familys_check_passes_the_edit_asked_for_and_fails_a_wrong_one_or_none(tmp_path):
+    """The real runner and a `cmd:` harness that edits by session index: the edit the prompt asks for, nothing, a
+    near miss (an extra character, an overwrite, a copy instead of a rename, the old word kept) — graded 1.0, 0.0,
+    0.0 on every file family, in workspaces its `workspace.setup` prepared."""
+    split = generate(list(FAMILIES[1:]), 2, 1, seed=1)
+    train, _ = write_split(split, tmp_path / "tasks")
+    program = shlex.quote(EDITOR.replace("{", "{{").replace("}", "}}"))
+    rollout = Rollout(
+        load_tasks(train),
+        HarnessSpec(f"cmd:{sys.executable} -c {program} {{prompt}} {{index}}"),
+        GatewayEndpoints("http://127.0.0.1:9"),  # the harness calls no model
+        RolloutConfig(group_size=3, concurrency=3, workspace_root=tmp_path / "ws", log_dir=tmp_path / "logs"),
+    )
+    rewards = sorted((s.task.task_id, s.index, s.reward) for s in asyncio.run(rollout.run()).sessions)
+    expected = [(t["task_id"], i, r) for t in split.train for i, r in enumerate((1.0, 0.0, 0.0))]
+    assert rewards == sorted(expected)
 
 
 def test_the_same_seed_writes_the_same_files_and_the_cli_refuses_bad_input_in_one_line(tmp_path):
