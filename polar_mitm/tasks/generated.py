@@ -214,11 +214,11 @@ def check_split(split: TaskSplit) -> None:
     file task's items, are trained on; no held-out file name or word appears in any training prompt; no task id is
     in both splits."""
     train_prompts = [t["prompt"] for t in split.train]
-    trained_items = {_items(t["prompt"]) for t in split.train}
+    trained_items = {prompt_items(t["prompt"]) for t in split.train}
     trained_words = {word for p in train_prompts for word in re.findall(r"[\w.]+", p)}
-    trained_sums = {sum(map(int, _items(t["prompt"]))) for t in split.train if t.get("family") == "add"}
+    trained_sums = {sum(map(int, prompt_items(t["prompt"]))) for t in split.train if t.get("family") == "add"}
     for task in split.held_out:
-        prompt, items = task["prompt"], _items(task["prompt"])
+        prompt, items = task["prompt"], prompt_items(task["prompt"])
         if items in trained_items or any(prompt in p for p in train_prompts):
             raise ValueError(f"held-out task {task['task_id']} is also a training task")
         if task.get("family") == "add" and (
@@ -234,7 +234,7 @@ def check_split(split: TaskSplit) -> None:
         raise ValueError(f"task ids in both splits: {sorted(shared)}")
 
 
-def _items(prompt: str) -> tuple[str, ...]:
+def prompt_items(prompt: str) -> tuple[str, ...]:
     """What tells a generated prompt from the others of its family: (A, B), or (NAME, WORD)."""
     if match := re.fullmatch(r"What is (\d+) \+ (\d+)\? Reply with the number only\.", prompt):
         return match.groups()

@@ -1,0 +1,187 @@
+"""The capstone's warm start (issue 46): a model taught to use a real harness's tool by supervised training on
+trajectories the pipeline itself recorded, before RL.
+
+One command, five stages, each a real part of polar-mitm:
+
+1. tasks — `polar-mitm tasks generate` families (default: the file tasks write, append, rename, fix) with the same
+   seed as the RL run, so the held-out split is the one RL is evaluated on; only training tasks are taught;
+2. rollout — the real harness (default Pi) answered by the teacher (polar_mitm/tasks/teacher.py: the engine plays
+   the shell command that solves each training task, in the student's own tokenizer), graded by each task's check;
+3. merge — prefix_merging of the records, with the rewards;
+4. sft — `polar-mitm sft`: the sessions that passed, sampled tokens as labels, everything else masked;
+5. train — TRL's SFTTrainer on that export, saved as a checkpoint the loop (or vLLM) starts from.
+
+    .venv/bin/python benchmarks/warm_start.py --run-dir runs/warm-start            # SmolLM2 through Pi
+    .venv/bin/python benchmarks/warm_start.py --run-dir /tmp/w --model tiny --train-tasks 2 --epochs 1
+
+RUN/model is the checkpoint; RUN/warm_start.json the figures (sessions the teacher passed, sequences and tokens
+trained, the loss at the first and last logged step, seconds per stage). No held-out prompt is in the teacher's
+script (checked before anything runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SUMMARY_FILE = "warm_start.json"
+FILE_FAMILIES = "write,append,rename,fix"
+
+
+def polar_mitm(*args: str, log: Path) -> None:
+    """One `polar-mitm` command as a user runs it; its output goes to `log`, a failure ends the run with it."""
+    with log.open("w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "polar_mitm.cli", *args], stdout=out, stderr=subprocess.STDOUT
+        )
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(
+            f"warm start: `polar-mitm {args[0]}` failed (exit {done.returncode}); see {log}\n{tail}"
+        )
+
+
+def teach(args: argparse.Namespace) -> dict:
+    from polar_mitm.engine.model_zoo import resolve_model
+    from polar_mitm.tasks.generated import generate, write_split
+    from polar_mitm.tasks.teacher import teacher_script
+
+    run_dir = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+
+    started = time.monotonic()
+    split = generate(families, args.train_tasks, args.held_out_tasks, args.seed)
+    train, _held_out = write_split(split, run_dir / "tasks")
+    script = teacher_script(split.train)
+    taught = json.dumps(script)
+    leaked = [t["task_id"] for t in split.held_out if t["prompt"] in taught]
+    if leaked:  # the teacher knows training tasks only
+        raise SystemExit(f"warm start: held-out tasks in the teacher's script: {leaked}")
+    (run_dir / "teacher.json").write_text(json.dumps(script, indent=1))
+    seconds["tasks"] = time.monotonic() - started
+
+    started = time.monotonic()
+    rewards = run_dir / "rewards.parquet"
+    polar_mitm(
+        "rollout", str(train), "--harness", args.harness, "--model", args.model,
+        "--script", str(run_dir / "teacher.json"), "-g", str(args.group_size), "-c", str(args.concurrency),
+        "--out", str(run_dir / "flows"), "--rewards", str(rewards), "--work-dir", str(run_dir / "rollout"),
+        "--log-format", "lines",
+        log=run_dir / "rollout.log",
+    )  # fmt: skip
+    seconds["rollout"] = time.monotonic() - started
+
+    started = time.monotonic()
+    polar_mitm(
+        "merge", str(run_dir / "flows"), "--rewards", str(rewards), "-o", str(run_dir / "merged"),
+        "--tokenizer", args.model, "--overwrite",
+        log=run_dir / "merge.log",
+    )  # fmt: skip
+    polar_mitm(
+        "sft", "--data", str(run_dir / "merged"), "-o", str(run_dir / "sft"), "--model", args.model,
+        log=run_dir / "sft.log",
+    )  # fmt: skip
+    seconds["merge+sft"] = time.monotonic() - started
+
+    started = time.monotonic()
+    model_dir = resolve_model(args.model)
+    training = train_sft(run_dir / "sft" / "tokenized", model_dir, run_dir / "model", args)
+    seconds["train"] = time.monotonic() - started
+
+    import pyarrow.parquet as pq
+
+    graded = pq.read_table(rewards).to_pylist()
+    summary = {
+        "harness": args.harness,
+        "model": args.model,
+        "families": families,
+        "seed": args.seed,
+        "train_tasks": len(split.train),
+        "sessions": len(graded),
+        "passed": sum(r["reward"] == 1.0 for r in graded),
+        "sft_accepted": json.loads((run_dir / "sft" / "counts.json").read_text())["total"],
+        **training,
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "checkpoint": str(run_dir / "model"),
+    }
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def train_sft(dataset_dir: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict:
+    """TRL's SFTTrainer on the tokenized export (labels as given: loss on the teacher's sampled tokens only)."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    torch.manual_seed(args.seed)
+    dataset = load_from_disk(str(dataset_dir))
+    if len(dataset) == 0:
+        raise SystemExit(f"warm start: no session passed, nothing to train on ({dataset_dir})")
+    config = SFTConfig(
+        output_dir=str(out.parent / "sft-trainer"),
+        num_train_epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        per_device_train_batch_size=args.batch_size,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=False,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        assistant_only_loss=False,
+        dataset_num_proc=None,
+        max_length=None,  # a harness's prompt alone is longer than TRL's 1024: cut, every label would be masked
+        seed=args.seed,
+    )
+    trainer = SFTTrainer(model=str(model_dir), args=config, train_dataset=dataset)
+    result = trainer.train()
+    trainer.save_model(str(out))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out))
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "sequences": len(dataset),
+        "trained_tokens": int(sum(sum(1 for x in row if x != -100) for row in dataset["labels"])),
+        "epochs": args.epochs,
+        "steps": result.global_step,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/warm-start"))
+    parser.add_argument("--harness", default="pi")
+    parser.add_argument("--model", default="smollm2", help="the student (and the teacher's tokenizer)")
+    parser.add_argument("--families", default=FILE_FAMILIES)
+    parser.add_argument("--train-tasks", type=int, default=16, help="per family")
+    parser.add_argument("--held-out-tasks", type=int, default=8, help="per family (never taught)")
+    parser.add_argument("-g", "--group-size", type=int, default=1)
+    parser.add_argument("-c", "--concurrency", type=int, default=2)
+    parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = teach(parse_args(argv))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
