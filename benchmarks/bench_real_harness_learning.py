@@ -16,6 +16,17 @@ report RUN/report.html (rewritten each iteration), and RUN/capstone.json with th
         --held-out-tasks 2 --eval-samples 1
 
 `--engine embedded` uses our CPU engine instead of vLLM; `--engine URL` attaches to a running one (SGLang, vLLM).
+
+With a warm start (issue 46): teach the tool first, then RL from that checkpoint on the file tasks, evaluated on the
+same held-out split (same families and seed):
+
+    .venv/bin/python benchmarks/warm_start.py --run-dir runs/warm-start
+    .venv/bin/python benchmarks/bench_real_harness_learning.py --run-dir runs/capstone-file \
+        --families write,append,rename,fix --start-from runs/warm-start/model
+
+Held-out pass@1 intervals are clustered by task (`clustered_interval`); each evaluation also gives the share of
+sessions that made a parsed tool call and the calls whose tool-call markup did not parse; the figure reported is
+the last evaluation (`held_out_last`), every evaluation shown.
 """
 
 from __future__ import annotations
@@ -48,10 +59,44 @@ def wilson(passed: int, attempts: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def clustered_interval(per_task: dict[str, dict[str, int]], z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a pass rate over tasks: the samples of one task are not independent (a task the model can do
+    it mostly does every time), so the interval is Wilson's with the number of tasks as the sample size and the
+    mean of the tasks' own pass rates as the rate — never narrower than the tasks alone allow."""
+    rates = [c["passed"] / c["samples"] for c in per_task.values() if c["samples"]]
+    if not rates:
+        return 0.0, 1.0
+    tasks, p = len(rates), sum(rates) / len(rates)
+    centre = (p + z * z / (2 * tasks)) / (1 + z * z / tasks)
+    half = z * math.sqrt(p * (1 - p) / tasks + z * z / (4 * tasks * tasks)) / (1 + z * z / tasks)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def behaviour_figures(folder: Path) -> dict:
+    """What the model did in a rollout or evaluation (FOLDER/flows and rewards.parquet): the share of sessions that
+    made at least one parsed tool call, and the calls whose tool-call markup the gateway could not parse."""
+    from polar_mitm.storage.records import read_all
+    from polar_mitm.storage.session_ends import unparsed_tool_calls
+
+    sessions = {r["session_id"] for r in pq.read_table(folder / "rewards.parquet").to_pylist()}
+    if not (folder / "flows").exists() or not sessions:
+        return {"sessions": len(sessions), "tool_call_rate": None, "parse_failures": None}
+    records = read_all(folder / "flows")
+    rows = records.select(["session_id", "finish_reason"]).to_pylist()
+    calling = {r["session_id"] for r in rows if r["finish_reason"] == "tool_calls"}
+    unparsed = sum(unparsed_tool_calls(records.column("response_json")))
+    return {
+        "sessions": len(sessions),
+        "tool_call_rate": len(calling & sessions) / len(sessions),
+        "parse_failures": unparsed,
+        "calls": len(rows),
+    }
+
+
 def held_out_figures(run_dir: Path, name: str) -> dict | None:
-    """An evaluation (RUN/NAME/eval.json and its rewards): pass@1 (pooled over tasks, which all have the same
-    number of samples) with its interval, the share of answers right on their first line (reward >= 0.5) with its
-    interval, and the mean reward."""
+    """An evaluation (RUN/NAME/eval.json and its rewards): pass@1 with its interval clustered by task, the share of
+    answers right on their first line (reward >= 0.5, `add` tasks' partial credit) with its interval over
+    attempts, the mean reward, the tool-call rate and parse failures."""
     path = run_dir / name / "eval.json"
     if not path.exists():
         return None
@@ -64,12 +109,14 @@ def held_out_figures(run_dir: Path, name: str) -> dict | None:
     return {
         "weight_version": result["weight_version"],
         "pass@1": passed / attempts if attempts else 0.0,
-        "ci95": list(wilson(passed, attempts)),
+        "ci95": list(clustered_interval(result["per_task"])),
         "passed": passed,
         "attempts": attempts,
+        "tasks": len(result["per_task"]),
         "right_first_line": right / len(rewards) if rewards else 0.0,
         "right_ci95": list(wilson(right, len(rewards))),
         "reward_mean": result["reward_mean"],
+        **behaviour_figures(run_dir / name),
         "seconds": result["seconds"],
     }
 
@@ -103,22 +150,33 @@ def training_figures(run_dir: Path, row: dict) -> dict:
 def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | None) -> dict:
     """The run's figures, from its files alone (so a resumed or killed run is summarised the same way)."""
     loop = json.loads((run_dir / "loop.json").read_text()) if (run_dir / "loop.json").exists() else []
+    iterations = [training_figures(run_dir, row) for row in loop]
     return {
         "command": sys.argv,
         "model": "SmolLM2-135M-Instruct",
         "engine": args.engine,
         "harness": args.harness,
+        "start_from": str(args.start_from) if args.start_from else None,
         "tasks": {
             "train": args.train_tasks,
             "held_out": args.held_out_tasks,
-            "family": "add",
+            "families": families(args),
             "seed": args.seed,
         },
         "held_out_start": held_out_figures(run_dir, "eval-start"),
-        "iterations": [training_figures(run_dir, row) for row in loop],
+        "iterations": iterations,
+        # The figure reported: the last evaluation (every evaluation is in the table), never the best of them.
+        "held_out_last": next(
+            (row["held_out"] for row in reversed(iterations) if row["held_out"]),
+            held_out_figures(run_dir, "eval-start"),
+        ),
         "wall_seconds": wall_seconds,
         "report": str(run_dir / "report.html"),
     }
+
+
+def families(args: argparse.Namespace) -> list[str]:
+    return [f.strip() for f in args.families.split(",") if f.strip()]
 
 
 def loop_config(args: argparse.Namespace, train: Path, held_out: Path, model: str, engine_url: str | None):
@@ -168,6 +226,7 @@ def print_summary(summary: dict) -> None:
         "steps",
         "held-out pass@1",
         "held-out right",
+        "tools / unparsed",
         "s",
     )
     for column in columns:
@@ -178,10 +237,12 @@ def print_summary(summary: dict) -> None:
 
     def held_out_cells(figures: dict | None) -> list[str]:
         if figures is None:
-            return ["", ""]
+            return ["", "", ""]
+        tools = figures.get("tool_call_rate")
         return [
             f"{rate(figures['pass@1'], figures['ci95'])} ({figures['passed']}/{figures['attempts']})",
             f"{rate(figures['right_first_line'], figures['right_ci95'])}",
+            "" if tools is None else f"{tools:.0%} / {figures['parse_failures']}",
         ]
 
     start = summary["held_out_start"]
@@ -202,10 +263,17 @@ def print_summary(summary: dict) -> None:
         )
     console.print(table)
     console.print(
-        "reward, pass: the training tasks' sampled sessions (pass = full marks); held-out: pass@1 (full marks) and "
-        "answers right on their first line (reward >= 0.5), 95% Wilson intervals; s: seconds of rollout / merge / "
-        "train (with the push) / held-out evaluation"
+        "reward, pass: the training tasks' sampled sessions (pass = full marks); held-out: pass@1 (full marks; 95% "
+        "interval clustered by task) and answers right on their first line (reward >= 0.5, the add family's partial "
+        "credit; 95% Wilson over attempts); tools / unparsed: held-out sessions with a parsed tool call / calls whose "
+        "tool-call markup did not parse; s: seconds of rollout / merge / train (with the push) / held-out evaluation"
     )
+    last = summary.get("held_out_last")
+    if last is not None:
+        console.print(
+            f"reported: the last evaluation, pass@1 {rate(last['pass@1'], last['ci95'])} over {last['tasks']} "
+            f"held-out tasks ({last['passed']}/{last['attempts']} attempts)"
+        )
     wall = summary["wall_seconds"]
     console.print(f"wall {'—' if wall is None else f'{wall:.0f} s'}; report {summary['report']}")
 
@@ -220,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.run_dir = args.run_dir.resolve()
     tasks_dir = args.run_dir / "tasks"
-    split = generate(["add"], args.train_tasks, args.held_out_tasks, args.seed)
+    split = generate(families(args), args.train_tasks, args.held_out_tasks, args.seed)
     train, held_out = write_split(split, tasks_dir)
     started = time.monotonic()
 
@@ -228,15 +296,16 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps({"iteration": stats.iteration, "reward_mean": stats.reward_mean}), flush=True)
 
     with ExitStack() as stack:
+        start = str(args.start_from.resolve()) if args.start_from else None  # the warm start's RUN/model
         if args.engine == "vllm":
             from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
 
-            model = str(resolve_vllm_model("smollm2"))
+            model = start or str(resolve_vllm_model("smollm2"))
             engine_url = stack.enter_context(vllm_running(model, log=args.run_dir / "vllm.log"))
         elif args.engine == "embedded":
-            model, engine_url = "smollm2", None
+            model, engine_url = start or "smollm2", None
         else:
-            model, engine_url = "smollm2", args.engine
+            model, engine_url = start or "smollm2", args.engine
         Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration).run()
     summary = run_summary(args.run_dir, args, time.monotonic() - started)
     (args.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -250,6 +319,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--harness", default="pi")
     parser.add_argument(
         "--engine", default="vllm", help="vllm (started here) | embedded | URL of a running one"
+    )
+    parser.add_argument(
+        "--families",
+        default="add",
+        help="generated task families (polar-mitm tasks generate): add | write,append,rename,fix",
+    )
+    parser.add_argument(
+        "--start-from",
+        type=Path,
+        default=None,
+        help="a checkpoint to start from (benchmarks/warm_start.py's RUN/model; default: SmolLM2 itself)",
     )
     parser.add_argument("--train-tasks", type=int, default=8)
     parser.add_argument("--held-out-tasks", type=int, default=8)

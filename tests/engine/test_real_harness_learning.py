@@ -59,6 +59,10 @@ def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
     first, last = summary["iterations"]
     assert summary["held_out_start"]["attempts"] == 2 and first["held_out"] is None
     assert last["held_out"]["attempts"] == 2 and last["held_out"]["weight_version"] == last["weight_version"]
+    assert summary["held_out_last"] == last["held_out"]  # the figure reported: the last evaluation
+    for figures in (summary["held_out_start"], last["held_out"]):  # what the model did, per evaluation
+        assert figures["sessions"] == 2 and 0.0 <= figures["tool_call_rate"] <= 1.0
+        assert figures["parse_failures"] >= 0 and figures["tasks"] == 2
     assert all(row["trainable_tokens"] > 0 for row in summary["iterations"])
     # Each iteration trained, or had only flat groups and was skipped (no optimizer step): never both, never neither.
     for row in summary["iterations"]:
@@ -81,3 +85,16 @@ def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
     assert change > 0.0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "report.html").exists()
+
+
+def test_held_out_intervals_are_clustered_by_task():
+    """16 tasks × 2 samples, half the tasks passed both times: the interval is the one 16 tasks allow (Wilson over
+    8/16), not the narrower one 32 independent attempts would give."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capstone_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    per_task = {f"t{i}": {"samples": 2, "passed": 2 if i < 8 else 0} for i in range(16)}
+    assert bench.clustered_interval(per_task) == bench.wilson(8, 16)
+    assert bench.wilson(16, 32)[1] - bench.wilson(16, 32)[0] < bench.wilson(8, 16)[1] - bench.wilson(8, 16)[0]
