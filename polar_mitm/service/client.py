@@ -6,14 +6,21 @@
     batch = to_tensors([status])                 # ids, masks, old logprobs, rewards, group index
 
 `results(task_ids)` yields each task's status as it finishes (a GRPO group at a time), in finishing order.
+`AsyncClient.submit` waits out what a retry can cure, for at most `submit_wait` seconds: a refused connection (the
+service is not up yet) and a 429 or 503 (its queue is full; its `Retry-After` is honoured). Nothing else is retried:
+a 4xx says the request is wrong. A loop of our own rather than tenacity: the verl bridge uses this client in verl's
+environment, which installs polar-mitm without its dependencies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -21,13 +28,16 @@ import numpy as np
 
 from polar_mitm.service.models import SubmitAccepted, TaskRequest, TaskStatus
 
+log = logging.getLogger(__name__)
+
 
 class ServiceError(RuntimeError):
-    """A refusal of the service: its status code and what it said (the field at fault, for a 422)."""
+    """A refusal of the service: its status code and what it said (the field at fault, for a 422), and its
+    `Retry-After` in seconds where it sent one (a 429)."""
 
-    def __init__(self, status_code: int, detail: Any) -> None:
+    def __init__(self, status_code: int, detail: Any, retry_after: float | None = None) -> None:
         super().__init__(f"{status_code}: {detail}")
-        self.status_code, self.detail = status_code, detail
+        self.status_code, self.detail, self.retry_after = status_code, detail, retry_after
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -45,8 +55,54 @@ def _checked(response: httpx.Response) -> Any:
             detail = response.json().get("detail")
         except ValueError:
             detail = response.text
-        raise ServiceError(response.status_code, detail)
+        raise ServiceError(response.status_code, detail, _retry_after(response.headers.get("retry-after")))
     return response.json()
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A `Retry-After` header in seconds from now: delay-seconds or an HTTP date (RFC 9110 10.2.3)."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return None
+
+
+RETRIED_STATUS = (429, 503)  # the task was not taken: the queue is full, or the service not ready
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # where the service gave no Retry-After (a refused connection)
+
+
+class SubmitRetries:
+    """The waits of one submit: a refused connection (nothing was sent) and a 429/503 are retried with backoff
+    (the service's `Retry-After` where it gave one) until `patience` seconds have passed; anything else is final."""
+
+    def __init__(self, patience: float) -> None:
+        self.deadline = time.monotonic() + patience
+        self.attempts = 0
+
+    def delay(self, exc: Exception) -> float | None:
+        """Seconds to wait before submitting again after `exc`, or None: raise it."""
+        if isinstance(exc, ServiceError):
+            if exc.status_code not in RETRIED_STATUS:
+                return None
+            asked = exc.retry_after
+        elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            asked = None
+        else:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return None
+        backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self.attempts)
+        self.attempts += 1
+        wait = min(left, asked if asked is not None else backoff)
+        log.info("submit: %s; again in %.1f s (%.0f s left)", exc, wait, left)
+        return wait
 
 
 class Client:
@@ -129,12 +185,16 @@ FINAL = ("completed", "failed", "cancelled")
 
 
 class AsyncClient:
-    """The same calls for an asyncio trainer."""
+    """The same calls for an asyncio trainer; `submit` waits up to `submit_wait` seconds for a service that is
+    not up yet or whose queue is full (see SubmitRetries)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, timeout: float = 30.0, submit_wait: float = 60.0
+    ) -> None:
         self.http = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers=_headers(token), timeout=timeout, trust_env=False
         )
+        self.submit_wait = submit_wait
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -143,8 +203,15 @@ class AsyncClient:
         await self.http.aclose()
 
     async def submit(self, request: TaskRequest | dict) -> SubmitAccepted:
-        response = await self.http.post("/rollout/task/submit", content=_body(request), headers=_JSON)
-        return SubmitAccepted.model_validate(_checked(response))
+        body, retries = _body(request), SubmitRetries(self.submit_wait)
+        while True:
+            try:
+                response = await self.http.post("/rollout/task/submit", content=body, headers=_JSON)
+                return SubmitAccepted.model_validate(_checked(response))
+            except (httpx.TransportError, ServiceError) as exc:
+                if (wait := retries.delay(exc)) is None:
+                    raise
+                await asyncio.sleep(wait)
 
     async def status(self, task_id: str) -> TaskStatus:
         return TaskStatus.model_validate(_checked(await self.http.get(f"/rollout/task/{task_id}")))

@@ -7,17 +7,21 @@ polar_mitm`, or a dataset row's `agent_name`). For each sample verl asks for, it
 sampled tokens), `response_logprobs` (the engine's own, 0.0 where masked) and the task's reward as `reward_score`.
 
 What to run comes from the dataset row: `extra_info.polar_task` is a task-file line (task_id, prompt, eval,
-workspace, timeouts), else the row's last user message is the instruction and `extra_info.polar_eval` its check.
-Where the service is, and with which harness, from verl's config (`actor_rollout_ref.rollout.polar_mitm.url`,
-`.harness`) or the environment (`POLAR_SERVICE_URL`, `POLAR_HARNESS`, `POLAR_SERVICE_TOKEN`). Each call is its own
-task (num_samples 1, a fresh task id): the group is verl's (`rollout.n`). Importable only where verl is
+workspace, timeouts; a dict, or its JSON text), else the row's last user message is the instruction and
+`extra_info.polar_eval` its check. Where the service is, and with which harness, from verl's config
+(`+actor_rollout_ref.rollout.custom.polar_mitm.url=…`, `.harness`, `.timeout`, `.submit_wait`: `custom` is the
+free-form field of verl's `RolloutConfig`, which refuses keys of its own) or else the environment
+(`POLAR_SERVICE_URL`, `POLAR_HARNESS`); the token only from the environment (`POLAR_SERVICE_TOKEN`). Each call is
+its own task (num_samples 1, a fresh task id): the group is verl's (`rollout.n`). Importable only where verl is
 (scripts/setup-verl.sh); see recipes/verl.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from dataclasses import dataclass, fields
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import (
@@ -38,11 +42,48 @@ class BridgeError(RuntimeError):
     """A sample the service could not turn into a trajectory (the session's error, named)."""
 
 
+@dataclass(frozen=True)
+class ServiceSettings:
+    """Where the loop finds the service: `actor_rollout_ref.rollout.custom.polar_mitm`, else the environment."""
+
+    url: str = "http://127.0.0.1:8700"  # else POLAR_SERVICE_URL
+    harness: str = "sdk:openai_chat"  # else POLAR_HARNESS
+    timeout: float = 3600.0  # seconds a sample waits for its session to finish
+    submit_wait: float = 600.0  # seconds a submit retries a service not up yet, or a full queue (429)
+
+    @classmethod
+    def of(cls, rollout_config: Any) -> ServiceSettings:
+        """The settings in verl's rollout config (its DictConfig, as AgentLoopBase keeps it, or the dataclass)."""
+        custom = getattr(rollout_config, "custom", None) or {}  # absent from verl's YAML: Hydra's `+` adds it
+        given = dict(custom.get("polar_mitm") or {})
+        unknown = given.keys() - {f.name for f in fields(cls)}
+        if unknown:
+            raise BridgeError(f"rollout.custom.polar_mitm: unknown settings {sorted(unknown)}")
+        env = {"url": os.environ.get("POLAR_SERVICE_URL"), "harness": os.environ.get("POLAR_HARNESS")}
+        chosen = {**{k: v for k, v in env.items() if v}, **{k: v for k, v in given.items() if v is not None}}
+        return cls(
+            url=str(chosen.get("url", cls.url)),
+            harness=str(chosen.get("harness", cls.harness)),
+            timeout=float(chosen.get("timeout", cls.timeout)),
+            submit_wait=float(chosen.get("submit_wait", cls.submit_wait)),
+        )
+
+
+def _without_none(value: Any) -> Any:
+    """`value` with every None dropped from its dicts, at every depth: Parquet stores a dataset's rows as one
+    struct type, so a key one task line lacks comes back as None in the others, which the task schema refuses."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_none(v) for v in value]
+    return value
+
+
 def task_line(row: dict[str, Any]) -> dict[str, Any]:
     """The task-file line of a verl dataset row."""
     extra = row.get("extra_info") or {}
-    if extra.get("polar_task"):
-        return dict(extra["polar_task"])
+    if task := extra.get("polar_task"):
+        return _without_none(json.loads(task) if isinstance(task, str | bytes) else dict(task))
     messages = row.get("raw_prompt") or []
     users = [m["content"] for m in messages if m.get("role") == "user"]
     if not users or not extra.get("polar_eval"):
@@ -87,14 +128,17 @@ def agent_loop_output(result: SessionResult) -> AgentLoopOutput:
 class PolarMitmAgentLoop(AgentLoopBase):
     """One sample: one real harness session through the rollout service."""
 
+    @property
+    def settings(self) -> ServiceSettings:
+        return ServiceSettings.of(self.rollout_config)
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        settings = self.rollout_config.get("polar_mitm") or {}
-        url = settings.get("url") or os.environ.get("POLAR_SERVICE_URL", "http://127.0.0.1:8700")
-        harness = settings.get("harness") or os.environ.get("POLAR_HARNESS", "sdk:openai_chat")
-        request = session_request(kwargs, harness)
-        async with AsyncClient(url, token=os.environ.get("POLAR_SERVICE_TOKEN")) as client:
+        settings = self.settings
+        request = session_request(kwargs, settings.harness)
+        token = os.environ.get("POLAR_SERVICE_TOKEN")
+        async with AsyncClient(settings.url, token=token, submit_wait=settings.submit_wait) as client:
             await client.submit(request)
-            status = await client.wait(request.task_id, timeout=float(settings.get("timeout", 3600)))
+            status = await client.wait(request.task_id, timeout=settings.timeout)
         if not status.results:
             raise BridgeError(f"task {request.task_id}: {status.status} with no finished session")
         return agent_loop_output(status.results[0])

@@ -5,6 +5,7 @@ from Polar's wire format alone. Sessions are real: the SDK agent through the gat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from polar_mitm.engines import processes as engine_processes
 from polar_mitm.engines.router import model_info
 from polar_mitm.processes import children, ports
 from polar_mitm.reconstruct.merge import merge_table
-from polar_mitm.service.client import Client, ServiceError, to_tensors
+from polar_mitm.service.client import AsyncClient, Client, ServiceError, to_tensors
 from polar_mitm.service.models import AgentSpec
 from polar_mitm.service.task_requests import line_to_request, request_to_line
 from polar_mitm.storage.merged import sequences_in
@@ -609,6 +610,84 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
         receiver.shutdown()
 
 
+class RefusingFront(BaseHTTPRequestHandler):
+    """The service behind a front that answers its first two submits 429 with `Retry-After: 2` (the service's own
+    full-queue answer), then passes every request on to the real service."""
+
+    service_url = ""
+    submits: list[float] = []
+
+    def do_POST(self):  # noqa: N802 — http.server's name
+        submits = type(self).submits
+        submits.append(time.monotonic())
+        body = self.rfile.read(int(self.headers["content-length"]))
+        if len(submits) <= 2:
+            status, headers, answer = 429, {"retry-after": "2"}, b'{"detail": "the queue is full"}'
+        else:
+            passed = httpx.post(
+                self.service_url + self.path,
+                content=body,
+                headers={"authorization": self.headers["authorization"], "content-type": "application/json"},
+            )
+            status, headers, answer = passed.status_code, {}, passed.content
+        self.send_response(status)
+        for name, value in {**headers, "content-type": "application/json"}.items():
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_async_submit_waits_for_a_service_not_up_and_out_a_full_queue_but_never_retries_a_bad_request(
+    service,
+):
+    """verl's loop submits a whole step at once and may start before the service: a refused connection and a 429
+    are waited out (its Retry-After honoured), for at most `submit_wait`; a 422 comes back at once."""
+    url, _ = service
+    port = ports.free_port()  # nothing listens there for the first half second
+    RefusingFront.service_url, RefusingFront.submits = url, []
+    fronts: list[ThreadingHTTPServer] = []
+
+    def open_front() -> None:
+        fronts.append(ThreadingHTTPServer(("127.0.0.1", port), RefusingFront))
+        threading.Thread(target=fronts[0].serve_forever, daemon=True).start()
+
+    opening = threading.Timer(0.5, open_front)
+    bad = {**cmd_request("bad-harness", "true").model_dump(), "agent": {"harness": "no-such-harness"}}
+
+    async def submits() -> tuple[str, float, ServiceError, float]:
+        async with AsyncClient(f"http://127.0.0.1:{port}", token=TOKEN, submit_wait=30) as client:
+            started = time.monotonic()
+            accepted = await client.submit(cmd_request("retried", "true"))
+            with pytest.raises(ServiceError) as refused:
+                await client.submit(bad)
+        async with AsyncClient(f"http://127.0.0.1:{ports.free_port()}", submit_wait=1.5) as nowhere:
+            tried = time.monotonic()
+            with pytest.raises(httpx.ConnectError):
+                await nowhere.submit(cmd_request("never", "true"))
+            gave_up = time.monotonic() - tried
+        return accepted.task_id, started, refused.value, gave_up
+
+    opening.start()
+    try:
+        task_id, started, refused, gave_up = asyncio.run(submits())
+    finally:
+        opening.join()
+        fronts[0].shutdown()
+        fronts[0].server_close()
+    first, second, third, bad_one = RefusingFront.submits
+    assert task_id == "retried" and first - started >= 0.4  # refused until the front opened
+    assert second - first >= 1.9 and third - second >= 1.9  # Retry-After, not the backoff's 0.5 s and 1 s
+    assert (refused.status_code, "no-such-harness" in str(refused.detail)) == (422, True)
+    assert bad_one > third  # submitted once: the fourth and last request the front saw
+    assert 1.4 <= gave_up < 5
+    with Client(url, token=TOKEN) as client:  # the service's own answer came through the front
+        assert client.wait("retried", timeout=60).status == "completed"
+
+
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"  # scripts/setup-verl.sh
 VERL_RUN = """
 import asyncio, json, sys
@@ -621,7 +700,8 @@ import polar_mitm.service.verl_agent_loop  # registers `polar_mitm`
 
 url, tokenizer, line = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 config = OmegaConf.create(
-    {"actor_rollout_ref": {"rollout": {"polar_mitm": {"url": url, "harness": "sdk:openai_chat"}}}, "data": {}}
+    {"actor_rollout_ref": {"rollout": {"custom": {"polar_mitm": {"url": url, "harness": "sdk:openai_chat"}}}},
+     "data": {}}
 )
 loop = hydra.utils.instantiate(  # as verl's AgentLoopWorker makes each agent loop
     config=_agent_loop_registry["polar_mitm"],
@@ -646,6 +726,7 @@ def test_verl_agent_loop_returns_verls_own_output_token_for_token(service, tiny_
     line = json.loads((EXAMPLES / "tasks.jsonl").read_text().splitlines()[0])
     line["workspace"]["dir"] = str(EXAMPLES / line["workspace"]["dir"])
     env = {**os.environ, "POLAR_SERVICE_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
+    env.pop("POLAR_SERVICE_URL", None)  # the address comes from verl's config (rollout.custom.polar_mitm)
     done = subprocess.run(
         [str(VERL_PYTHON), "-c", VERL_RUN, url, str(tiny_model_dir), json.dumps(line)],
         capture_output=True,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm.service.task_requests import line_to_request
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "verl.md"
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
@@ -28,9 +30,11 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 VERL_CHECK = """
 import json, os, sys
+import hydra
 from hydra import compose, initialize_config_dir
 import verl.trainer.config
-from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -53,6 +57,16 @@ for name, overrides in setups.items():
     rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)  # as verl's AgentLoopWorker does
     import_external_libs(config.actor_rollout_ref.model.external_lib)
     callback = config.trainer.checkpoint_callback_class
+    loop = hydra.utils.instantiate(  # as verl's AgentLoopWorker makes each agent loop (no engine, no tokenizer)
+        config=_agent_loop_registry[rollout.agent.default_agent_loop],
+        trainer_config=DictConfigWrap(config=config),
+        server_manager=None,
+        tokenizer=None,
+        processor=None,
+        hf_model_type=None,
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
+    )
     answer["setups"][name] = {
         "rollout_config": type(rollout) is RolloutConfig,
         "agent_loop": rollout.agent.default_agent_loop,
@@ -61,6 +75,8 @@ for name, overrides in setups.items():
         "engine": rollout.name,
         "adv_estimator": config.algorithm.adv_estimator,
         "env_vars": dict(config.ray_kwargs.ray_init.runtime_env.get("env_vars") or {}),
+        "custom": rollout.custom,
+        "loop_settings": vars(loop.settings),
         "callback": callback and issubclass(load_class_from_fqn(callback, "CheckpointCallback"), CheckpointCallback),
     }
 for name, overrides in refused.items():
@@ -79,6 +95,21 @@ answer["task_ids"] = [
     session_request(row, "claude-code").task_id.rsplit("-", 1)[0] for row in pq.read_table(tasks).to_pylist()
 ]
 print("ANSWER " + json.dumps(answer))
+"""
+
+
+TASK_ROWS = """
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+from polar_mitm.service.verl_agent_loop import session_request
+
+lines, parquet = json.loads(sys.argv[1]), sys.argv[2]
+rows = [{"extra_info": {"index": i, "polar_task": line}} for i, line in enumerate(lines)]
+pq.write_table(pa.Table.from_pylist(rows), parquet)  # one struct type for all the lines, as verl's datasets are
+read_back = pq.read_table(parquet).to_pylist()
+as_text = [{"extra_info": {"polar_task": json.dumps(line)}} for line in lines]
+requests = [session_request(row, "claude-code").model_dump(mode="json") for row in read_back + as_text]
+print("ANSWER " + json.dumps({"read_back": read_back, "requests": requests}))
 """
 
 
@@ -146,13 +177,44 @@ def test_verl_recipe_commands_compose_with_verls_own_config(tmp_path):
             "grpo",
         ), name
         assert setup["engine"] in ("vllm", "sglang"), name
-        assert setup["env_vars"].keys() >= {"POLAR_SERVICE_URL", "POLAR_HARNESS"}, name
-        assert "POLAR_SERVICE_TOKEN" not in setup["env_vars"], (
-            name
-        )  # printed by verl's ray init: stays in the shell
+        # The loop's settings ride in RolloutConfig's free-form `custom` (verl refuses keys of its own there), and
+        # the loop verl makes from the config reads them; the token stays in the shell (verl prints its config).
+        given = setup["custom"]["polar_mitm"]
+        assert given == {"url": "http://127.0.0.1:8700", "harness": "claude-code"}, name
+        assert {k: setup["loop_settings"][k] for k in given} == given, name
+        assert "POLAR_SERVICE_TOKEN" not in setup["env_vars"] and "POLAR_SERVICE_TOKEN" not in json.dumps(
+            given
+        )
     assert answer["setups"]["setup-B"]["callback"] is True
     assert all(answer["refused"].values()), answer["refused"]
     expected = [
         json.loads(line)["task_id"] for line in EXAMPLE_TASKS.read_text().splitlines() if line.strip()
     ]
     assert answer["task_ids"] == expected
+
+
+@pytest.mark.skipif(
+    not VERL_PYTHON.exists(), reason="verl is not installed: run scripts/setup-verl.sh (.venv-verl)"
+)
+def test_task_lines_read_back_from_parquet_with_nones_for_the_keys_they_lack_are_the_same_tasks(tmp_path):
+    """Parquet gives each line the keys of all (None where it had none): the loop's request is the line's own, as
+    it is for the line's JSON text."""
+    lines = [json.loads(text) for text in EXAMPLE_TASKS.read_text().splitlines() if text.strip()]
+    lines[0]["meta"] = {"owner": "a", "tags": ["x"]}
+    lines[1]["meta"] = {"tries": 2}
+    done = subprocess.run(
+        [str(VERL_PYTHON), "-c", TASK_ROWS, json.dumps(lines), str(tmp_path / "rows.parquet")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.split("ANSWER ", 1)[1])
+    read_back = [row["extra_info"]["polar_task"] for row in answer["read_back"]]
+    assert read_back[0]["workspace"]["setup"] is None and read_back[0]["meta"]["tries"] is None
+    assert read_back[1]["meta"]["owner"] is None and read_back[2]["meta"] is None
+    expected = [line_to_request(line, "claude-code").model_dump(mode="json") for line in lines]
+    for got in answer["requests"]:
+        got["task_id"] = got["task_id"].rsplit("-", 1)[0]  # each call its own task: a fresh suffix
+    assert answer["requests"] == expected + expected
