@@ -9,7 +9,9 @@ One command, five stages, each a real part of polar-mitm:
    the shell command that solves each training task, in the student's own tokenizer), graded by each task's check;
 3. merge — prefix_merging of the records, with the rewards;
 4. sft — `polar-mitm sft`: the sessions that passed, sampled tokens as labels, everything else masked;
-5. train — TRL's SFTTrainer on that export, saved as a checkpoint the loop (or vLLM) starts from.
+5. train — TRL's SFTTrainer on that export, saved as a checkpoint the loop (or vLLM) starts from;
+6. evaluate — the held-out tasks sampled freely (our CPU engine, no script) by the starting model and by the
+   checkpoint: pass@1 (clustered by task), the share of sessions with a parsed tool call, unparsed tool calls.
 
     .venv/bin/python benchmarks/warm_start.py --run-dir runs/warm-start            # SmolLM2 through Pi
     .venv/bin/python benchmarks/warm_start.py --run-dir /tmp/w --model tiny --train-tasks 2 --epochs 1
@@ -98,6 +100,17 @@ def teach(args: argparse.Namespace) -> dict:
     training = train_sft(run_dir / "sft" / "tokenized", model_dir, run_dir / "model", args)
     seconds["train"] = time.monotonic() - started
 
+    evaluations = {}
+    if (
+        args.eval_samples > 0
+    ):  # the held-out split, sampled freely by the start and by the warm-started weights
+        for stage, model in (("start", args.model), ("warm_start", str(run_dir / "model"))):
+            started = time.monotonic()
+            evaluations[stage] = evaluate(
+                run_dir / f"eval-{stage}", run_dir / "tasks" / "held_out.jsonl", model, args
+            )
+            seconds[f"eval_{stage}"] = time.monotonic() - started
+
     import pyarrow.parquet as pq
 
     graded = pq.read_table(rewards).to_pylist()
@@ -111,11 +124,46 @@ def teach(args: argparse.Namespace) -> dict:
         "passed": sum(r["reward"] == 1.0 for r in graded),
         "sft_accepted": json.loads((run_dir / "sft" / "counts.json").read_text())["total"],
         **training,
+        "held_out": evaluations,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "checkpoint": str(run_dir / "model"),
     }
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def evaluate(folder: Path, tasks: Path, model: str, args: argparse.Namespace) -> dict:
+    """`polar-mitm rollout` of the held-out tasks with `model` sampling freely (no script) through the harness:
+    pass@1 with its interval clustered by task, the share of sessions with a parsed tool call, unparsed calls."""
+    import pyarrow.parquet as pq
+    from bench_real_harness_learning import behaviour_figures, clustered_interval  # beside this file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    polar_mitm(
+        "rollout", str(tasks), "--harness", args.harness, "--model", model, "-g", str(args.eval_samples),
+        "-c", str(args.concurrency), "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
+        "--out", str(folder / "flows"), "--rewards", str(folder / "rewards.parquet"),
+        "--work-dir", str(folder / "rollout"), "--log-format", "lines",
+        log=folder / "rollout.log",
+    )  # fmt: skip
+    per_task: dict[str, dict[str, int]] = {}
+    for row in pq.read_table(folder / "rewards.parquet").to_pylist():
+        counts = per_task.setdefault(row["task_id"], {"samples": 0, "passed": 0})
+        counts["samples"] += 1
+        counts["passed"] += row["reward"] == 1.0
+    passed, attempts = (
+        sum(c["passed"] for c in per_task.values()),
+        sum(c["samples"] for c in per_task.values()),
+    )
+    return {
+        "model": model,
+        "pass@1": passed / attempts if attempts else 0.0,
+        "ci95": list(clustered_interval(per_task)),
+        "passed": passed,
+        "attempts": attempts,
+        "tasks": len(per_task),
+        **behaviour_figures(folder),
+    }
 
 
 def train_sft(dataset_dir: Path, model_dir: Path, out: Path, args: argparse.Namespace) -> dict:
@@ -173,6 +221,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=2,
+        help="held-out samples per task, before and after (0: no evaluation)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.7, help="the held-out evaluation's sampling")
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="the held-out evaluation's completion budget"
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
