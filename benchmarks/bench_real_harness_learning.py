@@ -80,9 +80,15 @@ def behaviour_figures(folder: Path) -> dict:
 
     sessions = {r["session_id"] for r in pq.read_table(folder / "rewards.parquet").to_pylist()}
     if not (folder / "flows").exists() or not sessions:
-        return {"sessions": len(sessions), "tool_call_rate": None, "parse_failures": None}
+        return {
+            "sessions": len(sessions),
+            "tool_call_rate": None,
+            "parse_failures": None,
+            "calls": 0,
+            "engine_errors": 0,
+        }
     records = read_all(folder / "flows")
-    rows = records.select(["session_id", "finish_reason"]).to_pylist()
+    rows = records.select(["session_id", "finish_reason", "status_code"]).to_pylist()
     calling = {r["session_id"] for r in rows if r["finish_reason"] == "tool_calls"}
     unparsed = sum(unparsed_tool_calls(records.column("response_json")))
     return {
@@ -90,6 +96,7 @@ def behaviour_figures(folder: Path) -> dict:
         "tool_call_rate": len(calling & sessions) / len(sessions),
         "parse_failures": unparsed,
         "calls": len(rows),
+        "engine_errors": sum(r["status_code"] != 200 for r in rows),  # not sampled: a 0 here is no evidence
     }
 
 

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,11 +39,14 @@ SUMMARY_FILE = "warm_start.json"
 FILE_FAMILIES = "write,append,rename,fix"
 
 
-def polar_mitm(*args: str, log: Path) -> None:
+def polar_mitm(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
     """One `polar-mitm` command as a user runs it; its output goes to `log`, a failure ends the run with it."""
     with log.open("w") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "polar_mitm.cli", *args], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "polar_mitm.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
@@ -139,13 +143,32 @@ def evaluate(folder: Path, tasks: Path, model: str, args: argparse.Namespace) ->
     from bench_real_harness_learning import behaviour_figures, clustered_interval  # beside this file
 
     folder.mkdir(parents=True, exist_ok=True)
-    polar_mitm(
-        "rollout", str(tasks), "--harness", args.harness, "--model", model, "-g", str(args.eval_samples),
-        "-c", str(args.concurrency), "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
-        "--out", str(folder / "flows"), "--rewards", str(folder / "rewards.parquet"),
-        "--work-dir", str(folder / "rollout"), "--log-format", "lines",
-        log=folder / "rollout.log",
-    )  # fmt: skip
+    with ExitStack() as stack:
+        engine, env = ["--model", model], {}
+        # vLLM, the capstone's engine: ours decodes SmolLM2 at a few tokens a second on 2 cores.
+        if args.eval_engine == "vllm":
+            from polar_mitm.engines import keys as engine_keys
+            from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
+
+            url = stack.enter_context(vllm_running(resolve_vllm_model(model), log=folder / "vllm.log"))
+            # The rollout's gateway needs vLLM's key: in a file of mode 600, never on a command line.
+            key_file = folder / "engine.key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(engine_keys.key_for(url) or "")
+            engine, env = ["--engine", url], {engine_keys.KEY_FILE_ENV: str(key_file)}
+        polar_mitm(
+            "rollout", str(tasks), "--harness", args.harness, *engine, "-g", str(args.eval_samples),
+            "-c", str(args.concurrency), "--temperature", str(args.temperature), "--max-tokens", str(args.max_tokens),
+            "--out", str(folder / "flows"), "--rewards", str(folder / "rewards.parquet"),
+            "--work-dir", str(folder / "rollout"), "--log-format", "lines",
+            log=folder / "rollout.log",
+            env=env,
+        )  # fmt: skip
+    behaviour = behaviour_figures(folder)
+    if behaviour["calls"] and behaviour["engine_errors"] == behaviour["calls"]:  # nothing was sampled at all
+        raise SystemExit(
+            f"warm start: every held-out call of {model} failed at the engine; see {folder}/flows"
+        )
     per_task: dict[str, dict[str, int]] = {}
     for row in pq.read_table(folder / "rewards.parquet").to_pylist():
         counts = per_task.setdefault(row["task_id"], {"samples": 0, "passed": 0})
@@ -162,7 +185,7 @@ def evaluate(folder: Path, tasks: Path, model: str, args: argparse.Namespace) ->
         "passed": passed,
         "attempts": attempts,
         "tasks": len(per_task),
-        **behaviour_figures(folder),
+        **behaviour,
     }
 
 
@@ -226,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=2,
         help="held-out samples per task, before and after (0: no evaluation)",
+    )
+    parser.add_argument(
+        "--eval-engine", default="vllm", choices=["vllm", "embedded"], help="the held-out evaluation's engine"
     )
     parser.add_argument("--temperature", type=float, default=0.7, help="the held-out evaluation's sampling")
     parser.add_argument(
