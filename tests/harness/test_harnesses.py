@@ -310,12 +310,25 @@ def check_finished(run: HarnessRun, rows: list[dict[str, Any]], context: str, na
     """The harness ran the script to its end: exit 0, out.txt written, every command's call answered."""
     assert run.returncode == 0, context
     assert (run.workspace / "out.txt").read_text() == "hello\n", context  # our tool calls were parsed and run
-    assert all(r["status_code"] == 200 for r in rows), context
+    assert all(r["status_code"] == 200 for r in answered(rows)), context
     if name == "aider":  # the edit, then the same edit again after the failed test run
         assert [r["finish_reason"] for r in rows] == ["stop", "stop"], context
     else:
         calls = sum(r["finish_reason"] == "tool_calls" for r in main_thread(rows))
         assert calls == len(COMMANDS) + (name in FINISHES_BY_TOOL), context
+
+
+def abandoned_side_call(row: dict[str, Any]) -> bool:
+    """A side request (no tools: a title, a summary) the harness itself gave up on as it exited (Kilo, on a busy
+    machine): recorded as the client's abort (499), as it should be — the agent loop's calls never are."""
+    return row["tools_json"] == "[]" and row["status_code"] == 499 and row["finish_reason"] == "abort"
+
+
+def answered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every call but the side requests the harness abandoned; the main thread is never among those."""
+    kept = [r for r in rows if not abandoned_side_call(r)]
+    assert main_thread(kept) == main_thread(rows)
+    return kept
 
 
 def check_record(row: dict[str, Any], mode: str) -> None:
@@ -355,7 +368,7 @@ def check_run(
     run: HarnessRun, rows: list[dict[str, Any]], context: str, name: str, mode: str, tiny_engine
 ) -> None:
     check_finished(run, rows, context, name)
-    for row in rows:
+    for row in answered(rows):
         check_record(row, mode)
 
     main = main_thread(rows)
