@@ -14,6 +14,12 @@ free-form field of verl's `RolloutConfig`, which refuses keys of its own) or els
 (`POLAR_SERVICE_URL`, `POLAR_HARNESS`); the token only from the environment (`POLAR_SERVICE_TOKEN`). Each call is
 its own task (num_samples 1, a fresh task id): the group is verl's (`rollout.n`). Importable only where verl is
 (scripts/setup-verl.sh); see recipes/verl.md.
+
+Lengths: verl pads every sample to `rollout.prompt_length` + `rollout.response_length`. A response longer than
+`response_length` is cut there, as verl's own loops cut theirs (the tokens kept were still sampled in exactly
+their context; `extra_fields.polar_response_cut` says how many were dropped). A prompt longer than `prompt_length`
+is refused, naming the option: verl's loops left-truncate it, which would train every sampled token in a context
+it was not sampled in.
 """
 
 from __future__ import annotations
@@ -99,17 +105,29 @@ def session_request(row: dict[str, Any], harness: str) -> TaskRequest:
     return line_to_request(line, harness, num_samples=1)
 
 
-def agent_loop_output(result: SessionResult) -> AgentLoopOutput:
-    """verl's output of one finished session: its first trace (one per session under prefix_merging)."""
+def agent_loop_output(
+    result: SessionResult, prompt_length: int | None = None, response_length: int | None = None
+) -> AgentLoopOutput:
+    """verl's output of one finished session: its first trace (one per session under prefix_merging), fitted to
+    verl's `rollout.prompt_length` / `rollout.response_length` (None: no limit)."""
     if result.status == "ERROR" or not result.trajectory.traces:
         raise BridgeError(f"session {result.session_id}: {result.error or 'no model calls recorded'}")
     trace = result.trajectory.traces[0]
+    if prompt_length is not None and len(trace.prompt_ids) > prompt_length:
+        raise BridgeError(
+            f"session {result.session_id}: the harness's first prompt is {len(trace.prompt_ids)} tokens, over "
+            f"actor_rollout_ref.rollout.prompt_length={prompt_length}: set it to at least {len(trace.prompt_ids)} "
+            "(a cut prompt would train every token in a context it was not sampled in)"
+        )
+    keep = (
+        len(trace.response_ids) if response_length is None else min(response_length, len(trace.response_ids))
+    )
     timing = result.timing
     return AgentLoopOutput(
         prompt_ids=trace.prompt_ids,
-        response_ids=trace.response_ids,
-        response_mask=trace.loss_mask,
-        response_logprobs=trace.response_logprobs,
+        response_ids=trace.response_ids[:keep],
+        response_mask=trace.loss_mask[:keep],
+        response_logprobs=trace.response_logprobs[:keep],
         reward_score=trace.reward,
         num_turns=2 * int(trace.metadata.get("n_turns") or 1) + 1,  # verl counts user and assistant messages
         metrics=AgentLoopMetrics(
@@ -120,6 +138,7 @@ def agent_loop_output(result: SessionResult) -> AgentLoopOutput:
             "polar_traces": len(result.trajectory.traces),
             "weight_version_min": trace.metadata.get("weight_version_min"),
             "weight_version_max": trace.metadata.get("weight_version_max"),
+            "polar_response_cut": len(trace.response_ids) - keep,  # tokens past rollout.response_length
         },
     )
 
@@ -141,4 +160,9 @@ class PolarMitmAgentLoop(AgentLoopBase):
             status = await client.wait(request.task_id, timeout=settings.timeout)
         if not status.results:
             raise BridgeError(f"task {request.task_id}: {status.status} with no finished session")
-        return agent_loop_output(status.results[0])
+        rollout = self.rollout_config
+        return agent_loop_output(
+            status.results[0],
+            prompt_length=getattr(rollout, "prompt_length", None),  # verl's RolloutConfig always has both
+            response_length=getattr(rollout, "response_length", None),
+        )

@@ -716,6 +716,15 @@ loop = hydra.utils.instantiate(  # as verl's AgentLoopWorker makes each agent lo
 row = {"raw_prompt": [{"role": "user", "content": line["prompt"]}], "extra_info": {"polar_task": line}}
 output = asyncio.run(loop.run({"temperature": 1.0}, **row))
 print("OUTPUT " + json.dumps({**output.model_dump(exclude={"metrics"}), "type": type(output).__name__}))
+# verl's lengths: a response cut at rollout.response_length, then a prompt one token over rollout.prompt_length
+loop.rollout_config.prompt_length, loop.rollout_config.response_length = len(output.prompt_ids), 8
+cut = asyncio.run(loop.run({"temperature": 1.0}, **row))
+print("CUT " + json.dumps(cut.model_dump(exclude={"metrics"})))
+loop.rollout_config.prompt_length = len(output.prompt_ids) - 1
+try:
+    asyncio.run(loop.run({"temperature": 1.0}, **row))
+except polar_mitm.service.verl_agent_loop.BridgeError as refused:
+    print("REFUSED " + str(refused))
 """
 
 
@@ -735,15 +744,41 @@ def test_verl_agent_loop_returns_verls_own_output_token_for_token(service, tiny_
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    output = json.loads(done.stdout.split("OUTPUT ", 1)[1])
+    printed = {
+        key: line.split(" ", 1)[1]
+        for line in done.stdout.splitlines()
+        for key in ("OUTPUT", "CUT", "REFUSED")
+        if line.startswith(key + " ")
+    }
+    output = json.loads(printed["OUTPUT"])
     assert output["type"] == "AgentLoopOutput"
-    session = output["extra_fields"]["polar_session_id"]
     records = read_all(out / FLOWS_DIR)
-    mine = records.filter(pc.equal(records["session_id"], session))
-    [expected] = list(sequences_in(merge_table(mine, eot_token_id=151645)[0], "merge"))
+
+    def merged(session):
+        mine = records.filter(pc.equal(records["session_id"], session))
+        [sequence] = list(sequences_in(merge_table(mine, eot_token_id=151645)[0], "merge"))
+        return sequence
+
+    expected = merged(output["extra_fields"]["polar_session_id"])
     assert output["prompt_ids"] + output["response_ids"] == expected.input_ids
     assert output["response_mask"] == expected.loss_mask[expected.prompt_len :]
     sampled = [lp for lp, m in zip(expected.logprobs, expected.loss_mask, strict=True) if m]
     got = [lp for lp, m in zip(output["response_logprobs"], output["response_mask"], strict=True) if m]
     assert got == pytest.approx(sampled, abs=1e-6)
     assert output["reward_score"] in (0.0, 1.0) and output["num_turns"] >= 3
+    assert output["extra_fields"]["polar_response_cut"] == 0
+
+    # Over rollout.response_length: cut there as verl's own loops cut (what is kept is exact), and said so.
+    cut = json.loads(printed["CUT"])
+    expected = merged(cut["extra_fields"]["polar_session_id"])
+    response = expected.input_ids[expected.prompt_len :]
+    assert len(response) > 8
+    assert (
+        cut["prompt_ids"] == expected.input_ids[: expected.prompt_len] and cut["response_ids"] == response[:8]
+    )
+    assert cut["response_mask"] == expected.loss_mask[expected.prompt_len :][:8]
+    assert (
+        len(cut["response_logprobs"]) == 8 and cut["extra_fields"]["polar_response_cut"] == len(response) - 8
+    )
+    # Over rollout.prompt_length: refused, naming the option and the length it needs (never left-truncated).
+    assert f"rollout.prompt_length={len(output['prompt_ids']) - 1}: set it to at least" in printed["REFUSED"]
