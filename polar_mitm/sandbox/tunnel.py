@@ -137,6 +137,10 @@ class GatewayTunnel:
             return
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except asyncio.CancelledError:
+            # Only __aexit__ cancels a stream (the session is over); ending normally keeps Python 3.11's unix
+            # server from logging the cancelled handler as "Exception in callback" with a traceback.
+            pass
         finally:
             for w in (writer, up_writer):
                 w.close()

@@ -84,3 +84,36 @@ def test_a_sandboxed_session_under_a_deep_tmpdir_reaches_its_gateway(deep_tmpdir
         server.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "rewards.jsonl").read_text().splitlines()]
     assert [(r["status"], r["reward"]) for r in rows] == [("ok", 1.0)], (rows, done.stderr[-2000:])
+
+
+def test_closing_the_tunnel_under_an_open_connection_logs_no_traceback(tmp_path):
+    """A harness that keeps its connection open as its session ends (a keep-alive, a stream) has its pipe cancelled
+    by the tunnel's close. That is the tunnel's own shutdown, not an error: Python 3.11's unix server used to log it
+    as "Exception in callback … CancelledError" with a traceback in the rollout's log (seen in the capstone run)."""
+    import asyncio
+    import logging
+
+    from polar_mitm.sandbox.tunnel import GatewayTunnel, socket_name
+
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logging.getLogger("asyncio").addHandler(handler)
+
+    async def hold_a_connection_open() -> None:
+        upstream = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
+        port = upstream.sockets[0].getsockname()[1]
+        async with GatewayTunnel([port]) as tunnel:
+            reader, writer = await asyncio.open_unix_connection(str(tunnel.folder / socket_name(port)))
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the pipe is running: the tunnel closes under it
+        await asyncio.sleep(0.2)  # the cancelled handler's callbacks run
+        writer.close()
+        upstream.close()
+
+    try:
+        asyncio.run(hold_a_connection_open())
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert not [r for r in logged if r.levelno >= logging.ERROR], [r.getMessage() for r in logged]
