@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -47,6 +48,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SUMMARY_FILE = "capstone.json"
+WARM_START_FILE = "warm_start.json"  # benchmarks/warm_start.py's figures, copied from --start-from's run
+# What --results keeps of a run (a few hundred kB): enough for --summary-only to rebuild every figure of the table.
+RESULT_FILES = (
+    SUMMARY_FILE,
+    WARM_START_FILE,
+    "loop.json",
+    "iter-*/train/metrics.jsonl",
+    "iter-*/train/skipped.json",
+    "eval-*/eval.json",
+    "eval-*/rewards.parquet",
+    "eval-*/flows/**/*.parquet",  # the tool-call rate and unparsed calls are read from the records
+)
 
 
 def wilson(passed: int, attempts: int, z: float = 1.96) -> tuple[float, float]:
@@ -158,8 +171,9 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
     """The run's figures, from its files alone (so a resumed or killed run is summarised the same way)."""
     loop = json.loads((run_dir / "loop.json").read_text()) if (run_dir / "loop.json").exists() else []
     iterations = [training_figures(run_dir, row) for row in loop]
+    warm_start = run_dir / WARM_START_FILE
     return {
-        "command": sys.argv,
+        "command": args.command,
         "model": "SmolLM2-135M-Instruct",
         "engine": args.engine,
         "harness": args.harness,
@@ -170,6 +184,9 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
             "families": families(args),
             "seed": args.seed,
         },
+        # The warm start's own figures (its held-out evaluation, when it ran one, is the shipped model's and the
+        # checkpoint's); the held-out start below is this run's evaluation of the checkpoint it starts from.
+        "warm_start": json.loads(warm_start.read_text()) if warm_start.exists() else None,
         "held_out_start": held_out_figures(run_dir, "eval-start"),
         "iterations": iterations,
         # The figure reported: the last evaluation (every evaluation is in the table), never the best of them.
@@ -177,9 +194,15 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
             (row["held_out"] for row in reversed(iterations) if row["held_out"]),
             held_out_figures(run_dir, "eval-start"),
         ),
-        "wall_seconds": wall_seconds,
-        "report": str(run_dir / "report.html"),
+        "wall_seconds": wall_seconds if wall_seconds is not None else recorded_wall(run_dir),
+        "report": str(run_dir / "report.html") if (run_dir / "report.html").exists() else None,
     }
+
+
+def recorded_wall(run_dir: Path) -> float | None:
+    """The wall time the run itself measured (its capstone.json): a summary rebuilt later has no clock of its own."""
+    summary = run_dir / SUMMARY_FILE
+    return json.loads(summary.read_text()).get("wall_seconds") if summary.exists() else None
 
 
 def families(args: argparse.Namespace) -> list[str]:
@@ -248,10 +271,23 @@ def print_summary(summary: dict) -> None:
         tools = figures.get("tool_call_rate")
         return [
             f"{rate(figures['pass@1'], figures['ci95'])} ({figures['passed']}/{figures['attempts']})",
-            f"{rate(figures['right_first_line'], figures['right_ci95'])}",
+            # the warm start's evaluations have no partial-credit column (file tasks have none)
+            f"{rate(figures['right_first_line'], figures['right_ci95'])}" if "right_ci95" in figures else "",
             "" if tools is None else f"{tools:.0%} / {figures['parse_failures']}",
         ]
 
+    warm = summary.get("warm_start") or {}
+    for stage, figures in (
+        warm.get("held_out") or {}
+    ).items():  # the warm start's own evaluations, if it ran them
+        label = {"start": "shipped", "warm_start": "warm"}.get(stage, stage)
+        table.add_row(label, "", "", "", "", "", "", *held_out_cells(figures), "")
+    if warm:
+        console.print(
+            f"warm start: {warm['passed']}/{warm['sessions']} teacher sessions passed, {warm['sequences']} "
+            f"sequences ({warm['trained_tokens']} sampled tokens) × {warm['epochs']} epochs, loss "
+            f"{warm['loss_first']:.3f} → {warm['loss_last']:.3f}, {sum(warm['seconds'].values()):.0f} s"
+        )
     start = summary["held_out_start"]
     if start is not None:
         table.add_row("start", str(start["weight_version"]), "", "", "", "", "", *held_out_cells(start), "")
@@ -282,7 +318,8 @@ def print_summary(summary: dict) -> None:
             f"held-out tasks ({last['passed']}/{last['attempts']} attempts)"
         )
     wall = summary["wall_seconds"]
-    console.print(f"wall {'—' if wall is None else f'{wall:.0f} s'}; report {summary['report']}")
+    report = f"; report {summary['report']}" if summary["report"] else ""  # results/ keeps no report
+    console.print(f"wall {'—' if wall is None else f'{wall:.0f} s'}{report}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -304,6 +341,8 @@ def run(args: argparse.Namespace) -> dict:
 
     with ExitStack() as stack:
         start = str(args.start_from.resolve()) if args.start_from else None  # the warm start's RUN/model
+        if start and (Path(start).parent / WARM_START_FILE).exists():  # the chain's first stage, in one file
+            shutil.copy(Path(start).parent / WARM_START_FILE, args.run_dir / WARM_START_FILE)
         if args.engine == "vllm":
             from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
 
@@ -316,7 +355,34 @@ def run(args: argparse.Namespace) -> dict:
         Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration).run()
     summary = run_summary(args.run_dir, args, time.monotonic() - started)
     (args.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    if args.results:
+        keep_results(args.run_dir, args.results)
     return summary
+
+
+def keep_results(run_dir: Path, results: Path) -> list[Path]:
+    """Copy RESULT_FILES of RUN into RESULTS (same layout, so `--summary-only --run-dir RESULTS` rebuilds the
+    table from them); returns the files copied."""
+    kept = []
+    for pattern in RESULT_FILES:
+        for path in sorted(run_dir.glob(pattern)):
+            target = results / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, target)
+            kept.append(target)
+    return kept
+
+
+def recorded_args(run_dir: Path, args: argparse.Namespace) -> argparse.Namespace:
+    """For --summary-only: the options the run in RUN was made with (its capstone.json's command), so its
+    families, split and engine are reported as run, not as this command's defaults."""
+    summary = run_dir / SUMMARY_FILE
+    if not summary.exists():
+        return args
+    command = json.loads(summary.read_text())["command"]
+    recorded = parse_args([a for a in command[1:] if a not in ("--resume", "--summary-only")])
+    recorded.command = command
+    return recorded
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -365,14 +431,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="carry on the run in --run-dir after a kill")
     parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="also copy the run's summary files here (benchmarks/results/…): --summary-only rebuilds from them",
+    )
+    parser.add_argument(
         "--summary-only", action="store_true", help="print the figures of the run in --run-dir"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    summary = run_summary(args.run_dir.resolve(), args, None) if args.summary_only else run(args)
+    if args.summary_only:
+        run_dir = args.run_dir.resolve()
+        summary = run_summary(run_dir, recorded_args(run_dir, args), None)
+    else:
+        summary = run(args)
     print_summary(summary)
     return 0
 

@@ -47,8 +47,9 @@ def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
     if not vllm_installed():
         pytest.skip("vLLM is not installed here: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)")
     run_dir = tmp_path / "run"
+    results = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--run-dir", str(run_dir), *SHORT],
+        [sys.executable, str(BENCH), "--run-dir", str(run_dir), "--results", str(results), *SHORT],
         capture_output=True,
         text=True,
         timeout=900,
@@ -86,15 +87,37 @@ def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "report.html").exists()
 
+    # The kept summary files alone (what benchmarks/results/ commits) rebuild the same figures, with the options the
+    # run was made with, not the summary command's defaults.
+    assert sum(f.stat().st_size for f in results.rglob("*") if f.is_file()) < 2_000_000
+    rebuilt = subprocess.run(
+        [sys.executable, str(BENCH), "--summary-only", "--run-dir", str(results)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert "reported: the last evaluation" in rebuilt.stdout
+    bench = load_bench()
+    again = bench.run_summary(results, bench.recorded_args(results, bench.parse_args([])), None)
+    for key in ("held_out_start", "held_out_last", "iterations", "tasks", "command"):
+        assert again[key] == summary[key], key
 
-def test_held_out_intervals_are_clustered_by_task():
-    """16 tasks × 2 samples, half the tasks passed both times: the interval is the one 16 tasks allow (Wilson over
-    8/16), not the narrower one 32 independent attempts would give."""
+
+def load_bench():
+    """The benchmark script as a module (it is not in the package: it is run as a script)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("capstone_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_held_out_intervals_are_clustered_by_task():
+    """16 tasks × 2 samples, half the tasks passed both times: the interval is the one 16 tasks allow (Wilson over
+    8/16), not the narrower one 32 independent attempts would give."""
+    bench = load_bench()
     per_task = {f"t{i}": {"samples": 2, "passed": 2 if i < 8 else 0} for i in range(16)}
     assert bench.clustered_interval(per_task) == bench.wilson(8, 16)
     assert bench.wilson(16, 32)[1] - bench.wilson(16, 32)[0] < bench.wilson(8, 16)[1] - bench.wilson(8, 16)[0]
