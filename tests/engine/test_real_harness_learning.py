@@ -24,6 +24,7 @@ from polar_mitm.vllm.server import resolve_vllm_model, vllm_installed
 pytestmark = pytest.mark.slow
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_real_harness_learning.py"
+RESULTS = BENCH.parent / "results"  # runs kept with --results
 SHORT = ["-n", "2", "--train-tasks", "6", "--held-out-tasks", "2", "-g", "2", "-c", "2", "--groups", "1"]
 SHORT += ["--resample-budget", "5", "--eval-samples", "1", "--eval-every", "2", "--batch-size", "2"]
 # No KL term: a reference model's forward pass per step is a fifth of the run on CPU, and what it adds (the KL
@@ -121,3 +122,15 @@ def test_held_out_intervals_are_clustered_by_task():
     per_task = {f"t{i}": {"samples": 2, "passed": 2 if i < 8 else 0} for i in range(16)}
     assert bench.clustered_interval(per_task) == bench.wilson(8, 16)
     assert bench.wilson(16, 32)[1] - bench.wilson(16, 32)[0] < bench.wilson(8, 16)[1] - bench.wilson(8, 16)[0]
+
+
+@pytest.mark.parametrize("kept", sorted(p.name for p in RESULTS.glob("capstone-*")))
+def test_the_committed_results_rebuild_their_own_figures(kept):
+    """benchmarks/results/capstone-*: the files a run kept (--results) rebuild the figures its capstone.json
+    reported (held-out evaluations, training rows, the split), so the recipe's table can be checked from them."""
+    bench = load_bench()
+    folder = RESULTS / kept
+    reported = json.loads((folder / "capstone.json").read_text())
+    rebuilt = bench.run_summary(folder, bench.recorded_args(folder, bench.parse_args([])), None)
+    for key in ("held_out_start", "held_out_last", "iterations", "tasks", "command", "wall_seconds"):
+        assert rebuilt[key] == reported[key], key
