@@ -18,7 +18,8 @@ report RUN/report.html (rewritten each iteration), and RUN/capstone.json with th
 `--engine embedded` uses our CPU engine instead of vLLM; `--engine URL` attaches to a running one (SGLang, vLLM).
 
 With a warm start (issue 46): teach the tool first, then RL from that checkpoint on the file tasks, evaluated on the
-same held-out split (same families and seed):
+same held-out split (same families and seed). With --start-from, the shipped model is evaluated first on that split
+(RUN/shipped, `--no-eval-shipped` skips it), so capstone.json holds the three stages: shipped, warm start, RL:
 
     .venv/bin/python benchmarks/warm_start.py --run-dir runs/warm-start
     .venv/bin/python benchmarks/bench_real_harness_learning.py --run-dir runs/capstone-file \
@@ -49,6 +50,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SUMMARY_FILE = "capstone.json"
 WARM_START_FILE = "warm_start.json"  # benchmarks/warm_start.py's figures, copied from --start-from's run
+# With --start-from: the shipped model's held-out evaluation, by the same loop evaluation as every other
+# (RUN/shipped/eval-start), so that capstone.json holds all three stages: shipped, warm start, RL.
+SHIPPED_DIR = "shipped"
 # What --results keeps of a run (a few hundred kB): enough for --summary-only to rebuild every figure of the table.
 RESULT_FILES = (
     SUMMARY_FILE,
@@ -59,6 +63,9 @@ RESULT_FILES = (
     "eval-*/eval.json",
     "eval-*/rewards.parquet",
     "eval-*/flows/**/*.parquet",  # the tool-call rate and unparsed calls are read from the records
+    f"{SHIPPED_DIR}/eval-start/eval.json",
+    f"{SHIPPED_DIR}/eval-start/rewards.parquet",
+    f"{SHIPPED_DIR}/eval-start/flows/**/*.parquet",
 )
 
 
@@ -187,6 +194,9 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
         # The warm start's own figures (its held-out evaluation, when it ran one, is the shipped model's and the
         # checkpoint's); the held-out start below is this run's evaluation of the checkpoint it starts from.
         "warm_start": json.loads(warm_start.read_text()) if warm_start.exists() else None,
+        "held_out_shipped": held_out_figures(
+            run_dir / SHIPPED_DIR, "eval-start"
+        ),  # None without --start-from
         "held_out_start": held_out_figures(run_dir, "eval-start"),
         "iterations": iterations,
         # The figure reported: the last evaluation (every evaluation is in the table), never the best of them.
@@ -288,6 +298,11 @@ def print_summary(summary: dict) -> None:
             f"sequences ({warm['trained_tokens']} sampled tokens) × {warm['epochs']} epochs, loss "
             f"{warm['loss_first']:.3f} → {warm['loss_last']:.3f}, {sum(warm['seconds'].values()):.0f} s"
         )
+    shipped = summary.get("held_out_shipped")
+    if shipped is not None:
+        table.add_row(
+            "shipped", "", "", "", "", "", "", *held_out_cells(shipped), f"-/-/-/{shipped['seconds']:.0f}"
+        )
     start = summary["held_out_start"]
     if start is not None:
         table.add_row("start", str(start["weight_version"]), "", "", "", "", "", *held_out_cells(start), "")
@@ -334,30 +349,62 @@ def run(args: argparse.Namespace) -> dict:
     tasks_dir = args.run_dir / "tasks"
     split = generate(families(args), args.train_tasks, args.held_out_tasks, args.seed)
     train, held_out = write_split(split, tasks_dir)
-    started = time.monotonic()
+    if args.start_from and args.eval_shipped:
+        evaluate_shipped(args, train, held_out)
+    started = time.monotonic()  # the RL stage's wall time (the shipped evaluation's seconds are its own)
 
     def on_iteration(stats) -> None:
         print(json.dumps({"iteration": stats.iteration, "reward_mean": stats.reward_mean}), flush=True)
 
+    loop_rows = args.run_dir / "loop.json"
+    # --resume of a run whose iterations are all done (to add its shipped evaluation, say): nothing to restart
+    finished = (
+        args.resume and loop_rows.exists() and len(json.loads(loop_rows.read_text())) >= args.iterations
+    )
     with ExitStack() as stack:
         start = str(args.start_from.resolve()) if args.start_from else None  # the warm start's RUN/model
         if start and (Path(start).parent / WARM_START_FILE).exists():  # the chain's first stage, in one file
             shutil.copy(Path(start).parent / WARM_START_FILE, args.run_dir / WARM_START_FILE)
-        if args.engine == "vllm":
-            from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
-
-            model = start or str(resolve_vllm_model("smollm2"))
-            engine_url = stack.enter_context(vllm_running(model, log=args.run_dir / "vllm.log"))
-        elif args.engine == "embedded":
-            model, engine_url = start or "smollm2", None
-        else:
-            model, engine_url = start or "smollm2", args.engine
-        Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration).run()
-    summary = run_summary(args.run_dir, args, time.monotonic() - started)
+        model, engine_url = engine_for(args, start, stack, args.run_dir, skip=finished)
+        if not finished:
+            Loop(loop_config(args, train, held_out, model, engine_url), on_iteration=on_iteration).run()
+    # A resumed run's wall time adds this invocation's to the one its earlier invocation recorded.
+    earlier = recorded_wall(args.run_dir) if args.resume else None
+    summary = run_summary(args.run_dir, args, (earlier or 0.0) + time.monotonic() - started)
     (args.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     if args.results:
         keep_results(args.run_dir, args.results)
     return summary
+
+
+def engine_for(
+    args: argparse.Namespace, model: str | None, stack: ExitStack, log_dir: Path, skip: bool = False
+) -> tuple[str, str | None]:
+    """The model to serve (a checkpoint, else SmolLM2 as shipped) and the engine's URL: vLLM started here until
+    `stack` closes, ours (None: the loop starts it), or --engine's; `skip` starts nothing."""
+    if args.engine == "vllm":
+        from polar_mitm.vllm.server import resolve_vllm_model, vllm_running
+
+        model = model or str(resolve_vllm_model("smollm2"))
+        return model, None if skip else stack.enter_context(vllm_running(model, log=log_dir / "vllm.log"))
+    return model or "smollm2", None if args.engine == "embedded" else args.engine
+
+
+def evaluate_shipped(args: argparse.Namespace, train: Path, held_out: Path) -> None:
+    """The shipped model on the held-out split, as the loop evaluates any weights (a loop of no iterations with
+    its start evaluation, in RUN/shipped), once per run: a resume keeps it."""
+    import dataclasses
+
+    from polar_mitm.loop.loop import Loop
+
+    folder = args.run_dir / SHIPPED_DIR
+    if (folder / "eval-start" / "eval.json").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        model, engine_url = engine_for(args, None, stack, folder)
+        config = loop_config(args, train, held_out, model, engine_url)
+        Loop(dataclasses.replace(config, run_dir=folder, iterations=0, resume=False, report_to="none")).run()
 
 
 def keep_results(run_dir: Path, results: Path) -> list[Path]:
@@ -430,6 +477,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-to", default="tensorboard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="carry on the run in --run-dir after a kill")
+    parser.add_argument(
+        "--eval-shipped",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --start-from, also evaluate SmolLM2 as shipped on the held-out split (RUN/shipped; ~3 min)",
+    )
     parser.add_argument(
         "--results",
         type=Path,
