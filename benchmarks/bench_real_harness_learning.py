@@ -398,9 +398,12 @@ def evaluate_shipped(args: argparse.Namespace, train: Path, held_out: Path) -> N
     from polar_mitm.loop.loop import Loop
 
     folder = args.run_dir / SHIPPED_DIR
-    if (folder / "eval-start" / "eval.json").exists():
+    if args.resume and (folder / "eval-start" / "eval.json").exists():
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(
+        folder, ignore_errors=True
+    )  # a new run in a reused folder, or an evaluation a kill cut short
+    folder.mkdir(parents=True)
     with ExitStack() as stack:
         model, engine_url = engine_for(args, None, stack, folder)
         config = loop_config(args, train, held_out, model, engine_url)
