@@ -242,7 +242,7 @@ def loop_config(args: argparse.Namespace, train: Path, held_out: Path, model: st
         eval_start=True,
         min_informative_groups=args.groups,
         resample_budget=args.resample_budget,
-        grpo={"beta": args.beta},
+        grpo={"beta": args.beta, "gradient_accumulation_steps": args.gradient_accumulation_steps},
         report_to=args.report_to,
         seed=args.seed,
         resume=args.resume,
@@ -476,6 +476,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (a larger step without a larger micro-batch's memory)",
+    )
     parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--report-to", default="tensorboard")
     parser.add_argument("--seed", type=int, default=0)
