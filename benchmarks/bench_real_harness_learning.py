@@ -194,9 +194,8 @@ def run_summary(run_dir: Path, args: argparse.Namespace, wall_seconds: float | N
         # The warm start's own figures (its held-out evaluation, when it ran one, is the shipped model's and the
         # checkpoint's); the held-out start below is this run's evaluation of the checkpoint it starts from.
         "warm_start": json.loads(warm_start.read_text()) if warm_start.exists() else None,
-        "held_out_shipped": held_out_figures(
-            run_dir / SHIPPED_DIR, "eval-start"
-        ),  # None without --start-from
+        # the shipped model's evaluation on the same split (None without --start-from)
+        "held_out_shipped": held_out_figures(run_dir / SHIPPED_DIR, "eval-start"),
         "held_out_start": held_out_figures(run_dir, "eval-start"),
         "iterations": iterations,
         # The figure reported: the last evaluation (every evaluation is in the table), never the best of them.
@@ -287,9 +286,8 @@ def print_summary(summary: dict) -> None:
         ]
 
     warm = summary.get("warm_start") or {}
-    for stage, figures in (
-        warm.get("held_out") or {}
-    ).items():  # the warm start's own evaluations, if it ran them
+    # the warm start's own evaluations, if it ran them
+    for stage, figures in (warm.get("held_out") or {}).items():
         label = {"start": "shipped", "warm_start": "warm"}.get(stage, stage)
         table.add_row(label, "", "", "", "", "", "", *held_out_cells(figures), "")
     if warm:
@@ -400,9 +398,8 @@ def evaluate_shipped(args: argparse.Namespace, train: Path, held_out: Path) -> N
     folder = args.run_dir / SHIPPED_DIR
     if args.resume and (folder / "eval-start" / "eval.json").exists():
         return
-    shutil.rmtree(
-        folder, ignore_errors=True
-    )  # a new run in a reused folder, or an evaluation a kill cut short
+    # a new run in a reused folder, or an evaluation a kill cut short
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     with ExitStack() as stack:
         model, engine_url = engine_for(args, None, stack, folder)
@@ -510,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.summary_only:
         run_dir = args.run_dir.resolve()
+        if not any((run_dir / name).exists() for name in (SUMMARY_FILE, "loop.json", "eval-start")):
+            print(f"--summary-only: {run_dir} holds no run (no {SUMMARY_FILE}, loop.json or eval-start/)")
+            return 2
         summary = run_summary(run_dir, recorded_args(run_dir, args), None)
     else:
         summary = run(args)

@@ -142,3 +142,14 @@ def test_the_committed_results_rebuild_their_own_figures(kept):
         "wall_seconds",
     ):
         assert rebuilt[key] == reported[key], key
+
+
+def test_a_summary_of_a_folder_without_a_run_is_one_line_and_fails(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--summary-only", "--run-dir", str(tmp_path / "misspelt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "holds no run" in done.stdout
+    assert len(done.stdout.strip().splitlines()) == 1 and "Traceback" not in done.stderr
