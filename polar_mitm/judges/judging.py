@@ -12,10 +12,12 @@ fails the rollout once every call has been tried (the files say which and why).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -146,22 +148,48 @@ def content_key(options: JudgeOptions, mode: str, call: JudgeCall) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
 
+# Calls in flight by (cache folder, content key), across threads: the service judges each finished session on its
+# own thread (service/judging.py), so two alike sessions finishing together would both miss the cache and both ask.
+_IN_FLIGHT: dict[tuple[Path, str], concurrent.futures.Future[str]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 class _Answers:
-    """Answer texts by content key: the cache's, else one judge call per key however many calls share it (two
-    sessions of a group that did the same thing are judged once)."""
+    """Answer texts by content key: the cache's, else one judge call per key however many calls share it, in this
+    judging or another running beside it (two sessions that did the same thing are judged once)."""
 
     def __init__(self, client: JudgeClient, cache: Path) -> None:
         self.client, self.cache = client, cache
-        self.pending: dict[str, asyncio.Future[str]] = {}
 
-    async def text(self, key: str, messages: list[dict[str, str]]) -> tuple[str, str]:
-        """(judged | cached, the answer text); JudgeUnavailable when the judge gave none."""
-        if (cached := stored.cached_answer(self.cache, key)) is not None:
-            return "cached", str(cached["answer"])
-        if key in self.pending:
-            return "cached", await self.pending[key]
-        self.pending[key] = asyncio.ensure_future(self.client.complete(messages))
-        return "judged", await self.pending[key]
+    async def text(
+        self, key: str, messages: list[dict[str, str]], parse: Callable[[str], Any]
+    ) -> tuple[str, str]:
+        """(judged | cached, the answer text); JudgeUnavailable when the judge gave none. The answer is cached
+        (before the call leaves the in-flight table, so no caller misses both) only when `parse` accepts it."""
+        place = (self.cache, key)
+        with _IN_FLIGHT_LOCK:
+            if (cached := stored.cached_answer(self.cache, key)) is not None:
+                return "cached", str(cached["answer"])
+            flight = _IN_FLIGHT.get(place)
+            if owner := flight is None:
+                flight = _IN_FLIGHT[place] = concurrent.futures.Future()
+        if not owner:
+            return "cached", await asyncio.wrap_future(flight)
+        try:
+            answer = await self.client.complete(messages)
+            try:
+                parse(answer)
+                stored.cache_answer(self.cache, key, {"answer": answer})  # only an answer that parsed
+            except JudgeAnswerError:
+                pass  # the caller parses it again and says why
+            flight.set_result(answer)
+            return "judged", answer
+        except BaseException as exc:
+            flight.set_exception(exc)
+            raise
+        finally:
+            with _IN_FLIGHT_LOCK:
+                del _IN_FLIGHT[place]
 
 
 async def _answer(
@@ -171,10 +199,13 @@ async def _answer(
     mode = MODES[task.judge.mode]  # type: ignore[union-attr]
     key = content_key(options, mode.name, call)
     status, answer, error, scores = "failed", "", "", {}
+
+    def parse(text: str) -> dict[str, tuple[float, float, str]]:
+        return mode.scores(call, task.judge, json_answer(text))  # type: ignore[arg-type]
+
     try:
-        status, answer = await answers.text(key, call.messages)
-        scores = mode.scores(call, task.judge, json_answer(answer))  # type: ignore[arg-type]
-        stored.cache_answer(places.cache, key, {"answer": answer})  # only an answer that parsed
+        status, answer = await answers.text(key, call.messages, parse)
+        scores = parse(answer)
     except (JudgeUnavailable, JudgeAnswerError) as exc:
         status, error = "failed", str(exc)
         log.warning("judge call for %s failed: %s", ", ".join(call.sessions), error)

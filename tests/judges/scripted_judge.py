@@ -8,7 +8,8 @@ score — the injection test can fail.
 
 Rules on the data: a trace that writes `echo hello >` is good (rubric: 4 on the stated scale; group: 1.0), one that
 writes `Hello` is poor (rubric: -2; group: 0.0), anything else 0 / 0.5; reference: yes when the reference answer
-occurs in the data. By model name: `scripted` (the rules), `garbage` (an answer that is not JSON), `down` (503).
+occurs in the data. By model name: `scripted` (the rules), `slow` (the rules, after a second: calls overlap),
+`garbage` (an answer that is not JSON), `down` (503).
 Every request is appended to --log as a JSON line (body, and whether an Authorization header came).
 
     python -m tests.judges.scripted_judge --port PORT --log FILE
@@ -17,6 +18,7 @@ Every request is appended to --log as a JSON line (body, and whether an Authoriz
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -89,6 +91,8 @@ def app(log: Path) -> Starlette:
         with log.open("a") as file:
             seen = {"body": body, "authorization": request.headers.get("authorization")}
             file.write(json.dumps(seen) + "\n")
+        if body.get("model") == "slow":
+            await asyncio.sleep(1.0)
         if body.get("model") == "down":
             return JSONResponse({"error": {"message": "judge is down"}}, status_code=503)
         if body.get("model") == "garbage":

@@ -9,6 +9,7 @@ and `--judge-failure fail` ends the rollout with no rewards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -243,6 +244,29 @@ def test_a_second_identical_judgement_makes_no_call(rollout, judge, tmp_path):
     assert (counts.calls, counts.cached, counts.sessions) == (0, len(sessions), len(sessions))
     assert len(judge_log(judge.log)) == before
     assert {s.session_id: s.reward for s in sessions} == {r["session_id"]: r["reward"] for r in rollout.rows}
+
+
+def test_two_judgings_of_the_same_sessions_at_once_ask_each_content_once(rollout, judge, tmp_path):
+    """The service judges each finished session on its own thread: two alike judgings running together share the
+    call in flight instead of both missing the cache (a judge answering in a second makes them overlap)."""
+    options = JudgeOptions(judge_url=judge.url, judge_model="slow")
+    before = len(judge_log(judge.log))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(
+                judge_sessions,
+                sessions_again(rollout),
+                options,
+                places(rollout, tmp_path / f"j{n}", tmp_path),
+            )
+            for n in range(2)
+        ]
+        counts = [run.result(timeout=120) for run in runs]
+    asked = judge_log(judge.log)[before:]
+    assert asked and all(seen["body"]["model"] == "slow" for seen in asked)
+    assert sum(c.calls for c in counts) == len(asked) == len({path.name for path in tmp_path.glob("*.json")})
+    assert [c.sessions for c in counts] == [len(rollout.rows)] * 2
+    assert sum(c.cached for c in counts) >= len(rollout.rows)  # the second judging's every session
 
 
 @pytest.mark.parametrize("model", ["down", "garbage"])
