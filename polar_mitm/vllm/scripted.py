@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,21 @@ def activate(path: str | None, tokenizer_path: str) -> str | None:
     _active = ActiveScript(Script.load(path, tokenizer, eos), tokenizer, str(Path(path)))
     log.info("polar scripted policy: playing %s", path)
     return _active.path
+
+
+# Seconds the engine rests after each step (0: none), set by `polar_set_pace`: on a loaded 2-core machine vLLM's
+# engine can hold the cores for a whole call, so its own server streams the call in one burst at the end and a test
+# cannot act in the middle of it (measured: the first chunk 15 s into a 15 s call); resting gives the cores back.
+_pace_seconds = 0.0
+
+
+def set_pace(seconds: float) -> float:
+    """Rest `seconds` after every engine step from now on (0: run at full speed again); returns the pace."""
+    global _pace_seconds
+    if not 0 <= seconds <= 1:
+        raise ValueError(f"a pace of {seconds} s per step: give 0 to 1")
+    _pace_seconds = float(seconds)
+    return _pace_seconds
 
 
 def active_script_path() -> str | None:
@@ -153,6 +169,8 @@ class ScriptedPolicy(LogitsProcessor):
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if _pace_seconds:
+            time.sleep(_pace_seconds)
         return logits
 
     def scripted_rows(self) -> dict[int, list[int]]:

