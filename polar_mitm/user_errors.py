@@ -34,6 +34,7 @@ USER_ERRORS = (
     ("polar_mitm.gateway.options", "OptionError"),
     ("polar_mitm.service.task_requests", "RequestError"),
     ("polar_mitm.loop.service_rollouts", "ServiceSetupError"),
+    ("polar_mitm.train.activation_memory", "MicroBatchTooLarge"),
 )
 DEBUG_ENV = "POLAR_DEBUG"
 

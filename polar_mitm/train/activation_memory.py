@@ -8,7 +8,11 @@ saved tensors are counted (`saved_activation_bytes`: what autograd keeps for the
 per token of the sequence (the trunk) and per scored token (the LM head, which only loss tokens pass). The largest
 micro-batch the batch plan will build (its computed tokens, padding included, and its loss tokens) times those gives
 the estimate; above `memory_budget_gb` — by default the memory free on the training device less the gradients and
-AdamW state still to come — checkpointing is turned on, and the log says so and why.
+AdamW state still to come — checkpointing is turned on, and the log says so and why. If even checkpointed (a second
+probe with it on: what it keeps per token, plus one layer's activations recomputed at a time) they would exceed the
+budget, the training is refused before it starts with one line naming the option that shrinks a micro-batch:
+before, such a micro-batch was found out by the kernel's OOM killer (a batch of 12 SmolLM2 sequences of ~6k tokens
+was killed at 20.7 GB on a 24 GB machine).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ PROBE_TOKENS = (
 )
 GB = 1e9
 ADAM_BYTES_PER_PARAMETER = 8  # two fp32 moments
+
+
+class MicroBatchTooLarge(ValueError):
+    """The largest planned micro-batch cannot fit in the memory budget even with activation checkpointing."""
 
 
 def saved_activation_bytes(model, input_ids: torch.Tensor, scored: torch.Tensor, autocast=None) -> int:
@@ -62,6 +70,23 @@ def activation_bytes_per_token(model, device, autocast: Callable | None = None) 
     trunk = saved_activation_bytes(model, ids, one, autocast() if autocast else None)
     every = saved_activation_bytes(model, ids, torch.ones_like(one), autocast() if autocast else None)
     return trunk / PROBE_TOKENS, max(every - trunk, 0) / (PROBE_TOKENS - 2)
+
+
+def checkpointed_bytes_per_token(model, device, autocast: Callable | None = None) -> float:
+    """Bytes per sequence token autograd keeps with activation checkpointing on (each checkpointed layer's inputs),
+    measured by the same probe with checkpointing turned on for it, then off again (the trainer turns it on itself
+    through transformers' `train`). Transformers checkpoints only in training mode."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    training = model.training
+    model.train()
+    enable({"use_reentrant": False})
+    try:
+        per_token, _ = activation_bytes_per_token(model, device, autocast)
+    finally:
+        disable()
+        model.train(training)
+    return per_token
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -108,6 +133,7 @@ class ActivationMemoryMixin:
                 estimate["source"],
             )
             return
+        self._refuse_what_checkpointing_cannot_fit(estimate)
         args.activation_checkpointing = args.gradient_checkpointing = True
         if self.is_peft:  # what TRL's init does for PEFT when checkpointing is asked for
             self.model.enable_input_require_grads()
@@ -121,6 +147,27 @@ class ActivationMemoryMixin:
             estimate["per_scored"],
             estimate["budget"] / GB,
             estimate["source"],
+        )
+
+    def _refuse_what_checkpointing_cannot_fit(self, estimate: dict[str, float]) -> None:
+        """MicroBatchTooLarge when the largest micro-batch's activations exceed the budget even checkpointed: what
+        checkpointing keeps per token, one layer recomputed at a time in the backward, and the head's scored tokens."""
+        per_token = checkpointed_bytes_per_token(
+            self.model, self.accelerator.device, self.accelerator.autocast
+        )
+        layers = max(int(getattr(self.model.config, "num_hidden_layers", 1) or 1), 1)
+        one_layer = max(estimate["per_token"] - per_token, 0) / layers
+        needed = estimate["tokens"] * (per_token + one_layer) + estimate["scored"] * estimate["per_scored"]
+        estimate["checkpointed_bytes"] = needed
+        over = torch.tensor(float(needed > estimate["budget"]), device=self.accelerator.device)
+        if self.accelerator.reduce(over, reduction="max").item() == 0:
+            return
+        raise MicroBatchTooLarge(
+            f"the largest micro-batch ({estimate['tokens']:.0f} tokens, {estimate['scored']:.0f} scored) needs "
+            f"~{needed / GB:.2f} GB of activations even with activation checkpointing, over the "
+            f"{estimate['budget'] / GB:.2f} GB budget ({estimate['source']}): give fewer sequences per micro-batch "
+            f"(now {self.args.per_device_train_batch_size}: `grpo --per-device-batch-size`, `loop --batch-size`) "
+            "and more --gradient-accumulation-steps to keep the step's size, or --memory-budget-gb if more is free"
         )
 
     def _estimate_activations(self) -> dict[str, float]:
