@@ -23,6 +23,10 @@ VLLM_GATEWAY_OPTIONS = {"polar_temperature": "1.0", "polar_max_tokens": "12", "p
 # Room for the harnesses' prompts through the proxy (Qwen Code's first is ~17k tokens); the tiny model's KV cache
 # is 512 bytes a token, so this costs nothing. LoRA on, for adapters pushed at run time (test_vllm_lora.py).
 VLLM_EXTRA_ARGS = ["--max-model-len", "32768", "--enable-lora", "--max-lora-rank", "8"]
+# Seconds vLLM rests after each step while a test acts in the middle of a call (`vllm_paced`): on a loaded 2-core
+# machine its engine can hold the cores for a whole call, and its server then streams the call in one burst at the
+# end (measured: the first chunk 15 s into a 15 s call), so an abort or a push sent at the Nth chunk comes too late.
+MID_CALL_PACE = 0.005
 
 
 @pytest.fixture(scope="session")

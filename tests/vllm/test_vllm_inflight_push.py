@@ -17,10 +17,10 @@ from polar_mitm.engines import weights
 from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
 from polar_mitm.vllm.server import resolve_vllm_model, vllm_paced
+from tests.vllm.conftest import MID_CALL_PACE
 from tests.vllm.test_vllm import LOGPROB_TOLERANCE, max_gap, session_records
 
 SAMPLED = 1500  # at the pace below ~10 ms a token here: a push sent at the first chunk lands inside the call
-PACE = 0.005  # seconds vLLM rests after each step, so it streams as it samples even on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +95,13 @@ def test_a_push_mid_stream_on_vllm_keeps_the_call_and_splits_its_record(
 ):
     """On a loaded 2-core machine vLLM's engine can hold the cores for a whole call (measured: its server sent the
     first chunk 15 s into a 15 s call, and a client thread's 2 s sleep lasted 13 s), so a push sent at the first
-    chunk landed after the sampling in 4 of 4 tries. So vLLM rests PACE after each step here (`vllm_paced`). A push
+    chunk landed after the sampling in 4 of 4 tries. So vLLM rests MID_CALL_PACE after each step here (`vllm_paced`). A push
     that still lands after the sampling is told by vLLM's own account, which the record is right to keep; the split
     is what this test is about, so such an attempt is made again (ATTEMPTS), every attempt's record checked."""
     old_weights, new_weights = vllm_model_dir, resolve_vllm_model("tiny", seed=1)
     missed = []
     try:
-        with vllm_paced(vllm_url, PACE):
+        with vllm_paced(vllm_url, MID_CALL_PACE):
             while len(missed) < ATTEMPTS:
                 session, chunks, report, call_seconds = streamed_call_with_a_push(
                     long_gateway.reverse_url, vllm_url, new_weights
