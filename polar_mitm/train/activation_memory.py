@@ -7,8 +7,8 @@ for. Here the bytes per token are measured on the model being trained, by one sh
 saved tensors are counted (`saved_activation_bytes`: what autograd keeps for the backward, the weights left out):
 per token of the sequence (the trunk) and per scored token (the LM head, which only loss tokens pass). The largest
 micro-batch the batch plan will build (its computed tokens, padding included, and its loss tokens) times those gives
-the estimate; above `memory_budget_gb` — by default the memory free on the training device less the gradients and
-AdamW state still to come — checkpointing is turned on, and the log says so and why. If even checkpointed (a second
+the estimate; above `memory_budget_gb` — by default 80% of the memory free on the training device less the gradients
+and AdamW state still to come (the rest is for what runs beside it) — checkpointing is turned on, and the log says so and why. If even checkpointed (a second
 probe with it on: what it keeps per token, plus one layer's activations recomputed at a time) they would exceed the
 budget, the training is refused before it starts with one line naming the option that shrinks a micro-batch:
 before, such a micro-batch was found out by the kernel's OOM killer (a batch of 12 SmolLM2 sequences of ~6k tokens
@@ -34,6 +34,12 @@ PROBE_TOKENS = (
 )
 GB = 1e9
 ADAM_BYTES_PER_PARAMETER = 8  # two fp32 moments
+# The share of the free memory (less the optimizer state) the activations may take when no budget is given. The
+# estimate is close (a SmolLM2 micro-batch of 12,785 tokens: 17.17 GB estimated + 1.61 GB of optimizer state; the
+# process grew to a 20.8 GB peak), but what is free when training starts is not all the training's: in the loop the
+# engine, the gateway and the next sessions run beside it. With all of it as the budget that micro-batch fits (18.3
+# GB free while other jobs ran), and in the loop, with vLLM beside it, the kernel killed it at 20.7 GB (stop 56).
+FREE_MEMORY_SHARE = 0.8
 
 
 class MicroBatchTooLarge(ValueError):
@@ -216,6 +222,7 @@ class ActivationMemoryMixin:
             return math.inf, "no free-memory reading"
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         state = sum(p.numel() * (p.element_size() + ADAM_BYTES_PER_PARAMETER) for p in trainable)
-        return max(
-            free - state, 0
-        ), f"free {device.type} memory {free / GB:.1f} GB less {state / GB:.2f} GB of optimizer state"
+        return max(free - state, 0) * FREE_MEMORY_SHARE, (
+            f"{FREE_MEMORY_SHARE:.0%} of the free {device.type} memory {free / GB:.1f} GB less "
+            f"{state / GB:.2f} GB of optimizer state"
+        )

@@ -174,9 +174,10 @@ class PolarGRPOConfig(GRPOConfig):
         metadata={
             "help": "GB the activations of one micro-batch may take before activation checkpointing is turned on "
             "(estimated as its tokens x the model's activation bytes per token, measured on the model with a "
-            "short probe forward at the start). Default: the memory free on the training device (CUDA: free "
-            "GPU memory; CPU: MemAvailable) less the weights, gradients and AdamW state. `inf`: never turn it "
-            "on by memory. Ignored when activation_checkpointing is set."
+            "short probe forward at the start). Default: 80% of the memory free on the training device (CUDA: "
+            "free GPU memory; CPU: MemAvailable) less the gradients and AdamW state; the rest is for what runs "
+            "beside it. A micro-batch over the budget even checkpointed is refused before training. `inf`: never "
+            "turn it on by memory. Ignored when activation_checkpointing is set."
         },
     )
 
