@@ -8,11 +8,10 @@ saved tensors are counted (`saved_activation_bytes`: what autograd keeps for the
 per token of the sequence (the trunk) and per scored token (the LM head, which only loss tokens pass). The largest
 micro-batch the batch plan will build (its computed tokens, padding included, and its loss tokens) times those gives
 the estimate; above `memory_budget_gb` — by default 80% of the memory free on the training device less the gradients
-and AdamW state still to come (the rest is for what runs beside it) — checkpointing is turned on, and the log says so and why. If even checkpointed (a second
-probe with it on: what it keeps per token, plus one layer's activations recomputed at a time) they would exceed the
-budget, the training is refused before it starts with one line naming the option that shrinks a micro-batch:
-before, such a micro-batch was found out by the kernel's OOM killer (a batch of 12 SmolLM2 sequences of ~6k tokens
-was killed at 20.7 GB on a 24 GB machine).
+and AdamW state still to come (the rest is for what runs beside it: FREE_MEMORY_SHARE) — checkpointing is turned on,
+and the log says so and why. If even checkpointed (a second probe with it on: what it keeps per token, plus one
+layer's activations recomputed at a time) they would exceed the budget, the training is refused before it starts
+with one line naming the options that shrink a micro-batch, instead of going on to be killed by the kernel.
 """
 
 from __future__ import annotations

@@ -245,15 +245,21 @@ def vllm_running(model: str | Path = "tiny", **kwargs) -> Iterator[str]:
         engine_keys.forget(url)
 
 
-def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> None:
-    """Make a running vLLM (started with `scripted_policy`) play `script` from its next request; None: sample freely."""
+def scripted_policy_call(url: str, method: str, kwargs: dict, *, timeout: float = 60.0) -> None:
+    """One of the worker extension's scripted-policy methods on a running vLLM (started with `scripted_policy`)."""
     response = httpx.post(
         f"{url.rstrip('/')}/collective_rpc",
-        json={"method": "polar_set_script", "kwargs": {"path": None if script is None else str(script)}},
+        json={"method": method, "kwargs": kwargs},
         timeout=timeout,
         headers=engine_keys.auth_headers(url),
     )
     response.raise_for_status()
+
+
+def set_vllm_script(url: str, script: Path | None, *, timeout: float = 60.0) -> None:
+    """Make a running vLLM (started with `scripted_policy`) play `script` from its next request; None: sample freely."""
+    path = None if script is None else str(script)
+    scripted_policy_call(url, "polar_set_script", {"path": path}, timeout=timeout)
 
 
 @contextmanager
@@ -261,20 +267,11 @@ def vllm_paced(url: str, seconds: float, *, timeout: float = 60.0) -> Iterator[N
     """A running vLLM (started with `scripted_policy`) rests `seconds` after every step for the duration of a block:
     its calls stream as they are sampled even on a loaded machine, so a test can act in the middle of one."""
 
-    def pace(value: float) -> None:
-        response = httpx.post(
-            f"{url.rstrip('/')}/collective_rpc",
-            json={"method": "polar_set_pace", "kwargs": {"seconds": value}},
-            timeout=timeout,
-            headers=engine_keys.auth_headers(url),
-        )
-        response.raise_for_status()
-
-    pace(seconds)
+    scripted_policy_call(url, "polar_set_pace", {"seconds": seconds}, timeout=timeout)
     try:
         yield
     finally:
-        pace(0.0)
+        scripted_policy_call(url, "polar_set_pace", {"seconds": 0.0}, timeout=timeout)
 
 
 @contextmanager

@@ -67,20 +67,19 @@ class PolarWorkerExtension:
     def polar_set_script(self, path: str | None) -> dict[str, Any]:
         """Play the script file at `path` from the next request on (None: sample freely); needs vLLM started with
         the scripted policy's logits processor (`--logits-processors polar_mitm.vllm.scripted:ScriptedPolicy`)."""
-        from polar_mitm.vllm import scripted
-
-        runner = self.model_runner  # type: ignore[attr-defined]
-        loaded = any(isinstance(p, scripted.ScriptedPolicy) for p in runner.input_batch.logitsprocs.all)
-        if not loaded:
-            raise RuntimeError("vLLM was started without the scripted policy's logits processor")
-        return {"script": scripted.activate(path, runner.model_config.tokenizer)}
+        scripted = self._scripted_policy()
+        return {"script": scripted.activate(path, self.model_runner.model_config.tokenizer)}  # type: ignore[attr-defined]
 
     def polar_set_pace(self, seconds: float) -> dict[str, Any]:
         """Rest `seconds` after every step (0: full speed), so a test can act in the middle of a call on a loaded
         machine (scripted.py's `set_pace`); needs the scripted policy's logits processor, like `polar_set_script`."""
+        return {"pace_seconds": self._scripted_policy().set_pace(seconds)}
+
+    def _scripted_policy(self) -> Any:
+        """The scripted policy's module, once this worker is known to run its logits processor."""
         from polar_mitm.vllm import scripted
 
         runner = self.model_runner  # type: ignore[attr-defined]
         if not any(isinstance(p, scripted.ScriptedPolicy) for p in runner.input_batch.logitsprocs.all):
             raise RuntimeError("vLLM was started without the scripted policy's logits processor")
-        return {"pace_seconds": scripted.set_pace(seconds)}
+        return scripted
