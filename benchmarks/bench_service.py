@@ -3,13 +3,16 @@
 The same sessions both ways: `--sessions` sessions of a `cmd:` harness that sleeps `--sleep` seconds (so the
 harness, not the model, sets the pace), `--group` per task, `--concurrency` at once. In-process: the staged runner
 (`Rollout`, what `polar-mitm rollout` runs) against a gateway. Service: `polar-mitm serve-rollouts` on the same
-machine, every task submitted at once over HTTP with our `Client`, polled until each finishes. Reported: the wall
-time of all sessions, sessions/s, the time to the first finished result, the added time per session, and their
-ratios to the in-process run. Then the same tasks through a service that is killed (SIGKILL, its whole process
-group) once about half the sessions finished and started again with `--resume`: the sessions lost, the ones reported
-twice, and the sample indices given twice within a task (all three must be 0).
+machine, every task submitted at once over HTTP with our `Client` (`run`: `submit_many`, each task told finished by
+`/events`).
+The two take turns `--repeats` times. Reported (medians): the wall time of all sessions, sessions/s, the time to the
+first finished result, the added time per session, and their ratios to the in-process run. Then the same tasks
+through a service that is killed (SIGKILL, its whole process group) once about half the sessions finished and
+started again with `--resume`: the sessions lost, the ones reported twice, and the sample indices given twice within
+a task (all three must be 0).
 
-    .venv/bin/python benchmarks/bench_service.py [--sessions 256] [--group 4] [--concurrency 64] [--sleep 0.5]
+    .venv/bin/python benchmarks/bench_service.py [--sessions 256] [--group 4] [--concurrency 64] [--sleep 0.5] \\
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,10 +119,8 @@ def via_service(args, work: Path) -> dict[str, float]:
         requests = sleep_requests(args)
         with Client(url, token=TOKEN) as client:
             started = time.perf_counter()
-            for request in requests:
-                client.submit(request)
             first, done = None, 0
-            for status in client.results([r.task_id for r in requests]):
+            for status in client.run(requests):
                 first = first or time.perf_counter() - started
                 done += status.completed_sessions
             wall = time.perf_counter() - started
@@ -136,8 +138,7 @@ def killed_and_resumed(args, work: Path) -> dict[str, int]:
     proc = start_service(args, work, port)
     try:
         with Client(url, token=TOKEN) as client:
-            for request in requests:
-                client.submit(request)
+            client.submit_many(requests)
             while sum(client.status(r.task_id).completed_sessions for r in requests) < expected // 2:
                 time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -166,19 +167,32 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--sleep", type=float, default=0.5)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="in-process and service runs, taken in turn; medians are printed",
+    )
     args = parser.parse_args()
+    bases, serveds = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        base = in_process(args, Path(tmp) / "in-process")
-        served = via_service(args, Path(tmp) / "service")
+        for k in range(args.repeats):  # in turn, so that a busier stretch of the machine falls on both
+            bases.append(in_process(args, Path(tmp) / f"in-process-{k}"))
+            serveds.append(via_service(args, Path(tmp) / f"service-{k}"))
         resumed = killed_and_resumed(args, Path(tmp) / "killed")
+    base = {key: statistics.median(run[key] for run in bases) for key in bases[0]}
+    served = {key: statistics.median(run[key] for run in serveds) for key in serveds[0]}
     print(
-        f"{args.sessions} sessions ({args.group} per task), {args.concurrency} at once, each `sleep {args.sleep}`"
+        f"{args.sessions} sessions ({args.group} per task), {args.concurrency} at once, each `sleep {args.sleep}`; "
+        f"medians of {args.repeats} runs each way"
     )
     print(f"{'':24}{'in-process':>12}{'service':>12}{'ratio':>8}")
     for name, key in (("wall (s)", "wall"), ("first group (s)", "first")):
         print(f"{name:24}{base[key]:12.2f}{served[key]:12.2f}{served[key] / base[key]:8.2f}")
     rate_base, rate_served = base["sessions"] / base["wall"], served["sessions"] / served["wall"]
     print(f"{'sessions/s':24}{rate_base:12.1f}{rate_served:12.1f}{rate_served / rate_base:8.2f}")
+    pairs = sorted(b["wall"] / s["wall"] for b, s in zip(bases, serveds, strict=True))
+    print(f"sessions/s ratio of each pair of runs: {', '.join(f'{r:.2f}' for r in pairs)} (the goal: ≥ 0.95)")
     added_ms = (served["wall"] - base["wall"]) / args.sessions * 1000
     print(
         f"added per session: {added_ms:+.1f} ms (the goal: ≤ 5 ms); sessions: {base['sessions']} / {served['sessions']}"

@@ -159,13 +159,12 @@ class LoopService:
         started = time.monotonic()
         it.mkdir(parents=True, exist_ok=True)
         results_file = it / SERVICE_RESULTS_FILE
-        by_submit: dict[str, Task] = {}
-        for task in tasks:
-            request = self.request(it, task, group_size, keep)
-            by_submit[request.task_id] = task
-            self._submit(request)
+        requests = [self.request(it, task, group_size, keep) for task in tasks]
+        by_submit: dict[str, Task] = {
+            request.task_id: task for request, task in zip(requests, tasks, strict=True)
+        }
         sessions: list[SessionRun] = []
-        for status in self.client.results(by_submit):
+        for status in self.client.run(requests, retry_full=SUBMIT_RETRY_S):
             task = by_submit[status.task_id]
             for result in status.results:
                 json_lines.append_line(results_file, result.model_dump(mode="json"))
@@ -185,16 +184,6 @@ class LoopService:
             metadata={"loop_task_id": task.task_id, "loop_rollout": it.name},
         )
         return request.model_copy(update={"early_stop_min_usable_sessions": keep})
-
-    def _submit(self, request: TaskRequest) -> None:
-        while True:
-            try:
-                self.client.submit(request)
-                return
-            except ServiceError as exc:
-                if exc.status_code != 429:
-                    raise
-                time.sleep(SUBMIT_RETRY_S)
 
 
 def session_of(result: SessionResult, task: Task) -> SessionRun:

@@ -368,8 +368,6 @@ class Rollout:
         return session_sandbox.session_box(self.sandbox, s.task, s.workspace, env, gateway)  # type: ignore[arg-type]
 
     async def _post(self, s: SessionRun) -> None:
-        s.stage = "post"
-        self.on_update(self.sessions)
         start = time.monotonic()
         if s.status == "ok" and s.task.harbor is not None:
             await self._grade_harbor(s)
@@ -609,6 +607,10 @@ class Rollout:
             await self._finish_cut(s)
             return
         await self._run(s)
+        # POST-RUN from here, waiting for an evaluator included: this RUN worker moves on now, and a scheduler that
+        # counts sessions in RUN (the rollout service) must not hold the slot while the evaluation queue drains.
+        s.stage = "post"
+        self.on_update(self.sessions)
         await self._post_queue.put(s)
 
     async def _evaluate(self, s: SessionRun) -> None:

@@ -2,6 +2,7 @@
 
     client = Client("http://127.0.0.1:8700", token=os.environ["POLAR_SERVICE_TOKEN"])
     client.submit(request)                       # a TaskRequest (or its dict); 4xx raise ServiceError
+    client.submit_many(requests)                 # a batch, SUBMIT_PARALLEL submits in flight at once
     status = client.wait(request.task_id)        # polls until completed or failed
     batch = to_tensors([status])                 # ids, masks, old logprobs, rewards, group index
 
@@ -18,7 +19,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from polar_mitm.service.models import SubmitAccepted, TaskRequest, TaskStatus
+from polar_mitm.service.models import LAGGED_EVENT, SubmitAccepted, TaskRequest, TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
+SUBMIT_PARALLEL = 8  # submits in flight at once (`submit_many`): each waits for the service's durable write
 RETRIED_STATUS = (429, 503)  # the task was not taken: the queue is full, or the service not ready
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # where the service gave no Retry-After (a refused connection)
 
@@ -123,6 +126,30 @@ class Client:
         response = self.http.post("/rollout/task/submit", content=_body(request), headers=_JSON)
         return SubmitAccepted.model_validate(_checked(response))
 
+    def submit_many(
+        self,
+        requests: Iterable[TaskRequest | dict],
+        *,
+        parallel: int = SUBMIT_PARALLEL,
+        retry_full: float | None = None,
+    ) -> list[SubmitAccepted]:
+        """Every request submitted, `parallel` at once, the answers in request order. Each submit is answered once
+        the service has it on disk, so one at a time a batch waits for every write in turn (64 tasks under load:
+        1.8 s one at a time, 0.55 s eight at once: benchmarks/bench_service.py). A refusal is raised once the
+        others are answered; `retry_full`: a full queue (429) is waited out, submitting again every that many s."""
+
+        def one(request: TaskRequest | dict) -> SubmitAccepted:
+            while True:
+                try:
+                    return self.submit(request)
+                except ServiceError as exc:
+                    if retry_full is None or exc.status_code != 429:
+                        raise
+                    time.sleep(retry_full)
+
+        with ThreadPoolExecutor(max(parallel, 1), thread_name_prefix="polar-submit") as pool:
+            return list(pool.map(one, requests))
+
     def status(self, task_id: str) -> TaskStatus:
         return TaskStatus.model_validate(_checked(self.http.get(f"/rollout/task/{task_id}")))
 
@@ -152,18 +179,41 @@ class Client:
 
     def results(self, task_ids: Iterable[str], *, timeout: float = 3600.0) -> Iterator[TaskStatus]:
         """Each task's final status as it finishes (completed or failed), in finishing order: told by `/events`,
-        so each task's status is fetched once, not polled."""
-        waiting, deadline = set(task_ids), time.monotonic() + timeout
+        so each task's status is fetched once, not polled (and each asked after once more when listening starts,
+        in case it finished before)."""
+        return self._finishing(set(task_ids), timeout, submit=None)
+
+    def run(
+        self,
+        requests: Iterable[TaskRequest | dict],
+        *,
+        parallel: int = SUBMIT_PARALLEL,
+        retry_full: float | None = None,
+        timeout: float = 3600.0,
+    ) -> Iterator[TaskStatus]:
+        """`submit_many(requests)`, then each task's final status as it finishes, as `results` yields them (the
+        submits happen when iteration starts). Listening starts before the first submit, so no task has to be asked
+        after first: for 64 tasks of short sessions under load that asking cost 4% of the service's sessions/s."""
+        models = [r if isinstance(r, TaskRequest) else TaskRequest.model_validate(r) for r in requests]
+        return self._finishing(
+            {r.task_id for r in models},
+            timeout,
+            submit=lambda: self.submit_many(models, parallel=parallel, retry_full=retry_full),
+        )
+
+    def _finishing(
+        self, waiting: set[str], timeout: float, submit: Callable[[], object] | None
+    ) -> Iterator[TaskStatus]:
+        deadline = time.monotonic() + timeout
         with self.http.stream(
             "GET", "/events", params={"type": "task"}, timeout=httpx.Timeout(timeout, connect=30.0)
         ) as events:
             lines = events.iter_lines()
             next(lines)  # the stream's opening comment: subscribed, so no later change is missed
-            for task_id in sorted(waiting):  # those done before we listened
-                status = self.status(task_id)
-                if status.status != "running":
-                    waiting.discard(task_id)
-                    yield status
+            if submit is not None:
+                submit()
+            else:
+                yield from self._ask_after(waiting)  # those done before we listened
             for line in lines:
                 if not waiting:
                     return
@@ -172,13 +222,23 @@ class Client:
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])
-                if (
+                if event.get("type") == LAGGED_EVENT:  # the service dropped events we read too slowly to take
+                    yield from self._ask_after(waiting)
+                elif (
                     event.get("type") == "task"
                     and event.get("task_id") in waiting
                     and event["status"] in FINAL
                 ):
                     waiting.discard(event["task_id"])
                     yield self.status(event["task_id"])
+
+    def _ask_after(self, waiting: set[str]) -> Iterator[TaskStatus]:
+        """The final status of each task in `waiting` that has finished (taken out of `waiting`)."""
+        for task_id in sorted(waiting):
+            status = self.status(task_id)
+            if status.status in FINAL:
+                waiting.discard(task_id)
+                yield status
 
 
 FINAL = ("completed", "failed", "cancelled")
@@ -212,6 +272,18 @@ class AsyncClient:
                 if (wait := retries.delay(exc)) is None:
                     raise
                 await asyncio.sleep(wait)
+
+    async def submit_many(
+        self, requests: Iterable[TaskRequest | dict], *, parallel: int = SUBMIT_PARALLEL
+    ) -> list[SubmitAccepted]:
+        """Every request submitted (with `submit`'s waits), `parallel` at once; the answers in request order."""
+        slots = asyncio.Semaphore(max(parallel, 1))
+
+        async def one(request: TaskRequest | dict) -> SubmitAccepted:
+            async with slots:
+                return await self.submit(request)
+
+        return list(await asyncio.gather(*(one(request) for request in requests)))
 
     async def status(self, task_id: str) -> TaskStatus:
         return TaskStatus.model_validate(_checked(await self.http.get(f"/rollout/task/{task_id}")))

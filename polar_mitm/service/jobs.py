@@ -42,6 +42,7 @@ from polar_mitm.rollout.runner import RolloutConfig, SessionRun
 from polar_mitm.service.callbacks import Callbacks, delivered
 from polar_mitm.service.judging import ServiceJudge, Verdict
 from polar_mitm.service.models import (
+    LAGGED_EVENT,
     SessionResult,
     SessionStatus,
     SessionTiming,
@@ -70,6 +71,7 @@ OUTCOME_STATUS = {
     "failed": SessionStatus.COMPLETED,
     "timeout": SessionStatus.TIMEOUT,
 }
+EVENTS_BUFFERED = 1000  # events kept for each /events subscriber that has not read them yet
 STREAM_CHECK_S = 0.5  # how soon an idle /events stream notices the service stopping
 WEIGHTS_POLL_S = 0.5  # how often the engine's weight version is read while a task waits for a newer one
 
@@ -121,12 +123,14 @@ class Job:
 
 class EventBus:
     """Every session state change to each `/events` subscriber (a bounded queue each: a slow reader loses its
-    oldest events, never holds up a session)."""
+    oldest events, never holds up a session, and is told so by a `lagged` event)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffered: int = EVENTS_BUFFERED) -> None:
+        self.buffered = buffered
         self.subscribers: dict[
             asyncio.Queue, frozenset[str]
         ] = {}  # each one's queue → the event types it wants
+        self.lagging: set[asyncio.Queue] = set()  # subscribers that lost events since they last read one
         self.ids = itertools.count(1)
 
     def publish(self, event: dict[str, Any]) -> None:
@@ -137,6 +141,7 @@ class EventBus:
             if queue.full():
                 with contextlib.suppress(asyncio.QueueEmpty):
                     queue.get_nowait()
+                self.lagging.add(queue)
             queue.put_nowait(event)
 
     async def stream(
@@ -144,16 +149,21 @@ class EventBus:
     ) -> AsyncIterator[dict[str, Any]]:
         """Every event (of `kinds`, if given) from now on, until `stopping()` (checked each `STREAM_CHECK_S` while
         none comes)."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.buffered)
         self.subscribers[queue] = kinds
         try:
             while not stopping():
                 try:
-                    yield await asyncio.wait_for(queue.get(), STREAM_CHECK_S)
+                    event = await asyncio.wait_for(queue.get(), STREAM_CHECK_S)
                 except TimeoutError:
                     continue
+                if queue in self.lagging:  # a waiting client could never hear of what was lost: say so
+                    self.lagging.discard(queue)
+                    yield {"id": next(self.ids), "time": time.time(), "type": LAGGED_EVENT}
+                yield event
         finally:
             self.subscribers.pop(queue, None)
+            self.lagging.discard(queue)
 
 
 def runner_config(

@@ -42,6 +42,9 @@ class SessionStatus(StrEnum):
 
 
 TERMINAL = (SessionStatus.COMPLETED, SessionStatus.ERROR, SessionStatus.TIMEOUT)
+# The `/events` event a subscriber gets after the service dropped events it read too slowly to take (each subscriber
+# has a bounded buffer): whatever it waits for must be asked after again.
+LAGGED_EVENT = "lagged"
 
 
 class _Request(BaseModel):

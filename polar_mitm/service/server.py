@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import anyio
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -133,6 +134,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        # anyio loads its asyncio backend on first use (~0.1 s of imports): now, not on the first /events stream,
+        # where it held up every running session (benchmarks/bench_service.py)
+        await anyio.sleep(0)
         await service.start()
         try:
             yield

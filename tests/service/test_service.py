@@ -352,6 +352,38 @@ def test_events_come_in_order_and_the_callback_is_retried(service):
     assert Callbacks.calls == 3 and Callbacks.received[0]["session_id"] == result.session_id
 
 
+def test_a_session_waiting_for_its_evaluation_gives_its_run_slot_to_the_next_one(service):
+    """--max-sessions 2 and two evaluators: once a session's harness exits, its RUN slot is the next session's, also
+    while its evaluation waits for an evaluator (the runner's RUN worker has moved on). The service used to hold the
+    slot until an evaluator took the session: here the last two sessions then started only once the first two
+    evaluations' 3 s had passed. The task goes in through `Client.run` (listening first, then `submit_many`)."""
+    url, _ = service
+    running: dict[str, float] = {}
+    listening = threading.Event()
+
+    def listen() -> None:
+        with httpx.stream("GET", url + "/events", headers=AUTH, timeout=None) as stream:
+            lines = stream.iter_lines()
+            next(lines)  # subscribed
+            listening.set()
+            for line in lines:
+                event = json.loads(line[6:]) if line.startswith("data: ") else {}
+                if event.get("task_id") == "quick" and event.get("status") == "RUNNING":
+                    running[event["session_id"]] = event["time"]
+                    if len(running) == 6:
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert listening.wait(30)
+    with Client(url, token=TOKEN) as client:
+        [status] = client.run([cmd_request("quick", "true", check="sleep 3", samples=6)], timeout=90)
+    listener.join(timeout=30)
+    assert (status.task_id, status.status, status.completed_sessions) == ("quick", "completed", 6)
+    starts = sorted(running.values())
+    assert len(starts) == 6 and starts[-1] - starts[0] < 2.0, [round(t - starts[0], 2) for t in starts]
+
+
 # Polar's SessionTiming refuses fields it does not know (extra="forbid"): ours must be among its names.
 POLAR_TIMING = {
     "register_to_init_queue_ms",
@@ -661,7 +693,7 @@ def test_async_submit_waits_for_a_service_not_up_and_out_a_full_queue_but_never_
     async def submits() -> tuple[str, float, ServiceError, float]:
         async with AsyncClient(f"http://127.0.0.1:{port}", token=TOKEN, submit_wait=30) as client:
             started = time.monotonic()
-            accepted = await client.submit(cmd_request("retried", "true"))
+            [accepted] = await client.submit_many([cmd_request("retried", "true")])
             with pytest.raises(ServiceError) as refused:
                 await client.submit(bad)
         async with AsyncClient(f"http://127.0.0.1:{ports.free_port()}", submit_wait=1.5) as nowhere:
