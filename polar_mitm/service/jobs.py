@@ -208,6 +208,9 @@ class RolloutService:
         self.work = out / layout.WORK_DIR
         self.max_sessions, self.queue_limit, self.engine_url = max_sessions, queue_limit, engine_url
         self.jobs: dict[str, Job] = {}
+        # The jobs that may still send or finish sessions (queued or running): what dispatching, the submit's queue
+        # count and the weights watch look at, so that a long-lived service's finished tasks cost them nothing.
+        self._open: dict[str, Job] = {}
         self.events = EventBus()
         self.order = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -298,6 +301,8 @@ class RolloutService:
                     (job, r) for r in job.results.values() if r.session_id not in acknowledged
                 ]
             self.jobs[request.task_id] = job
+            if job.state == "queued":
+                self._open[request.task_id] = job
         if self._wake is not None:
             self._wake.set()
         return rerun
@@ -320,7 +325,7 @@ class RolloutService:
         known = self.jobs.get(request.task_id)
         if request.task_id in self._accepting or (known is not None and known.state in ("queued", "running")):
             raise Conflict(f"task {request.task_id!r} is still running")
-        waiting = sum(job.state == "queued" for job in self.jobs.values()) + len(self._accepting)
+        waiting = sum(job.state == "queued" for job in self._open_jobs()) + len(self._accepting)
         if waiting >= self.queue_limit:
             raise QueueFull(f"{self.queue_limit} tasks already wait")
         folder = layout.task_dir(self.out, request.task_id)
@@ -330,7 +335,7 @@ class RolloutService:
             await asyncio.to_thread(layout.write_task, folder, request.model_dump_json(), job.submitted_at)
         finally:
             self._accepting.discard(request.task_id)
-        self.jobs[request.task_id] = job
+        self.jobs[request.task_id] = self._open[request.task_id] = job
         self.events.publish({"type": "task", "task_id": request.task_id, "status": "queued"})
         assert self._wake is not None
         self._wake.set()
@@ -372,6 +377,14 @@ class RolloutService:
 
     # -- running ------------------------------------------------------------------------------------------------
 
+    def _open_jobs(self) -> list[Job]:
+        """The queued and running jobs (those whose state moved on are let go here)."""
+        for task_id in [
+            task_id for task_id, job in self._open.items() if job.state not in ("queued", "running")
+        ]:
+            del self._open[task_id]
+        return list(self._open.values())
+
     def _in_flight(self) -> int:
         """Sessions holding a RUN slot: a session being evaluated, or its result written, leaves it (as the
         runner's RUN worker moves on at POST-RUN)."""
@@ -389,11 +402,7 @@ class RolloutService:
         """While a task waits for newer weights: read the engine's version, and end the waits whose time is up."""
         assert self._wake is not None
         while True:
-            waiting = [
-                job
-                for job in self.jobs.values()
-                if job.state in ("queued", "running") and job.unsent and not self._weights_ready(job)
-            ]
+            waiting = [job for job in self._open_jobs() if job.unsent and not self._weights_ready(job)]
             if waiting:
                 await self._read_weight_version()
                 for job in waiting:
@@ -450,19 +459,17 @@ class RolloutService:
             await self._wake.wait()
             self._wake.clear()
             ready = sorted(
-                (
-                    job
-                    for job in self.jobs.values()
-                    if job.state in ("queued", "running") and job.unsent and self._weights_ready(job)
-                ),
+                (job for job in self._open_jobs() if job.unsent and self._weights_ready(job)),
                 key=lambda job: (-job.request.dispatch_priority, job.order),
             )
+            in_flight = self._in_flight()
             for job in ready:
-                while job.unsent and self._in_flight() < self.max_sessions:
+                while job.unsent and in_flight < self.max_sessions:
                     self._send(job)
+                    in_flight += 1
                 if job.unsent:
                     break  # in priority order: a later task does not overtake this one
-            for job in self.jobs.values():
+            for job in self._open_jobs():
                 self._maybe_done(job)
 
     def _send(self, job: Job) -> None:
