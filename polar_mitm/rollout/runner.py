@@ -219,7 +219,8 @@ class InOrder:
 
 
 class Rollout:
-    """Runs G sessions per task through the stages; `on_update` gets the live sessions after every change."""
+    """Runs G sessions per task through the stages; after every change `on_update` gets the live sessions and
+    `on_session` the session that changed (what a scheduler with many sessions in flight wants: no walk of them all)."""
 
     def __init__(
         self,
@@ -235,6 +236,7 @@ class Rollout:
         self.gateways = [gateway] if isinstance(gateway, GatewayEndpoints) else list(gateway)
         self.running_on = [0] * len(self.gateways)
         self.on_update = on_update or (lambda sessions: None)
+        self.on_session: Callable[[SessionRun], None] = lambda s: None
         self.sandbox = get_sandbox(
             config.sandbox, config.image
         )  # unusable: SandboxUnavailable, before any session
@@ -266,7 +268,7 @@ class Rollout:
 
     async def _init(self, s: SessionRun) -> bool:
         s.stage = "init"
-        self.on_update(self.sessions)
+        self._changed(s)
         start = time.monotonic()
         s.workspace = self.config.workspace_root / s.session_id
         try:
@@ -302,7 +304,7 @@ class Rollout:
 
     async def _run(self, s: SessionRun) -> None:
         s.stage = "run"
-        self.on_update(self.sessions)
+        self._changed(s)
         gateway = min(range(len(self.gateways)), key=self.running_on.__getitem__)
         self.running_on[gateway] += 1
         try:
@@ -486,7 +488,11 @@ class Rollout:
         if s.workspace is not None and not self.config.keep_workspaces:
             await asyncio.to_thread(shutil.rmtree, s.workspace, True)
             await asyncio.to_thread(shutil.rmtree, self._grading_dir(s), True)
+        self._changed(s)
+
+    def _changed(self, s: SessionRun) -> None:
         self.on_update(self.sessions)
+        self.on_session(s)
 
     def finished(self) -> RolloutSummary:
         """The sessions that completed so far (all of them after `run`) and, once the rollout was interrupted, those
@@ -590,6 +596,7 @@ class Rollout:
             await self._finish_cut(s)
         elif await self._init(s):
             s.stage = "ready"
+            self._changed(s)
             await self._ready_order.turn(ticket)
             await self._ready.put(s)  # blocks while the READY buffer is full
         else:
@@ -610,7 +617,7 @@ class Rollout:
         # POST-RUN from here, waiting for an evaluator included: this RUN worker moves on now, and a scheduler that
         # counts sessions in RUN (the rollout service) must not hold the slot while the evaluation queue drains.
         s.stage = "post"
-        self.on_update(self.sessions)
+        self._changed(s)
         await self._post_queue.put(s)
 
     async def _evaluate(self, s: SessionRun) -> None:

@@ -230,7 +230,7 @@ class RolloutService:
         self.pool = sessions or LocalSessions(
             endpoints, runner_config(self.work, max_sessions, sandbox), self.flows
         )
-        self.pool.watch(self._on_update)
+        self.pool.watch(self._on_stage)
         harness_logs = runner_config(self.work, max_sessions, sandbox).log_dir
         self.judge = ServiceJudge(judging or JudgeOptions(), out, self.flows, harness_logs)
 
@@ -542,16 +542,15 @@ class RolloutService:
         if job.state in ("queued", "running") and not job.unsent and not job.inflight:
             self._set_state(job, "completed")
 
-    def _on_update(self, sessions: list[SessionRun]) -> None:
-        for s in sessions:
-            job = self._owner.get(s.session_id)
-            if job is None or self._stages.get(s.session_id) == s.stage:
-                continue
-            self._stages[s.session_id] = s.stage
-            if s.stage in STAGE_STATUS:
-                self._publish_session(job, s.session_id, STAGE_STATUS[s.stage])
-            if s.stage in ("post", "done") and self._wake is not None:
-                self._wake.set()  # its RUN slot is free
+    def _on_stage(self, s: SessionRun) -> None:
+        job = self._owner.get(s.session_id)
+        if job is None or self._stages.get(s.session_id) == s.stage:
+            return
+        self._stages[s.session_id] = s.stage
+        if s.stage in STAGE_STATUS:
+            self._publish_session(job, s.session_id, STAGE_STATUS[s.stage])
+        if s.stage in ("post", "done") and self._wake is not None:
+            self._wake.set()  # its RUN slot is free
 
     async def _finished(self, job: Job, sessions: list[SessionRun]) -> None:
         """Finished sessions of `job` judged (their rewards become the judged ones), merged and reported."""

@@ -47,9 +47,9 @@ class LocalSessions:
         self.pool = SessionPool(None, endpoints, config)
         self._eot: int | None = None
 
-    def watch(self, on_update: Callable[[list[SessionRun]], None]) -> None:
-        """Stage changes as they happen (INIT, RUN, POST-RUN: the service's events)."""
-        self.pool.on_update = on_update
+    def watch(self, on_change: Callable[[SessionRun], None]) -> None:
+        """Each session's stage changes as they happen (INIT, RUN, POST-RUN: the service's events)."""
+        self.pool.on_session = on_change
 
     async def start(self) -> None:
         self.pool.start()
@@ -102,7 +102,7 @@ class RaySessions:
         self._where: dict[str, Any] = {}  # session id → the node it ran on (for its traces)
         self.places = 0
 
-    def watch(self, on_update: Callable[[list[SessionRun]], None]) -> None:
+    def watch(self, on_change: Callable[[SessionRun], None]) -> None:
         """Nodes report a session when it is done: no stage changes to watch."""
 
     async def start(self) -> None:
