@@ -56,6 +56,7 @@ def in_process(args, work: Path) -> dict[str, float]:
         concurrency=args.concurrency,
         ready_buffer=0,
         workspace_root=work / "workspaces",
+        log_dir=work / "logs",  # as `polar-mitm rollout` and the service keep each harness's output
     )
     first: list[float] = []
     with capture_stack(

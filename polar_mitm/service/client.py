@@ -214,6 +214,8 @@ class Client:
                 submit()
             else:
                 yield from self._ask_after(waiting)  # those done before we listened
+            if not waiting:  # nothing (left) to wait for: no event need come
+                return
             for line in lines:
                 if not waiting:
                     return
