@@ -138,10 +138,33 @@ class RayPool:
             )
             for node_id, name in nodes
         ]
-        ray.get([n.actor.ping.remote() for n in self.nodes], timeout=ready_timeout)
+        # Ray lists a node that just died as alive until its heartbeats stop (~16 s): an actor placed there dies
+        # unstarted. That node is left out (and reported), as a node dying mid-rollout is; only none left fails.
+        self.dead_unreported: list[str] = []
+        self._settle({n.actor.ping.remote(): n for n in self.nodes}, timeout=ready_timeout)
+        if not self.live():
+            raise RuntimeError(
+                f"every rollout node of the Ray cluster at {address} died before its actor started "
+                f"({', '.join(self.dead_unreported)})"
+            )
 
     def live(self) -> list[NodeHandle]:
         return [n for n in self.nodes if n.alive]
+
+    def _settle(self, refs: dict[Any, NodeHandle], *, timeout: float) -> None:
+        """Wait for one call per node; a node whose actor died (with its node) is marked dead, to be reported by
+        the next rollout. A failure in our own code on a node, or a timeout, is raised as before."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        for ref, node in refs.items():
+            try:
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
+                raise
+            except ray.exceptions.RayError:
+                node.alive = False
+                self.dead_unreported.append(node.name)
 
     def begin(
         self,
@@ -153,12 +176,11 @@ class RayPool:
     ) -> list[NodeHandle]:
         """Start each live node's gateway (recording to `node_dir(node)`, on its share of `engine_url`) and its
         runner (workspaces and logs under `work_dir`, per node); the nodes started."""
-        import ray
 
         from polar_mitm.engines import keys as engine_keys
         from polar_mitm.engines import router
 
-        refs = []
+        refs = {}
         live = self.live()
         for node, backend in zip(live, router.gateway_backends(engine_url, len(live)), strict=True):
             node.load = node.finished = 0
@@ -168,19 +190,18 @@ class RayPool:
                 log_dir=work_dir / "logs" / node.name,
                 keep=None,
             )
-            refs.append(
-                node.actor.begin.remote(
-                    str(node_dir(node)),
-                    backend,
-                    gateway_options,
-                    node_config,
-                    str(work_dir / "mitmproxy" / node.name),
-                    str(work_dir / "logs"),
-                    engine_keys.key_for(backend),  # the node's gateway needs it; nothing else there has it
-                )
+            ref = node.actor.begin.remote(
+                str(node_dir(node)),
+                backend,
+                gateway_options,
+                node_config,
+                str(work_dir / "mitmproxy" / node.name),
+                str(work_dir / "logs"),
+                engine_keys.key_for(backend),  # the node's gateway needs it; nothing else there has it
             )
-        ray.get(refs, timeout=180)
-        return live
+            refs[ref] = node
+        self._settle(refs, timeout=180)
+        return self.live()
 
     def close(self) -> None:
         """Stop every actor (gateways stopped, journals compacted) and leave the cluster."""
@@ -292,6 +313,8 @@ class RayRollout:
 
     def _begin(self) -> None:
         self.pool.begin(self.engine_url, self.gateway_options, self.config, self.work_dir, self.node_dir)
+        self.dead += self.pool.dead_unreported  # died before this rollout gave them a session
+        self.pool.dead_unreported.clear()
 
     def _end(self) -> None:
         import ray

@@ -121,6 +121,9 @@ class RaySessions:
             lambda node: self.flows / f"node-{node.name}",
         )
         self.places = len(started)
+        for name in self.pool.dead_unreported:
+            logger.warning("Ray node %s died before its first session: left out", name)
+        self.pool.dead_unreported.clear()
 
     async def run(self, s: SessionRun, harness: HarnessSpec) -> SessionRun:
         import ray

@@ -278,5 +278,51 @@ def test_judged_tasks_on_the_cluster_read_each_nodes_records_and_harness_logs(
         assert row["reward"] == pytest.approx(1 + 0.2 * 4 / 5)  # the log was read on its node's folder
 
 
+def test_a_node_that_died_just_before_the_rollout_is_left_out_and_reported(
+    cluster, scripted_engines, tmp_path
+):
+    """Ray lists a node that just died as alive until its heartbeats are missed (~16 s): the driver places an actor
+    there that dies unstarted. The rollout goes on the nodes left and reports the dead one (it failed the whole
+    rollout before). The node is removed right before the driver starts, well inside that window."""
+    ray_cluster, _ = cluster
+    doomed = ray_cluster.add_node(num_cpus=1, resources={"polar_rollout": 1}, **SMALL)
+    ray_cluster.wait_for_nodes()
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"task_id": "t", "prompt": "p", "eval": "true"}) + "\n")
+    harness = CURL_THEN_SLEEP.replace("sleep 3", "true")
+    work, out, rewards = tmp_path / "work", tmp_path / "flows", tmp_path / "r.parquet"
+    ray_cluster.remove_node(doomed, allow_graceful=False)
+    argv = [
+        "rollout",
+        str(tasks),
+        "--harness",
+        harness,
+        "-g",
+        "2",
+        "-c",
+        "1",
+        "--engine",
+        scripted_engines[0],
+    ]
+    argv += [
+        "--ray",
+        ray_cluster.address,
+        "--out",
+        str(out),
+        "--rewards",
+        str(rewards),
+        "--work-dir",
+        str(work),
+    ]
+    done = subprocess.run(cli(*argv), capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    dead = node_name(doomed)
+    report = json.loads((work / "ray_report.json").read_text())
+    assert dead in report["dead_nodes"], report["dead_nodes"]
+    assert f"node {dead} died: 0 finished session(s) kept" in done.stdout + done.stderr
+    assert dead not in report["per_node"] and sum(report["per_node"].values()) == 2  # the nodes left ran them
+    assert [r["status"] for r in pq.read_table(rewards).to_pylist()] == ["ok", "ok"]
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1"}
