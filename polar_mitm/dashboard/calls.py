@@ -4,7 +4,8 @@ A call shows the request as the harness sent it (`request_json`, provider-native
 (`messages_json`, the internal conversation), the answer (`response_json`), and its tokens: the prompt's (context,
 mask 0) then the sampled ones (mask 1, with their logprobs). Tokens are decoded and long prompts elided exactly as
 the static report's token viewer does (`report/trajectories.to_trajectory`), so both show the same thing. Only
-this session's rows are read (`storage/records.read_session`, a filtered scan).
+this session's rows are read (`storage/session_records.read_live_session`: what the folder gained since the
+last read).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from polar_mitm.storage.engine_info import ENGINE_FILE, read_engine_file
 from polar_mitm.storage.judgments import JUDGMENTS_DIR
 from polar_mitm.storage.location import StorageError
 from polar_mitm.storage.merged import MergedShards
-from polar_mitm.storage.records import read_session
+from polar_mitm.storage.session_records import read_live_session
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def session_view(stage: Stage, session: dict[str, Any]) -> dict[str, Any]:
     tokenizer = stage_tokenizer(stage)
     rows: list[dict[str, Any]] = []
     if stage.flows_dir.is_dir():
-        rows = read_session(stage.flows_dir, session["session_id"]).to_pylist()
+        rows = read_live_session(stage.flows_dir, session["session_id"]).to_pylist()
     rows.sort(key=lambda r: (r["seq"], r["started_at"]))
     return {
         "session": session,

@@ -29,7 +29,8 @@ from polar_mitm.judges.options import JudgeFailure, JudgeOptions, judge_api_key
 from polar_mitm.judges.prompt import JudgeAnswerError, json_answer
 from polar_mitm.judges.trace import session_trace
 from polar_mitm.storage import judgments as stored
-from polar_mitm.storage.records import read_all, read_session
+from polar_mitm.storage.records import read_all
+from polar_mitm.storage.session_records import read_live_session
 from polar_mitm.tasks.task_file import Task
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ class JudgePlaces:
     judgments: Path  # ROLLOUT/judgments (storage/judgments.py)
     cache: Path  # RUN/judge-cache
     harness_logs: Path | None = None  # the harness logs, SESSION_ID.log
-    # Read each judged session's records alone (storage.records.read_session), not the whole folder: the rollout
-    # service's records folder grows for days while it judges a few sessions at a time.
+    # Read each judged session's records alone (storage.session_records, following the folder), not the whole
+    # folder: the rollout service's records folder grows for days while it judges a few sessions at a time.
     records_per_session: bool = False
 
 
@@ -260,7 +261,7 @@ def _traces(sessions: list[FinishedSession], places: JudgePlaces, budget: int) -
     by_session: dict[str, list[dict[str, Any]]] = {s.session_id: [] for s in sessions}
     if places.records.exists():
         tables = (
-            [read_session(places.records, session_id) for session_id in by_session]
+            [read_live_session(places.records, session_id) for session_id in by_session]
             if places.records_per_session
             else [read_all(places.records)]
         )

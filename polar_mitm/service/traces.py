@@ -19,8 +19,8 @@ from pathlib import Path
 from polar_mitm.reconstruct.merge import merge_table, recorded_eot
 from polar_mitm.service.models import Trace
 from polar_mitm.storage.merged import MergedSequence, sequences_in
-from polar_mitm.storage.records import read_session
 from polar_mitm.storage.rewards import Reward
+from polar_mitm.storage.session_records import read_live_session
 
 # The merged row's fields a trace's metadata carries as they are (the ids, mask and logprobs are the trace's own).
 MERGED_METADATA = (
@@ -55,7 +55,7 @@ def session_traces(
 ) -> list[Trace]:
     """The traces of `session_id`'s records under `flows` (live journals included), rewarded `reward`; `status`:
     the runner's, for how the session ended (without it, its calls alone say)."""
-    mine = read_session(flows, session_id)
+    mine = read_live_session(flows, session_id)  # at the cost of what the folder gained since the last one
     if mine.num_rows == 0:
         return []
     said = None if status is None else {session_id: Reward(reward, status=status)}

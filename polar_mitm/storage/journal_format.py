@@ -53,9 +53,9 @@ class JournalScan:
 class _Frames:
     """Frame parsing for one journal's bytes, in the current (marked) or the legacy (unmarked) format."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, marked: bool | None = None) -> None:
         self.data = data
-        self.marked = data.startswith(FILE_HEADER)
+        self.marked = data.startswith(FILE_HEADER) if marked is None else marked
         self.prefix = FRAME_MAGIC if self.marked else b""
         self.first = len(FILE_HEADER) if self.marked else 0
 
@@ -111,6 +111,39 @@ def scan_bytes(data: bytes) -> JournalScan:
             scan.damaged.append((pos, end, "a checksummed frame that is not a record (not a JSON object)"))
         pos = end
     return scan
+
+
+@dataclass
+class AppendedFrames:
+    """The frames in bytes appended to a marked journal, as file offsets (`scan_appended`)."""
+
+    payloads: list[tuple[int, int]]  # (start, end) of each intact frame's payload
+    damaged: list[tuple[int, int, str]]
+    resume: int  # where the next scan starts: the end of the last whole frame, or a frame still being written
+
+
+def scan_appended(data: bytes, base: int) -> AppendedFrames:
+    """The frames of `data`, the bytes of a marked journal from file offset `base` (a frame boundary) to its end
+    now. A frame cut at the end is one still being written: the scan resumes at its start next time, as it does at
+    a damaged region nothing intact follows yet. Damage before an intact frame is skipped, as `scan_bytes` does."""
+    frames, found = _Frames(data, marked=True), AppendedFrames([], [], base + len(data))
+    pos = 0
+    while pos < len(data):
+        at = frames.frame_at(pos)
+        if not isinstance(at, str):
+            end, _ = at
+            found.payloads.append((base + pos + len(FRAME_MAGIC) + FRAME_HEADER.size, base + end))
+            pos = end
+            continue
+        after = frames.next_frame(pos)
+        if after == len(
+            data
+        ):  # nothing intact after it (yet): a write in progress, or damage to report later
+            found.resume = base + pos
+            break
+        found.damaged.append((base + pos, base + after, at))
+        pos = after
+    return found
 
 
 def scan_journal(path: Path) -> JournalScan:

@@ -444,7 +444,7 @@ class Inputs:
     problems: list[str]  # one line each: a file, and why it was skipped or how it was read
 
 
-def _parquet_source(file: str, fs: pafs.FileSystem, inputs: Inputs) -> None:
+def add_parquet_source(file: str, fs: pafs.FileSystem, inputs: Inputs) -> None:
     """Add one Parquet file to `inputs`: as a source, a foreign file, or a problem naming what is wrong."""
     try:
         with pq.ParquetFile(file, filesystem=fs) as parquet:
@@ -486,7 +486,7 @@ def list_sources(inputs: Sequence[str | Path], *, include_journal: bool = True) 
         )
         files = where.parquet_files()  # after the journals: see the docstring
         for file in files:
-            _parquet_source(file, where.filesystem, found)
+            add_parquet_source(file, where.filesystem, found)
         for folder, live in journals:
             journal = _journal_source(folder, live, files, found)
             if journal is not None:
