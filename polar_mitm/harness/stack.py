@@ -167,7 +167,7 @@ class HarnessStack:
 
     def records(self, session: str) -> list[dict[str, Any]]:
         """This session's records (compacted shards and the live journal), in call order."""
-        from polar_mitm.storage.records import read_all
+        from polar_mitm.storage.session_records import read_live_session
 
-        rows = [r for r in read_all(self.gateway.out_dir).to_pylist() if r["session_id"] == session]
+        rows = read_live_session(self.gateway.out_dir, session).to_pylist()
         return sorted(rows, key=lambda r: r["seq"])

@@ -14,6 +14,7 @@ is left out. The open descriptor keeps a journal compacted in between readable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -51,6 +52,13 @@ log = logging.getLogger(__name__)
 SESSION_ID = re.compile(rb'"session_id":"([^"\\]*)"')
 HEAD = 512
 READERS_KEPT = 32  # folders with a reader kept (`reader_for`), least recently used dropped
+
+
+@functools.cache
+def _empty() -> pa.Table:
+    return (
+        RECORD_SCHEMA.empty_table()
+    )  # ~0.1 ms each time: most reads of a service's sleep sessions find nothing
 
 
 def _session_of(payload: bytes) -> str | None:
@@ -131,7 +139,7 @@ class SessionRecords:
     def read(self, session_id: str) -> pa.Table:
         with self._lock:
             if not self.root.is_dir():
-                return RECORD_SCHEMA.empty_table()
+                return _empty()
             self._follow_journals()  # before the shards are listed (see the module's docstring)
             shards = self._list_shards()
             compacted = {
@@ -157,7 +165,7 @@ class SessionRecords:
                         )
                     tables.append(table)
             tables = [t for t in tables if t is not None and t.num_rows]
-            return pa.concat_tables(tables) if tables else RECORD_SCHEMA.empty_table()
+            return pa.concat_tables(tables) if tables else _empty()
 
     def close(self) -> None:
         with self._lock:
@@ -230,7 +238,7 @@ _readers_lock = threading.Lock()
 
 def reader_for(location: str | Path) -> SessionRecords:
     """The process's reader of a local record folder, kept for the next read (`READERS_KEPT` folders at most)."""
-    key = Path(location).resolve()
+    key = Path(os.path.abspath(location))  # not resolve(): no symlink walk on every read
     with _readers_lock:
         reader = _readers.pop(key, None) or SessionRecords(key)
         _readers[key] = reader
