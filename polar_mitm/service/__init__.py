@@ -12,3 +12,6 @@ HTTP in Polar's wire format and get token-exact trajectories back, captured from
 """
 
 TOKEN_ENV = "POLAR_SERVICE_TOKEN"  # the bearer token every client sends and `serve-rollouts` requires
+# Finished tasks' trace tokens whose results stay in memory for GET /rollout/task/ID (~76 bytes a token there: ~300
+# MB); beyond it the oldest finished tasks' results are read back from their results file. A service runs for days.
+RESULTS_IN_MEMORY_TOKENS = 4_000_000

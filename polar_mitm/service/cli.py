@@ -19,7 +19,7 @@ import typer
 
 from polar_mitm.config_options import ConfigOptionsCommand, field_options, option_values
 from polar_mitm.judges.options import JudgeOptions, judge_api_key
-from polar_mitm.service import TOKEN_ENV
+from polar_mitm.service import RESULTS_IN_MEMORY_TOKENS, TOKEN_ENV
 from polar_mitm.user_errors import UserInputError
 
 SHUTDOWN_GRACE_S = 5  # a request still running when the service is stopped gets this long
@@ -54,6 +54,13 @@ def serve_rollouts_command(
     ] = None,
     max_sessions: Annotated[int, typer.Option(help="Harness sessions running at once.")] = 8,
     queue_limit: Annotated[int, typer.Option(help="Tasks waiting before a submit gets 429.")] = 64,
+    results_in_memory: Annotated[
+        int,
+        typer.Option(
+            help="Trace tokens of finished tasks' results kept in memory for GET /rollout/task/ID (~76 bytes "
+            "each); beyond it the oldest finished tasks' results are read back from OUT/tasks/*/results.jsonl."
+        ),
+    ] = RESULTS_IN_MEMORY_TOKENS,
     gateways: Annotated[int, typer.Option(help="Gateway processes (sessions spread across them).")] = 1,
     ray: Annotated[
         str | None,
@@ -103,6 +110,8 @@ def serve_rollouts_command(
         raise UserInputError(f"--max-tokens {max_tokens}: must be at least 1")
     if temperature is not None and not 0 <= temperature < float("inf"):
         raise UserInputError(f"--temperature {temperature}: must be a finite number ≥ 0")
+    if results_in_memory < 0:
+        raise UserInputError(f"--results-in-memory {results_in_memory}: must be at least 0 (0: none kept)")
     sampling = {
         name: str(value)
         for name, value in (("polar_max_tokens", max_tokens), ("polar_temperature", temperature))
@@ -132,6 +141,7 @@ def serve_rollouts_command(
         task_root=(task_root or Path.cwd()).resolve(),
         max_sessions=max_sessions,
         queue_limit=queue_limit,
+        results_in_memory=results_in_memory,
         gateways=gateways,
         ray=ray,
         resume=resume,
@@ -170,6 +180,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
             task_root=task_root,
             max_sessions=options["max_sessions"],
             queue_limit=options["queue_limit"],
+            results_in_memory=options["results_in_memory"],
             engine_url=attached.url,
             sampling=options["sampling"],
             gateway_options=gateway_options,

@@ -31,6 +31,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 from polar_mitm.judges.options import JudgeOptions
 from polar_mitm.rollout.harness_spec import GatewayEndpoints, HarnessSpec, HarnessSpecError
 from polar_mitm.rollout.runner import RolloutConfig, SessionRun
+from polar_mitm.service import RESULTS_IN_MEMORY_TOKENS
 from polar_mitm.service.callbacks import Callbacks, delivered
 from polar_mitm.service.judging import ServiceJudge, Verdict
 from polar_mitm.service.models import (
@@ -71,6 +73,7 @@ OUTCOME_STATUS = {
     "failed": SessionStatus.COMPLETED,
     "timeout": SessionStatus.TIMEOUT,
 }
+FINISHED = ("completed", "failed", "cancelled")
 EVENTS_BUFFERED = 1000  # events kept for each /events subscriber that has not read them yet
 STREAM_CHECK_S = 0.5  # how soon an idle /events stream notices the service stopping
 WEIGHTS_POLL_S = 0.5  # how often the engine's weight version is read while a task waits for a newer one
@@ -103,6 +106,9 @@ class Job:
     held: list[SessionRun] = field(
         default_factory=list
     )  # finished, waiting for their group's judge (mode group)
+    results_on_disk: bool = (
+        False  # a finished task whose results left memory: a GET reads them back (`leave_memory`)
+    )
 
     def claim_index(self) -> int:
         """The lowest sample index no session of this task holds."""
@@ -111,14 +117,35 @@ class Job:
         return index
 
     def status(self) -> TaskStatus:
+        """What GET answers (reads the results file once they left memory: call it off the event loop then)."""
         wire = {"queued": "running", "running": "running", "completed": "completed"}.get(self.state, "failed")
+        results = self.saved_results() if self.results_on_disk else list(self.results.values())
         return TaskStatus(
             task_id=self.request.task_id,
             status=wire,
             total_sessions=self.request.num_samples,
-            completed_sessions=len(self.results),
-            results=list(self.results.values()),
+            completed_sessions=len(results),
+            results=results,
         )
+
+    def saved_results(self) -> list[SessionResult]:
+        """The results file, each session once (its first line, as `--resume` reads it)."""
+        found: dict[str, SessionResult] = {}
+        for row in layout.read_lines(self.folder / layout.RESULTS_FILE):
+            result = SessionResult.model_validate(row)
+            found.setdefault(result.session_id, result)
+        return list(found.values())
+
+    def trace_tokens(self) -> int:
+        return sum(
+            len(t.prompt_ids) + len(t.response_ids)
+            for r in self.results.values()
+            for t in r.trajectory.traces
+        )
+
+    def leave_memory(self) -> None:
+        """A finished task's results are on disk already: memory lets them go."""
+        self.results, self.results_on_disk = {}, True
 
 
 class EventBus:
@@ -200,8 +227,13 @@ class RolloutService:
         sessions: LocalSessions | RaySessions | None = None,
         sandbox: tuple[str, str | None] = ("bwrap", None),
         judging: JudgeOptions | None = None,
+        results_in_memory: int = RESULTS_IN_MEMORY_TOKENS,
     ) -> None:
         self.out, self.endpoints, self.task_root, self.sandbox = out, endpoints, task_root, sandbox
+        self.results_in_memory = results_in_memory
+        # Finished jobs whose results are still in memory, the oldest first: id(job) → (job, its trace tokens).
+        self._kept: OrderedDict[int, tuple[Job, int]] = OrderedDict()
+        self._kept_tokens = 0
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
         self.gateway_options = dict(gateway_options or self.sampling)  # all the gateways are given
         self.flows = out / layout.FLOWS_DIR
@@ -274,6 +306,12 @@ class RolloutService:
             request = TaskRequest.model_validate_json((folder / layout.REQUEST_FILE).read_text())
             task, harness = request_task(request, self.task_root), HarnessSpec(request.agent.harness)
             job = Job(request, task, harness, folder, order=next(self.order))
+            saved = json.loads((folder / layout.STATE_FILE).read_text())
+            if saved.get("status") in FINISHED and not request.callback_url:  # nothing to do but answer GETs
+                job.state, job.results_on_disk = saved["status"], True
+                job.submitted_at = saved.get("submitted_at", job.submitted_at)
+                self.jobs[request.task_id] = job
+                continue
             for row in layout.read_lines(folder / layout.RESULTS_FILE):
                 result = SessionResult.model_validate(row)
                 job.results.setdefault(result.session_id, result)
@@ -287,7 +325,6 @@ class RolloutService:
                     job.inflight.add(row["session_id"])
                     job.taken.add(row["index"])
             job.unsent = max(request.num_samples - len(job.results) - len(job.held), 0)
-            saved = json.loads((folder / layout.STATE_FILE).read_text())
             job.submitted_at = saved.get("submitted_at", job.submitted_at)
             state = saved.get("status", "running")
             job.state = state if state in ("completed", "failed", "cancelled") else "queued"
@@ -303,6 +340,8 @@ class RolloutService:
             self.jobs[request.task_id] = job
             if job.state == "queued":
                 self._open[request.task_id] = job
+            else:
+                self._keep(job)
         if self._wake is not None:
             self._wake.set()
         return rerun
@@ -340,9 +379,13 @@ class RolloutService:
         assert self._wake is not None
         self._wake.set()
 
-    def status(self, task_id: str) -> TaskStatus | None:
+    async def status(self, task_id: str) -> TaskStatus | None:
         job = self.jobs.get(task_id)
-        return None if job is None else job.status()
+        return None if job is None else await self._status_of(job)
+
+    @staticmethod
+    async def _status_of(job: Job) -> TaskStatus:
+        return await asyncio.to_thread(job.status) if job.results_on_disk else job.status()
 
     async def cancel(self, task_id: str) -> TaskStatus | None:
         """Stop a task's harnesses; the sessions that finished keep their results, each reported once."""
@@ -355,7 +398,7 @@ class RolloutService:
             while job.inflight:  # cut sessions end at once; results being written are kept
                 await asyncio.sleep(0.05)
             await self._write_state(job, "cancelled")
-        return job.status()
+        return await self._status_of(job)
 
     def health(self) -> dict[str, Any]:
         states = [job.state for job in self.jobs.values()]
@@ -365,6 +408,7 @@ class RolloutService:
             "running_sessions": self._in_flight(),
             "max_sessions": self.max_sessions,
             "gateways": self.pool.places,
+            "results_in_memory": {"finished_tasks": len(self._kept), "trace_tokens": self._kept_tokens},
             "sampling": self.sampling,
             "gateway_options": self.gateway_options,
         }
@@ -626,7 +670,22 @@ class RolloutService:
                 job.folder / layout.STATE_FILE,
                 json.dumps({"status": state, "submitted_at": job.submitted_at}),
             )
+        if state in FINISHED:
+            self._keep(job)
         self.events.publish({"type": "task", "task_id": job.request.task_id, "status": state})
+
+    def _keep(self, job: Job) -> None:
+        """A finished job's results stay in memory for GETs; beyond `results_in_memory` trace tokens the oldest
+        finished jobs let theirs go (on disk since each was reported)."""
+        if job.results_on_disk or id(job) in self._kept:
+            return
+        tokens = job.trace_tokens()
+        self._kept[id(job)] = (job, tokens)
+        self._kept_tokens += tokens
+        while self._kept_tokens > self.results_in_memory and self._kept:
+            _, (oldest, held) = self._kept.popitem(last=False)
+            self._kept_tokens -= held
+            oldest.leave_memory()
 
 
 def held_row(s: SessionRun) -> dict[str, Any]:

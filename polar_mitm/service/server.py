@@ -71,7 +71,7 @@ def build_app(
         return JSONResponse(SubmitAccepted(task_id=task.task_id).model_dump())
 
     async def get_task(request: Request) -> Response:
-        status = service.status(request.path_params["task_id"])
+        status = await service.status(request.path_params["task_id"])
         if status is None:
             return JSONResponse({"detail": "task not found"}, status_code=404)
         return Response(status.model_dump_json(), media_type="application/json")

@@ -75,13 +75,24 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+KEPT_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("service")
     port = ports.free_port()
-    proc = start_service(root / "out", port, "--max-sessions", "2", "--queue-limit", "2")
+    # --results-in-memory: about one demo task's traces, so most tests here also read finished tasks back from disk
+    proc = start_service(
+        root / "out",
+        port,
+        "--max-sessions",
+        "2",
+        "--queue-limit",
+        "2",
+        "--results-in-memory",
+        str(KEPT_TOKENS),
+    )
     yield f"http://127.0.0.1:{port}", root / "out"
     stop(proc)
 
@@ -216,6 +227,27 @@ def test_sdk_sessions_come_back_as_the_merge_of_their_records(service):
     batch = to_tensors([status])
     assert batch["input_ids"].shape[0] == 2 and set(batch["group_index"]) == {0}
     assert batch["loss_mask"].sum() == sum(sum(r.trajectory.traces[0].loss_mask) for r in status.results)
+
+
+def trace_tokens(status) -> int:
+    return sum(len(t.prompt_ids) + len(t.response_ids) for r in status.results for t in r.trajectory.traces)
+
+
+def test_finished_tasks_results_leave_memory_past_the_budget_and_a_get_reads_them_back(service):
+    """A service runs for days: finished tasks keep their results in memory up to --results-in-memory trace tokens,
+    the oldest then answer GET from their results file — the same status, each session once."""
+    url, _ = service
+    with Client(url, token=TOKEN) as client:
+        client.submit(demo_request("kept-a", 2))
+        first = client.wait("kept-a", timeout=180)
+        for task_id in ("kept-b", "kept-c"):
+            client.submit(demo_request(task_id, 2))
+        later = [client.wait(task_id, timeout=180) for task_id in ("kept-b", "kept-c")]
+        kept = client.health()["results_in_memory"]
+        again = client.status("kept-a")
+    assert sum(trace_tokens(s) for s in (first, *later)) > KEPT_TOKENS  # so the oldest had to leave memory
+    assert kept["trace_tokens"] <= KEPT_TOKENS
+    assert again == first and again.completed_sessions == 2
 
 
 def test_the_token_never_reaches_a_session(service):
