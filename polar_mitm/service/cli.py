@@ -190,7 +190,7 @@ def run_service(*, out: Path, engine, model, script, host, port, token, task_roo
         )
         if options["resume"]:
             rerun = service.resume()
-            typer.echo(f"resumed {len(service.jobs)} task(s) from {out}: {rerun} session(s) to run again")
+            typer.echo(f"resumed {service.task_count()} task(s) from {out}: {rerun} session(s) to run again")
         auth = (
             "bearer token required" if token else f"no token: loopback only (set {TOKEN_ENV} to require one)"
         )

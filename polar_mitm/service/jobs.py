@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +74,9 @@ OUTCOME_STATUS = {
     "timeout": SessionStatus.TIMEOUT,
 }
 FINISHED = ("completed", "failed", "cancelled")
+# Finished tasks kept in memory at all (whatever their tokens); older ones are let go of whole and a GET reads them
+# from their folder: a service that ran 100k tasks must not hold 100k requests, nor walk them on each /health.
+FINISHED_TASKS_KEPT = 1024
 EVENTS_BUFFERED = 1000  # events kept for each /events subscriber that has not read them yet
 STREAM_CHECK_S = 0.5  # how soon an idle /events stream notices the service stopping
 WEIGHTS_POLL_S = 0.5  # how often the engine's weight version is read while a task waits for a newer one
@@ -118,23 +121,8 @@ class Job:
 
     def status(self) -> TaskStatus:
         """What GET answers (reads the results file once they left memory: call it off the event loop then)."""
-        wire = {"queued": "running", "running": "running", "completed": "completed"}.get(self.state, "failed")
-        results = self.saved_results() if self.results_on_disk else list(self.results.values())
-        return TaskStatus(
-            task_id=self.request.task_id,
-            status=wire,
-            total_sessions=self.request.num_samples,
-            completed_sessions=len(results),
-            results=results,
-        )
-
-    def saved_results(self) -> list[SessionResult]:
-        """The results file, each session once (its first line, as `--resume` reads it)."""
-        found: dict[str, SessionResult] = {}
-        for row in layout.read_lines(self.folder / layout.RESULTS_FILE):
-            result = SessionResult.model_validate(row)
-            found.setdefault(result.session_id, result)
-        return list(found.values())
+        results = saved_results(self.folder) if self.results_on_disk else list(self.results.values())
+        return task_status(self.request, self.state, results)
 
     def trace_tokens(self) -> int:
         return sum(
@@ -146,6 +134,32 @@ class Job:
     def leave_memory(self) -> None:
         """A finished task's results are on disk already: memory lets them go."""
         self.results, self.results_on_disk = {}, True
+
+
+def task_status(request: TaskRequest, state: str, results: list[SessionResult]) -> TaskStatus:
+    wire = {"queued": "running", "running": "running", "completed": "completed"}.get(state, "failed")
+    return TaskStatus(
+        task_id=request.task_id,
+        status=wire,
+        total_sessions=request.num_samples,
+        completed_sessions=len(results),
+        results=results,
+    )
+
+
+def saved_results(folder: Path) -> list[SessionResult]:
+    """A task's results file, each session once (its first line, as `--resume` reads it)."""
+    found: dict[str, SessionResult] = {}
+    for row in layout.read_lines(folder / layout.RESULTS_FILE):
+        result = SessionResult.model_validate(row)
+        found.setdefault(result.session_id, result)
+    return list(found.values())
+
+
+def saved_status(folder: Path, state: str) -> TaskStatus:
+    """The status of a finished task from its folder alone (one the service let go of)."""
+    request = TaskRequest.model_validate_json((folder / layout.REQUEST_FILE).read_text())
+    return task_status(request, state, saved_results(folder))
 
 
 class EventBus:
@@ -234,6 +248,8 @@ class RolloutService:
         # Finished jobs whose results are still in memory, the oldest first: id(job) → (job, its trace tokens).
         self._kept: OrderedDict[int, tuple[Job, int]] = OrderedDict()
         self._kept_tokens = 0
+        self._let_go: dict[str, str] = {}  # task id → final state, of finished tasks no longer in `jobs`
+        self._let_go_states: Counter[str] = Counter()
         self.sampling = dict(sampling or {})  # what the gateways force on every call (polar_temperature, …)
         self.gateway_options = dict(gateway_options or self.sampling)  # all the gateways are given
         self.flows = out / layout.FLOWS_DIR
@@ -303,15 +319,13 @@ class RolloutService:
         lack; the number of sessions that will run again."""
         rerun = 0
         for folder in sorted((self.out / layout.TASKS_DIR).glob("*")):
+            saved = json.loads((folder / layout.STATE_FILE).read_text())
+            if saved.get("status") in FINISHED and "task_id" in saved and not saved.get("callbacks"):
+                self._forget_finished(saved["task_id"], saved["status"])  # nothing to do but answer GETs
+                continue
             request = TaskRequest.model_validate_json((folder / layout.REQUEST_FILE).read_text())
             task, harness = request_task(request, self.task_root), HarnessSpec(request.agent.harness)
             job = Job(request, task, harness, folder, order=next(self.order))
-            saved = json.loads((folder / layout.STATE_FILE).read_text())
-            if saved.get("status") in FINISHED and not request.callback_url:  # nothing to do but answer GETs
-                job.state, job.results_on_disk = saved["status"], True
-                job.submitted_at = saved.get("submitted_at", job.submitted_at)
-                self.jobs[request.task_id] = job
-                continue
             for row in layout.read_lines(folder / layout.RESULTS_FILE):
                 result = SessionResult.model_validate(row)
                 job.results.setdefault(result.session_id, result)
@@ -375,12 +389,17 @@ class RolloutService:
         finally:
             self._accepting.discard(request.task_id)
         self.jobs[request.task_id] = self._open[request.task_id] = job
+        if (earlier := self._let_go.pop(request.task_id, None)) is not None:  # a new run of a finished task
+            self._let_go_states[earlier] -= 1
         self.events.publish({"type": "task", "task_id": request.task_id, "status": "queued"})
         assert self._wake is not None
         self._wake.set()
 
     async def status(self, task_id: str) -> TaskStatus | None:
         job = self.jobs.get(task_id)
+        if job is None and task_id in self._let_go:
+            folder = layout.task_dir(self.out, task_id)
+            return await asyncio.to_thread(saved_status, folder, self._let_go[task_id])
         return None if job is None else await self._status_of(job)
 
     @staticmethod
@@ -391,7 +410,7 @@ class RolloutService:
         """Stop a task's harnesses; the sessions that finished keep their results, each reported once."""
         job = self.jobs.get(task_id)
         if job is None:
-            return None
+            return await self.status(task_id)  # unknown (None), or finished long ago: nothing to cancel
         if job.state in ("queued", "running"):
             job.state, job.unsent = "cancelled", 0
             await self.pool.cut_group(task_id)
@@ -401,10 +420,10 @@ class RolloutService:
         return await self._status_of(job)
 
     def health(self) -> dict[str, Any]:
-        states = [job.state for job in self.jobs.values()]
+        states = Counter(job.state for job in self.jobs.values()) + self._let_go_states
         return {
             "status": "ok",
-            "tasks": {state: states.count(state) for state in sorted(set(states))},
+            "tasks": dict(sorted(states.items())),
             "running_sessions": self._in_flight(),
             "max_sessions": self.max_sessions,
             "gateways": self.pool.places,
@@ -668,7 +687,15 @@ class RolloutService:
             await asyncio.to_thread(
                 layout.write_durable,
                 job.folder / layout.STATE_FILE,
-                json.dumps({"status": state, "submitted_at": job.submitted_at}),
+                json.dumps(
+                    {
+                        "status": state,
+                        "submitted_at": job.submitted_at,
+                        "task_id": job.request.task_id,
+                        # results its callback may not have acknowledged: --resume must load them
+                        "callbacks": bool(job.request.callback_url),
+                    }
+                ),
             )
         if state in FINISHED:
             self._keep(job)
@@ -682,10 +709,24 @@ class RolloutService:
         tokens = job.trace_tokens()
         self._kept[id(job)] = (job, tokens)
         self._kept_tokens += tokens
-        while self._kept_tokens > self.results_in_memory and self._kept:
+        while self._kept and (
+            self._kept_tokens > self.results_in_memory or len(self._kept) > FINISHED_TASKS_KEPT
+        ):
             _, (oldest, held) = self._kept.popitem(last=False)
             self._kept_tokens -= held
             oldest.leave_memory()
+            if self.jobs.get(oldest.request.task_id) is oldest:  # (not replaced by a new run of the same id)
+                del self.jobs[oldest.request.task_id]
+                self._forget_finished(oldest.request.task_id, oldest.state)
+
+    def task_count(self) -> int:
+        """Every task the service knows: in memory, and finished ones it let go of (answered from their folder)."""
+        return len(self.jobs) + len(self._let_go)
+
+    def _forget_finished(self, task_id: str, state: str) -> None:
+        """A finished task lives on in its folder alone: a GET reads it from there (`saved_status`)."""
+        self._let_go[task_id] = state
+        self._let_go_states[state] += 1
 
 
 def held_row(s: SessionRun) -> dict[str, Any]:

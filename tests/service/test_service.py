@@ -229,6 +229,11 @@ def test_sdk_sessions_come_back_as_the_merge_of_their_records(service):
     assert batch["loss_mask"].sum() == sum(sum(r.trajectory.traces[0].loss_mask) for r in status.results)
 
 
+def client_health_tasks(url: str) -> dict[str, int]:
+    with Client(url, token=TOKEN) as client:
+        return client.health()["tasks"]
+
+
 def trace_tokens(status) -> int:
     return sum(len(t.prompt_ids) + len(t.response_ids) for r in status.results for t in r.trajectory.traces)
 
@@ -248,6 +253,7 @@ def test_finished_tasks_results_leave_memory_past_the_budget_and_a_get_reads_the
     assert sum(trace_tokens(s) for s in (first, *later)) > KEPT_TOKENS  # so the oldest had to leave memory
     assert kept["trace_tokens"] <= KEPT_TOKENS
     assert again == first and again.completed_sessions == 2
+    assert client_health_tasks(url)["completed"] >= 3  # tasks let go of whole are still counted
 
 
 def test_the_token_never_reaches_a_session(service):
