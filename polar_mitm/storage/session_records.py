@@ -9,6 +9,9 @@ frames are (found by the row's leading `session_id`, without parsing the row); a
 holds. A read scans only the bytes appended since the last one, and parses only the session's own frames. The
 contract is `read_session`'s: journals are read before the shards are listed, and a journal whose shard is listed
 is left out. The open descriptor keeps a journal compacted in between readable.
+
+`read_live_session` keeps one reader per folder for the process (32 folders at most); a reader idle for a minute is
+closed, so its descriptors do not keep journals compacted since on the disk.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +56,8 @@ log = logging.getLogger(__name__)
 SESSION_ID = re.compile(rb'"session_id":"([^"\\]*)"')
 HEAD = 512
 READERS_KEPT = 32  # folders with a reader kept (`reader_for`), least recently used dropped
+# A reader not used for this long is closed: its descriptors would keep journals compacted since on the disk.
+READER_IDLE_S = 60.0
 
 
 @functools.cache
@@ -116,8 +122,13 @@ class _Journal:
         return rows
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:  # a reader dropped from the cache while in use still closes what it opened
+        self.close()
 
 
 @dataclass
@@ -135,6 +146,7 @@ class SessionRecords:
         self._journals: dict[Path, _Journal] = {}
         self._shards: dict[str, _Shard] = {}
         self._lock = threading.Lock()
+        self.used_at = time.monotonic()
 
     def read(self, session_id: str) -> pa.Table:
         with self._lock:
@@ -239,8 +251,12 @@ _readers_lock = threading.Lock()
 def reader_for(location: str | Path) -> SessionRecords:
     """The process's reader of a local record folder, kept for the next read (`READERS_KEPT` folders at most)."""
     key = Path(os.path.abspath(location))  # not resolve(): no symlink walk on every read
+    now = time.monotonic()
     with _readers_lock:
         reader = _readers.pop(key, None) or SessionRecords(key)
+        reader.used_at = now
+        for idle in [k for k, r in _readers.items() if now - r.used_at > READER_IDLE_S]:
+            _readers.pop(idle).close()
         _readers[key] = reader
         while len(_readers) > READERS_KEPT:
             _readers.popitem(last=False)[1].close()
