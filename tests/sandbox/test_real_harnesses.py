@@ -2,8 +2,13 @@
 CLIs (proxy mode: HTTPS_PROXY and the CA bundle through the sandbox's tunnel), the four with installs of their own
 and Aider — with mini-swe-agent and OpenHands (tests/harness/test_swe_harnesses.py), all 13 — finish the scripted
 session in their sandboxed workspace, the evaluation runs in the same sandbox and passes, and every sampled token is
-still trained in the exact context it was sampled in (100% context-exact, as tests/harness/test_harnesses.py checks
-unsandboxed). A Harbor task goes the same way, graded by its own verifier."""
+still trained in the exact context it was sampled in (100% context-exact). A Harbor task goes the same way, graded
+by its own verifier.
+
+This is each CLI's one proxy-mode, tokens-mode session of the suite: every property tests/harness/test_harnesses.py
+checks on that session (the API, every call recorded in full, the tool calls parsed and answered, the harness's
+quirks, true logprobs, one merged main thread) is checked here on the rollout's records by its `check_session`.
+A closing table gives the context-exact tokens per harness."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from polar_mitm.engines import processes as engine_processes
 from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.storage.records import read_all
-from tests.harness.test_harnesses import fidelity
+from tests.harness.test_harnesses import PROXY_SESSION_IN_BWRAP, check_session, fidelity
+from tests.summary_tables import show_table
 from tests.tasks.test_swe_tasks import rollout_cli
 
 COMMANDS = ["ls", "echo hello > out.txt", "cat out.txt"]
@@ -43,6 +49,18 @@ OWN_INSTALLS = [
     "openclaw",
     "aider",
 ]  # scripts/setup-<name>.sh: a prefix or venv each
+EXACT: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exactness_table(request):
+    yield
+    if EXACT:
+        lines = [f"{'harness':15} {'context-exact':>24} {'main seqs':>9} {'Δlp':>7}"]
+        for name, r in EXACT.items():
+            exact = f"{r['share']:.1%} ({r['exact']}/{r['sampled']})"
+            lines.append(f"{name:15} {exact:>24} {r['main_sequences']:>9} {r['logprob_gap']:7.0e}")
+        show_table(request.config, "context-exact sampled tokens per harness (bwrap, proxy mode):", lines)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +101,11 @@ def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(
     log = next((tmp_path / "run" / "logs").glob("*.log")).read_text(errors="replace")[-3000:]
     assert (row["status"], row["reward"]) == ("ok", 1.0), f"{row}\n--- harness log ---\n{log}"
     rows = [r for r in read_all(tmp_path / "flows").to_pylist() if r["session_id"] == row["session_id"]]
+    rows.sort(key=lambda r: r["seq"])
+    if harness in PROXY_SESSION_IN_BWRAP:  # the session's every property (tests/harness/test_harnesses.py)
+        context = f"{row}\n--- harness log ---\n{log}"
+        EXACT[harness] = check_session(rows, harness, "proxy", tiny_engine, task="hello", context=context)
+        return
     if harness == "aider":  # no tools: it writes the file out in its whole-file edit format, then applies it
         assert rows and all(r["completion_ids"] and r["tools_json"] == "[]" for r in rows)
     else:
@@ -90,6 +113,7 @@ def test_a_real_harness_in_bwrap_finishes_and_stays_context_exact(
         assert len(main) >= len(COMMANDS) + 1 and all(r["completion_ids"] for r in main)
     result = fidelity(rows, tiny_engine)
     assert result["exact"] == result["sampled"] > 0, result
+    EXACT[harness] = result
 
 
 HARBOR_TASK = Path(__file__).resolve().parents[2] / "examples" / "harbor_tasks" / "count-error-lines"
