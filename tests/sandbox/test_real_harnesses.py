@@ -22,18 +22,24 @@ from polar_mitm.engines import processes as engine_processes
 from polar_mitm.harness import get_harness
 from polar_mitm.harness.policy import shell_script
 from polar_mitm.storage.records import read_all
-from tests.harness.test_harnesses import PROXY_SESSION_IN_BWRAP, check_session, fidelity
+
+# The same scripted session as test_harnesses' (check_session counts its commands and reads its final answer).
+from tests.harness.test_harnesses import (
+    COMMANDS,
+    FINAL,
+    PROXY_SESSION_IN_BWRAP,
+    SCRIPT,
+    check_session,
+    fidelity,
+)
 from tests.summary_tables import show_table
 from tests.tasks.test_swe_tasks import rollout_cli
-
-COMMANDS = ["ls", "echo hello > out.txt", "cat out.txt"]
-FINAL = "Done: out.txt says hello."
 
 
 def policy(harness: str) -> dict:
     """The scripted shell session; the SDK agent's `shell` takes a string (Codex's tool of that name a list)."""
     if not harness.startswith("sdk:"):
-        return shell_script(COMMANDS, FINAL)
+        return SCRIPT
     calls = [
         {"text": f"Running `{c}`.", "tool_call": {"name": "shell", "arguments": {"command": c}}}
         for c in COMMANDS
@@ -69,7 +75,7 @@ def shell_engine(tmp_path_factory):
     starts its own gateway and sandboxes): an engine start per harness was half of each test's time."""
     root = tmp_path_factory.mktemp("shell-engine")
     script = root / "policy.json"
-    script.write_text(json.dumps(shell_script(COMMANDS, FINAL)))
+    script.write_text(json.dumps(SCRIPT))
     with engine_processes.engine_running(
         model="tiny", log=root / "engine.log", extra_args=["--script", str(script)]
     ) as url:
