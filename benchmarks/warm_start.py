@@ -196,6 +196,8 @@ def train_sft(dataset_dir: Path, model_dir: Path, out: Path, args: argparse.Name
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from polar_mitm.storage.tokenizer_files import save_tokenizer
+
     torch.manual_seed(args.seed)
     dataset = load_from_disk(str(dataset_dir))
     if len(dataset) == 0:
@@ -219,7 +221,7 @@ def train_sft(dataset_dir: Path, model_dir: Path, out: Path, args: argparse.Name
     trainer = SFTTrainer(model=str(model_dir), args=config, train_dataset=dataset)
     result = trainer.train()
     trainer.save_model(str(out))
-    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out))
+    save_tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), out)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {
         "sequences": len(dataset),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from accelerate.utils import is_peft_model
 
+from polar_mitm.storage.tokenizer_files import keep_added_tokens_in_config, save_tokenizer
 from polar_mitm.train.sync import record_source_dtype, set_checkpoint_dtype, write_dtype
 
 MODEL_METADATA_FILES = ("polar_model.json",)  # tells `polar-mitm serve` which parsers the model family uses
@@ -38,7 +39,7 @@ class ModelSavingMixin:
             if main:
                 merged = copy.deepcopy(model).merge_and_unload().to(dtype)
                 merged.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
+                save_tokenizer(self.processing_class, output_dir)
             self.accelerator.wait_for_everyone()
         elif dtype == model.dtype:
             self.save_model(str(output_dir))
@@ -69,6 +70,13 @@ class ModelSavingMixin:
         if self.args.run_state_dir:
             saved["run_state"] = self.save_run_state()
         return saved
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """transformers' save (every `save_model`), with the tokenizer's added tokens kept in its config: the engine,
+        the gateway and the next training each load it in half the time (storage/tokenizer_files.py)."""
+        super()._save(output_dir, state_dict=state_dict)
+        if self.args.should_save and self.processing_class is not None:
+            keep_added_tokens_in_config(output_dir or self.args.output_dir, self.processing_class)
 
     @property
     def is_peft(self) -> bool:
