@@ -1,6 +1,9 @@
-"""vLLM for the engine tests: one real vLLM server (CPU build, its own venv) per test session, and one gateway in
-front of it. vLLM takes 45–76 s and ~4 GB to start, so every vLLM test shares these; they are skipped — with the
-reason — only where scripts/setup-vllm.sh has not been run (scripts/test.sh runs it, so CI always has vLLM).
+"""vLLM for the engine tests: one real vLLM server (CPU build, its own venv) for the tests under tests/vllm/, and one
+gateway in front of it. vLLM takes 45–76 s and ~4 GB to start, so every vLLM test shares these; they are skipped —
+with the reason — only where scripts/setup-vllm.sh has not been run (scripts/test.sh runs it, so CI always has vLLM).
+They are package-scoped: the files run together on one worker (tests/suite_timing.py), and the server goes when the
+last of them ends, not at the end of the run — idle, it still held ~4 GB and a few percent of a core for the rest of
+the suite (25 minutes of the last run).
 
 The server samples freely unless a test makes it play a script (`vllm_script`: the scripted test policy,
 polar_mitm/vllm/scripted.py, loaded at start and inert until then), so scripted harness sessions share it too.
@@ -29,13 +32,13 @@ VLLM_EXTRA_ARGS = ["--max-model-len", "32768", "--enable-lora", "--max-lora-rank
 MID_CALL_PACE = 0.005
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_model_dir() -> Path:
     """The tiny model at the head_dim vLLM's CPU attention accepts (the suite's own model has head_dim 16)."""
     return resolve_vllm_model("tiny")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_url(vllm_model_dir, tmp_path_factory):
     """`polar-mitm vllm serve tiny` for the session (its startup time is printed: a measured figure)."""
     if not vllm_installed():
@@ -52,7 +55,7 @@ def vllm_url(vllm_model_dir, tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_gateway(vllm_url, tmp_path_factory):
     """mitmdump + addon/polar.py in front of vLLM (regular and reverse listeners), tokens mode."""
     root = tmp_path_factory.mktemp("vllm-gateway")
@@ -67,7 +70,7 @@ def vllm_gateway(vllm_url, tmp_path_factory):
         yield gateway
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_reference(vllm_model_dir):
     """transformers on the same checkpoint: log-probabilities of given tokens after a given context, at a given
     temperature (log_softmax(logits / T): what the trainer computes)."""
@@ -93,7 +96,7 @@ def vllm_reference(vllm_model_dir):
     return score
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_script(vllm_url, tmp_path_factory):
     """`with vllm_script(SCRIPT):` the session's vLLM plays SCRIPT (engine/script.py's format), then samples freely."""
     scripts = tmp_path_factory.mktemp("vllm-scripts")
