@@ -8,6 +8,7 @@ system prompt and asks for `<tool_call>{json}</tool_call>`, which the engine's t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -105,6 +106,9 @@ def ensure_smollm2(out_dir: Path) -> Path:
     marker = out_dir / "polar_model.json"
     with build_lock(out_dir):
         if marker.exists() and json.loads(marker.read_text()).get("build_version") == BUILD_VERSION:
-            keep_added_tokens_in_config(out_dir)  # a build from before it was kept: loads twice as fast after
+            # A build from before the added tokens were kept: kept now, so it loads twice as fast after; a
+            # read-only cache still serves, at the old load time.
+            with contextlib.suppress(OSError):
+                keep_added_tokens_in_config(out_dir)
             return out_dir
         return convert(find_gguf(out_dir.parent / "downloads"), out_dir)

@@ -80,3 +80,17 @@ def test_a_folder_without_tokenizer_files_is_left_alone(tmp_path):
     (tmp_path / CONFIG_FILE).write_text("{}")
     assert not keep_added_tokens_in_config(tmp_path)  # no tokenizer.json to read them from
     assert json.loads((tmp_path / CONFIG_FILE).read_text()) == {}
+
+
+def test_a_cached_build_from_before_gets_its_added_tokens_when_resolved(tiny_model_dir, tmp_path):
+    from polar_mitm.engine.tiny_model import ensure_tiny_model
+
+    cached = tmp_path / "tiny-qwen3-seed0"
+    shutil.copytree(tiny_model_dir, cached)
+    config = json.loads((cached / CONFIG_FILE).read_text())
+    del config[ADDED_TOKENS_KEY]
+    (cached / CONFIG_FILE).write_text(json.dumps(config))
+    weights = (cached / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(cached) == cached  # up to date: not rebuilt ...
+    assert (cached / "model.safetensors").stat().st_mtime_ns == weights
+    assert ADDED_TOKENS_KEY in json.loads((cached / CONFIG_FILE).read_text())  # ... but its config upgraded
