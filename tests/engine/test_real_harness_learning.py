@@ -48,7 +48,7 @@ def max_weight_change(trained: Path, initial: Path) -> float:
 @pytest.mark.timeout(
     960
 )  # ~160 s on a quiet 2-core machine, ~300 s beside the other worker; the run's own limit is 900
-def test_two_iterations_through_pi_on_vllm_train_push_and_evaluate(tmp_path):
+def test_an_iteration_through_pi_on_vllm_trains_pushes_and_its_evaluation_samples_the_new_weights(tmp_path):
     if not vllm_installed():
         pytest.skip("vLLM is not installed here: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)")
     run_dir = tmp_path / "run"
