@@ -1,4 +1,4 @@
-"""Added latency of the polar addon over a bare forwarding mitmdump, to the same engine.
+"""Added latency of the gateway over the engine and over the floors it is measured against, to the same engine.
 
 The engine here is a replay server that answers every chat call at once, SGLang-shaped: it serves `/model_info`
 with the tiny model's tokenizer (so tokens mode, the default, is what runs), echoes `input_ids` as the prompt ids,
@@ -8,18 +8,22 @@ pay the engine the same). Payload sizes are real: a 32k-token prompt means 32k i
 Calls come as agent sessions: a session opens with a prompt of the case's size and each next call adds the
 previous answer and a ~50-token user turn, 10 calls per session — so a session's first call opens its token chain
 (rendered alongside the engine call) and the others extend it (the incremental hot path).
-All paths go client → mitmdump → engine over loopback, session by session, interleaved so load hits them alike:
+Every route is measured in one run, session by session, interleaved so load hits them alike (tokens mode, the
+default: decode → token-exact prompt → engine → encode → fsynced record → answer):
 
-  bare:            mitmdump --mode reverse:ENGINE       (forwards the OpenAI chat request untouched; on the same
-                                                        event loop as the gateways, so "added" is the addon's)
-  polar messages:  mitmdump -s addon/polar.py, polar_prompt_mode=messages (the engine renders)
-  polar tokens:    the same in tokens mode, the default (decode → token-exact prompt → engine → encode →
-                   fsynced record → answer)
+  engine:                straight to the engine (its own process)
+  bare mitmdump reverse: mitmdump --mode reverse:ENGINE, no addon (on the same event loop as the gateways)
+  aiohttp forwarder:     the floor of a Python gateway on our HTTP stack: aiohttp's server and client passing the
+                         body through untouched (`serve_forwarder`)
+  base URL, ours:        polar-mitm's base-URL server (gateway/base_url_server.py)
+  base URL, mitmproxy:   the same gateway with base URLs on mitmproxy's reverse mode
+  bare mitmdump proxy:   HTTPS_PROXY-style through mitmdump with no addon
+  proxy mode:            the gateway as HTTPS_PROXY, the session in the proxy user
 
 Prints p50/p99 per prompt size, and each proxy process's CPU per call (what sets how many calls a process can
 serve), for sequential calls and for concurrent sessions (`--concurrent SESSIONSxTOKENS,…`)
 through 1 and N gateway processes in tokens mode (`--processes 1,2`, sessions spread across them as `--gateways N`
-does), with the added latency and calls/s against the bare mitmdump measured in the same run.
+does), with the added latency and calls/s against the engine measured in the same run.
 Run: .venv/bin/python benchmarks/bench_gateway.py [--calls 200] [--concurrent 64x1000,256x1000] [--processes 1,2]
      [--event-loop uvloop|asyncio]
 """
@@ -166,6 +170,44 @@ def start_replay_engine(port: int) -> multiprocessing.Process:
     return proc
 
 
+def serve_forwarder(port: int, engine: str, event_loop: str) -> None:
+    """The floor of any Python gateway on our HTTP stack: aiohttp's low-level server (as `BaseUrlServer`) reads the
+    request and posts its body unchanged to the engine with one pooled aiohttp session (as `EngineClient`), then
+    answers the engine's bytes. No decoding, prompt, record or journal: what is left over it is the gateway's work."""
+    import aiohttp
+    from aiohttp import web
+
+    async def run() -> None:
+        session = aiohttp.ClientSession(trust_env=False)
+
+        async def forward(request: web.BaseRequest) -> web.Response:
+            body = await request.read()
+            async with session.post(engine + request.raw_path, data=body, headers=JSON) as answer:
+                payload = await answer.read()
+            return web.Response(status=answer.status, body=payload, content_type="application/json")
+
+        runner = web.ServerRunner(web.Server(forward, access_log=None))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    if event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(run())
+    else:
+        asyncio.run(run())
+
+
+def start_forwarder(port: int, engine: str, event_loop: str) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=serve_forwarder, args=(port, engine, event_loop), daemon=True
+    )
+    proc.start()
+    ports.wait_port(port, timeout=60)
+    return proc
+
+
 def bare_mitmdump(mode: str, port: int, confdir: Path) -> subprocess.Popen:
     """mitmdump with no addon in `mode` (`reverse:ENGINE` or `regular`) at `port`."""
     proc = subprocess.Popen(
@@ -300,6 +342,9 @@ def main() -> None:
         bare_regular = bare_mitmdump("regular", regular_port, root / "conf-bare")
         stack.callback(children.stop, bare_reverse)
         stack.callback(children.stop, bare_regular)
+        forwarder_port = ports.free_port()
+        forwarder = start_forwarder(forwarder_port, engine, args.event_loop)
+        stack.callback(forwarder.kill)
         options = dict(item.split("=", 1) for item in args.set)
         ours = gateway_processes.start_gateway(engine, root / "flows", confdir=root / "conf", options=options)
         stack.callback(ours.stop)
@@ -330,6 +375,9 @@ def main() -> None:
             "engine": Route(lambda s: (plain, f"{engine}{chat}")),
             "bare mitmdump reverse": Route(
                 lambda s: (plain, f"http://127.0.0.1:{reverse_port}{chat}"), bare_reverse.pid
+            ),
+            "aiohttp forwarder": Route(
+                lambda s: (plain, f"http://127.0.0.1:{forwarder_port}{chat}"), forwarder.pid, "engine"
             ),
             "base URL, ours": Route(
                 lambda s: (plain, f"{ours.reverse_url}/s/o{s}{chat}"), ours.proc.pid, "engine"
