@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
@@ -160,22 +161,42 @@ class Completion:
         return len(self.completion_ids)
 
     @classmethod
-    def from_engine_response(cls, resp: dict[str, Any]) -> Completion:
+    def from_engine_answer(
+        cls, raw: bytes, sent_ids: list[int] | None = None, sent_ids_json: bytes | None = None
+    ) -> Completion:
+        """Parse an engine's raw chat answer. With the `input_ids` sent (`sent_ids`, and as `orjson.dumps` wrote
+        them in the request, `sent_ids_json`): an echo of exactly those bytes is known to be those ids, so it is
+        cut out before parsing and the sent list stands for it — a byte comparison instead of parsing and checking
+        one Python int per prompt token (~0.3 ms at 8k tokens). Any other echo is parsed and checked in full."""
+        if sent_ids is not None and sent_ids_json is not None:
+            cut = without_echo(raw, sent_ids_json)
+            if cut is not None:
+                return cls.from_engine_response(orjson.loads(cut), echoed_prompt_ids=sent_ids)
+        return cls.from_engine_response(orjson.loads(raw))
+
+    @classmethod
+    def from_engine_response(
+        cls, resp: dict[str, Any], *, echoed_prompt_ids: list[int] | None = None
+    ) -> Completion:
         """Parse SGLang's chat answer (with `return_token_ids`, `return_meta_info`, `logprobs`).
 
         Raises ValueError/TypeError/KeyError on an answer that is malformed in any way a record could carry:
         an acknowledged record must always convert to the Parquet schema (int32 ids, float32 logprobs, strings).
+        `echoed_prompt_ids`: the prompt ids the answer was proved to echo (`from_engine_answer`), already checked.
         """
         choice = resp["choices"][0]
         message = choice.get("message") or {}
         prompt_ids = choice.get("prompt_token_ids")
+        if prompt_ids is None and echoed_prompt_ids is not None:
+            prompt_ids = echoed_prompt_ids  # proved to be the echo of the ids sent
+        elif prompt_ids is not None:
+            check_token_ids(prompt_ids, "prompt_token_ids")
         completion_ids = choice.get("response_token_ids")
         if prompt_ids is None or completion_ids is None:
             # Never treat a missing id list as empty: that silently corrupts training data.
             raise ValueError(
                 "engine answer lacks prompt_token_ids/response_token_ids (return_token_ids ignored?)"
             )
-        check_token_ids(prompt_ids, "prompt_token_ids")
         check_token_ids(completion_ids, "response_token_ids")
         if not prompt_ids:
             raise ValueError("engine answer has an empty prompt_token_ids")
@@ -251,6 +272,22 @@ def _object_arguments(call: ToolCall) -> bool:
 def _as_text(call: ToolCall) -> str:
     """A rejected call in the model's own `<tool_call>` notation."""
     return f'<tool_call>\n{{"name": {json.dumps(call.name)}, "arguments": {call.arguments or "{}"}}}\n</tool_call>'
+
+
+ECHO_KEY = b'"prompt_token_ids":'
+
+
+def without_echo(raw: bytes, sent_ids_json: bytes) -> bytes | None:
+    """`raw` with its one `"prompt_token_ids":` value replaced by null when that value is byte for byte
+    `sent_ids_json` (a JSON list, closing bracket included, so not a longer or shorter list); else None. The key's
+    bytes cannot occur inside a JSON string (its quotes would be escaped), and a second occurrence is refused."""
+    at = raw.find(ECHO_KEY)
+    if at < 0 or raw.find(ECHO_KEY, at + len(ECHO_KEY)) >= 0:
+        return None
+    start = at + len(ECHO_KEY)
+    if not raw.startswith(sent_ids_json, start):
+        return None
+    return raw[:start] + b"null" + raw[start + len(sent_ids_json) :]
 
 
 TOKEN_ID_LIMIT = 2**31  # records store ids as int32

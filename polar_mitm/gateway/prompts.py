@@ -36,6 +36,14 @@ class PromptStep:
     spliced_turns: int | None = None  # see Plan.spliced_turns; None in messages mode
     reason: str | None = None
     check_ids: asyncio.Future | None = None  # our own rendering of a chain's first prompt, to compare
+    input_ids_json: bytes | None = None  # tokens mode: the input_ids as the request body holds them
+
+    def sent_ids(self) -> tuple[list[int] | None, bytes | None]:
+        """The input_ids sent and their JSON bytes (None, None in messages mode): the engine's echo is compared
+        with these bytes (`Completion.from_engine_answer`)."""
+        if self.plan is None or self.plan.input_ids is None:
+            return None, None
+        return self.plan.input_ids, self.input_ids_json
 
 
 class PromptBuilder:
@@ -115,12 +123,20 @@ class PromptBuilder:
         return False, "loading the engine's tokenizer and chat template"
 
     async def prepare(
-        self, session_id: str, conv: Conversation, request: dict[str, Any], call_kind: str | None = None
+        self,
+        session_id: str,
+        conv: Conversation,
+        request: dict[str, Any],
+        call_kind: str | None = None,
+        *,
+        inline: bool = False,
     ) -> tuple[PromptStep, bytes]:
         """Decide the prompt of one call; returns the step and the engine request body (JSON bytes).
 
         `call_kind` (the record's): a compaction's commit marks the session; the next main call that opens a chain
-        is recorded as its consequence (reconstruct/compaction_label.py).
+        is recorded as its consequence (reconstruct/compaction_label.py). `inline` (a small call, by the caller's
+        offload policy): an incremental rendering is planned on the event loop, where a thread hop would cost more
+        than the work; a full rendering always runs in a thread.
         """
         if self.mode == "messages":
             return PromptStep(mode="messages"), await _dumps(request)
@@ -132,24 +148,31 @@ class PromptBuilder:
         if not chains.routable(session_id):
             return await self._prepare_unrouted(renderer, chains, session_id, conv, request, call_kind)
 
-        def plan_and_dump() -> tuple[Plan, bytes]:
-            rendered = (
-                renderer.render_after_tip(request, chains.tips(session_id)) if self.incremental else None
-            )
+        def incremental() -> RenderedTip | None:
+            return renderer.render_after_tip(request, chains.tips(session_id)) if self.incremental else None
+
+        def plan_and_dump(rendered: RenderedTip | None) -> tuple[Plan, bytes, bytes | None]:
             if rendered is None:
                 rendered = rendered_tip(request, renderer.render(request))
             plan = chains.plan(session_id, rendered.text, conv.messages, renderer.encode, call_kind)
             plan.rendered = rendered
-            if plan.input_ids is not None:
-                request["input_ids"] = plan.input_ids  # messages stay: the engine's parsers still need them
-            return plan, orjson.dumps(request)
+            if plan.input_ids is None:
+                return plan, orjson.dumps(request), None
+            return (plan, *with_input_ids(request, plan.input_ids))
 
-        plan, body = await asyncio.to_thread(plan_and_dump)
+        rendered = incremental() if inline else None
+        if rendered is not None:
+            plan, body, ids_json = plan_and_dump(rendered)
+        else:
+            plan, body, ids_json = await asyncio.to_thread(
+                lambda: plan_and_dump(None if inline else incremental())
+            )
         step = PromptStep(
             mode="tokens" if plan.input_ids is not None else "messages",
             plan=plan,
             spliced_turns=plan.spliced_turns,
             reason=plan.reason,
+            input_ids_json=ids_json,
         )
         if plan.input_ids is None:
             # A chain's first call: the engine renders; our rendering must agree before any splice builds on it.
@@ -222,6 +245,15 @@ class PromptBuilder:
 
     def stats(self) -> dict[str, int]:
         return self._chains.stats() if self._chains is not None else {}
+
+
+def with_input_ids(request: dict[str, Any], input_ids: list[int]) -> tuple[bytes, bytes]:
+    """The engine request body with `input_ids` (messages stay: the engine's parsers still need them), and the ids'
+    own JSON bytes, the slice of the body the engine's echo is compared with."""
+    request.pop("input_ids", None)
+    head, ids_json = orjson.dumps(request), orjson.dumps(input_ids)
+    request["input_ids"] = input_ids
+    return head[:-1] + (b',"input_ids":' if len(head) > 2 else b'"input_ids":') + ids_json + b"}", ids_json
 
 
 def rendered_tip(request: dict[str, Any], text: str) -> RenderedTip:

@@ -30,7 +30,7 @@ from polar_mitm.engines.client import EngineClient
 from polar_mitm.engines.resume import MAX_RESUMES, continuation_request, joined_answer
 from polar_mitm.gateway import identity as ident
 from polar_mitm.gateway.call_kind import call_kind
-from polar_mitm.gateway.calls import CallContext, fill_record, offload
+from polar_mitm.gateway.calls import OFFLOAD_BYTES, CallContext, fill_record, offload
 from polar_mitm.gateway.cancel import reason_of
 from polar_mitm.gateway.content import decode_content, too_large
 from polar_mitm.gateway.live import LiveAnswer, LiveCall, live_engine_request
@@ -294,7 +294,11 @@ class Gateway:
             # tokens mode: the session's exact token stream + the new tail as input_ids (gateway/prompts.py)
             # (a compaction's commit marks the session for the next main call's new chain, replay and live alike)
             step, engine_body = await self.prompts.prepare(
-                who.session_id, conv, engine_request, record.call_kind
+                who.session_id,
+                conv,
+                engine_request,
+                record.call_kind,
+                inline=len(raw_body) < OFFLOAD_BYTES,
             )
             record.prompt_mode, record.splice_reason = step.mode, step.reason
             if live:
@@ -316,7 +320,9 @@ class Gateway:
                 ABORTED in raw
             ):  # a byte search: a whole answer is parsed once, in _finish, unless it was aborted
                 raw = await self._resumed(raw, engine_body, record.request_id, req.disconnected)
-            answer, completion, response = await offload(self._finish, len(raw), codec, conv, raw)
+            answer, completion, response = await offload(
+                self._finish, len(raw), codec, conv, raw, step.sent_ids()
+            )
             await self.prompts.complete(step, completion)
             record.spliced_turns, record.splice_reason = step.spliced_turns, step.reason
         except ClientDisconnected:
@@ -442,9 +448,11 @@ class Gateway:
         return conv, request
 
     @staticmethod
-    def _finish(codec: Codec, conv: Conversation, raw: bytes) -> tuple[HttpAnswer, Completion, str]:
+    def _finish(
+        codec: Codec, conv: Conversation, raw: bytes, sent: tuple[list[int] | None, bytes | None]
+    ) -> tuple[HttpAnswer, Completion, str]:
         try:
-            completion = Completion.from_engine_response(orjson.loads(raw))
+            completion = Completion.from_engine_answer(raw, *sent)
             completion.meta_json = orjson.dumps(completion.meta_info).decode()
             harness_safe(completion, [t.name for t in conv.tools])  # malformed model output → text
         except (ValueError, KeyError, IndexError, TypeError) as exc:
