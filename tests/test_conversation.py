@@ -25,7 +25,10 @@ def answer(prompt_ids: Any = SENT, *, content: str = "ok", meta: dict[str, Any] 
                 "finish_reason": "stop",
                 "prompt_token_ids": prompt_ids,
                 "response_token_ids": [5, 6],
-                "meta_info": {"weight_version": "3", "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]]}
+                "meta_info": {
+                    "weight_version": "3",
+                    "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+                }
                 | (meta or {}),
             }
         ],

@@ -24,16 +24,18 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from polar_mitm.storage.location import InputNotFound, Location, StorageError, one_line, resolve_path
 from polar_mitm.storage.session_ends import END_VALUES
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 # -- the contract ------------------------------------------------------------------------------------------------
 
@@ -284,6 +286,10 @@ class MergedShards:
     def dataset(self) -> ds.Dataset:
         """The shards as one pyarrow dataset; a file that is not a readable Parquet shard (cut short, or not
         ours) raises `MergedDataError` naming it, instead of pyarrow's error about the whole list."""
+        # Imported here: pyarrow.dataset imports pandas (~0.4 s), which every process importing this module (each
+        # CLI command, each gateway) would pay at start for nothing.
+        import pyarrow.dataset as ds
+
         try:
             return ds.dataset(self.files, format="parquet", filesystem=self.filesystem)
         except (OSError, pa.ArrowException) as exc:
