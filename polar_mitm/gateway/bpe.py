@@ -22,6 +22,8 @@ import re
 import unicodedata
 from typing import Any
 
+from polar_mitm.storage.bpe_cache import BpeTables
+
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -97,22 +99,21 @@ def split_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:
 class TiktokenBPE:
     """Encodes text like the `tokenizers` library would for a supported tokenizer.json (see the module doc)."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, tables: BpeTables) -> None:
         import tiktoken
 
-        to_latin1 = str.maketrans({char: chr(byte) for char, byte in byte_decoder().items()})
-        vocab: dict[str, int] = data["model"]["vocab"]
-        # Each character of a byte-level token stands for one byte: translate, then latin-1 is the identity.
-        ranks = {token.translate(to_latin1).encode("latin-1"): rank for token, rank in vocab.items()}
-        if len(ranks) != len(vocab) or not merges_follow_ids(data["model"].get("merges") or [], vocab):
-            raise ValueError("the merges do not follow the token ids")
-        self.added = {token["content"]: int(token["id"]) for token in data.get("added_tokens") or ()}
-        self.vocab = vocab
-        self.nfc = (data.get("normalizer") or {}).get("type") == "NFC"
-        pattern = split_pattern(data["pre_tokenizer"])
-        self._bpe = tiktoken.Encoding("polar-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+        self.tables = tables
+        self.added, self.vocab, self.nfc = tables.added, tables.vocab, tables.nfc
+        self._bpe = tiktoken.Encoding(
+            "polar-bpe", pat_str=tables.pattern, mergeable_ranks=tables.ranks, special_tokens={}
+        )
         longest_first = sorted(self.added, key=len, reverse=True)
         self._added_re = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+
+    @classmethod
+    def from_tokenizer_json(cls, data: dict[str, Any]) -> TiktokenBPE:
+        """Built from a parsed tokenizer.json that `unsupported` accepts; ValueError where tiktoken would differ."""
+        return cls(tables_of(data))
 
     def token_id(self, text: str) -> int | None:
         return self.added.get(text, self.vocab.get(text))
@@ -134,6 +135,26 @@ class TiktokenBPE:
 
     def _stretch(self, text: str) -> list[int]:
         return self._bpe.encode_ordinary(unicodedata.normalize("NFC", text) if self.nfc else text)
+
+
+def tables_of(data: dict[str, Any]) -> BpeTables:
+    """What tiktoken is built from, read off a supported tokenizer.json."""
+    to_latin1 = str.maketrans({char: chr(byte) for char, byte in byte_decoder().items()})
+    vocab: dict[str, int] = data["model"]["vocab"]
+    # Each character of a byte-level token stands for one byte: translate, then latin-1 is the identity.
+    ranks = {token.translate(to_latin1).encode("latin-1"): rank for token, rank in vocab.items()}
+    if len(ranks) != len(vocab) or not merges_follow_ids(data["model"].get("merges") or [], vocab):
+        raise ValueError("the merges do not follow the token ids")
+    pattern = split_pattern(data["pre_tokenizer"])
+    if pattern is None:
+        raise ValueError("pre-tokenizer")
+    return BpeTables(
+        ranks=ranks,
+        vocab=vocab,
+        added={token["content"]: int(token["id"]) for token in data.get("added_tokens") or ()},
+        pattern=pattern,
+        nfc=(data.get("normalizer") or {}).get("type") == "NFC",
+    )
 
 
 def merges_follow_ids(merges: list, vocab: dict[str, int]) -> bool:

@@ -202,19 +202,35 @@ class TokenizersEncoder:
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
-def load_encoder(path: Path) -> Any:
-    """tiktoken for a tokenizer.json it reproduces exactly (gateway/bpe.py), else the `tokenizers` library."""
+def load_encoder(path: Path, cache: Path | None = None) -> Any:
+    """tiktoken for a tokenizer.json it reproduces exactly (gateway/bpe.py), else the `tokenizers` library.
+    tiktoken's tables are kept in `cache` (storage/bpe_cache.py; default: the model cache's `bpe/`), so the next
+    gateway on the same tokenizer loads them instead of building them."""
     import orjson
 
-    from polar_mitm.gateway.bpe import TiktokenBPE, unsupported
+    from polar_mitm.engine.model_zoo import cache_root
+    from polar_mitm.gateway.bpe import TiktokenBPE, tables_of, unsupported
+    from polar_mitm.storage import bpe_cache
 
-    data = orjson.loads(path.read_bytes())
+    cache = cache_root() / "bpe" if cache is None else cache
+    raw = path.read_bytes()
+    kept = bpe_cache.load(cache, raw)
+    if kept is not None:
+        try:
+            return TiktokenBPE(kept)
+        except (ImportError, ValueError) as exc:
+            log.debug("kept tables for %s unusable (%s): rebuilding", path, exc)
+    data = orjson.loads(raw)
     why = unsupported(data)
     if why is None:
         try:
-            return TiktokenBPE(data)
+            tables = tables_of(data)
+            encoder = TiktokenBPE(tables)
         except (ImportError, ValueError) as exc:
             why = str(exc)
+        else:
+            bpe_cache.save(cache, raw, tables)
+            return encoder
     log.info("tokenizing with the tokenizers library (tiktoken cannot reproduce %s: %s)", path, why)
     return TokenizersEncoder(path)
 
