@@ -23,6 +23,8 @@ What is left over messages mode is reading Qwen's 151k-token tokenizer.json and 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -34,9 +36,10 @@ from pathlib import Path
 
 import httpx
 
+from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import processes as gateway_processes
-from polar_mitm.processes import children, ports
+from polar_mitm.processes import children, ports, secret_handover
 from polar_mitm.session_ids import SessionId
 
 READY_PATH = "/_polar/ready"
@@ -50,7 +53,8 @@ def port_open(port: int) -> bool:
 def first_call(base_url: str) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
     response = httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
-    response.raise_for_status()
+    if response.is_error:
+        raise RuntimeError(f"the first call: HTTP {response.status_code}: {response.text[:300]}")
 
 
 def wait_until(check, proc: subprocess.Popen, timeout: float = 120.0) -> float:
@@ -77,8 +81,9 @@ def one_start(engine_url: str, root: Path, mode: str) -> dict[str, float]:
         "-q",
         "-s",
         str(gateway_processes.addon_path()),
-        "--mode",
-        f"reverse:http://127.0.0.1:9@{port}",
+        *gateway_processes.base_url_listener(
+            port, "http://127.0.0.1:9", ()
+        ),  # as polar-mitm serves base URLs
         "--set",
         f"confdir={root / 'conf'}",
         "--set",
@@ -90,7 +95,15 @@ def one_start(engine_url: str, root: Path, mode: str) -> dict[str, float]:
     ]
     started = time.perf_counter()
     log = open(root / "gateway.log", "ab")  # noqa: SIM115 - closed after the process stops
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # The engine's API key reaches the gateway as `start_gateway` hands it over (an inherited pipe).
+    secrets_ = {"control_token": secrets.token_urlsafe(24), "engine_key": engine_keys.key_for(engine_url)}
+    handover = secret_handover.Handover({**secrets_, "session_key": None})
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, **handover.popen_kwargs(dict(os.environ))
+        )
+    finally:
+        handover.close()
     base = f"http://127.0.0.1:{port}"
     try:
         listening = wait_until(lambda: port_open(port), proc)
