@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from polar_mitm.agent.cli import agent
-from polar_mitm.engine.tool_call_formats import TOOL_CALL_PARSER_NAMES, tool_call_format
+from polar_mitm.engine.cli import ModelOpt, serve
 
 app = typer.Typer(
     help=__doc__,
@@ -51,9 +51,6 @@ def root(
         os.environ[DEBUG_ENV] = "1"  # children (the gateway, sessions' helpers) show theirs too
 
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Checkpoint directory, or `tiny` / `smollm2`.")]
-
-
 @app.command("tiny-model")
 def tiny_model(
     out_dir: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
@@ -67,97 +64,7 @@ def tiny_model(
     console.print(f"[green]tiny model written to[/] {path}")
 
 
-@app.command()
-def serve(
-    model: ModelOpt = "tiny",
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port (SGLang's default is 30000).")] = 30000,
-    served_model_name: Annotated[str | None, typer.Option(help="Model name reported to clients.")] = None,
-    context_length: Annotated[int | None, typer.Option(help="Override the model's context length.")] = None,
-    tool_call_parser: Annotated[
-        str | None,
-        typer.Option(
-            help=f"{' | '.join(TOOL_CALL_PARSER_NAMES)} (default: the model's).", show_default=False
-        ),
-    ] = None,
-    reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
-    threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
-    script: Annotated[
-        Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")
-    ] = None,
-    token_delay: Annotated[
-        float, typer.Option(help="Test knob: seconds to wait before each sampled token.")
-    ] = 0.0,
-    first_token_delay: Annotated[
-        float, typer.Option(help="Test knob: seconds to hold the first token back (a slow prefill).")
-    ] = 0.0,
-    stream_weight_version: Annotated[
-        bool, typer.Option(help="Test knob: off, streamed answers omit their weight_version (as SGLang's).")
-    ] = True,
-    on_push: Annotated[
-        str,
-        typer.Option(
-            help="What a weight push does to a running generation: swap (the new weights from its next token) "
-            "or abort (SGLang's default: the call ends with finish abort and the gateway resumes it)."
-        ),
-    ] = "swap",
-    api_key_file: Annotated[
-        Path | None,
-        typer.Option(
-            help="File (mode 600) holding the API key every route but /health needs; without a key (nor "
-            "$POLAR_ENGINE_KEY) only sampling routes answer and weight pushes are off."
-        ),
-    ] = None,
-) -> None:
-    """Serve a model on CPU behind SGLang's HTTP contract (the subset polar-mitm uses)."""
-    import os
-
-    from polar_mitm.engines import keys as engine_keys
-
-    if tool_call_parser is not None:
-        tool_call_format(tool_call_parser)  # before the model loads: an unknown name is said at once
-    from polar_mitm.engine.server import ON_PUSH
-
-    if on_push not in ON_PUSH:
-        typer.echo(
-            f"polar-mitm serve: --on-push must be one of {' | '.join(ON_PUSH)}, not {on_push!r}", err=True
-        )
-        raise typer.Exit(2)
-    try:  # before the model loads: a bad key file is said at once
-        api_key = engine_keys.read_key_file(api_key_file) if api_key_file else engine_keys.process_key()
-    except engine_keys.KeyFileError as exc:
-        typer.echo(f"polar-mitm serve: {exc}", err=True)
-        raise typer.Exit(2) from exc
-
-    import torch
-    import uvicorn
-
-    from polar_mitm.engine.generation import Engine
-    from polar_mitm.engine.model_zoo import resolve_model
-    from polar_mitm.engine.server import Pacing, build_app
-
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    path = resolve_model(model, seed=seed)
-    engine = Engine(
-        path,
-        served_model_name=served_model_name,
-        context_length=context_length,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
-        script_path=script,
-    )
-    console.print(
-        f"[green]serving[/] {engine.served_model_name} ({path}) on http://{host}:{port} "
-        f"context={engine.context_length} parsers={engine.tool_call_parser}/{engine.reasoning_parser}"
-    )
-    if api_key is None:
-        console.print("[yellow]no API key[/] (--api-key-file): sampling routes only, weight pushes are off")
-    pacing = Pacing(token_delay=token_delay, first_token_delay=first_token_delay)
-    app = build_app(
-        engine, pacing, api_key=api_key, stream_weight_version=stream_weight_version, on_push=on_push
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+app.command()(serve)  # its own module: engines start it without the rest of the CLI (engine/cli.py)
 
 
 @app.command("chat")
@@ -416,15 +323,9 @@ _register_gateway_and_doctor()
 def main(argv: list[str] | None = None) -> None:
     """The `polar-mitm` command: `app`, with a mistake in the user's input said in one line and exit 2
     (`polar_mitm.user_errors`); any other exception is ours and keeps its traceback."""
-    try:
-        app(args=argv, prog_name="polar-mitm")
-    except Exception as exc:
-        from polar_mitm import user_errors
+    from polar_mitm.user_errors import run_command
 
-        if user_errors.debugging() or not isinstance(exc, user_errors.user_error_types()):
-            raise
-        print(f"polar-mitm: {user_errors.one_line(exc)}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_command(app, argv, "polar-mitm")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+from typing import Any
 
 # (module, class): each the error its module raises for input it refuses.
 USER_ERRORS = (
@@ -62,3 +64,15 @@ def one_line(exc: BaseException) -> str:
     """The error's message as one line (messages from pyarrow and pydantic run over several)."""
     text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
     return text or type(exc).__name__
+
+
+def run_command(app: Any, argv: list[str] | None, prog_name: str) -> None:
+    """Run a Typer `app` as a command: a mistake in the user's input is said in one line with exit 2; any other
+    exception is ours and keeps its traceback (as does every one under $POLAR_DEBUG=1)."""
+    try:
+        app(args=argv, prog_name=prog_name)
+    except Exception as exc:
+        if debugging() or not isinstance(exc, user_error_types()):
+            raise
+        print(f"{prog_name}: {one_line(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -42,8 +42,7 @@ def start_engine(
     cmd = [
         sys.executable,
         "-m",
-        "polar_mitm.cli",
-        "serve",
+        "polar_mitm.engine.cli",  # `polar-mitm serve` without importing the rest of the CLI
         "--model",
         model,
         "--port",
