@@ -110,11 +110,6 @@ class TiktokenBPE:
         longest_first = sorted(self.added, key=len, reverse=True)
         self._added_re = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
 
-    @classmethod
-    def from_tokenizer_json(cls, data: dict[str, Any]) -> TiktokenBPE:
-        """Built from a parsed tokenizer.json that `unsupported` accepts; ValueError where tiktoken would differ."""
-        return cls(tables_of(data))
-
     def token_id(self, text: str) -> int | None:
         return self.added.get(text, self.vocab.get(text))
 
