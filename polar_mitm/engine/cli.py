@@ -34,7 +34,15 @@ def serve(
     ] = None,
     reasoning_parser: Annotated[str | None, typer.Option(help="qwen3 | none (default: the model's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the `tiny` model.")] = 0,
-    threads: Annotated[int | None, typer.Option(help="torch intra-op threads (default: all cores).")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            envvar="OMP_NUM_THREADS",  # OpenMP's own variable, which torch honours too: one setting for both
+            help="torch intra-op threads (default: $OMP_NUM_THREADS, else all cores).",
+            show_default=False,
+        ),
+    ] = None,
     script: Annotated[
         Path | None, typer.Option(help="Test-only scripted policy (JSON list of turns).")
     ] = None,
