@@ -14,7 +14,7 @@ from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.session_ids import SessionId
-from tests.suite_timing import SuiteTiming, longest_first_scheduling
+from tests.suite_timing import PhaseCpu, SuiteTiming, longest_first_scheduling
 from tests.summary_tables import print_worker_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,6 +36,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
+    config.pluginmanager.register(PhaseCpu(), "polar-phase-cpu")  # on every process that runs tests
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.polar_tables = Path(tempfile.mkdtemp(prefix="polar-test-tables-"))
         config.pluginmanager.register(SuiteTiming(), "polar-suite-timing")

@@ -8,12 +8,17 @@ workers within one short file of each other). A group the file does not know cou
 
 Refresh the file after a change that moves a group's cost by minutes:
 `POLAR_WRITE_SCOPE_SECONDS=1 bash scripts/test.sh` (a full run rewrites it at the end).
+
+The table also gives each file's CPU seconds (`PhaseCpu`): with both cores busy, the suite's wall time is its CPU
+over two, so CPU is what a change to the suite's length has to cut, and wall seconds alone hide it (a file waiting on
+a harness's network timeouts is long and cheap; one that imports torch in ten processes is short and dear).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -75,11 +80,53 @@ def longest_first_scheduling(config, log):
     return LongestFirstScheduling(config, log)
 
 
+def cpu_seconds() -> float:
+    """CPU of this process and of every child it has waited for (theirs includes the children they waited for)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class PhaseCpu:
+    """On each process that runs tests: the CPU seconds of each phase (setup, call, teardown) on its report, as
+    `cpu_s` (pytest-xdist carries a report's attributes to the controller). A server a fixture shares is counted
+    where it is stopped and waited for (the teardown of its scope's last test); a process nobody waits for (a daemon
+    that detaches) is not counted."""
+
+    def __init__(self) -> None:
+        self.phase_cpu: dict[tuple[str, str], float] = {}
+
+    def measure(self, item, when: str):
+        start = cpu_seconds()
+        try:
+            return (yield)
+        finally:  # a failing phase too
+            self.phase_cpu[(item.nodeid, when)] = cpu_seconds() - start
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item):
+        return (yield from self.measure(item, "setup"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        return (yield from self.measure(item, "call"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        return (yield from self.measure(item, "teardown"))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        report.cpu_s = round(self.phase_cpu.pop((item.nodeid, call.when), 0.0), 3)
+        return report
+
+
 class SuiteTiming:
     """The controller's tally: seconds per file and per worker (setup + call + teardown), shown at the end."""
 
     def __init__(self) -> None:
         self.file_seconds: Counter[str] = Counter()
+        self.file_cpu: Counter[str] = Counter()
         self.worker_seconds: Counter[str] = Counter()
         self.file_tests: defaultdict[str, set[str]] = defaultdict(set)
 
@@ -87,6 +134,7 @@ class SuiteTiming:
     def pytest_runtest_logreport(self, report) -> None:
         path = report.nodeid.split("::", 1)[0]
         self.file_seconds[path] += report.duration
+        self.file_cpu[path] += getattr(report, "cpu_s", 0.0)
         self.file_tests[path].add(report.nodeid)
         worker = getattr(getattr(report, "node", None), "gateway", None)
         self.worker_seconds[worker.id if worker is not None else "main"] += report.duration
@@ -102,11 +150,21 @@ class SuiteTiming:
         if not self.file_seconds:
             return
         write = terminalreporter.write_line
-        write(f"\nslowest {SLOWEST_FILES_SHOWN} test files (setup + call + teardown):")
+        write(
+            f"\nslowest {SLOWEST_FILES_SHOWN} test files (setup + call + teardown; CPU: the tests' own and their processes'):"
+        )
         for path, seconds in self.file_seconds.most_common(SLOWEST_FILES_SHOWN):
-            write(f"{seconds:8.1f} s  {len(self.file_tests[path]):4} tests  {path}")
+            write(
+                f"{seconds:8.1f} s  {self.file_cpu[path]:7.1f} s CPU  {len(self.file_tests[path]):4} tests  {path}"
+            )
+        write(f"\ncostliest {SLOWEST_FILES_SHOWN} test files by CPU:")
+        for path, cpu in self.file_cpu.most_common(SLOWEST_FILES_SHOWN):
+            write(
+                f"{cpu:8.1f} s CPU  {self.file_seconds[path]:7.1f} s  {len(self.file_tests[path]):4} tests  {path}"
+            )
         busy = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(self.worker_seconds.items()))
-        write(f"busy per worker: {busy}; in all {sum(self.file_seconds.values()):.0f} s")
+        cpu = sum(self.file_cpu.values())
+        write(f"busy per worker: {busy}; in all {sum(self.file_seconds.values()):.0f} s, {cpu:.0f} s of CPU")
         if os.environ.get("POLAR_WRITE_SCOPE_SECONDS") == "1":
             merged = {
                 **recorded_scope_seconds(),
