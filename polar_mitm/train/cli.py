@@ -56,6 +56,9 @@ def grpo_command(
 ) -> None:
     """GRPO on merged shards (TRL): group-relative advantages per task_id, loss on sampled tokens only, ratios
     against the recorded behaviour logprobs; writes a Hugging Face checkpoint, metrics.jsonl and TensorBoard logs."""
+    from polar_mitm.train.tracker_imports import skip_unrequested_tracker_imports
+
+    skip_unrequested_tracker_imports(report_to.split(","))  # before TRL is imported
     from polar_mitm.engine.model_zoo import resolve_model
     from polar_mitm.train.data import load_sequences
     from polar_mitm.train.grpo_trainer import PolarGRPOTrainer
