@@ -176,6 +176,11 @@ def loop_command(ctx: typer.Context) -> None:
     loop = checked_loop(given_or_resumed_config(ctx))
     from polar_mitm.log_format import EventLog, events_stdout, resolved
     from polar_mitm.loop.progress import quiet_libraries
+    from polar_mitm.train.tracker_imports import skip_unrequested_tracker_imports
+
+    # The process is this command's: its trainings report to no tracker (the loop's own trackers do, MLflow's
+    # importing MLflow itself), so TRL need not import MLflow when the first training imports it.
+    skip_unrequested_tracker_imports([])
 
     quiet_libraries()  # the progress line says what runs; library progress bars would break the tables up
     shown = resolved(loop.cfg.log_format, console.is_terminal)

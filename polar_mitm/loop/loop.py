@@ -102,7 +102,6 @@ from polar_mitm.storage.run_layout import (
 )
 from polar_mitm.tasks.task_file import Task, load_tasks
 from polar_mitm.train.learning_rate import default_learning_rate
-from polar_mitm.train.tracker_imports import skip_unrequested_tracker_imports
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,6 @@ class Loop:
             raise ValueError("--gateways must be at least 1 (and is 1 with --ray: one gateway per node)")
         check_service(cfg)
         check_tracker(cfg.report_to)  # refused before the engine starts
-        skip_unrequested_tracker_imports([])  # its trainings report to no tracker: the loop's own trackers do
         self.tracker: Tracker = NoTracker()  # run() opens the --report-to one
         self.on_iteration = on_iteration or (lambda stats: None)
         self.on_note = logger.info  # a line worth saying (a default chosen for the user); the CLI prints it
