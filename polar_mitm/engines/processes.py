@@ -38,7 +38,7 @@ def start_engine(
     (`engine_keys.key_for`): our gateways and weight pushes send it, nothing else can. With `netns` it runs inside
     that network namespace (its URL is only reachable from there).
     """
-    port = port or ports.free_port()
+    port = port or (netns.free_port() if netns is not None else ports.free_port())
     cmd = [
         sys.executable,
         "-m",

@@ -174,7 +174,8 @@ def start_gateway(
     Its control token, `engine_key` (the engine's API key) and `session_key` (what signs session credentials)
     reach it through an inherited pipe (`secret_handover`), never its environment or command line.
     """
-    proxy_port, reverse_port = proxy_port or ports.free_port(), reverse_port or ports.free_port()
+    free_port = netns.free_port if netns is not None else ports.free_port
+    proxy_port, reverse_port = proxy_port or free_port(), reverse_port or free_port()
     cmd = mitmdump_command(backend, out_dir, confdir, proxy_port, reverse_port, options)
     out = open(log, "ab") if log else subprocess.DEVNULL
     token = secrets.token_urlsafe(24)

@@ -28,6 +28,7 @@ class LoopbackNamespace:
     def __init__(self) -> None:
         self.holder: subprocess.Popen | None = None
         self.user_ns = os.geteuid() != 0
+        self.ports_given: set[int] = set()  # ports handed to processes in here (free_port)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -99,6 +100,18 @@ class LoopbackNamespace:
                 if len(fields) > 3 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                     return True
         return False
+
+    def free_port(self) -> int:
+        """A port for a process in here. A port free on the host may be taken in here: the engine's port is bound
+        only in here, so the host hands it out again (a gateway once failed to start on its engine's port). It is
+        one the host has free, not handed to another process here, and not listening in here."""
+        from polar_mitm.processes import ports
+
+        while True:
+            port = ports.free_port()
+            if port not in self.ports_given and not self.listening(port):
+                self.ports_given.add(port)
+                return port
 
     def wait_port(self, port: int, *, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
         """Wait until `port` listens inside the namespace; fail fast if `proc` dies."""
