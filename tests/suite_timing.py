@@ -20,6 +20,7 @@ import json
 import os
 import resource
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,16 @@ def longest_first_scheduling(config, log):
     return LongestFirstScheduling(config, log)
 
 
+# CPU of processes started for this one but not its children: those the preload server forked (conftest.py).
+CPU_ELSEWHERE: list[Callable[[], float]] = []
+
+
 def cpu_seconds() -> float:
-    """CPU of this process and of every child it has waited for (theirs includes the children they waited for)."""
+    """CPU of this process and of every child it has waited for (theirs includes the children they waited for),
+    and of the children the preload server has reaped for it."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    elsewhere = sum(source() for source in CPU_ELSEWHERE)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + elsewhere
 
 
 class PhaseCpu:

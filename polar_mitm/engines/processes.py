@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from polar_mitm.engines import keys as engine_keys
-from polar_mitm.processes import children, ports, secret_handover
+from polar_mitm.processes import children, forkserver, ports, secret_handover
 
 if TYPE_CHECKING:
     from polar_mitm.harness.netns import LoopbackNamespace
@@ -31,7 +30,7 @@ def start_engine(
     timeout: float = 300.0,
     netns: LoopbackNamespace | None = None,
     api_key: str | None = None,
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen | forkserver.ForkedChild, str]:
     """`polar-mitm serve` in a child process; returns (process, base URL) once /health answers.
 
     It gets an API key (`api_key`, else a new one) through an inherited pipe, remembered for its URL in this process
@@ -39,29 +38,25 @@ def start_engine(
     that network namespace (its URL is only reachable from there).
     """
     port = port or (netns.free_port() if netns is not None else ports.free_port())
-    cmd = [
-        sys.executable,
-        "-m",
-        "polar_mitm.engine.cli",  # `polar-mitm serve` without importing the rest of the CLI
-        "--model",
-        model,
-        "--port",
-        str(port),
-        *(extra_args or []),
-    ]
+    args = ["--model", model, "--port", str(port), *(extra_args or [])]
     out = open(log, "ab") if log else subprocess.DEVNULL
     key = api_key or engine_keys.new_key()
     handover = secret_handover.Handover({engine_keys.HANDOVER_NAME: key})
     env = {k: v for k, v in os.environ.items() if k != engine_keys.KEY_ENV}  # the pipe's key, not a user's
     try:
-        proc = subprocess.Popen(
-            netns.wrap(cmd) if netns else cmd,
+        kwargs = handover.popen_kwargs({**env, "HF_HUB_OFFLINE": "1"})
+        proc = forkserver.popen_module(
+            "polar_mitm.engine.cli",  # `polar-mitm serve` without importing the rest of the CLI
+            args,
+            env=kwargs["env"],
             stdout=out,
-            stderr=subprocess.STDOUT,
-            **handover.popen_kwargs({**env, "HF_HUB_OFFLINE": "1"}),
+            pass_fds=kwargs["pass_fds"],
+            netns=netns,
         )
     finally:
         handover.close()
+        if log:
+            out.close()
     url = f"http://127.0.0.1:{port}"
     engine_keys.remember(url, key)
     try:

@@ -25,11 +25,14 @@ import httpx
 from polar_mitm.engines import keys as engine_keys
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import control
-from polar_mitm.processes import children, ports, secret_handover
+from polar_mitm.processes import children, forkserver, ports, secret_handover
 from polar_mitm.user_errors import UserInputError
 
 if TYPE_CHECKING:
     from polar_mitm.harness.netns import LoopbackNamespace
+
+
+GATEWAY_MODULE = "polar_mitm.gateway.launch"  # mitmdump on uvloop (gateway/launch.py)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class GatewayProcess:
     """A running `mitmdump -s addon/polar.py` with a regular (HTTPS_PROXY) and a base-URL listener (our own server,
     or mitmproxy's reverse mode: `base_url_listener`)."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forkserver.ForkedChild
     proxy_port: int
     reverse_port: int
     confdir: Path
@@ -118,7 +121,7 @@ def mitmdump_command(
     cmd = [
         sys.executable,
         "-m",
-        "polar_mitm.gateway.launch",  # mitmdump on uvloop (gateway/launch.py)
+        GATEWAY_MODULE,
         "-q",
         "-s",
         str(addon_path()),
@@ -184,15 +187,21 @@ def start_gateway(
         {"control_token": token, "engine_key": engine_key, "session_key": session_key}
     )
     try:
-        proc = subprocess.Popen(
-            netns.wrap(cmd) if netns else cmd,
+        kwargs = handover.popen_kwargs(dict(os.environ))
+        assert cmd[:3] == [sys.executable, "-m", GATEWAY_MODULE]
+        proc = forkserver.popen_module(
+            GATEWAY_MODULE,
+            cmd[3:],
+            env=kwargs["env"],
             stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=children.die_with_parent if tie_to_parent else None,
-            **handover.popen_kwargs(dict(os.environ)),
+            pass_fds=kwargs["pass_fds"],
+            netns=netns,
+            tie_to_parent=tie_to_parent,
         )
     finally:
         handover.close()
+        if log:
+            out.close()
     wait = netns.wait_port if netns is not None else ports.wait_port
     try:
         wait(proxy_port, proc=proc)

@@ -89,6 +89,11 @@ class LoopbackNamespace:
         join = [f"--user={ns}/user", "--preserve-credentials"] if self.user_ns else []
         return ["nsenter", *join, f"--net={ns}/net", "--", *argv]
 
+    def namespace_files(self) -> list[str]:
+        """The /proc/PID/ns files a process joins (in this order) to be where `wrap` puts it."""
+        ns = f"/proc/{self.pid}/ns"
+        return [f"{ns}/user", f"{ns}/net"] if self.user_ns else [f"{ns}/net"]
+
     def listening(self, port: int) -> bool:
         """Is a TCP socket listening on `port` inside the namespace?"""
         for table in ("tcp", "tcp6"):

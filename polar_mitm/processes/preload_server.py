@@ -1,0 +1,321 @@
+"""The fork server behind `forkserver.spawn`: `python -m polar_mitm.processes.preload_server SOCKET [--preload SET]`.
+
+It imports what our module children import (a preload set: `engine`, `gateway`), then forks one child per request,
+single-threaded (it refuses to serve if an import started a thread: a fork would copy a lock some thread holds). A
+child joins the namespaces asked for, takes the caller's descriptors at the caller's numbers, its environment and
+working directory, and runs the module as `__main__` exactly as `python -m` would, exit status included. The server
+reaps its children and sends each one's wait status and CPU seconds to the connection that started it; it ends when
+the process that started it does (or on SIGTERM), leaving running children to run on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import fcntl
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from polar_mitm.processes import children
+from polar_mitm.processes.forkserver import HEADER, MAX_FDS, import_time_env, interpreter_identity
+
+# What each kind of child imports before it does anything of its own (measured: `python -X importtime`).
+PRELOAD_SETS: dict[str, tuple[str, ...]] = {
+    "engine": (
+        "torch",
+        "transformers",
+        "transformers.modeling_utils",
+        "transformers.activations",
+        "transformers.masking_utils",
+        "transformers.models.qwen3.modeling_qwen3",
+        "transformers.models.llama.modeling_llama",
+        "transformers.tokenization_utils_tokenizers",
+        "uvicorn",
+        "uvicorn.loops.uvloop",
+        "uvicorn.protocols.http.h11_impl",
+        "uvicorn.lifespan.on",
+        "polar_mitm.engine.server",
+        "polar_mitm.engine.generation",
+        "polar_mitm.engine.model_zoo",
+        "polar_mitm.engine.tiny_model",
+        "polar_mitm.engine.script",
+        "polar_mitm.user_errors",
+    ),
+    "gateway": (
+        "uvloop",
+        "mitmproxy.tools.main",
+        "mitmproxy.tools.dump",
+        "polar_mitm.gateway.addons",
+    ),
+}
+
+
+def preload(names: list[str]) -> list[str]:
+    """Import each set's modules; the ones that would not import (an optional extra not installed: its child pays
+    for the import itself, nothing more)."""
+    missing = []
+    for name in names:
+        for module in PRELOAD_SETS[name]:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                missing.append(module)
+    return missing
+
+
+class Server:
+    def __init__(self, path: str, env_before_preload: dict[str, str]) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        os.chmod(path, 0o600)
+        self.listener.listen(64)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.wake_w = wake_w
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._stop)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "reap")
+        self.children: dict[
+            int, tuple[socket.socket, bool]
+        ] = {}  # pid -> (its caller's connection, term on close)
+        self.running = True
+        self.identity = interpreter_identity()
+        self.import_env = import_time_env(env_before_preload)
+        # What the imports themselves set (torch: TORCHINDUCTOR_CACHE_DIR): a fresh child's imports would set it too.
+        self.set_by_imports = {k: v for k, v in os.environ.items() if env_before_preload.get(k) != v}
+
+    def _stop(self, *_: object) -> None:
+        self.running = False
+
+    def serve(self) -> None:
+        while self.running:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "reap":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                    self._reap()
+                else:
+                    self._caller_gone(key.fileobj, key.data)
+            self._reap()  # a SIGCHLD may land between select's return and the handler's wake-up
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(5.0)  # a caller that connects and says nothing must not stall every other start
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        conn.settimeout(None)
+        try:
+            declined = self._declined(request, fds)
+            if declined:
+                conn.sendall(json.dumps({"declined": declined}).encode() + b"\n")
+                conn.close()
+                return
+            pid = os.fork()
+            if pid == 0:
+                _run_child(request, fds, self.set_by_imports)  # never returns
+            self.children[pid] = (conn, bool(request.get("term_on_disconnect")))
+            self.selector.register(conn, selectors.EVENT_READ, pid)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _declined(self, request: dict, fds: list[int]) -> str:
+        if any(request.get(k) != v for k, v in self.identity.items()):
+            return "another interpreter or checkout"
+        if request.get("import_env") != self.import_env:
+            return "an import-time variable differs"
+        if len(fds) != len(request.get("targets", [])):
+            return "descriptors missing"
+        if threading.active_count() != 1:
+            return "the server has threads"
+        return ""
+
+    def _caller_gone(self, conn: socket.socket, pid: int) -> None:
+        """The caller closed its end (it ended, or stopped waiting): SIGTERM the child if it asked for that."""
+        with contextlib.suppress(OSError):
+            if conn.recv(1, socket.MSG_PEEK):
+                return  # a caller does not write after its request; ignore stray bytes' wake-up
+        self.selector.unregister(conn)
+        _, term = self.children.get(pid, (None, False))
+        if term:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn, _ = self.children.pop(pid, (None, False))
+            if conn is None:
+                continue
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                cpu = usage.ru_utime + usage.ru_stime
+                conn.sendall(json.dumps({"status": status, "cpu": round(cpu, 3)}).encode() + b"\n")
+            conn.close()
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, MAX_FDS)
+    while len(data) < HEADER.size:
+        more = conn.recv(1 << 16)
+        if not more:
+            raise ValueError("short request")
+        data += more
+    (size,) = HEADER.unpack_from(data)
+    while len(data) < HEADER.size + size:
+        more = conn.recv(1 << 16)
+        if not more:
+            raise ValueError("short request")
+        data += more
+    return json.loads(data[HEADER.size : HEADER.size + size]), list(fds)
+
+
+def _join_namespaces(paths: list[str]) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for path in paths:  # user first, then net: the order nsenter uses
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(fd, 0) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns {path}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+
+def _place_fds(fds: list[int], targets: list[int]) -> None:
+    """The caller's descriptors at the caller's numbers; every other descriptor closed (as Popen's close_fds)."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024 + i) for i, fd in enumerate(fds)]
+    for fd, target in zip(high, targets, strict=True):
+        os.dup2(fd, target)
+    keep = set(targets)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _show_command_line(argv: list[str]) -> None:
+    """Put the child's own `python -m MODULE ARGS` where /proc/PID/cmdline (ps, pgrep -f) reads it: in place, in
+    the argv area the server was started with (padded for it; what setproctitle does, NUL-separated). A command
+    line longer than the room leaves the server's."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48 and 49)
+    except (OSError, IndexError, ValueError):
+        return
+    text = b"\0".join(arg.encode(errors="surrogateescape") for arg in argv) + b"\0"
+    if start <= 0 or len(text) > end - start:
+        return
+    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _join_namespaces(request["namespaces"])
+        _place_fds(fds, request["targets"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for key, value in set_by_imports.items():
+            os.environ.setdefault(key, value)
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # what `python -m` puts first
+        with contextlib.suppress(ImportError):
+            import numpy
+
+            numpy.random.seed()  # the server's state is every child's otherwise (Python's random reseeds itself)
+        if os.isatty(1):  # a fresh interpreter line-buffers a terminal; the server's stdout was not one
+            sys.stdout.reconfigure(line_buffering=True)
+        sys.argv = [request["module"], *request["args"]]
+        _show_command_line([request["executable"], "-m", request["module"], *request["args"]])
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        with contextlib.suppress(Exception):
+            threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as interpreter exit does
+        with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m polar_mitm.processes.preload_server")
+    parser.add_argument("socket", help="Unix socket path to listen on (its folder should be private).")
+    parser.add_argument(
+        "--preload", action="append", choices=sorted(PRELOAD_SETS), default=[], help="What to import first."
+    )
+    parser.add_argument("--room", default="", help="Padding: argv space for children's command lines.")
+    args = parser.parse_args()
+    children.die_with_parent()
+    env_before_preload = dict(os.environ)
+    missing = preload(args.preload)
+    if missing:
+        print(
+            f"preload_server: not importable here, left to each child: {', '.join(missing)}", file=sys.stderr
+        )
+    if threading.active_count() != 1:
+        print(
+            "preload_server: an import started a thread; serving nothing (forks would be unsafe)",
+            file=sys.stderr,
+        )
+    server = Server(args.socket, env_before_preload)
+    print("ready", flush=True)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

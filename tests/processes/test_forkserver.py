@@ -1,0 +1,180 @@
+"""Children forked from the preload server (processes/forkserver.py, preload_server.py) are started as `python -m`
+would start them: each property is read from a real child started both ways and compared, not from a list of
+expectations. The suite's engines and gateways start this way (tests/conftest.py), so every test of them also runs
+through it; these tests pin what a caller could tell apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from polar_mitm.harness.netns import LoopbackNamespace, NamespaceUnavailable
+from polar_mitm.processes import forkserver
+
+PROBE = "tests.processes.child_probe"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server with nothing preloaded (quick to start); the probe is imported by each child itself."""
+    with forkserver.serving(preload=()) as srv:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(srv.socket_path):
+            assert srv.proc.poll() is None and time.monotonic() < deadline, (
+                "the preload server did not come up"
+            )
+            time.sleep(0.05)
+        yield srv
+
+
+def start(args: list[str], *, forked: bool, env: dict[str, str] | None = None, **kwargs) -> object:
+    env = env if env is not None else dict(os.environ)
+    if forked:
+        child = forkserver.popen_module(PROBE, args, env=env, **kwargs)
+        assert isinstance(child, forkserver.ForkedChild)
+        return child
+    previous = os.environ.pop(forkserver.SOCKET_ENV)
+    try:
+        child = forkserver.popen_module(PROBE, args, env=env, **kwargs)
+    finally:
+        os.environ[forkserver.SOCKET_ENV] = previous
+    assert isinstance(child, subprocess.Popen)
+    return child
+
+
+def test_a_forked_child_has_the_arguments_folder_variables_descriptors_and_command_line_of_a_fresh_one(
+    server, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    reports = {}
+    for forked in (False, True):
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, b"handed over")
+        os.close(write_fd)
+        log = tmp_path / f"log-{forked}"
+        env = {**os.environ, "PROBE_VAR": "a value", "PROBE_FD": str(read_fd)}
+        with open(log, "wb") as out:
+            child = start(
+                ["report", str(tmp_path / "report.json")],
+                forked=forked,
+                env=env,
+                stdout=out,
+                pass_fds=(read_fd,),
+            )
+        os.close(read_fd)
+        assert child.wait(60) == 0
+        reports[forked] = json.loads((tmp_path / "report.json").read_text())
+        assert log.read_text().splitlines() == ["to stdout", "to stderr"]
+        assert reports[forked]["piped"] == "handed over"
+    fresh, forked = reports[False], reports[True]
+    assert forked["argv"][1:] == fresh["argv"][1:] and Path(forked["argv"][0]).name == "child_probe.py"
+    fresh["argv"][0] = forked["argv"][0] = ""  # the same file, through either path to it
+    fresh["fds"] = [fd for fd in fresh["fds"] if fd != int(fresh["fds"][-1])]  # the listing's own descriptor
+    forked["fds"] = [fd for fd in forked["fds"] if fd != int(forked["fds"][-1])]
+    assert forked == fresh
+
+
+@pytest.mark.parametrize("args", [["exit", "0"], ["exit", "3"], ["say", "no such task"], ["raise"]])
+def test_a_forked_child_ends_with_the_status_and_last_words_of_a_fresh_one(
+    server, tmp_path, monkeypatch, args
+):
+    monkeypatch.chdir(ROOT)
+    seen = []
+    for forked in (False, True):
+        log = tmp_path / f"log-{forked}"
+        with open(log, "wb") as out:
+            child = start(args, forked=forked, stdout=out)
+        code = child.wait(60)
+        lines = log.read_text().splitlines()
+        seen.append((code, lines[-1] if lines else ""))
+    assert seen[1] == seen[0]
+
+
+def test_atexit_hooks_run_and_threads_are_joined_before_a_forked_child_ends(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "order"
+    child = start(["atexit", str(out)], forked=True)
+    assert child.wait(60) == 0
+    assert out.read_text() == "thread\natexit\n"  # interpreter exit: join the threads, then atexit
+
+
+def test_terminate_wait_and_poll_behave_as_popens(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    pid_file = tmp_path / "pid"
+    child = start(["sleep", str(pid_file)], forked=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert int(pid_file.read_text()) == child.pid and child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)
+    cpu_before = server.children_cpu_seconds()
+    child.terminate()
+    assert child.wait(30) == -signal.SIGTERM and child.poll() == -signal.SIGTERM
+    assert child.cpu_seconds is not None and child.cpu_seconds > 0
+    assert server.children_cpu_seconds() >= cpu_before
+    child.kill()  # after its end: nothing happens, as with Popen
+
+
+def test_a_tied_child_is_stopped_when_the_process_that_started_it_is_killed(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time\n"
+            "from polar_mitm.processes import forkserver\n"
+            f"c = forkserver.popen_module({PROBE!r}, ['sleep', {str(pid_file)!r}], env=dict(os.environ),"
+            " tie_to_parent=True)\n"
+            "print(type(c).__name__, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert starter.stdout.readline().strip() == "ForkedChild"
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, "the tied child outlived its starter"
+        time.sleep(0.05)
+
+
+def test_a_start_the_preloaded_modules_could_not_honour_goes_the_usual_way(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "another-hub-cache")}  # huggingface_hub reads it at import
+    assert forkserver.spawn(PROBE, ["exit", "0"], env=env) is None
+    child = forkserver.popen_module(PROBE, ["exit", "4"], env=env)
+    assert isinstance(child, subprocess.Popen) and child.wait(60) == 4
+
+
+def test_a_forked_child_joins_the_network_namespace_asked_for(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    try:
+        namespace = LoopbackNamespace().start()
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"no private network namespace here: {exc}")
+    try:
+        report = tmp_path / "report.json"
+        child = start(["report", str(report)], forked=True, netns=namespace)
+        assert child.wait(60) == 0
+        inside = os.readlink(f"/proc/{namespace.pid}/ns/net")
+        assert json.loads(report.read_text())["net_ns"] == inside != os.readlink("/proc/self/ns/net")
+    finally:
+        namespace.close()
