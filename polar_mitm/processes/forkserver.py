@@ -70,11 +70,15 @@ def interpreter_identity() -> dict[str, str]:
     return {"executable": sys.executable, "polar_mitm": str(Path(polar_mitm.__file__).resolve().parent)}
 
 
+_RUNNING: dict[int, ForkedChild] = {}
+
+
 class ForkedChild:
     """A child the server forked for us, with the part of `subprocess.Popen` our callers use.
 
-    The server is its parent; it sends the wait status over our connection when the child ends. Signals go through
-    a pidfd where Linux has one, so a recycled pid is never signalled."""
+    The server is its parent; it sends the wait status over our connection when the child ends, and ends the child
+    when this process ends (closing the connection). Signals go through a pidfd where Linux has one, so a recycled
+    pid is never signalled."""
 
     def __init__(self, conn: socket.socket, pid: int, args: list[str]) -> None:
         self._conn = conn
@@ -85,6 +89,7 @@ class ForkedChild:
         self._pidfd: int | None = None
         with contextlib.suppress(AttributeError, OSError):
             self._pidfd = os.pidfd_open(pid)
+        _RUNNING[pid] = self  # our end of the connection is the child's life line: kept until it has ended
 
     def _read_status(self, timeout: float | None) -> bool:
         if self.returncode is not None:
@@ -118,6 +123,7 @@ class ForkedChild:
         return -signal.SIGKILL if ready else None
 
     def _close(self) -> None:
+        _RUNNING.pop(self.pid, None)
         with contextlib.suppress(OSError):
             self._conn.close()
         if self._pidfd is not None:
@@ -150,9 +156,6 @@ class ForkedChild:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def __del__(self) -> None:
-        self._close()
-
 
 def spawn(
     module: str,
@@ -169,8 +172,9 @@ def spawn(
     """`python -m module *args` forked from the preloaded server, or None (then start it the usual way).
 
     `stdout`/`stderr`: descriptors (default: ours); `pass_fds` keep their numbers in the child; `namespaces`:
-    /proc/PID/ns/* files the child joins first (`nsenter`'s job); `term_on_disconnect`: SIGTERM the child when this
-    process ends (what `children.die_with_parent` does for a child of our own)."""
+    /proc/PID/ns/* files the child joins first (`nsenter`'s job). When this process ends the child gets SIGKILL, as
+    a child of ours dies with our process group; `term_on_disconnect`: SIGTERM instead (what
+    `children.die_with_parent` gives a child of our own)."""
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return None
@@ -290,7 +294,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(preload: tuple[str, ...] = ("engine", "gateway"), log: Path | None = None) -> Iterator[Server]:
+def serving(
+    preload: tuple[str, ...] = ("engine", "gateway", "cli", "trainer"), log: Path | None = None
+) -> Iterator[Server]:
     """A preload server for this block, announced to us and every child we start through $POLAR_FORKSERVER.
 
     It is usable once its imports are done (a few seconds); starts before then go the usual way. Its socket lies in
@@ -323,3 +329,46 @@ def serving(preload: tuple[str, ...] = ("engine", "gateway"), log: Path | None =
             proc.kill()
             proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+RELAYED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+def run_preloaded(module: str, args: list[str]) -> None:
+    """Be `python -m module *args` by having the preload server fork it: relay our signals to it and end as it
+    ends (its exit code, or the signal that killed it). Returns only when no server can take it, and the caller
+    then runs the module itself. If we are SIGKILLed, the server kills it and all under it (`spawn`)."""
+    inherited = tuple(fd for fd in _open_fds() if fd > 2 and _inheritable(fd))
+    child = spawn(module, args, env=dict(os.environ), pass_fds=inherited)
+    if child is None:
+        return
+    for sig in RELAYED_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    code = child.wait()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:  # killed by a signal: so are we, for whoever waits on us
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _inheritable(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:  # the listing's own descriptor, closed since
+        return False
+
+
+def _open_fds() -> list[int]:
+    try:
+        return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:
+        return [0, 1, 2]

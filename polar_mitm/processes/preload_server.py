@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import gc
 import importlib
 import json
 import os
@@ -57,6 +58,35 @@ PRELOAD_SETS: dict[str, tuple[str, ...]] = {
         "mitmproxy.tools.dump",
         "polar_mitm.gateway.addons",
     ),
+    # `polar-mitm COMMAND` (polar_mitm/__main__.py): every subcommand's module, as polar_mitm/cli.py registers them
+    "cli": (
+        "typer",
+        "polar_mitm.agent.cli",
+        "polar_mitm.engine.cli",
+        "polar_mitm.user_errors",
+        "polar_mitm.loop.cli",
+        "polar_mitm.rollout.cli",
+        "polar_mitm.reconstruct.cli",
+        "polar_mitm.harness.cli",
+        "polar_mitm.tasks.cli",
+        "polar_mitm.train.cli",
+        "polar_mitm.train.config_options",
+        "polar_mitm.config_file",
+        "polar_mitm.service.cli",
+        "polar_mitm.dashboard.cli",
+        "polar_mitm.vllm.cli",
+        "polar_mitm.doctor",
+        "polar_mitm.gateway.foreground",
+    ),
+    # what `loop` and `grpo` import to train (TRL's GRPO trainer and ours: ~6.5 s of CPU)
+    "trainer": (
+        "trl",
+        "trl.trainer.grpo_trainer",
+        "polar_mitm.train.grpo_trainer",
+        "polar_mitm.train.run",
+        "polar_mitm.loop.loop",
+        "polar_mitm.reconstruct.prefix_merging",
+    ),
 }
 
 
@@ -71,6 +101,36 @@ def preload(names: list[str]) -> list[str]:
             except ImportError:
                 missing.append(module)
     return missing
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it (a child of the caller's own would have had them under the caller)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                int(stat.parent.name)
+            )
+    found, todo = [], [pid]
+    while todo:
+        found.append(current := todo.pop())
+        todo += children.get(current, [])
+    return found
+
+
+# Native threads that survive a fork by design: jemalloc (pyarrow's allocator) takes its locks around fork() and
+# starts its background thread again in the child when it needs one.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
+def single_threaded() -> bool:
+    """No thread but ours and the fork-safe ones, Python's or native (an OpenMP pool: torch starts one unless
+    OMP_NUM_THREADS=1): a fork copies only the forking thread, and a lock another thread held stays held."""
+    others = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            others += Path(f"/proc/self/task/{task}/comm").read_text().strip() not in FORK_SAFE_THREADS
+    return others == 1
 
 
 class Server:
@@ -145,20 +205,22 @@ class Server:
             return "an import-time variable differs"
         if len(fds) != len(request.get("targets", [])):
             return "descriptors missing"
-        if threading.active_count() != 1:
+        if not single_threaded():
             return "the server has threads"
         return ""
 
     def _caller_gone(self, conn: socket.socket, pid: int) -> None:
-        """The caller closed its end (it ended, or stopped waiting): SIGTERM the child if it asked for that."""
+        """The caller ended: its child follows it. SIGTERM if it asked to be tied to its caller (what
+        PR_SET_PDEATHSIG gives a child of the caller's own), else SIGKILL to it and all under it, as killing the
+        caller's process group or its process tree would have: nothing is left running for nobody."""
         with contextlib.suppress(OSError):
             if conn.recv(1, socket.MSG_PEEK):
                 return  # a caller does not write after its request; ignore stray bytes' wake-up
         self.selector.unregister(conn)
-        _, term = self.children.get(pid, (None, False))
-        if term:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        _, tied = self.children.get(pid, (None, False))
+        for victim in [pid] if tied else process_tree(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGTERM if tied else signal.SIGKILL)
 
     def _reap(self) -> None:
         while True:
@@ -267,6 +329,9 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
         if os.isatty(1):  # a fresh interpreter line-buffers a terminal; the server's stdout was not one
             sys.stdout.reconfigure(line_buffering=True)
         sys.argv = [request["module"], *request["args"]]
+        sys.modules.pop(
+            request["module"], None
+        )  # run afresh as __main__, as `python -m` does (no second copy)
         _show_command_line([request["executable"], "-m", request["module"], *request["args"]])
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -307,11 +372,14 @@ def main() -> None:
         print(
             f"preload_server: not importable here, left to each child: {', '.join(missing)}", file=sys.stderr
         )
-    if threading.active_count() != 1:
+    if not single_threaded():
         print(
             "preload_server: an import started a thread; serving nothing (forks would be unsafe)",
             file=sys.stderr,
         )
+    # Out of the collector's sight: a child's collections would otherwise walk (and so copy, page by page) every
+    # object the server imported, for nothing: none of them is garbage. (gc.freeze exists for fork servers.)
+    gc.freeze()
     server = Server(args.socket, env_before_preload)
     print("ready", flush=True)
     server.serve()

@@ -135,7 +135,7 @@ def rollout(judge, tmp_path_factory):
     """`polar-mitm rollout` as a user runs it, every task judged by the scripted judge."""
     folder = tmp_path_factory.mktemp("rollout")
     tasks, policy = task_files(folder)
-    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "--script", str(policy)]
+    argv = [sys.executable, "-m", "polar_mitm", "rollout", str(tasks), "--script", str(policy)]
     argv += ["-g", str(GROUP), "--out", str(folder / "flows"), "--rewards", str(folder / "rewards.parquet")]
     argv += ["--work-dir", str(folder / "run"), "--log-format", "lines"]
     argv += ["--judge-url", judge.url, "--judge-model", "scripted"]
@@ -371,7 +371,7 @@ def test_the_judge_key_is_sent_to_the_judge_and_never_seen_by_a_session(judge, t
     }
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps(task) + "\n")
-    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "-g", "1", "--sandbox", "none"]
+    argv = [sys.executable, "-m", "polar_mitm", "rollout", str(tasks), "-g", "1", "--sandbox", "none"]
     argv += [
         "--harness",
         "cmd:env > seen-env.txt; echo hello > out.txt",

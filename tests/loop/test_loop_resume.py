@@ -54,7 +54,7 @@ def task_file(tmp_path_factory) -> Path:
 
 
 def loop_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "polar_mitm.cli", "loop", *args]
+    return [sys.executable, "-m", "polar_mitm", "loop", *args]
 
 
 def start_loop(run_dir: Path, *args: str) -> subprocess.Popen:

@@ -132,7 +132,7 @@ def test_options_only_the_service_can_honour_are_one_line(greedy_service, tmp_pa
 
 
 def loop_cli(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "polar_mitm.cli", "loop", str(EXAMPLES / "tasks.jsonl"), "-o", str(run_dir)]
+    argv = [sys.executable, "-m", "polar_mitm", "loop", str(EXAMPLES / "tasks.jsonl"), "-o", str(run_dir)]
     argv += ["--model", "tiny", "--max-tokens", str(MAX_TOKENS), *args]
     base = env if env is not None else {**os.environ, "POLAR_SERVICE_TOKEN": TOKEN}
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=base)

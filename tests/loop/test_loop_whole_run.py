@@ -38,7 +38,7 @@ def run(tmp_path_factory, tiny_model_dir) -> Path:
     root = tmp_path_factory.mktemp("whole-loop")
     model = bf16_copy(tiny_model_dir, root / "bf16-tiny")
     run_dir = root / "run"
-    argv = [sys.executable, "-m", "polar_mitm.cli", "loop", str(EXAMPLES / "tasks.jsonl"), "-o", str(run_dir)]
+    argv = [sys.executable, "-m", "polar_mitm", "loop", str(EXAMPLES / "tasks.jsonl"), "-o", str(run_dir)]
     argv += [
         "-n",
         str(ITERATIONS),

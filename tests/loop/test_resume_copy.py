@@ -34,7 +34,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def loop(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "polar_mitm.cli", "loop", *args]
+    command = [sys.executable, "-m", "polar_mitm", "loop", *args]
     return subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
 
 

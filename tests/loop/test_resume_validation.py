@@ -167,7 +167,7 @@ def resume(run: Path, *args: str) -> tuple[int, list[str], float]:
 def resume_process(run: Path, *args: str) -> tuple[int, list[str], float]:
     """The same as its own process (killed with all it started after 120 s: a check that lets the run through
     starts an engine)."""
-    command = [sys.executable, "-m", "polar_mitm.cli", "loop", "-o", str(run), "--resume", *args]
+    command = [sys.executable, "-m", "polar_mitm", "loop", "-o", str(run), "--resume", *args]
     started = time.monotonic()
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True

@@ -1,8 +1,8 @@
 """`python -m tests.processes.child_probe MODE [ARGS]`: a child that reports what it was started with.
 
 `report FILE`: writes its argv, working directory, one variable, its descriptors and the handover pipe's content to
-FILE as JSON, then exits 0. `exit N`, `say TEXT`, `raise`: exits N, exits with SystemExit(TEXT), raises. `sleep`:
-sleeps until signalled. `atexit FILE`: registers an atexit hook and a non-daemon thread, both writing to FILE.
+FILE as JSON, then exits 0. `exit N`, `say TEXT`, `raise`: exits N, exits with SystemExit(TEXT), raises. `sleep FILE`:
+writes its pid to FILE and sleeps; a SIGTERM is noted beside it (FILE.signal). `atexit FILE`: registers an atexit hook and a non-daemon thread, both writing to FILE.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,7 +45,15 @@ def main() -> None:
     elif mode == "raise":
         raise RuntimeError("the probe failed on purpose")
     elif mode == "sleep":
-        Path(rest[0]).write_text(str(os.getpid()))
+        pid_file = Path(rest[0])
+
+        def note_and_die(signum: int, _frame: object) -> None:
+            pid_file.with_suffix(".signal").write_text(signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, note_and_die)
+        pid_file.write_text(str(os.getpid()))
         time.sleep(600)
     elif mode == "atexit":
         out = Path(rest[0])

@@ -125,7 +125,10 @@ def test_terminate_wait_and_poll_behave_as_popens(server, tmp_path, monkeypatch)
     child.kill()  # after its end: nothing happens, as with Popen
 
 
-def test_a_tied_child_is_stopped_when_the_process_that_started_it_is_killed(server, tmp_path):
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_child_ends_with_the_process_that_started_it(server, tmp_path, tied):
+    """Tied (`tie_to_parent`): SIGTERM, as PR_SET_PDEATHSIG gives a child of its own; untied: SIGKILL, as the
+    starter's process group takes a child of its own with it. Either way none is left running for nobody."""
     pid_file = tmp_path / "pid"
     starter = subprocess.Popen(
         [
@@ -134,7 +137,7 @@ def test_a_tied_child_is_stopped_when_the_process_that_started_it_is_killed(serv
             "import os, sys, time\n"
             "from polar_mitm.processes import forkserver\n"
             f"c = forkserver.popen_module({PROBE!r}, ['sleep', {str(pid_file)!r}], env=dict(os.environ),"
-            " tie_to_parent=True)\n"
+            f" tie_to_parent={tied})\n"
             "print(type(c).__name__, flush=True)\n"
             "time.sleep(600)\n",
         ],
@@ -152,8 +155,10 @@ def test_a_tied_child_is_stopped_when_the_process_that_started_it_is_killed(serv
     starter.wait()
     deadline = time.monotonic() + 30
     while Path(f"/proc/{pid}").exists():
-        assert time.monotonic() < deadline, "the tied child outlived its starter"
+        assert time.monotonic() < deadline, "the child outlived its starter"
         time.sleep(0.05)
+    noted = pid_file.with_suffix(".signal")
+    assert (noted.read_text() if noted.exists() else "SIGKILL") == ("SIGTERM" if tied else "SIGKILL")
 
 
 def test_a_start_the_preloaded_modules_could_not_honour_goes_the_usual_way(server, tmp_path, monkeypatch):
@@ -178,3 +183,53 @@ def test_a_forked_child_joins_the_network_namespace_asked_for(server, tmp_path, 
         assert json.loads(report.read_text())["net_ns"] == inside != os.readlink("/proc/self/ns/net")
     finally:
         namespace.close()
+
+
+BIN = Path(sys.executable).parent
+
+
+def run_cli(argv: list[str], *, handed_over: bool, server) -> tuple[int, str, str]:
+    env = dict(os.environ)
+    if not handed_over:
+        env.pop(forkserver.SOCKET_ENV)
+    reaped_before = server.children_cpu_seconds()
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    deadline = time.monotonic() + 10
+    while handed_over and server.children_cpu_seconds() == reaped_before:  # the server's child ran it
+        assert time.monotonic() < deadline, "the command was not handed to the preload server"
+        time.sleep(0.05)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [str(BIN / "polar-mitm"), "--version"],
+        [str(BIN / "polar-mitm"), "merge", "/nonexistent/flows"],
+        [sys.executable, "-m", "polar_mitm", "loop", "--group-size", "zero", "tasks.jsonl"],
+    ],
+)
+def test_a_command_handed_to_the_server_says_and_exits_as_it_does_afresh(server, argv):
+    assert run_cli(argv, handed_over=True, server=server) == run_cli(argv, handed_over=False, server=server)
+
+
+def test_signals_reach_the_handed_over_command_and_its_end_is_the_callers(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from polar_mitm.processes import forkserver\n"
+            f"forkserver.run_preloaded({PROBE!r}, ['sleep', {str(pid_file)!r}])\n"
+            "raise SystemExit('not handed over')\n",
+        ],
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert starter.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert int(pid_file.read_text()) != starter.pid  # the server's child runs it
+    starter.send_signal(signal.SIGTERM)
+    assert starter.wait(30) == -signal.SIGTERM
+    assert pid_file.with_suffix(".signal").read_text() == "SIGTERM"

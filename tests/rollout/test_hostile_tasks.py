@@ -42,7 +42,7 @@ def rollout_cli(
     argv = [
         sys.executable,
         "-m",
-        "polar_mitm.cli",
+        "polar_mitm",
         "rollout",
         str(tasks_file),
         "--harness",
@@ -244,7 +244,7 @@ def test_an_interrupted_rollout_writes_the_rewards_of_finished_sessions(gateway,
     argv = [
         sys.executable,
         "-m",
-        "polar_mitm.cli",
+        "polar_mitm",
         "rollout",
         str(tasks),
         "--harness",

@@ -75,7 +75,7 @@ def node_name(node) -> str:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "polar_mitm.cli", *args]
+    return [sys.executable, "-m", "polar_mitm", *args]
 
 
 def test_one_loop_iteration_on_two_nodes_behind_the_router(

@@ -21,7 +21,7 @@ from polar_mitm.sandbox.tunnel import SOCKETS_INSIDE, TunnelError, gateway_ports
 def rollout(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     tasks = tmp_path / "t.jsonl"
     tasks.write_text(json.dumps({"task_id": "t", "prompt": "p", "eval": "true"}) + "\n")
-    argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "--harness", "cmd:true"]
+    argv = [sys.executable, "-m", "polar_mitm", "rollout", str(tasks), "--harness", "cmd:true"]
     argv += ["--gateway-url", "http://127.0.0.1:9", "--work-dir", str(tmp_path / "run"), "-g", "1"]
     argv += ["--out", str(tmp_path / "flows"), "--rewards", str(tmp_path / "rewards.jsonl"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)

@@ -72,7 +72,7 @@ def test_a_sandboxed_session_under_a_deep_tmpdir_reaches_its_gateway(deep_tmpdir
         tasks = tmp_path / "t.jsonl"
         task = {"task_id": "t", "prompt": "p", "eval": "grep -q through-the-tunnel got.txt"}
         tasks.write_text(json.dumps(task) + "\n")
-        argv = [sys.executable, "-m", "polar_mitm.cli", "rollout", str(tasks), "-g", "1"]
+        argv = [sys.executable, "-m", "polar_mitm", "rollout", str(tasks), "-g", "1"]
         argv += ["--sandbox", "bwrap", "--harness", "cmd:curl -sf {base_url} > got.txt"]
         argv += ["--gateway-url", f"http://127.0.0.1:{server.server_port}"]
         argv += ["--work-dir", str(tmp_path / "run")]

@@ -50,7 +50,7 @@ def start_service(
         "TOKENIZERS_PARALLELISM": "false",
         **({"POLAR_ENGINE_KEY": engine_key} if engine_key else {}),
     }
-    argv = [sys.executable, "-m", "polar_mitm.cli", "serve-rollouts", "--out", str(out), "--port", str(port)]
+    argv = [sys.executable, "-m", "polar_mitm", "serve-rollouts", "--out", str(out), "--port", str(port)]
     argv += ["--script", str(EXAMPLES / "policy.json")] if scripted else []
     argv += ["--task-root", str(EXAMPLES), *extra]
     log = open(out.parent / f"{out.name}-{len(list(out.parent.glob('*.log')))}.log", "wb")
@@ -641,7 +641,7 @@ def test_killed_and_resumed_every_finished_session_is_reported_once_and_the_rest
             [
                 sys.executable,
                 "-m",
-                "polar_mitm.cli",
+                "polar_mitm",
                 "serve-rollouts",
                 "--out",
                 str(out),

@@ -138,7 +138,7 @@ def test_each_file_familys_check_passes_the_edit_asked_for_and_fails_a_wrong_one
 
 
 def test_the_same_seed_writes_the_same_files_and_the_cli_refuses_bad_input_in_one_line(tmp_path):
-    cli = [sys.executable, "-m", "polar_mitm.cli", "tasks", "generate", "--family", "add,write"]
+    cli = [sys.executable, "-m", "polar_mitm", "tasks", "generate", "--family", "add,write"]
     for name in ("a", "b"):
         done = subprocess.run(
             [*cli, "-o", str(tmp_path / name), "--seed", "5"], capture_output=True, text=True
