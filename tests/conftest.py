@@ -17,7 +17,7 @@ from polar_mitm.gateway import processes as gateway_processes
 from polar_mitm.processes import forkserver
 from polar_mitm.session_ids import SessionId
 from tests.suite_timing import CPU_ELSEWHERE, PhaseCpu, SuiteTiming, longest_first_scheduling
-from tests.summary_tables import print_worker_tables
+from tests.summary_tables import print_worker_tables, show_table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,6 +46,7 @@ def pytest_configure(config):
         # test starts finds it through $POLAR_FORKSERVER; POLAR_TEST_FORKSERVER=0 starts each one afresh.
         config.polar_forkserver = contextlib.ExitStack()
         server = config.polar_forkserver.enter_context(forkserver.serving())
+        config.polar_forkserver_server = server
         CPU_ELSEWHERE.append(server.children_cpu_seconds)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config.polar_tables = Path(tempfile.mkdtemp(prefix="polar-test-tables-"))
@@ -55,6 +56,16 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     node.workerinput["polar_tables"] = str(node.config.polar_tables)
+
+
+def pytest_sessionfinish(session):
+    stack = getattr(session.config, "polar_forkserver", None)
+    if stack is not None:  # what the worker's preload server forked and declined (docs/testing.md)
+        stats = session.config.polar_forkserver_server.stats()
+        lines = [
+            f"{what:<60} {module:<32} {n:>5}" for what, per in stats.items() for module, n in per.items()
+        ]
+        show_table(session.config, f"preload server ({os.getpid()}): starts by module", lines or ["none"])
 
 
 def pytest_unconfigure(config):

@@ -58,9 +58,16 @@ ROOM_FOR_COMMAND_LINES = 16384
 MAX_FDS = 16
 
 
+# ... but these only save an import, which the server has already paid: `polar-mitm loop` sets the MLflow switch
+# (train/tracker_imports.py) before it starts its engines and gateways.
+IMPORT_SAVERS = frozenset({"DISABLE_MLFLOW_INTEGRATION"})
+
+STATS_FILE = "stats.json"
+
+
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The part of `env` that preloaded modules have already read: it must match the server's own."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in IMPORT_SAVERS}
 
 
 def interpreter_identity() -> dict[str, str]:
@@ -291,6 +298,13 @@ class Server:
         except OSError:
             return 0.0
         return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{"forked" or "declined: WHY": {module: starts}} so far."""
+        try:
+            return json.loads(Path(self.socket_path).with_name(STATS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
 
 
 @contextlib.contextmanager

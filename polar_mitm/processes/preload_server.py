@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from polar_mitm.processes import children
-from polar_mitm.processes.forkserver import HEADER, MAX_FDS, import_time_env, interpreter_identity
+from polar_mitm.processes.forkserver import HEADER, MAX_FDS, STATS_FILE, import_time_env, interpreter_identity
 
 # What each kind of child imports before it does anything of its own (measured: `python -X importtime`).
 PRELOAD_SETS: dict[str, tuple[str, ...]] = {
@@ -151,6 +151,8 @@ class Server:
             int, tuple[socket.socket, bool]
         ] = {}  # pid -> (its caller's connection, term on close)
         self.running = True
+        self.stats: dict[str, dict[str, int]] = {}
+        self.stats_path = Path(path).with_name(STATS_FILE)
         self.identity = interpreter_identity()
         self.import_env = import_time_env(env_before_preload)
         # What the imports themselves set (torch: TORCHINDUCTOR_CACHE_DIR): a fresh child's imports would set it too.
@@ -183,6 +185,7 @@ class Server:
         conn.settimeout(None)
         try:
             declined = self._declined(request, fds)
+            self._count(request.get("module", "?"), declined)
             if declined:
                 conn.sendall(json.dumps({"declined": declined}).encode() + b"\n")
                 conn.close()
@@ -198,11 +201,27 @@ class Server:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
+    def _count(self, module: str, declined: str) -> None:
+        """What it forked and what it declined, and why, in STATS_FILE beside its socket (`forkserver.Server.stats`)."""
+        key = f"declined: {declined}" if declined else "forked"
+        self.stats.setdefault(key, {}).setdefault(module, 0)
+        self.stats[key][module] += 1
+        with contextlib.suppress(OSError):
+            partial = self.stats_path.with_suffix(".partial")
+            partial.write_text(json.dumps(self.stats))
+            partial.replace(self.stats_path)
+
     def _declined(self, request: dict, fds: list[int]) -> str:
         if any(request.get(k) != v for k, v in self.identity.items()):
             return "another interpreter or checkout"
-        if request.get("import_env") != self.import_env:
-            return "an import-time variable differs"
+        theirs = {  # a caller that imported torch itself carries what the import set: so does every child here
+            k: v for k, v in (request.get("import_env") or {}).items() if self.set_by_imports.get(k) != v
+        }
+        if theirs != self.import_env:
+            differing = sorted(
+                k for k in {*theirs, *self.import_env} if theirs.get(k) != self.import_env.get(k)
+            )
+            return f"an import-time variable differs ({', '.join(differing)})"
         if len(fds) != len(request.get("targets", [])):
             return "descriptors missing"
         if not single_threaded():
