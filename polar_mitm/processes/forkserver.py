@@ -164,6 +164,17 @@ class ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
+def own_namespaces() -> list[str]:
+    """This process's user and network namespaces, as files a child can join (one it is in already is skipped)."""
+    return [f"/proc/{os.getpid()}/ns/user", f"/proc/{os.getpid()}/ns/net"]
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def spawn(
     module: str,
     args: list[str],
@@ -179,7 +190,8 @@ def spawn(
     """`python -m module *args` forked from the preloaded server, or None (then start it the usual way).
 
     `stdout`/`stderr`: descriptors (default: ours); `pass_fds` keep their numbers in the child; `namespaces`:
-    /proc/PID/ns/* files the child joins first (`nsenter`'s job). When this process ends the child gets SIGKILL, as
+    /proc/PID/ns/* files the child joins first (`nsenter`'s job; default: ours, so a caller inside a private network
+    namespace gets a child inside it too). When this process ends the child gets SIGKILL, as
     a child of ours dies with our process group; `term_on_disconnect`: SIGTERM instead (what
     `children.die_with_parent` gives a child of our own)."""
     path = os.environ.get(SOCKET_ENV)
@@ -199,7 +211,8 @@ def spawn(
         "env": env,
         "cwd": cwd or os.getcwd(),
         "targets": [0, 1, 2, *pass_fds],
-        "namespaces": namespaces or [],
+        "namespaces": namespaces or own_namespaces(),
+        "umask": current_umask(),
         "term_on_disconnect": term_on_disconnect,
         "import_env": import_time_env(env),
     }

@@ -279,6 +279,8 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 def _join_namespaces(paths: list[str]) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     for path in paths:  # user first, then net: the order nsenter uses
+        if os.readlink(path) == os.readlink(f"/proc/self/ns/{Path(path).name}"):
+            continue  # already in it (joining one's own user namespace is an error)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if libc.setns(fd, 0) != 0:
@@ -334,6 +336,7 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _join_namespaces(request["namespaces"])
+        os.umask(int(request.get("umask", 0o022)))
         _place_fds(fds, request["targets"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -33,6 +33,7 @@ def main() -> None:
                     "probe_var": os.environ.get("PROBE_VAR"),
                     "piped": piped,
                     "net_ns": os.readlink("/proc/self/ns/net"),
+                    "umask": os.umask(0o022),
                     "cmdline": Path("/proc/self/cmdline").read_bytes().decode().rstrip("\0").split("\0"),
                     "fds": sorted(int(n) for n in os.listdir("/proc/self/fd")),
                 }

@@ -51,10 +51,12 @@ def start(args: list[str], *, forked: bool, env: dict[str, str] | None = None, *
 
 
 def test_a_forked_child_has_the_arguments_folder_variables_descriptors_and_command_line_of_a_fresh_one(
-    server, tmp_path, monkeypatch
+    server, tmp_path, monkeypatch, request
 ):
     monkeypatch.chdir(ROOT)
     reports = {}
+    previous_umask = os.umask(0o027)  # not the server's: the child must take ours
+    request.addfinalizer(lambda: os.umask(previous_umask))
     for forked in (False, True):
         read_fd, write_fd = os.pipe()
         os.write(write_fd, b"handed over")
@@ -75,6 +77,7 @@ def test_a_forked_child_has_the_arguments_folder_variables_descriptors_and_comma
         assert log.read_text().splitlines() == ["to stdout", "to stderr"]
         assert reports[forked]["piped"] == "handed over"
     fresh, forked = reports[False], reports[True]
+    assert forked["umask"] == 0o027
     assert forked["argv"][1:] == fresh["argv"][1:] and Path(forked["argv"][0]).name == "child_probe.py"
     fresh["argv"][0] = forked["argv"][0] = ""  # the same file, through either path to it
     fresh["fds"] = [fd for fd in fresh["fds"] if fd != int(fresh["fds"][-1])]  # the listing's own descriptor
@@ -181,6 +184,27 @@ def test_a_forked_child_joins_the_network_namespace_asked_for(server, tmp_path, 
         assert child.wait(60) == 0
         inside = os.readlink(f"/proc/{namespace.pid}/ns/net")
         assert json.loads(report.read_text())["net_ns"] == inside != os.readlink("/proc/self/ns/net")
+    finally:
+        namespace.close()
+
+
+def test_a_command_handed_over_from_inside_a_network_namespace_runs_inside_it(server, tmp_path):
+    """The README's quick start runs `polar-mitm` in a private namespace with fixed ports: its command must not
+    land on the host's network through the server."""
+    try:
+        namespace = LoopbackNamespace().start()
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"no private network namespace here: {exc}")
+    try:
+        report = tmp_path / "report.json"
+        code = (
+            "from polar_mitm.processes import forkserver\n"
+            f"forkserver.run_preloaded({PROBE!r}, ['report', {str(report)!r}])\n"
+            "raise SystemExit('not handed over')\n"
+        )
+        done = subprocess.run(namespace.wrap([sys.executable, "-c", code]), cwd=ROOT, timeout=60)
+        assert done.returncode == 0
+        assert json.loads(report.read_text())["net_ns"] == os.readlink(f"/proc/{namespace.pid}/ns/net")
     finally:
         namespace.close()
 
