@@ -14,6 +14,7 @@ import pytest
 from polar_mitm.engine.model_zoo import resolve_model
 from polar_mitm.engines import processes as engine_processes
 from polar_mitm.gateway import processes as gateway_processes
+from polar_mitm.loop.trackers import offline_environment_values
 from polar_mitm.processes import forkserver
 from polar_mitm.session_ids import SessionId
 from tests.suite_timing import CPU_ELSEWHERE, PhaseCpu, SuiteTiming, longest_first_scheduling
@@ -28,6 +29,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # And one thread each (engines and trainers alike): with both cores already taken by the two workers, a second
 # thread per process only adds switching (the loop, GRPO and engine tests used 4-5% less CPU and ran 4-7% faster).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# MLflow and W&B stay off the network here, as the loop keeps them for its trackers (loop/trackers.py sets these in
+# its own process): set from the start, every process the suite starts (and its preload server, whose imports of
+# them read some at import) agrees on them, instead of the first in-process tracked loop changing them halfway.
+for _name, _value in offline_environment_values().items():
+    os.environ.setdefault(_name, _value)
 
 # -- pytest-xdist (scripts/test.sh runs the suite on 2 workers): groups longest first (tests/suite_timing.py) ---------
 

@@ -91,12 +91,19 @@ def mlflow_metric_name(tag: str) -> str:
     return MLFLOW_NAME_CHARS.sub("_", tag.replace("@", "_at_"))
 
 
+def offline_environment_values() -> dict[str, str]:
+    """What keeps MLflow and W&B off the network (`offline_environment`)."""
+    return {
+        "MLFLOW_DISABLE_TELEMETRY": "true",  # read when mlflow is imported
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3 keeps the file store behind this switch
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+
+
 def offline_environment() -> None:
     """What keeps MLflow and W&B off the network in this process (and its children), set by us, not the user."""
-    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # read when mlflow is imported
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 keeps the file store behind this switch
-    os.environ["WANDB_MODE"] = "offline"
-    os.environ["WANDB_SILENT"] = "true"
+    os.environ.update(offline_environment_values())
 
 
 WANDB_SERVICE_ENV = "WANDB_SERVICE"  # where wandb leaves its service's address for child processes to share

@@ -58,16 +58,17 @@ ROOM_FOR_COMMAND_LINES = 16384
 MAX_FDS = 16
 
 
-# ... but these only save an import, which the server has already paid: `polar-mitm loop` sets the MLflow switch
-# (train/tracker_imports.py) before it starts its engines and gateways.
-IMPORT_SAVERS = frozenset({"DISABLE_MLFLOW_INTEGRATION"})
+# ... but not these. The MLflow switch only saves an import, which the server has already paid (`polar-mitm loop`
+# sets it, train/tracker_imports.py, before it starts its engines and gateways); W&B's service address and Python's
+# breakpoint hook (Ray sets it) are read when used, not at import.
+NOT_IMPORT_TIME = frozenset({"DISABLE_MLFLOW_INTEGRATION", "WANDB_SERVICE", "PYTHONBREAKPOINT"})
 
 STATS_FILE = "stats.json"
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The part of `env` that preloaded modules have already read: it must match the server's own."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in IMPORT_SAVERS}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in NOT_IMPORT_TIME}
 
 
 def interpreter_identity() -> dict[str, str]:
