@@ -55,6 +55,8 @@ IMPORT_TIME_PREFIXES = (
 
 HEADER = struct.Struct("!I")
 ROOM_FOR_COMMAND_LINES = 16384
+ROOM_FOR_ENVIRONMENTS = 65536  # one string: under the kernel's 128 KiB per argument or variable
+ROOM_ENV = "POLAR_FORKSERVER_ROOM"
 MAX_FDS = 16
 
 
@@ -334,11 +336,10 @@ def serving(
     out = open(log, "ab") if log else subprocess.DEVNULL
     cmd = [sys.executable, "-m", "polar_mitm.processes.preload_server", path]
     cmd += [f"--preload={name}" for name in preload]
-    cmd += [
-        "--room",
-        " " * ROOM_FOR_COMMAND_LINES,
-    ]  # where each child writes its own command line (ps shows it)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    # Room where each child writes its own command line and environment (what ps and /proc/PID/environ show).
+    cmd += ["--room", " " * ROOM_FOR_COMMAND_LINES]
+    env = {**os.environ, ROOM_ENV: " " * ROOM_FOR_ENVIRONMENTS}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     if log:
         out.close()
     previous = os.environ.get(SOCKET_ENV)

@@ -303,19 +303,28 @@ def _place_fds(fds: list[int], targets: list[int]) -> None:
                 os.close(fd)
 
 
-def _show_command_line(argv: list[str]) -> None:
-    """Put the child's own `python -m MODULE ARGS` where /proc/PID/cmdline (ps, pgrep -f) reads it: in place, in
-    the argv area the server was started with (padded for it; what setproctitle does, NUL-separated). A command
-    line longer than the room leaves the server's."""
+def _show_in_proc(argv: list[str], env: dict[str, str]) -> None:
+    """Put the child's own `python -m MODULE ARGS` and environment where /proc/PID/cmdline and /proc/PID/environ
+    (ps, pgrep -f, anything that reads them) find them: in place, in the argv and environment areas the server was
+    started with, which it padded for this (what setproctitle does, NUL-separated). What does not fit its room is
+    left as the server's."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48 and 49)
+        # arg_start, arg_end, env_start, env_end: proc(5) fields 48-51
+        arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])
     except (OSError, IndexError, ValueError):
         return
-    text = b"\0".join(arg.encode(errors="surrogateescape") for arg in argv) + b"\0"
-    if start <= 0 or len(text) > end - start:
-        return
-    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+    _write_area(arg_start, arg_end, b"\0".join(_bytes(arg) for arg in argv) + b"\0")
+    _write_area(env_start, env_end, b"".join(_bytes(f"{k}={v}") + b"\0" for k, v in env.items()))
+
+
+def _bytes(text: str) -> bytes:
+    return text.encode(errors="surrogateescape")
+
+
+def _write_area(start: int, end: int, text: bytes) -> None:
+    if 0 < start and len(text) <= end - start:
+        ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -354,7 +363,7 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
         sys.modules.pop(
             request["module"], None
         )  # run afresh as __main__, as `python -m` does (no second copy)
-        _show_command_line([request["executable"], "-m", request["module"], *request["args"]])
+        _show_in_proc([request["executable"], "-m", request["module"], *request["args"]], request["env"])
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0

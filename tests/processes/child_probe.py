@@ -35,6 +35,9 @@ def main() -> None:
                     "net_ns": os.readlink("/proc/self/ns/net"),
                     "umask": os.umask(0o022),
                     "cmdline": Path("/proc/self/cmdline").read_bytes().decode().rstrip("\0").split("\0"),
+                    "environ": sorted(
+                        Path("/proc/self/environ").read_bytes().decode().rstrip("\0").split("\0")
+                    ),
                     "fds": sorted(int(n) for n in os.listdir("/proc/self/fd")),
                 }
             )
