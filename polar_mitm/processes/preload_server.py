@@ -151,6 +151,7 @@ class Server:
             int, tuple[socket.socket, bool]
         ] = {}  # pid -> (its caller's connection, term on close)
         self.running = True
+        self.joinable: dict[tuple[str, ...], bool] = {}
         self.stats: dict[str, dict[str, int]] = {}
         self.stats_path = Path(path).with_name(STATS_FILE)
         self.identity = interpreter_identity()
@@ -226,7 +227,31 @@ class Server:
             return "descriptors missing"
         if not single_threaded():
             return "the server has threads"
+        if not self._joinable(request.get("namespaces") or []):
+            return "its namespaces cannot be joined from here"
         return ""
+
+    def _joinable(self, paths: list[str]) -> bool:
+        """Can a child join these namespaces? Tried once per set in a throwaway child (setns may need rights the
+        caller's own `nsenter` has and we lack), so a start that could not join goes the usual way instead of
+        failing."""
+        try:
+            key = tuple(os.readlink(path) for path in paths)
+        except OSError:
+            return False
+        if key == tuple(os.readlink(f"/proc/self/ns/{Path(path).name}") for path in paths):
+            return True
+        if key not in self.joinable:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _join_namespaces(paths)
+                    os._exit(0)
+                except BaseException:
+                    os._exit(1)
+            _, status = os.waitpid(pid, 0)
+            self.joinable[key] = os.waitstatus_to_exitcode(status) == 0
+        return self.joinable[key]
 
     def _caller_gone(self, conn: socket.socket, pid: int) -> None:
         """The caller ended: its child follows it. SIGTERM if it asked to be tied to its caller (what

@@ -257,3 +257,9 @@ def test_signals_reach_the_handed_over_command_and_its_end_is_the_callers(server
     starter.send_signal(signal.SIGTERM)
     assert starter.wait(30) == -signal.SIGTERM
     assert pid_file.with_suffix(".signal").read_text() == "SIGTERM"
+
+
+def test_a_start_in_namespaces_the_server_cannot_join_goes_the_usual_way(server, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    gone = ["/proc/999999999/ns/net"]  # no such process: nothing to join, so nothing is forked
+    assert forkserver.spawn(PROBE, ["exit", "0"], env=dict(os.environ), namespaces=gone) is None
