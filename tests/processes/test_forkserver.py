@@ -172,41 +172,36 @@ def test_a_start_the_preloaded_modules_could_not_honour_goes_the_usual_way(serve
     assert isinstance(child, subprocess.Popen) and child.wait(60) == 4
 
 
-def test_a_forked_child_joins_the_network_namespace_asked_for(server, tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
+@pytest.fixture
+def namespace():
     try:
-        namespace = LoopbackNamespace().start()
+        with LoopbackNamespace() as ns:
+            yield ns
     except NamespaceUnavailable as exc:
         pytest.skip(f"no private network namespace here: {exc}")
-    try:
-        report = tmp_path / "report.json"
-        child = start(["report", str(report)], forked=True, netns=namespace)
-        assert child.wait(60) == 0
-        inside = os.readlink(f"/proc/{namespace.pid}/ns/net")
-        assert json.loads(report.read_text())["net_ns"] == inside != os.readlink("/proc/self/ns/net")
-    finally:
-        namespace.close()
 
 
-def test_a_command_handed_over_from_inside_a_network_namespace_runs_inside_it(server, tmp_path):
+def test_a_forked_child_joins_the_network_namespace_asked_for(server, tmp_path, monkeypatch, namespace):
+    monkeypatch.chdir(ROOT)
+    report = tmp_path / "report.json"
+    child = start(["report", str(report)], forked=True, netns=namespace)
+    assert child.wait(60) == 0
+    inside = os.readlink(f"/proc/{namespace.pid}/ns/net")
+    assert json.loads(report.read_text())["net_ns"] == inside != os.readlink("/proc/self/ns/net")
+
+
+def test_a_command_handed_over_from_inside_a_network_namespace_runs_inside_it(server, tmp_path, namespace):
     """The README's quick start runs `polar-mitm` in a private namespace with fixed ports: its command must not
     land on the host's network through the server."""
-    try:
-        namespace = LoopbackNamespace().start()
-    except NamespaceUnavailable as exc:
-        pytest.skip(f"no private network namespace here: {exc}")
-    try:
-        report = tmp_path / "report.json"
-        code = (
-            "from polar_mitm.processes import forkserver\n"
-            f"forkserver.run_preloaded({PROBE!r}, ['report', {str(report)!r}])\n"
-            "raise SystemExit('not handed over')\n"
-        )
-        done = subprocess.run(namespace.wrap([sys.executable, "-c", code]), cwd=ROOT, timeout=60)
-        assert done.returncode == 0
-        assert json.loads(report.read_text())["net_ns"] == os.readlink(f"/proc/{namespace.pid}/ns/net")
-    finally:
-        namespace.close()
+    report = tmp_path / "report.json"
+    code = (
+        "from polar_mitm.processes import forkserver\n"
+        f"forkserver.run_preloaded({PROBE!r}, ['report', {str(report)!r}])\n"
+        "raise SystemExit('not handed over')\n"
+    )
+    done = subprocess.run(namespace.wrap([sys.executable, "-c", code]), cwd=ROOT, timeout=60)
+    assert done.returncode == 0
+    assert json.loads(report.read_text())["net_ns"] == os.readlink(f"/proc/{namespace.pid}/ns/net")
 
 
 BIN = Path(sys.executable).parent
